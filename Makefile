@@ -1,0 +1,39 @@
+# Two commands set everything up on a fresh machine:
+#   make demo   virtual environment + install + ckptool on the bundled samples
+#   make test   virtual environment + install + lint, types and the test suite
+# torch is pinned to 2.13.0 through constraints.txt (a CPU build is served
+# locally; any other version would pull gigabytes of CUDA packages).
+
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint bench samples clean
+
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	@for f in samples/*.pth samples/*.ckpt samples/*.safetensors samples/*.pt; do \
+	  echo; echo "\$$ ckptool inspect $$f"; $(BIN)/ckptool inspect "$$f" || exit $$?; \
+	done
+
+lint: $(STAMP)
+	$(BIN)/ruff check ckptool tests bench samples
+	$(BIN)/mypy
+
+test: $(STAMP) lint
+	$(BIN)/python -m pytest -q
+
+samples: $(STAMP)
+	$(BIN)/python samples/make_samples.py
+
+bench: $(STAMP)
+	$(BIN)/python bench/bench_inspect.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,5 @@
+"""``python -m ckptool``."""
+
+from ckptool.cli import entry
+
+entry()

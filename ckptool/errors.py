@@ -1,0 +1,50 @@
+"""The one error hierarchy of ckptool.
+
+Every failure a user can cause is a ``CkptoolError`` carrying a one-line
+``message``, a ``hint`` saying what to do about it, and the process
+``exit_code`` the CLI turns it into. The CLI converts these to output in
+exactly one place (``ckptool.cli``); the core only raises them.
+"""
+
+from __future__ import annotations
+
+EXIT_OK = 0
+EXIT_FINDINGS = 1
+EXIT_USAGE = 2
+EXIT_BAD_INPUT = 3
+EXIT_INTERRUPTED = 130
+
+
+class CkptoolError(Exception):
+    """Base class: a message for the user, a hint, and an exit code."""
+
+    exit_code = EXIT_BAD_INPUT
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+class UsageError(CkptoolError):
+    """The command line asked for something that cannot be done."""
+
+    exit_code = EXIT_USAGE
+
+
+class InputError(CkptoolError):
+    """The input path is missing, unreadable, corrupt, unsupported or unsafe."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class NotACheckpointError(InputError):
+    """The file is readable but is not any checkpoint format we know."""
+
+
+class CorruptCheckpointError(InputError):
+    """The file claims to be a checkpoint but is truncated or malformed."""
+
+
+class UnsupportedCheckpointError(InputError):
+    """A recognised checkpoint variety that ckptool cannot read yet."""

@@ -1,0 +1,31 @@
+"""Plain pickles (``pickle.dump`` of a dict of arrays, configs...).
+
+Read with the same safe unpickler as torch files, with no persistent ids.
+Tensors pickled this way carry their storage as an embedded legacy torch
+file (``torch.storage._load_from_bytes``); those bytes are parsed in memory
+by the legacy reader, so their location tags are still reported.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ckptool import safe_pickle
+from ckptool.formats.base import RawRead
+
+PICKLE = "pickle"
+
+
+def sniff(head: bytes, tail: bytes) -> bool:
+    if head[:1] == b"\x80":
+        return len(head) > 1 and 2 <= head[1] <= 5
+    # protocol 0/1: opens with MARK, an empty dict or list, ends with STOP
+    return head[:1] in (b"(", b"}", b"]") and tail.endswith(b".")
+
+
+def read(path: str) -> RawRead:
+    seen = safe_pickle.GlobalsSeen()
+    embedded: dict[str, Any] = {}
+    with open(path, "rb") as f:
+        obj = safe_pickle.load(f, None, seen, embedded)
+    return RawRead(PICKLE, obj, embedded, seen)

@@ -1,0 +1,145 @@
+"""The pure data model of a checkpoint: what ``ckptool.open`` returns.
+
+Plain dataclasses with no tensor bytes in them. Every view (CLI text, JSON,
+TUI) and every later stage (diagnostics, rewrites) reads these.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool import dtypes
+
+NO_LOCATION = "unrecorded"  # bucket for formats that save no device (safetensors)
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor: where it sits in the file and what it is."""
+
+    key: str  # container path joined by "/": "state_dict/module.conv.weight"
+    shape: tuple[int, ...]
+    dtype: str  # canonical torch name: "float32", "bfloat16", "float8_e4m3fn"...
+    stride: tuple[int, ...] | None
+    storage_offset: int  # in elements
+    storage: str | None  # storage id: tensors that share one share the id
+    location: str | None  # saved device tag: "cpu", "cuda:2", "mps"; None if unrecorded
+    nbytes: int  # bytes this tensor's elements take
+    requires_grad: bool = False
+    is_parameter: bool = False
+    layout: str = "strided"  # strided, quantized, sparse parts, storage...
+    subclass: str | None = None  # tensor subclass named by the file, if any
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def is_floating(self) -> bool:
+        return dtypes.is_floating(self.dtype)
+
+
+@dataclass(frozen=True)
+class StorageInfo:
+    """One storage record: the bytes that one or more tensors view."""
+
+    id: str
+    dtype: str
+    location: str | None
+    nbytes: int
+    record: str | None  # archive record name, or "@offset" into the file
+    tensors: tuple[str, ...]  # keys of the tensors viewing it
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A non-tensor entry: epoch, hyper-parameters, an argparse.Namespace..."""
+
+    key: str
+    type: str
+    summary: str
+    value: Any = None  # the JSON-friendly value, when it is small and plain
+
+
+@dataclass(frozen=True)
+class GlobalInfo:
+    """A global the file names, with its policy category."""
+
+    name: str
+    category: str  # torch, data, custom or unsafe
+    reason: str
+    count: int
+
+
+@dataclass(frozen=True)
+class StateDictInfo:
+    """The main state dict: the weights a user wants to load."""
+
+    path: str  # container path ("" when the file is the state dict itself)
+    kind: str  # "dict", or "module" for a pickled nn.Module / TorchScript
+    keys: tuple[str, ...]  # its names, in file order
+    prefix: str  # wrapper prefix shared by every key: "module.", "_orig_mod.module."...
+    common_prefix: str  # longest dotted prefix shared by every key
+    num_tensors: int
+    num_parameters: int  # elements of its floating-point tensors
+    nbytes: int
+
+    def tensor_key(self, name: str) -> str:
+        """The checkpoint-wide key of state-dict entry ``name``."""
+        return f"{self.path}/{name}" if self.path else name
+
+
+@dataclass
+class Checkpoint:
+    path: str
+    format: str  # torch-zip, torch-legacy, torchscript, safetensors, pickle
+    file_size: int
+    tensors: list[TensorInfo]
+    storages: dict[str, StorageInfo]
+    entries: list[Entry]
+    globals: list[GlobalInfo]
+    main_state_dict: StateDictInfo | None
+    metadata: dict[str, Any] = field(default_factory=dict)
+    root: Any = None  # the inert object tree, for views that want to dig
+
+    @property
+    def unsafe_globals(self) -> list[str]:
+        return [g.name for g in self.globals if g.category == "unsafe"]
+
+    @property
+    def bytes_by_dtype(self) -> dict[str, int]:
+        return _tally((s.dtype, s.nbytes) for s in self.storages.values())
+
+    @property
+    def bytes_by_location(self) -> dict[str, int]:
+        return _tally((s.location or NO_LOCATION, s.nbytes) for s in self.storages.values())
+
+    @property
+    def tensors_by_location(self) -> dict[str, int]:
+        return _tally((t.location or NO_LOCATION, 1) for t in self.tensors)
+
+    @property
+    def locations(self) -> list[str]:
+        """Saved device tags, most bytes first."""
+        return list(self.bytes_by_location)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(s.nbytes for s in self.storages.values())
+
+    def state_dict(self) -> dict[str, TensorInfo]:
+        """The main state dict's names mapped to their tensors."""
+        sd = self.main_state_dict
+        if sd is None:
+            return {}
+        by_key = {t.key: t for t in self.tensors}
+        return {k: by_key[sd.tensor_key(k)] for k in sd.keys if sd.tensor_key(k) in by_key}
+
+
+def _tally(pairs: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, n in pairs:
+        out[name] = out.get(name, 0) + n
+    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))

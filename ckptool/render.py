@@ -1,0 +1,151 @@
+"""Human output of ``ckptool inspect``: a summary and a tensor table (rich).
+
+Only the CLI imports this; it owns every colour and column choice. Rich
+honours ``NO_COLOR`` and the terminal width by itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
+from ckptool.report import matches
+
+_SEP = re.compile(r"[/.]")
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"
+
+
+def human_count(n: int) -> str:
+    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
+        if n >= div:
+            return f"{n / div:.1f}{unit}"
+    return str(n)
+
+
+def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:
+    parts = []
+    for name, nbytes in tally.items():
+        extra = f" ({counts[name]} tensors)" if counts and name in counts else ""
+        parts.append(f"{name} {human_bytes(nbytes)}{extra}")
+    return " · ".join(parts) or "none"
+
+
+def render_summary(console: Console, ckpt: Checkpoint) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    root = ckpt.metadata.get("archive_root")
+    fmt = ckpt.format + (f" (archive root '{root}')" if root else "")
+    grid.add_row("file", f"{ckpt.path} · {human_bytes(ckpt.file_size)}")
+    grid.add_row("format", fmt)
+    grid.add_row("tensors", f"{len(ckpt.tensors)} in {len(ckpt.storages)} storages · "
+                 f"{human_bytes(ckpt.total_bytes)}")
+    sd = ckpt.main_state_dict
+    if sd is None:
+        grid.add_row("state dict", Text("none found", style="yellow"))
+    else:
+        where = f"'{sd.path}'" if sd.path else "(file root)"
+        kind = " (pickled module)" if sd.kind == "module" else ""
+        prefix = f" · prefix '{sd.prefix}'" if sd.prefix else ""
+        grid.add_row("state dict", f"{where}{kind} · {sd.num_tensors} tensors · "
+                     f"{human_count(sd.num_parameters)} parameters{prefix}")
+    grid.add_row("by dtype", _tally_line(ckpt.bytes_by_dtype))
+    by_loc = _tally_line(ckpt.bytes_by_location, ckpt.tensors_by_location)
+    if set(ckpt.bytes_by_location) == {NO_LOCATION}:
+        by_loc = "not recorded by this format (loads where you ask)"
+    grid.add_row("by device", by_loc)
+    for i, entry in enumerate(ckpt.entries[:12]):
+        grid.add_row("entries" if i == 0 else "", f"{entry.key or '(root)'} = {entry.summary}")
+    if len(ckpt.entries) > 12:
+        grid.add_row("", f"… {len(ckpt.entries) - 12} more (see --json)")
+    unsafe = ckpt.unsafe_globals
+    if unsafe:
+        grid.add_row(Text("UNSAFE", style="bold red"), Text(
+            f"{', '.join(unsafe)}: torch.load(weights_only=False) would call "
+            f"{'these' if len(unsafe) > 1 else 'this'}; do not load it with torch",
+            style="red"))
+    custom = [g.name for g in ckpt.globals if g.category == "custom"]
+    if custom:
+        shown = ", ".join(custom[:6]) + (f", … +{len(custom) - 6}" if len(custom) > 6 else "")
+        grid.add_row("classes", Text(f"{shown} (torch imports these to load the file)",
+                                     style="yellow"))
+    if not unsafe and not custom:
+        grid.add_row("globals", Text("only tensor and plain-data types", style="green"))
+    console.print(grid)
+
+
+def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int) -> None:
+    rows = list(tensors)
+    shared: dict[str, int] = {}
+    for t in rows:
+        if t.storage is not None:
+            shared[t.storage] = shared.get(t.storage, 0) + 1
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("key", overflow="fold", ratio=1)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("device", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("storage", no_wrap=True)
+    shown = rows if limit <= 0 else rows[:limit]
+    for t in shown:
+        storage = t.storage or "-"
+        if t.storage is not None and shared[t.storage] > 1:
+            storage += f" (shared{', +' + str(t.storage_offset) if t.storage_offset else ''})"
+        table.add_row(t.key, "x".join(map(str, t.shape)) or "scalar", t.dtype,
+                      t.location or "-", human_bytes(t.nbytes), storage)
+    console.print(table)
+    if len(shown) < len(rows):
+        console.print(f"… {len(rows) - len(shown)} more tensors "
+                      "(--limit 0 shows all; --filter or --depth narrows)", style="dim")
+
+
+def render_groups(console: Console, tensors: Iterable[TensorInfo], depth: int) -> None:
+    groups: dict[str, list[TensorInfo]] = {}
+    for t in tensors:
+        cuts = [m.start() for m in _SEP.finditer(t.key)]
+        name = t.key[: cuts[depth - 1]] if len(cuts) >= depth else t.key
+        groups.setdefault(name, []).append(t)
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("prefix", overflow="fold", ratio=1)
+    table.add_column("tensors", justify="right")
+    table.add_column("elements", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("dtypes")
+    table.add_column("devices")
+    for name, ts in groups.items():
+        table.add_row(
+            name, str(len(ts)), human_count(sum(t.numel for t in ts)),
+            human_bytes(sum(t.nbytes for t in ts)),
+            ",".join(sorted({t.dtype for t in ts})),
+            ",".join(sorted({t.location or "-" for t in ts})),
+        )
+    console.print(table)
+
+
+def render_inspect(console: Console, ckpt: Checkpoint, pattern: str | None,
+                   depth: int | None, limit: int) -> None:
+    render_summary(console, ckpt)
+    tensors = [t for t in ckpt.tensors if matches(t.key, pattern)]
+    if not tensors:
+        console.print()
+        console.print("no tensors" + (f" match '{pattern}'" if pattern else ""), style="yellow")
+        return
+    console.print()
+    if depth:
+        render_groups(console, tensors, depth)
+    else:
+        render_tensors(console, tensors, limit)

@@ -1,0 +1,227 @@
+"""Tensor and storage records built while reading a pickle, and the safe
+replacements for torch's ``_rebuild_*`` functions that build them.
+
+A ``StorageRef`` is what a persistent id becomes: the storage's key, dtype,
+saved location tag and size. A ``TensorRecord`` is a tensor's metadata
+(shape, stride, offset, dtype, storage). Neither holds a tensor byte, and
+nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool import dtypes
+from ckptool.errors import CorruptCheckpointError
+from ckptool.values import StandIn, TorchDevice, TorchDtype
+
+
+@dataclass(frozen=True)
+class StorageType:
+    """A storage class named in a persistent id (``torch.FloatStorage``)."""
+
+    name: str
+    dtype: str
+
+
+@dataclass
+class StorageRef:
+    key: str
+    dtype: str  # element dtype of the storage (uint8 for untyped storages)
+    location: str | None  # saved device tag; None where the format records none
+    numel: int  # elements of ``dtype``
+    record: str | None = None  # where the bytes live (archive record name)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+
+@dataclass
+class TensorRecord:
+    shape: tuple[int, ...]
+    dtype: str
+    stride: tuple[int, ...] | None
+    storage_offset: int
+    storage: StorageRef | None
+    location: str | None
+    requires_grad: bool = False
+    is_parameter: bool = False
+    layout: str = "strided"
+    subclass: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+
+@dataclass
+class CompositeTensor:
+    """A tensor made of other tensors (sparse, nested): its parts are listed."""
+
+    layout: str
+    shape: tuple[int, ...]
+    parts: dict[str, Any]
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    if isinstance(value, (tuple, list)) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    ):
+        return tuple(value)
+    raise CorruptCheckpointError(f"tensor {what} is not a tuple of sizes: {value!r:.80}")
+
+
+def _storage(value: Any) -> StorageRef:
+    if isinstance(value, StorageRef):
+        return value
+    raise CorruptCheckpointError(f"tensor rebuilt from a non-storage: {value!r:.80}")
+
+
+def _strided(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None,
+             requires_grad: Any) -> TensorRecord:
+    ref = _storage(storage)
+    if not isinstance(offset, int) or offset < 0:
+        raise CorruptCheckpointError(f"bad tensor storage offset: {offset!r:.80}")
+    shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    if len(shape) != len(strides):
+        raise CorruptCheckpointError("tensor size and stride differ in length")
+    dtype = dtype or ref.dtype
+    rec = TensorRecord(shape, dtype, strides, offset, ref, ref.location,
+                       requires_grad=bool(requires_grad))
+    if rec.numel:
+        # last element the view touches, in bytes, must lie inside the storage
+        last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
+        if (last + 1) * dtypes.itemsize(dtype) > ref.nbytes:
+            raise CorruptCheckpointError(
+                f"tensor of shape {list(shape)} reaches past the end of storage {ref.key}"
+            )
+    return rec
+
+
+def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRecord:
+    return _strided(storage, storage_offset, size, stride, None, False)
+
+
+def rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                      requires_grad: Any = False, backward_hooks: Any = None,
+                      metadata: Any = None) -> TensorRecord:
+    return _strided(storage, storage_offset, size, stride, None, requires_grad)
+
+
+def rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                      requires_grad: Any, backward_hooks: Any, dtype: Any,
+                      metadata: Any = None) -> TensorRecord:
+    if not isinstance(dtype, TorchDtype):
+        raise CorruptCheckpointError(f"tensor dtype is not a torch dtype: {dtype!r:.80}")
+    return _strided(storage, storage_offset, size, stride, str(dtype), requires_grad)
+
+
+def rebuild_qtensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                    quantizer_params: Any, requires_grad: Any = False,
+                    backward_hooks: Any = None) -> TensorRecord:
+    rec = _strided(storage, storage_offset, size, stride, None, requires_grad)
+    rec.layout = "quantized"
+    if isinstance(quantizer_params, tuple) and quantizer_params:
+        rec.extra["qscheme"] = str(quantizer_params[0])
+    return rec
+
+
+def rebuild_parameter(data: Any, requires_grad: Any = True, backward_hooks: Any = None,
+                      state: Any = None) -> Any:
+    if isinstance(data, TensorRecord):
+        data.is_parameter = True
+        data.requires_grad = bool(requires_grad)
+    return data
+
+
+def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
+    if func not in REBUILDERS.values() or not isinstance(args, tuple):
+        raise CorruptCheckpointError("tensor rebuilt by an unknown function")
+    result = func(*args)
+    if isinstance(result, TensorRecord) and isinstance(new_type, type) and issubclass(
+        new_type, StandIn
+    ):
+        result.subclass = new_type.qualname
+        if new_type.qualname == "torch.nn.parameter.Parameter":
+            result.is_parameter = True
+    return result
+
+
+def rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
+    return rebuild_from_type_v2(func, new_type, args, state)
+
+
+def rebuild_meta_tensor_no_storage(dtype: Any, size: Any, stride: Any,
+                                   requires_grad: Any = False) -> TensorRecord:
+    return TensorRecord(_ints(size, "size"), str(dtype), _ints(stride, "stride"), 0,
+                        None, "meta", requires_grad=bool(requires_grad))
+
+
+def rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any,
+                             storage_offset: Any, layout: Any, device: Any,
+                             requires_grad: Any = False) -> TensorRecord:
+    rec = TensorRecord(_ints(size, "size"), str(dtype), _ints(stride, "stride"),
+                       int(storage_offset) if isinstance(storage_offset, int) else 0,
+                       None, str(device), requires_grad=bool(requires_grad))
+    rec.subclass = getattr(cls, "qualname", None)
+    return rec
+
+
+def rebuild_device_tensor_from_numpy(data: Any, dtype: Any, device: Any,
+                                     requires_grad: Any = False) -> TensorRecord:
+    shape = getattr(data, "shape", ())
+    return TensorRecord(tuple(shape), str(dtype), None, 0, None,
+                        str(device) if isinstance(device, TorchDevice | str) else None,
+                        requires_grad=bool(requires_grad))
+
+
+def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
+    names = {
+        "sparse_coo": ("indices", "values", "size"),
+        "sparse_csr": ("crow_indices", "col_indices", "values", "size"),
+        "sparse_csc": ("ccol_indices", "row_indices", "values", "size"),
+        "sparse_bsr": ("crow_indices", "col_indices", "values", "size"),
+        "sparse_bsc": ("ccol_indices", "row_indices", "values", "size"),
+    }.get(str(layout), ())
+    items = data if isinstance(data, tuple) else ()
+    parts = {n: v for n, v in zip(names, items) if n != "size"}
+    size = next((v for n, v in zip(names, items) if n == "size"), ())
+    return CompositeTensor(str(layout), tuple(size) if isinstance(size, tuple) else (), parts)
+
+
+def rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, offsets: Any) -> CompositeTensor:
+    return CompositeTensor("nested", (), {"buffer": buffer, "sizes": sizes})
+
+
+REBUILDERS: dict[str, Callable[..., Any]] = {
+    "torch._utils._rebuild_tensor": rebuild_tensor,
+    "torch._utils._rebuild_tensor_v2": rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": rebuild_tensor_v3,
+    "torch._utils._rebuild_qtensor": rebuild_qtensor,
+    "torch._utils._rebuild_parameter": rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": rebuild_parameter,
+    "torch._utils._rebuild_meta_tensor_no_storage": rebuild_meta_tensor_no_storage,
+    "torch._utils._rebuild_wrapper_subclass": rebuild_wrapper_subclass,
+    "torch._utils._rebuild_device_tensor_from_numpy": rebuild_device_tensor_from_numpy,
+    "torch._utils._rebuild_xla_tensor": rebuild_device_tensor_from_numpy,
+    "torch._utils._rebuild_mtia_tensor": rebuild_device_tensor_from_numpy,
+    "torch._utils._rebuild_sparse_tensor": rebuild_sparse_tensor,
+    "torch._utils._rebuild_nested_tensor": rebuild_nested_tensor,
+    "torch._tensor._rebuild_from_type_v2": rebuild_from_type_v2,
+    "torch._tensor._rebuild_from_type": rebuild_from_type,
+}
+
+
+def storage_type(name: str) -> StorageType | None:
+    """``torch.FloatStorage`` -> StorageType('FloatStorage', 'float32')."""
+    dtype = dtypes.STORAGE_DTYPES.get(name)
+    return StorageType(name, dtype) if dtype else None
