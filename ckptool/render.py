@@ -57,10 +57,12 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     if sd is None:
         grid.add_row("state dict", Text("none found", style="yellow"))
     else:
-        where = f"'{sd.path}'" if sd.path else "(file root)"
-        kind = " (pickled module)" if sd.kind == "module" else ""
+        where = f"'{sd.path}'" if sd.path else "the whole file"
+        if sd.kind == "module":
+            where += (", a TorchScript module" if ckpt.format == "torchscript"
+                      else ", a pickled nn.Module")
         prefix = f" · prefix '{sd.prefix}'" if sd.prefix else ""
-        grid.add_row("state dict", f"{where}{kind} · {sd.num_tensors} tensors · "
+        grid.add_row("state dict", f"{where} · {sd.num_tensors} tensors · "
                      f"{human_count(sd.num_parameters)} parameters{prefix}")
     grid.add_row("by dtype", _tally_line(ckpt.bytes_by_dtype))
     by_loc = _tally_line(ckpt.bytes_by_location, ckpt.tensors_by_location)
@@ -87,26 +89,39 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     console.print(grid)
 
 
+def sharing_labels(tensors: Iterable[TensorInfo]) -> dict[str, str]:
+    """'#1', '#2'... for storages viewed by more than one tensor, in key order.
+
+    Storage ids are file-internal (legacy files use pointer values), so the
+    table numbers the shared groups instead of printing ids."""
+    counts: dict[str, int] = {}
+    for t in tensors:
+        if t.storage is not None:
+            counts[t.storage] = counts.get(t.storage, 0) + 1
+    labels: dict[str, str] = {}
+    for sid, n in counts.items():
+        if n > 1:
+            labels[sid] = f"#{len(labels) + 1}"
+    return labels
+
+
 def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int) -> None:
     rows = list(tensors)
-    shared: dict[str, int] = {}
-    for t in rows:
-        if t.storage is not None:
-            shared[t.storage] = shared.get(t.storage, 0) + 1
+    labels = sharing_labels(rows)
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     table.add_column("key", overflow="fold", ratio=1)
     table.add_column("shape", no_wrap=True)
     table.add_column("dtype", no_wrap=True)
     table.add_column("device", no_wrap=True)
     table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("storage", no_wrap=True)
+    table.add_column("shares", no_wrap=True)
     shown = rows if limit <= 0 else rows[:limit]
     for t in shown:
-        storage = t.storage or "-"
-        if t.storage is not None and shared[t.storage] > 1:
-            storage += f" (shared{', +' + str(t.storage_offset) if t.storage_offset else ''})"
+        shares = labels.get(t.storage or "", "")
+        if shares and t.storage_offset:
+            shares += f" @{t.storage_offset}"
         table.add_row(t.key, "x".join(map(str, t.shape)) or "scalar", t.dtype,
-                      t.location or "-", human_bytes(t.nbytes), storage)
+                      t.location or "-", human_bytes(t.nbytes), shares)
     console.print(table)
     if len(shown) < len(rows):
         console.print(f"… {len(rows) - len(shown)} more tensors "

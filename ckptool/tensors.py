@@ -191,11 +191,11 @@ def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
         "sparse_csc": ("ccol_indices", "row_indices", "values", "size"),
         "sparse_bsr": ("crow_indices", "col_indices", "values", "size"),
         "sparse_bsc": ("ccol_indices", "row_indices", "values", "size"),
-    }.get(str(layout), ())
+    }.get(str(layout).removeprefix("torch."), ())
     items = data if isinstance(data, tuple) else ()
     parts = {n: v for n, v in zip(names, items) if n != "size"}
     size = next((v for n, v in zip(names, items) if n == "size"), ())
-    return CompositeTensor(str(layout), tuple(size) if isinstance(size, tuple) else (), parts)
+    return CompositeTensor(str(layout).removeprefix("torch."), tuple(size) if isinstance(size, tuple) else (), parts)
 
 
 def rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, offsets: Any) -> CompositeTensor:

@@ -1,0 +1,91 @@
+"""Helpers shared by tests: writing CUDA-tagged files without a GPU, and
+reading what torch itself loads from a file, flattened like ckptool keys."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.serialization
+
+import ckptool
+
+
+@contextlib.contextmanager
+def saved_on(tag: str) -> Iterator[None]:
+    """Make torch.save record ``tag`` as every storage's location."""
+    original = torch.serialization.location_tag
+    torch.serialization.location_tag = lambda storage: tag  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.serialization.location_tag = original
+
+
+def flatten(obj: Any, path: str = "") -> dict[str, torch.Tensor]:
+    """Tensors in a torch-loaded object, keyed like ckptool: '/' between
+    containers, modules as their state dict (dotted names)."""
+    join = (lambda k: f"{path}/{k}") if path else (lambda k: str(k))
+    out: dict[str, torch.Tensor] = {}
+    if isinstance(obj, torch.Tensor):
+        out[path] = obj
+    elif isinstance(obj, torch.nn.Module):
+        for k, v in obj.state_dict(keep_vars=True).items():
+            out[join(k)] = v
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            out.update(flatten(v, join(k)))
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            out.update(flatten(v, join(i)))
+    elif hasattr(obj, "__dict__"):
+        for k, v in vars(obj).items():
+            out.update(flatten(v, join(k)))
+    return out
+
+
+def torch_view(path: str, script: bool = False) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """(flattened tensors, location tag of each storage) as torch.load sees them."""
+    tags: list[str] = []
+
+    def record(storage: Any, location: str) -> Any:
+        tags.append(location)
+        return storage
+
+    if script:
+        return flatten(torch.jit.load(path, map_location="cpu")), tags
+    obj = torch.load(path, map_location=record, weights_only=False)
+    return flatten(obj), tags
+
+
+def sharing_groups(tensors: dict[str, Any], storage_of: Any) -> set[frozenset[str]]:
+    groups: dict[Any, set[str]] = {}
+    for key, t in tensors.items():
+        groups.setdefault(storage_of(t), set()).add(key)
+    return {frozenset(g) for g in groups.values()}
+
+
+def check_against_torch(path: Path, script: bool = False) -> ckptool.Checkpoint:
+    ckpt = ckptool.open(path)
+    theirs, tags = torch_view(str(path), script=script)
+    ours = {t.key: t for t in ckpt.tensors}
+    assert set(ours) == set(theirs)
+    for key, t in theirs.items():
+        mine = ours[key]
+        assert mine.shape == tuple(t.shape), key
+        assert mine.dtype == str(t.dtype).removeprefix("torch."), key
+        if t.layout == torch.strided and not t.is_quantized:
+            assert mine.stride == t.stride(), key
+            assert mine.storage_offset == t.storage_offset(), key
+        assert mine.nbytes == t.numel() * t.element_size(), key
+    # storage sharing: the same partition of keys
+    theirs_groups = sharing_groups(theirs, lambda t: t.untyped_storage().data_ptr())
+    ours_groups = sharing_groups(ours, lambda t: t.storage)
+    assert ours_groups == theirs_groups
+    if not script:  # one restore_location call per storage, with its tag
+        assert Counter(s.location for s in ckpt.storages.values()) == Counter(tags)
+    return ckpt

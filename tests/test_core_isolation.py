@@ -1,0 +1,43 @@
+"""The core stays pure: reading a checkpoint imports none of torch, click,
+rich or textual, and the JSON path of the CLI imports neither torch nor rich."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+SAMPLE = Path(__file__).resolve().parent.parent / "samples" / "dataparallel_cuda2.pth"
+
+PROBE = """
+import json, sys
+{setup}
+print(json.dumps(sorted(m for m in ("torch", "click", "rich", "textual", "numpy")
+                        if m in sys.modules)))
+"""
+
+
+def loaded_after(setup: str) -> list[str]:
+    code = PROBE.format(setup=setup)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    return json.loads(out.splitlines()[-1])
+
+
+def test_core_imports_no_views_and_no_torch() -> None:
+    assert loaded_after(f"import ckptool; ckptool.open({str(SAMPLE)!r})") == []
+
+
+def test_json_inspect_does_not_import_torch_or_rich() -> None:
+    setup = (f"from ckptool.cli import main; import io, contextlib\n"
+             f"with contextlib.redirect_stdout(io.StringIO()):\n"
+             f"    main(['inspect', '--json', {str(SAMPLE)!r}])")
+    assert loaded_after(setup) == ["click"]
+
+
+def test_core_prints_nothing() -> None:
+    code = f"import ckptool; ckptool.open({str(SAMPLE)!r})"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=60)
+    assert proc.stdout == "" and proc.stderr == ""
