@@ -48,9 +48,9 @@ def _text(obj: Any, depth: int) -> str:
         parts = [f"{_text(k, 1)}: {_text(v, depth - 1)}" for k, v in _first(obj.items())]
         return "{" + ", ".join(parts) + _more(len(obj)) + "}"
     if isinstance(obj, (list, tuple, set, frozenset)):
-        open_, close = {list: "[]", tuple: "()"}.get(type(obj), "{}")
+        brackets = {list: "[]", tuple: "()"}.get(type(obj), "{}")
         parts = [_text(v, depth - 1) for v in _first(obj)]
-        return open_ + ", ".join(parts) + _more(len(obj)) + close
+        return brackets[0] + ", ".join(parts) + _more(len(obj)) + brackets[1]
     if isinstance(obj, StandIn):
         return _standin(obj, depth)
     return repr(obj)
@@ -92,7 +92,8 @@ def plain_value(obj: Any, depth: int = 3) -> Any:
         return None
     if isinstance(obj, (list, tuple)) and len(obj) <= 64:
         items = [plain_value(v, depth - 1) for v in obj]
-        return items if all(i is not None or v is None for i, v in zip(items, obj)) else None
+        ok = all(i is not None or v is None for i, v in zip(items, obj, strict=True))
+        return items if ok else None
     if isinstance(obj, dict) and len(obj) <= 64:
         pairs = {str(k): plain_value(v, depth - 1) for k, v in obj.items()}
         ok = all(pairs[str(k)] is not None or v is None for k, v in obj.items())

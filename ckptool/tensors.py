@@ -99,7 +99,7 @@ def _strided(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | Non
                        requires_grad=bool(requires_grad))
     if rec.numel:
         # last element the view touches, in bytes, must lie inside the storage
-        last = offset + sum((n - 1) * s for n, s in zip(shape, strides))
+        last = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
         if (last + 1) * dtypes.itemsize(dtype) > ref.nbytes:
             raise CorruptCheckpointError(
                 f"tensor of shape {list(shape)} reaches past the end of storage {ref.key}"
@@ -193,9 +193,10 @@ def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
         "sparse_bsc": ("ccol_indices", "row_indices", "values", "size"),
     }.get(str(layout).removeprefix("torch."), ())
     items = data if isinstance(data, tuple) else ()
-    parts = {n: v for n, v in zip(names, items) if n != "size"}
-    size = next((v for n, v in zip(names, items) if n == "size"), ())
-    return CompositeTensor(str(layout).removeprefix("torch."), tuple(size) if isinstance(size, tuple) else (), parts)
+    parts = {n: v for n, v in zip(names, items, strict=False) if n != "size"}
+    size = next((v for n, v in zip(names, items, strict=False) if n == "size"), ())
+    shape = tuple(size) if isinstance(size, tuple) else ()
+    return CompositeTensor(str(layout).removeprefix("torch."), shape, parts)
 
 
 def rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, offsets: Any) -> CompositeTensor:

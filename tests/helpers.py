@@ -4,8 +4,8 @@ reading what torch itself loads from a file, flattened like ckptool keys."""
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 

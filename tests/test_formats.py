@@ -104,7 +104,8 @@ def test_old_record_set_without_format_version(tmp_path: Path) -> None:
     path = tmp_path / "old.pth"
     with zipfile.ZipFile(src) as zin, zipfile.ZipFile(path, "w", zipfile.ZIP_STORED) as zout:
         for info in zin.infolist():
-            if info.filename.split("/", 1)[1] in ("data.pkl", "version") or "/data/" in info.filename:
+            inner = info.filename.split("/", 1)[1]
+            if inner in ("data.pkl", "version") or inner.startswith("data/"):
                 zout.writestr(info.filename.replace("src/", "archive/"), zin.read(info.filename))
     ckpt = check_against_torch(path)
     assert ckpt.metadata["archive_root"] == "archive"
