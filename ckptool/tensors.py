@@ -27,7 +27,7 @@ class StorageType:
     dtype: str
 
 
-@dataclass
+@dataclass(slots=True)
 class StorageRef:
     key: str
     dtype: str  # element dtype of the storage (uint8 for untyped storages)
@@ -40,7 +40,7 @@ class StorageRef:
         return self.numel * dtypes.itemsize(self.dtype)
 
 
-@dataclass
+@dataclass(slots=True)
 class TensorRecord:
     shape: tuple[int, ...]
     dtype: str
@@ -73,8 +73,9 @@ class CompositeTensor:
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    if isinstance(value, (tuple, list)) and all(
-        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value
+    # hot path: runs twice per tensor, so type() checks rather than isinstance
+    if type(value) in (tuple, list) and all(type(v) is int for v in value) and (
+        not value or min(value) >= 0
     ):
         return tuple(value)
     raise CorruptCheckpointError(f"tensor {what} is not a tuple of sizes: {value!r:.80}")
