@@ -7,7 +7,6 @@ else. stdout carries only data. Rich is imported only for human output.
 
 from __future__ import annotations
 
-import json
 import sys
 import traceback
 from typing import Any
@@ -45,17 +44,13 @@ def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
 
     ckpt = open_checkpoint(path)
     if as_json:
-        from ckptool.report import inspect_dict
+        from ckptool.report import dumps, inspect_dict
 
-        _print_json(inspect_dict(ckpt, pattern))
+        sys.stdout.write(dumps(inspect_dict(ckpt, pattern)))
         return
     from ckptool.render import render_inspect
 
     render_inspect(_console(), ckpt, pattern, depth, limit)
-
-
-def _print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=repr) + "\n")
 
 
 def _console() -> Any:

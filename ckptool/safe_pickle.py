@@ -11,6 +11,7 @@ which turns them into ``StorageRef``s without reading any tensor byte.
 from __future__ import annotations
 
 import _compat_pickle
+import gc
 import io
 import pickle
 from collections import Counter
@@ -109,6 +110,10 @@ def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,
          seen: GlobalsSeen, embedded: dict[str, Any] | None = None) -> Any:
     """Unpickle one object from ``data`` safely; format errors become CorruptCheckpointError."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
+    # unpickling makes many small objects and no cycles worth collecting:
+    # the collector's passes over them cost more than the read itself
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
     try:
         return SafeUnpickler(stream, persistent, seen, embedded).load()
     except CorruptCheckpointError:
@@ -122,3 +127,6 @@ def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,
         # any of these is a malformed or truncated stream, or a hostile one
         # trying to use an inert stand-in in a way real data never does
         raise CorruptCheckpointError(f"cannot read pickle: {exc}") from exc
+    finally:
+        if gc_was_enabled:
+            gc.enable()
