@@ -8,7 +8,6 @@ are not checkpoints get an error saying what they look like instead.
 from __future__ import annotations
 
 import os
-import tarfile
 
 from ckptool.errors import InputError, NotACheckpointError, UnsupportedCheckpointError
 from ckptool.formats import pickle_fmt, safetensors_fmt, torch_legacy, torch_zip
@@ -84,6 +83,8 @@ def _peek(path: str) -> tuple[bytes, bytes, int]:
 
 
 def _explain_tar(path: str) -> None:
+    import tarfile  # rare; kept off the import path of every command
+
     try:
         with tarfile.open(path) as tf:
             names = set(tf.getnames())
