@@ -14,6 +14,12 @@ Every ``GLOBAL``/``STACK_GLOBAL`` in a checkpoint is put in one category:
 - ``custom``: anything else (user classes such as ``mypkg.nets.ResNet``).
   Loading it with torch imports that module; ckptool only shows its state.
 
+Known names are looked up first; then modules. Data modules are trusted for
+their classes only: their functions include string evaluators and command
+runners (``typing.get_type_hints``, ``dataclasses._create_fn``,
+``uuid._get_command_stdout``, ``omegaconf._utils._get_class``), so a
+lowercase name there is unsafe unless listed. numpy is an allowlist too.
+
 Nothing here imports or calls anything: it is a table lookup on names.
 """
 
@@ -39,18 +45,35 @@ _UNSAFE_MODULES = (
     "distutils", "setuptools", "pip", "venv", "ensurepip", "http", "urllib",
     "urllib3", "requests", "ftplib", "smtplib", "telnetlib", "xmlrpc",
     "io", "_io", "tempfile", "glob", "fileinput", "linecache", "shelve",
-    "dbm", "sqlite3", "gc", "inspect", "ast", "dis", "builtins.__dict__",
+    "dbm", "sqlite3", "gc", "inspect", "ast", "dis",
     "_posixsubprocess", "_winapi", "msvcrt", "winreg", "resource", "syslog",
     "sysconfig", "site", "zipfile", "tarfile", "lzma", "bz2", "gzip",
     "mmap", "fcntl", "termios", "pwd", "grp", "atexit", "weakref", "_weakref",
-    "operator", "functools", "itertools", "contextlib", "logging",
+    "operator", "_operator", "functools", "_functools", "itertools", "contextlib",
+    "logging", "copy", "builtins",
+    # stdlib corners that run commands, evaluate code or import by name
+    "pydoc", "doctest", "unittest", "idlelib", "lib2to3", "tkinter", "_tkinter",
+    "turtle", "turtledemo", "_pyrepl", "_osx_support", "_aix_support", "readline",
+    "faulthandler", "_testcapi", "_testinternalcapi", "_testbuffer", "_interpreters",
+    "_xxsubinterpreters", "interpreters", "_imp", "_frozen_importlib",
+    "_frozen_importlib_external", "_sitebuiltins", "_socket", "_posixshmem",
+    "_multiprocessing", "_sqlite3", "_ssl", "_signal", "cmd", "imaplib", "poplib",
+    "nntplib", "socketserver", "wsgiref", "compileall", "py_compile", "zipapp",
+    "_bootsubprocess", "commands", "httplib", "urllib2",
+    # third-party loaders, evaluators and downloaders
+    "yaml", "IPython", "jinja2", "sympy", "keras", "tensorflow", "h5py", "fsspec",
+    "huggingface_hub", "transformers.dynamic_module_utils", "pandas.io", "aiohttp",
+    "httpx", "paramiko",
+    # torch parts that load, compile, run or fetch code and files
+    "torch.hub", "torch.jit", "torch.package", "torch.serialization",
+    "torch.utils.cpp_extension", "torch.utils.data", "torch.distributed",
+    "torch.multiprocessing", "torch._dynamo", "torch._inductor", "torch.fx",
+    "torch._C", "torch.ops", "torch._ops", "torch.library", "torch.cuda",
+    "torch.backends", "torch.compiler", "torch._export", "torch.export",
+    "torch.testing", "torch.utils.collect_env", "torch.utils.model_zoo",
+    "torch.utils.benchmark", "torch.utils.tensorboard", "torch.onnx",
+    "torch.profiler", "torch.classes", "torch._classes",
     "numpy.testing", "numpy.f2py", "numpy.distutils", "numpy.ctypeslib",
-    "numpy.lib.npyio", "numpy.lib.format", "torch.hub", "torch.jit",
-    "torch.package", "torch.serialization", "torch.utils.cpp_extension",
-    "torch.utils.data", "torch.distributed", "torch.multiprocessing",
-    "torch._dynamo", "torch._inductor", "torch.fx", "torch._C",
-    "torch.ops", "torch._ops", "torch.library", "torch.cuda", "torch.backends",
-    "torch.compiler", "torch._export", "torch.export",
 )
 
 # builtins that merely build data; every other builtin is unsafe
@@ -63,18 +86,45 @@ _SAFE_BUILTINS = frozenset({
 # specific unsafe names outside the modules above
 _UNSAFE_NAMES = frozenset({
     "torch.load", "torch.save", "torch.compile", "torch.from_file",
-    "torch.storage._load_from_bytes_unsafe",
-    "numpy.load", "numpy.loadtxt", "numpy.genfromtxt", "numpy.fromfile",
-    "numpy.save", "numpy.savez", "numpy.savetxt", "numpy.memmap",
-    "numpy.tofile", "copyreg.add_extension", "copyreg.pickle",
-    "copyreg.constructor", "codecs.open", "_codecs.lookup", "codecs.lookup",
+    "torch.storage._load_from_bytes_unsafe", "torch._utils._import_dotted_name",
+    "argparse.FileType", "codecs.open", "codecs.EncodedFile", "pandas.read_pickle",
 })
 
-# these name data types (kept inert); anything else goes to "custom"
+# top-level torch names that are modules: a BUILD on one rewrites it in
+# the loading process, and the rest of them load or compile code
+_TORCH_SUBMODULES = frozenset({
+    "serialization", "jit", "hub", "nn", "optim", "utils", "_C", "ops", "cuda",
+    "backends", "distributed", "multiprocessing", "fx", "onnx", "package",
+    "library", "_dynamo", "_inductor", "compiler", "export", "testing",
+    "profiler", "autograd", "functional", "random", "storage", "_utils",
+    "_tensor", "classes", "_classes", "_ops", "overrides", "func", "sparse",
+    "linalg", "fft", "special", "amp", "ao", "quantization", "mps", "xpu", "mtia",
+})
+
+# names checked before any rule below: lowercase or dunder, yet known to
+# build plain data
+_KNOWN: dict[str, str] = {
+    "torch.serialization._get_layout": TORCH,
+    "torch.cuda.amp.grad_scaler.GradScaler": TORCH,
+    # TorchScript's pickler tags lists with these (each returns its argument)
+    "torch.jit._pickle.build_intlist": TORCH, "torch.jit._pickle.build_tensorlist": TORCH,
+    "torch.jit._pickle.build_doublelist": TORCH, "torch.jit._pickle.build_boollist": TORCH,
+    "torch.jit._pickle.restore_type_tag": TORCH,
+    "copyreg._reconstructor": DATA, "copyreg.__newobj__": DATA,
+    "copyreg.__newobj_ex__": DATA,
+    "_codecs.encode": DATA, "codecs.encode": DATA,
+    "collections.defaultdict": DATA, "collections.deque": DATA,
+    "re._compile": DATA, "re.compile": DATA,
+    "datetime.datetime": DATA, "datetime.date": DATA, "datetime.time": DATA,
+    "datetime.timedelta": DATA, "datetime.timezone": DATA, "datetime.tzinfo": DATA,
+}
+
+# these name data types (their classes are kept inert); functions in them
+# are unsafe unless listed in _KNOWN
 _DATA_MODULES = (
     "collections", "argparse", "pathlib", "datetime", "decimal", "fractions",
     "uuid", "enum", "numbers", "re", "copyreg", "_codecs", "codecs",
-    "numpy", "omegaconf", "typing", "dataclasses", "__builtin__", "builtins",
+    "omegaconf", "typing", "dataclasses",
 )
 _DATA_NAMES = frozenset({
     "pytorch_lightning.utilities.parsing.AttributeDict",
@@ -86,9 +136,35 @@ _DATA_NAMES = frozenset({
 _TORCH_DATA_PREFIXES = (
     "torch._utils._rebuild_", "torch._tensor._rebuild_from_type",
     "torch.nn.modules.", "torch.nn.parameter.", "torch.optim.",
-    "torch.storage.", "torch.serialization._get_layout", "torch.amp.",
-    "torch.cuda.amp.grad_scaler.GradScaler", "torch.ao.quantization.",
+    "torch.storage.", "torch.amp.", "torch.ao.quantization.",
 )
+
+# numpy: array, scalar, dtype, masked-array and random-state reconstruction
+_NUMPY_TYPES = frozenset({
+    "ndarray", "dtype", "matrix", "recarray", "record", "generic", "number",
+    "bool", "bool_", "byte", "bytes_", "cdouble", "character", "clongdouble",
+    "complex128", "complex256", "complex64", "complexfloating", "csingle",
+    "datetime64", "double", "flexible", "float128", "float16", "float32",
+    "float64", "floating", "half", "inexact", "int16", "int32", "int64", "int8",
+    "int_", "intc", "integer", "intp", "long", "longdouble", "longlong",
+    "object_", "short", "signedinteger", "single", "str_", "timedelta64",
+    "ubyte", "uint", "uint16", "uint32", "uint64", "uint8", "uintc", "uintp",
+    "ulong", "ulonglong", "unsignedinteger", "ushort", "void",
+    "float_", "complex_", "string_", "unicode_", "bool8", "object0",
+})
+_NUMPY_NAMES = frozenset({
+    f"{core}.{mod}.{name}"
+    for core in ("numpy.core", "numpy._core")
+    for mod, name in (("multiarray", "_reconstruct"), ("multiarray", "scalar"),
+                      ("numeric", "_frombuffer"), ("records", "recarray"),
+                      ("records", "record"))
+} | {
+    "numpy.ma.MaskedArray", "numpy.ma.core.MaskedArray", "numpy.ma.core._mareconstruct",
+    "numpy.ma.core.MaskedConstant", "numpy.ma.core.mvoid", "numpy.rec.recarray",
+    "numpy.rec.record", "numpy.matrixlib.defmatrix.matrix",
+    "numpy.random._pickle.__randomstate_ctor", "numpy.random._pickle.__generator_ctor",
+    "numpy.random._pickle.__bit_generator_ctor", "numpy.random.__RandomState_ctor",
+})
 
 
 @dataclass(frozen=True)
@@ -101,9 +177,32 @@ def _under(dotted: str, module: str) -> bool:
     return dotted == module or dotted.startswith(module + ".")
 
 
+def _is_class_name(name: str) -> bool:
+    return name.lstrip("_")[:1].isupper()
+
+
+def _numpy_data(module: str, name: str) -> bool:
+    if f"{module}.{name}" in _NUMPY_NAMES:
+        return True
+    if module == "numpy":
+        return name in _NUMPY_TYPES
+    if module == "numpy.dtypes":
+        return _is_class_name(name)
+    # RandomState, Generator, MT19937, SeedSequence and Cython's unpicklers
+    return module.startswith("numpy.random.") and "." not in name and (
+        _is_class_name(name) or name.startswith("__pyx_unpickle_"))
+
+
 def classify(module: str, name: str) -> Verdict:
     """Put the global ``module.name`` into one category, with a reason."""
     dotted = f"{module}.{name}"
+    if dotted in _UNSAFE_NAMES:
+        return Verdict(UNSAFE, "reads, writes or loads files")
+    known = _KNOWN.get(dotted)
+    if known is not None:
+        return Verdict(known)
+    if _under(module, "numpy") and _numpy_data(module, name):
+        return Verdict(DATA)
     parts = name.split(".")
     if any(p.startswith("__") and p.endswith("__") for p in parts) or name.startswith("__"):
         return Verdict(UNSAFE, "reaches a dunder attribute")
@@ -111,8 +210,6 @@ def classify(module: str, name: str) -> Verdict:
         # protocol 4 names may be attribute chains: Outer.Inner is a nested
         # class, anything.lower_name is a method or function reached by getattr
         return Verdict(UNSAFE, "attribute chain to a function")
-    if dotted in _UNSAFE_NAMES:
-        return Verdict(UNSAFE, "reads, writes or loads files")
     if module == "builtins":
         if name in _SAFE_BUILTINS:
             return Verdict(DATA)
@@ -120,8 +217,21 @@ def classify(module: str, name: str) -> Verdict:
     for mod in _UNSAFE_MODULES:
         if _under(module, mod):
             return Verdict(UNSAFE, f"member of {mod}")
-    if module == "torch" or any(dotted.startswith(p) for p in _TORCH_DATA_PREFIXES):
+    if _under(module, "numpy"):
+        return Verdict(UNSAFE, "numpy function that is not a known array or scalar "
+                       "constructor (some load files or import by name)")
+    if module == "torch":
+        if name in _TORCH_SUBMODULES:
+            return Verdict(UNSAFE, "a torch submodule, which a pickle can rewrite")
         return Verdict(TORCH)
-    if dotted in _DATA_NAMES or any(_under(module, m) for m in _DATA_MODULES):
+    if any(dotted.startswith(p) for p in _TORCH_DATA_PREFIXES):
+        return Verdict(TORCH)
+    if dotted in _DATA_NAMES:
         return Verdict(DATA)
+    for mod in _DATA_MODULES:
+        if _under(module, mod):
+            if _is_class_name(name):
+                return Verdict(DATA)
+            return Verdict(UNSAFE, f"function in {mod} that is not a known data constructor "
+                           "(some evaluate strings or run commands)")
     return Verdict(CUSTOM, "needs its module imported to load with torch")
