@@ -6,22 +6,52 @@ or a ``StandIn`` class for that dotted name. Every global is recorded with
 its ``ckptool.policy`` verdict, so callers can report unsafe ones.
 Persistent ids (torch storages) go to a callback given by the format reader,
 which turns them into ``StorageRef``s without reading any tensor byte.
+
+It runs on the pure-Python unpickler so that the opcodes which reach past
+the file's own objects are ours too, not only ``find_class``:
+
+- ``EXT1/2/4`` look a code up by name, never in ``copyreg``'s cache of live
+  objects (which a plain ``pickle.loads`` in the same process fills);
+- ``BUILD`` sets state only on objects this read made for the file
+  (``values.BUILDABLE``): never on a class or function we hand out, which
+  every later read shares, nor on a tensor or storage record already checked;
+- every dict key and set item is checked before it is hashed
+  (``values.check_key``): the C unpickler hashes a 100k-deep tuple key
+  straight into a stack overflow, a crash no ``except`` catches.
+
+After a load, ``check_tree`` refuses trees nested deeper than ``MAX_DEPTH``
+and integers too long to print, so what follows (walk, render, JSON) stays
+bounded.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
+import contextvars
+import copyreg
 import gc
 import io
 import pickle
+import struct
 from collections import Counter
 from collections.abc import Callable
+from itertools import chain
 from typing import IO, Any
 
 from ckptool import policy, tensors, values
 from ckptool.errors import CorruptCheckpointError
 
 PersistentLoader = Callable[[tuple[Any, ...]], Any]
+
+MAX_DEPTH = 10_000  # containers nested in one object tree
+MAX_INT_BITS = 8_192  # longer integers cannot be printed (sys.get_int_max_str_digits)
+MAX_GLOBALS = 10_000  # distinct globals one file may name: each becomes a class
+MAX_EMBEDDED_DEPTH = 2  # legacy files inside storages inside legacy files...
+
+HINT = ("the file is truncated, damaged, or not what its name says; "
+        "if it was downloaded or copied, fetch it again")
+
+_embedded_depth = contextvars.ContextVar("ckptool_embedded_depth", default=0)
 
 
 class GlobalsSeen:
@@ -39,36 +69,101 @@ class GlobalsSeen:
         return sorted(n for n, v in self.verdicts.items() if v.category == policy.UNSAFE)
 
 
-class SafeUnpickler(pickle.Unpickler):
+class _Done(Exception):
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+
+class _Dispatch(dict[int, Any]):
+    def __missing__(self, key: int) -> Any:
+        raise pickle.UnpicklingError(f"invalid load key, {bytes([key])!r}")
+
+
+class SafeUnpickler(pickle._Unpickler):
+    # set by pickle._Unpickler or by load(); declared for mypy
+    stack: list[Any]
+    metastack: list[list[Any]]
+    append: Callable[[Any], None]
+    read: Callable[[int], bytes]
+    readline: Callable[[], bytes]
+    proto: int
+    pop_mark: Callable[[], list[Any]]
+
     def __init__(self, file: IO[bytes], persistent: PersistentLoader | None,
                  seen: GlobalsSeen, embedded: dict[str, Any] | None = None) -> None:
         super().__init__(file)
+        # straight from the stream: frames only group opcodes, so reading
+        # through them is the same bytes without a Python call per read
+        self.read = file.read
+        self.readline = file.readline
         self._persistent = persistent
         self.seen = seen
         # storages of tensors pickled with plain pickle, keyed by storage id
         self.embedded = embedded if embedded is not None else {}
 
+    def load(self) -> Any:
+        self.metastack = []
+        self.stack = []
+        self.append = self.stack.append
+        self.proto = 0
+        read, dispatch = self.read, self.dispatch
+        try:
+            while True:
+                key = read(1)
+                if not key:
+                    raise EOFError("pickle data ends before its STOP opcode")
+                dispatch[key[0]](self)  # type: ignore[arg-type]
+        except _Done as done:
+            return done.value
+
     def find_class(self, module: str, name: str) -> Any:
         if not isinstance(module, str) or not isinstance(name, str):
-            raise CorruptCheckpointError("pickle names a global that is not a string")
+            raise CorruptCheckpointError("pickle names a global that is not a string", HINT)
         # protocol 0-2 files written by Python 2 use old module names
         if (module, name) in _compat_pickle.NAME_MAPPING:
             module, name = _compat_pickle.NAME_MAPPING[(module, name)]
         module = _compat_pickle.IMPORT_MAPPING.get(module, module)
         dotted = f"{module}.{name}"
         verdict = policy.classify(module, name)
-        self.seen.add(dotted, verdict)
+        self._record(dotted, verdict)
         if dotted == "torch.storage._load_from_bytes":
             return self._load_from_bytes
         return resolve_global(module, name, verdict)
+
+    def _record(self, dotted: str, verdict: policy.Verdict) -> None:
+        if dotted not in self.seen.verdicts and len(self.seen.verdicts) >= MAX_GLOBALS:
+            raise CorruptCheckpointError(
+                f"pickle names more than {MAX_GLOBALS} different globals", HINT)
+        self.seen.add(dotted, verdict)
+
+    def get_extension(self, code: int) -> None:
+        """EXT opcodes: by name from the registry, never copyreg's object cache."""
+        key = getattr(copyreg, "_inverted_registry", {}).get(code)
+        if key is not None:
+            self.append(self.find_class(*key))
+            return
+        if code <= 0:
+            raise pickle.UnpicklingError("EXT specifies code <= 0")
+        dotted = f"copyreg.extension.{code}"
+        self._record(dotted, policy.Verdict(
+            policy.UNSAFE, "an extension code: the loading process's copyreg registry "
+            "decides which global it is"))
+        self.append(values.standin_class(dotted, policy.UNSAFE))
 
     def _load_from_bytes(self, data: Any) -> Any:
         """A storage pickled with plain pickle: an embedded legacy torch file."""
         from ckptool.formats import torch_legacy  # the format imports this module
 
         if not isinstance(data, bytes):
-            raise CorruptCheckpointError("embedded storage is not bytes")
-        raw = torch_legacy.read_bytes(data, f"embedded{len(self.embedded)}/")
+            raise CorruptCheckpointError("embedded storage is not bytes", HINT)
+        depth = _embedded_depth.get()
+        if depth >= MAX_EMBEDDED_DEPTH:
+            raise CorruptCheckpointError("embedded torch files nest too deeply", HINT)
+        token = _embedded_depth.set(depth + 1)
+        try:
+            raw = torch_legacy.read_bytes(data, f"embedded{len(self.embedded)}/")
+        finally:
+            _embedded_depth.reset(token)
         self.embedded.update(raw.storages)
         for name, count in raw.seen.counts.items():
             self.seen.counts[name] += count
@@ -77,10 +172,84 @@ class SafeUnpickler(pickle.Unpickler):
 
     def persistent_load(self, pid: Any) -> Any:
         if self._persistent is None:
-            raise CorruptCheckpointError("pickle refers to external data it does not carry")
+            raise CorruptCheckpointError("pickle refers to external data it does not carry",
+                                         HINT)
         if not isinstance(pid, tuple):
-            raise CorruptCheckpointError(f"unexpected persistent id: {pid!r:.80}")
+            raise CorruptCheckpointError(f"unexpected persistent id: {values.brief(pid)}", HINT)
         return self._persistent(pid)
+
+    # -- opcodes that differ from pickle._Unpickler ------------------------
+
+    def _load_stop(self) -> None:
+        raise _Done(self.stack.pop())
+
+    def _load_frame(self) -> None:
+        self.read(8)  # frame length: the opcodes inside are read as they come
+
+    def _load_bytearray8(self) -> None:
+        (n,) = struct.unpack("<Q", self.read(8))
+        data = self.read(n)  # never bytearray(n) up front: n is the file's claim
+        if len(data) < n:
+            raise pickle.UnpicklingError("pickle data was truncated")
+        self.append(bytearray(data))
+
+    def _load_dict(self) -> None:
+        items = self.pop_mark()
+        for key in items[::2]:
+            values.check_key(key)
+        self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
+
+    def _load_setitem(self) -> None:
+        value = self.stack.pop()
+        key = self.stack.pop()
+        values.check_key(key)
+        self.stack[-1][key] = value
+
+    def _load_setitems(self) -> None:
+        items = self.pop_mark()
+        target = self.stack[-1]
+        for i in range(0, len(items), 2):
+            values.check_key(items[i])
+            target[items[i]] = items[i + 1]
+
+    def _load_additems(self) -> None:
+        items = self.pop_mark()
+        for item in items:
+            values.check_key(item)
+        target = self.stack[-1]
+        if isinstance(target, set):
+            target.update(items)
+        else:
+            for item in items:
+                target.add(item)
+
+    def _load_frozenset(self) -> None:
+        items = self.pop_mark()
+        for item in items:
+            values.check_key(item)
+        self.append(frozenset(items))
+
+    def _load_build(self) -> None:
+        inst = self.stack[-2]
+        if not isinstance(inst, values.BUILDABLE):
+            raise pickle.UnpicklingError(
+                f"pickle sets state on {values.brief(inst)}, which it did not create")
+        _BASE_BUILD(self)  # type: ignore[arg-type]
+
+
+_BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
+SafeUnpickler.dispatch = _Dispatch(pickle._Unpickler.dispatch)
+SafeUnpickler.dispatch.update({
+    pickle.STOP[0]: SafeUnpickler._load_stop,
+    pickle.FRAME[0]: SafeUnpickler._load_frame,
+    pickle.BYTEARRAY8[0]: SafeUnpickler._load_bytearray8,
+    pickle.DICT[0]: SafeUnpickler._load_dict,
+    pickle.SETITEM[0]: SafeUnpickler._load_setitem,
+    pickle.SETITEMS[0]: SafeUnpickler._load_setitems,
+    pickle.ADDITEMS[0]: SafeUnpickler._load_additems,
+    pickle.FROZENSET[0]: SafeUnpickler._load_frozenset,
+    pickle.BUILD[0]: SafeUnpickler._load_build,
+})
 
 
 def resolve_global(module: str, name: str, verdict: policy.Verdict) -> Any:
@@ -106,6 +275,82 @@ def resolve_global(module: str, name: str, verdict: policy.Verdict) -> Any:
     return values.standin_class(dotted, verdict.category)
 
 
+def check_tree(root: Any) -> None:
+    """Refuse an object tree nested deeper than MAX_DEPTH, or with huge integers.
+
+    Measures the longest chain of containers, each shared container once
+    (a reference back into the chain being walked is not followed), so a
+    tree that reuses its parts through the memo costs its size, not more.
+    """
+    heights: dict[int, int] = {}  # finished containers: longest chain below
+    on_path: set[int] = set()
+    frames: list[list[Any]] = []  # [container, its children, longest child chain]
+
+    def visit(obj: Any) -> None:
+        on_path.add(id(obj))
+        frames.append([obj, _children(obj), 0])
+        if len(frames) > MAX_DEPTH:
+            raise CorruptCheckpointError(
+                f"pickle nests containers more than {MAX_DEPTH} levels deep", HINT)
+
+    if not _is_node(root):
+        _check_leaf(root)
+        return
+    visit(root)
+    while frames:
+        frame = frames[-1]
+        for child in frame[1]:
+            if not _is_node(child):
+                _check_leaf(child)
+                continue
+            known = heights.get(id(child))
+            if known is not None:
+                frame[2] = max(frame[2], known)
+            elif id(child) not in on_path:
+                visit(child)
+                break
+        else:
+            frames.pop()
+            height = frame[2] + 1
+            heights[id(frame[0])] = height
+            on_path.discard(id(frame[0]))
+            if height > MAX_DEPTH:
+                raise CorruptCheckpointError(
+                    f"pickle nests containers more than {MAX_DEPTH} levels deep", HINT)
+            if frames:
+                frames[-1][2] = max(frames[-1][2], height)
+
+
+_NODES = (dict, list, tuple, set, frozenset, slice, values.StandIn, values.NDArray,
+          tensors.CompositeTensor)
+
+
+def _is_node(obj: Any) -> bool:
+    return isinstance(obj, _NODES)
+
+
+def _children(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return chain(chain.from_iterable(obj.items()), vars(obj).values()
+                     if hasattr(obj, "__dict__") else ())
+    if isinstance(obj, values.StandIn):
+        return chain(obj.args, obj.kwargs.values(), (obj.state,), obj.items,
+                     chain.from_iterable(obj.dictitems.items()))
+    if isinstance(obj, slice):
+        return iter((obj.start, obj.stop, obj.step))
+    if isinstance(obj, values.NDArray):
+        return iter(obj.values or ())
+    if isinstance(obj, tensors.CompositeTensor):
+        return iter(obj.parts.values())
+    return iter(obj)
+
+
+def _check_leaf(obj: Any) -> None:
+    if isinstance(obj, int) and obj.bit_length() > MAX_INT_BITS:
+        raise CorruptCheckpointError(
+            f"pickle holds an integer of {obj.bit_length()} bits, too long to print", HINT)
+
+
 def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,
          seen: GlobalsSeen, embedded: dict[str, Any] | None = None) -> Any:
     """Unpickle one object from ``data`` safely; format errors become CorruptCheckpointError."""
@@ -115,18 +360,22 @@ def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        return SafeUnpickler(stream, persistent, seen, embedded).load()
+        obj = SafeUnpickler(stream, persistent, seen, embedded).load()
+        check_tree(obj)
+        return obj
     except CorruptCheckpointError:
         raise
     except RecursionError as exc:
-        raise CorruptCheckpointError("pickle nests too deeply to read") from exc
+        raise CorruptCheckpointError("pickle nests too deeply to read", HINT) from exc
     except MemoryError as exc:
-        raise CorruptCheckpointError("pickle asks for more memory than it could hold") from exc
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, KeyError,
-            IndexError, AttributeError, OverflowError, UnicodeDecodeError) as exc:
+        raise CorruptCheckpointError("pickle asks for more memory than it could hold",
+                                     HINT) from exc
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, LookupError,
+            AttributeError, ArithmeticError, struct.error) as exc:
         # any of these is a malformed or truncated stream, or a hostile one
         # trying to use an inert stand-in in a way real data never does
-        raise CorruptCheckpointError(f"cannot read pickle: {exc}") from exc
+        text = str(exc) or type(exc).__name__
+        raise CorruptCheckpointError(f"cannot read pickle: {text[:200]}", HINT) from exc
     finally:
         if gc_was_enabled:
             gc.enable()

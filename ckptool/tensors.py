@@ -16,7 +16,7 @@ from typing import Any
 
 from ckptool import dtypes
 from ckptool.errors import CorruptCheckpointError
-from ckptool.values import StandIn, TorchDevice, TorchDtype
+from ckptool.values import StandIn, TorchDtype, brief, name_of
 
 
 @dataclass(frozen=True)
@@ -72,33 +72,49 @@ class CompositeTensor:
     parts: dict[str, Any]
 
 
+MAX_INT64 = 2**63 - 1  # torch sizes, strides and offsets are int64
+
+
 def _ints(value: Any, what: str) -> tuple[int, ...]:
     # hot path: runs twice per tensor, so type() checks rather than isinstance
     if type(value) in (tuple, list) and all(type(v) is int for v in value) and (
-        not value or min(value) >= 0
+        not value or (min(value) >= 0 and max(value) <= MAX_INT64)
     ):
         return tuple(value)
-    raise CorruptCheckpointError(f"tensor {what} is not a tuple of sizes: {value!r:.80}")
+    raise CorruptCheckpointError(f"tensor {what} is not a tuple of sizes: {brief(value)}")
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """A shape with no storage to check it against: its element count must fit int64."""
+    shape = _ints(value, "size")
+    if math.prod(shape) > MAX_INT64:
+        raise CorruptCheckpointError(f"tensor of shape {brief(shape)} has more elements "
+                                     "than torch can index")
+    return shape
 
 
 def _storage(value: Any) -> StorageRef:
     if isinstance(value, StorageRef):
         return value
-    raise CorruptCheckpointError(f"tensor rebuilt from a non-storage: {value!r:.80}")
+    raise CorruptCheckpointError(f"tensor rebuilt from a non-storage: {brief(value)}")
 
 
 def _strided(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None,
              requires_grad: Any) -> TensorRecord:
     ref = _storage(storage)
-    if not isinstance(offset, int) or offset < 0:
-        raise CorruptCheckpointError(f"bad tensor storage offset: {offset!r:.80}")
+    if type(offset) is not int or not 0 <= offset <= MAX_INT64:
+        raise CorruptCheckpointError(f"bad tensor storage offset: {brief(offset)}")
     shape, strides = _ints(size, "size"), _ints(stride, "stride")
     if len(shape) != len(strides):
         raise CorruptCheckpointError("tensor size and stride differ in length")
     dtype = dtype or ref.dtype
     rec = TensorRecord(shape, dtype, strides, offset, ref, ref.location,
                        requires_grad=bool(requires_grad))
-    if rec.numel:
+    numel = math.prod(shape)
+    if numel > MAX_INT64:  # zero strides let a tiny storage claim any shape
+        raise CorruptCheckpointError(f"tensor of shape {brief(shape)} has more elements "
+                                     "than torch can index")
+    if numel:
         # last element the view touches, in bytes, must lie inside the storage
         last = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
         if (last + 1) * dtypes.itemsize(dtype) > ref.nbytes:
@@ -122,7 +138,7 @@ def rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any,
                       requires_grad: Any, backward_hooks: Any, dtype: Any,
                       metadata: Any = None) -> TensorRecord:
     if not isinstance(dtype, TorchDtype):
-        raise CorruptCheckpointError(f"tensor dtype is not a torch dtype: {dtype!r:.80}")
+        raise CorruptCheckpointError(f"tensor dtype is not a torch dtype: {brief(dtype)}")
     return _strided(storage, storage_offset, size, stride, str(dtype), requires_grad)
 
 
@@ -132,7 +148,7 @@ def rebuild_qtensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
     rec = _strided(storage, storage_offset, size, stride, None, requires_grad)
     rec.layout = "quantized"
     if isinstance(quantizer_params, tuple) and quantizer_params:
-        rec.extra["qscheme"] = str(quantizer_params[0])
+        rec.extra["qscheme"] = name_of(quantizer_params[0])
     return rec
 
 
@@ -163,25 +179,25 @@ def rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) ->
 
 def rebuild_meta_tensor_no_storage(dtype: Any, size: Any, stride: Any,
                                    requires_grad: Any = False) -> TensorRecord:
-    return TensorRecord(_ints(size, "size"), str(dtype), _ints(stride, "stride"), 0,
+    return TensorRecord(_shape(size), name_of(dtype), _ints(stride, "stride"), 0,
                         None, "meta", requires_grad=bool(requires_grad))
 
 
 def rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any,
                              storage_offset: Any, layout: Any, device: Any,
                              requires_grad: Any = False) -> TensorRecord:
-    rec = TensorRecord(_ints(size, "size"), str(dtype), _ints(stride, "stride"),
-                       int(storage_offset) if isinstance(storage_offset, int) else 0,
-                       None, str(device), requires_grad=bool(requires_grad))
-    rec.subclass = getattr(cls, "qualname", None)
+    offset = storage_offset if type(storage_offset) is int else 0
+    rec = TensorRecord(_shape(size), name_of(dtype), _ints(stride, "stride"),
+                       offset, None, name_of(device), requires_grad=bool(requires_grad))
+    rec.subclass = cls.qualname if isinstance(cls, type) and issubclass(cls, StandIn) else None
     return rec
 
 
 def rebuild_device_tensor_from_numpy(data: Any, dtype: Any, device: Any,
                                      requires_grad: Any = False) -> TensorRecord:
     shape = getattr(data, "shape", ())
-    return TensorRecord(tuple(shape), str(dtype), None, 0, None,
-                        str(device) if isinstance(device, TorchDevice | str) else None,
+    return TensorRecord(_shape(shape), name_of(dtype), None, 0, None,
+                        device if isinstance(device, str) else None,
                         requires_grad=bool(requires_grad))
 
 
@@ -192,12 +208,12 @@ def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
         "sparse_csc": ("ccol_indices", "row_indices", "values", "size"),
         "sparse_bsr": ("crow_indices", "col_indices", "values", "size"),
         "sparse_bsc": ("ccol_indices", "row_indices", "values", "size"),
-    }.get(str(layout).removeprefix("torch."), ())
+    }.get(name_of(layout).removeprefix("torch."), ())
     items = data if isinstance(data, tuple) else ()
     parts = {n: v for n, v in zip(names, items, strict=False) if n != "size"}
     size = next((v for n, v in zip(names, items, strict=False) if n == "size"), ())
-    shape = tuple(size) if isinstance(size, tuple) else ()
-    return CompositeTensor(str(layout).removeprefix("torch."), shape, parts)
+    shape = _shape(size) if isinstance(size, tuple) else ()
+    return CompositeTensor(name_of(layout).removeprefix("torch."), shape, parts)
 
 
 def rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, offsets: Any) -> CompositeTensor:

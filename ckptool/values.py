@@ -5,6 +5,12 @@ whose instances only record what the pickle did to them (call arguments,
 ``BUILD`` state, appended items, set items). A few well-known data types get
 richer stand-ins so that they read well: numpy arrays and scalars, torch
 dtypes and devices. Nothing here imports the module a name points to.
+
+Everything here runs on values a hostile file controls, so nothing may cost
+more than the file's size: ``check_key`` bounds what hashing a dict key or
+set item costs (a nested tuple's hash recurses in C with no depth limit, and
+a tuple that reuses itself through the pickle memo costs 2**depth), and
+``brief`` is a bounded ``repr`` for messages and names.
 """
 
 from __future__ import annotations
@@ -26,14 +32,19 @@ class StandIn:
 
     qualname: ClassVar[str] = "?"
     category: ClassVar[str] = "custom"
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    state: Any
+    items: list[Any]
+    dictitems: dict[Any, Any]
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StandIn:
         self = object.__new__(cls)
         self.args = args
         self.kwargs = kwargs
-        self.state: Any = None
-        self.items: list[Any] = []
-        self.dictitems: dict[Any, Any] = {}
+        self.state = None
+        self.items = []
+        self.dictitems = {}
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -50,10 +61,14 @@ class StandIn:
         self.items.extend(items)
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        check_key(key)
         self.dictitems[key] = value
 
     def __call__(self, *args: Any, **kwargs: Any) -> StandIn:
-        return standin_class(f"{self.qualname}()", self.category)(*args, **kwargs)
+        # calling the result again keeps the name "x()": a chain of n calls
+        # must not build names (and classes) of length n each
+        name = self.qualname if self.qualname.endswith("()") else f"{self.qualname}()"
+        return standin_class(name, self.category)(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<{self.qualname}>"
@@ -86,6 +101,69 @@ def standin_class(qualname: str, category: str) -> type[StandIn]:
     return cls
 
 
+MAX_KEY_DEPTH = 100  # tuples nested in one dict key or set item
+MAX_KEY_WORK = 100_000  # items hashing one key visits, repeats counted
+
+
+def check_key(key: Any) -> None:
+    """Refuse a dict key or set item whose hash (or repr) would not be bounded.
+
+    ``hash()`` of a tuple nested ~100k deep overflows the C stack (a crash,
+    not an exception), and a tuple holding the same sub-tuple twice at every
+    level (the pickle memo makes that a few bytes per level) costs 2**depth.
+    """
+    if isinstance(key, (tuple, frozenset, slice)):
+        _key_work(key, 0, {})
+
+
+def _key_work(obj: Any, depth: int, done: dict[int, int]) -> int:
+    if not isinstance(obj, (tuple, frozenset, slice)):
+        return 1
+    known = done.get(id(obj))
+    if known is not None:
+        return known
+    if depth >= MAX_KEY_DEPTH:
+        raise ValueError(f"a dict key or set item nests more than {MAX_KEY_DEPTH} levels deep")
+    parts = (obj.start, obj.stop, obj.step) if isinstance(obj, slice) else obj
+    work = 1
+    for part in parts:
+        work += _key_work(part, depth + 1, done)
+        if work > MAX_KEY_WORK:
+            raise ValueError("a dict key or set item is too large to hash "
+                             "(it repeats itself through the pickle memo)")
+    done[id(obj)] = work
+    return work
+
+
+def brief(obj: Any, limit: int = 80) -> str:
+    """A ``repr`` of a value from the file that costs at most ``limit`` items."""
+    text = _brief(obj, 2)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def _brief(obj: Any, depth: int) -> str:
+    if obj is None or isinstance(obj, (bool, float, complex)):
+        return repr(obj)
+    if isinstance(obj, int):
+        return repr(obj) if obj.bit_length() <= 256 else f"<int of {obj.bit_length()} bits>"
+    if isinstance(obj, (str, bytes, bytearray)):
+        return repr(obj[:60])
+    if isinstance(obj, (tuple, list, set, frozenset, dict)):
+        if depth <= 0:
+            return f"<{type(obj).__name__} of {len(obj)}>"
+        items = list(obj.items() if isinstance(obj, dict) else obj)[:4]
+        inner = ", ".join(_brief(i, depth - 1) for i in items)
+        return f"{type(obj).__name__}({inner}{', …' if len(obj) > 4 else ''})"
+    if isinstance(obj, StandIn):
+        return f"<{obj.qualname}>"
+    return f"<{type(obj).__name__}>"
+
+
+def name_of(obj: Any) -> str:
+    """A name a file gave (a dtype, a device...): the string, or a bounded repr."""
+    return obj if isinstance(obj, str) else brief(obj, 40)
+
+
 class TorchDtype(str):
     """``torch.float32`` as named in a pickle; the str value is the canonical name."""
 
@@ -102,8 +180,8 @@ class TorchDevice(str):
 
 def make_device(kind: Any = "cpu", index: Any = None) -> TorchDevice:
     if isinstance(index, int) and isinstance(kind, str) and ":" not in kind:
-        return TorchDevice(f"{kind}:{index}")
-    return TorchDevice(str(kind))
+        return TorchDevice(f"{kind}:{brief(index)}")
+    return TorchDevice(name_of(kind))
 
 
 class TorchConstant(str):
@@ -127,8 +205,8 @@ class NDArray:
         if isinstance(state, tuple) and len(state) == 5:
             _, shape, dtype, _, raw = state
             if isinstance(shape, tuple):
-                self.shape = tuple(int(s) for s in shape if isinstance(s, int))
-            self.dtype = str(dtype) if dtype is not None else "?"
+                self.shape = tuple(s for s in shape if type(s) is int and 0 <= s < 2**63)
+            self.dtype = name_of(dtype) if dtype is not None else "?"
             if isinstance(raw, (bytes, bytearray)):
                 self.nbytes = len(raw)
             elif isinstance(raw, list):
@@ -143,7 +221,7 @@ class NumpyDtype(str):
     """A numpy dtype; the str value is its code (``f8``, ``i4``...)."""
 
     def __new__(cls, code: Any = "?", *args: Any) -> NumpyDtype:
-        return super().__new__(cls, str(code))
+        return super().__new__(cls, name_of(code))
 
     def __setstate__(self, state: Any) -> None:
         # (version, byteorder, subarray, names, fields, elsize, align, flags)
@@ -162,7 +240,7 @@ def numpy_reconstruct(cls: Any = None, shape: Any = (0,), dtype_code: Any = b"b"
 
 def numpy_scalar(dtype: Any, raw: Any = None) -> Any:
     """Decode a numpy scalar (``np.int64(12)`` -> 12) from its raw bytes."""
-    code = _NUMPY_CODES.get(str(dtype))
+    code = _NUMPY_CODES.get(dtype) if isinstance(dtype, str) else None
     if code and isinstance(raw, (bytes, bytearray)) and len(raw) == struct.calcsize(code):
         order = "<" if getattr(dtype, "byteorder", "<") in ("<", "=", "|") else ">"
         return struct.unpack(order + code, bytes(raw))[0]
@@ -171,11 +249,10 @@ def numpy_scalar(dtype: Any, raw: Any = None) -> Any:
 
 def codecs_encode(text: Any, encoding: Any = "utf-8", errors: Any = "strict") -> bytes:
     """``_codecs.encode`` as protocol-2 pickles use it to spell bytes."""
-    if not isinstance(text, str) or str(encoding).lower().replace("-", "") not in (
-        "latin1", "utf8", "ascii",
-    ):
+    if not (isinstance(text, str) and isinstance(encoding, str) and errors == "strict"
+            and encoding.lower().replace("-", "") in ("latin1", "utf8", "ascii")):
         raise ValueError("unexpected _codecs.encode arguments")
-    return text.encode(str(encoding), str(errors))
+    return text.encode(encoding)
 
 
 def safe_bytearray(source: Any = b"", *args: Any) -> bytearray:
@@ -184,7 +261,7 @@ def safe_bytearray(source: Any = b"", *args: Any) -> bytearray:
     raise ValueError("bytearray from a non-bytes value")
 
 
-class DefaultDict(dict):  # type: ignore[type-arg]
+class DefaultDict(dict[Any, Any]):
     """``collections.defaultdict`` without its factory (never called)."""
 
     def __init__(self, factory: Any = None, *args: Any) -> None:
@@ -192,11 +269,58 @@ class DefaultDict(dict):  # type: ignore[type-arg]
         self.factory = factory
 
 
+def safe_bytes(source: Any = b"", *args: Any) -> bytes:
+    """``bytes`` as protocol 2 spells ``b""``; never ``bytes(n)`` (n zero bytes)."""
+    return bytes(safe_bytearray(source))
+
+
+def safe_slice(*args: Any) -> Any:
+    """A real slice only of plain numbers: ``repr`` of any other would not be bounded."""
+    if all(a is None or type(a) in (int, float) for a in args):
+        return slice(*args)
+    return standin_class("builtins.slice", "data")(*args)
+
+
+def _hashed(items: Any) -> list[Any]:
+    items = list(items)
+    for item in items:
+        check_key(item)
+    return items
+
+
+def safe_set(items: Any = ()) -> set[Any]:
+    return set(_hashed(items))
+
+
+def safe_frozenset(items: Any = ()) -> frozenset[Any]:
+    return frozenset(_hashed(items))
+
+
+def _pairs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    if len(args) > 1:
+        raise TypeError("dict expected at most 1 argument")
+    if args and not isinstance(args[0], dict):
+        pairs = list(args[0])
+        for pair in pairs:
+            if isinstance(pair, (tuple, list)) and pair:
+                check_key(pair[0])
+        return (pairs,)
+    return args
+
+
+def safe_dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
+    return dict(*_pairs(args, kwargs), **kwargs)
+
+
+def ordered_dict(*args: Any, **kwargs: Any) -> OrderedDict[Any, Any]:
+    return OrderedDict(*_pairs(args, kwargs), **kwargs)
+
+
 def reconstructor(cls: Any, base: Any, state: Any = None) -> Any:
     """``copyreg._reconstructor`` (protocol 0/1 objects) for stand-ins only."""
     if isinstance(cls, type) and issubclass(cls, StandIn):
         return cls()
-    if cls is OrderedDict:
+    if cls is ordered_dict:
         return OrderedDict()
     raise ValueError("copyreg._reconstructor of a real class")
 
@@ -208,12 +332,23 @@ def newobj(cls: Any, *args: Any) -> Any:
     raise ValueError("copyreg.__newobj__ of a real class")
 
 
+def _first_arg(value: Any = None, *args: Any) -> Any:
+    """TorchScript's list tags (``torch.jit._pickle.build_intlist``...)."""
+    return value
+
+
+# objects BUILD may set state on: ones this read created for the file; never
+# a class, a function, or a tensor or storage record already checked
+BUILDABLE = (StandIn, NDArray, NumpyDtype, OrderedDict, DefaultDict)
+
+# what a benign global becomes; the ones that hash their arguments check them
 _SAFE_CALLABLES: dict[str, Any] = {
-    "collections.OrderedDict": OrderedDict,
+    "collections.OrderedDict": ordered_dict,
     "collections.defaultdict": DefaultDict,
-    "builtins.set": set, "builtins.frozenset": frozenset, "builtins.slice": slice,
+    "builtins.set": safe_set, "builtins.frozenset": safe_frozenset,
+    "builtins.slice": safe_slice, "builtins.bytes": safe_bytes,
     "builtins.complex": complex, "builtins.bytearray": safe_bytearray,
-    "builtins.list": list, "builtins.dict": dict, "builtins.tuple": tuple,
+    "builtins.list": list, "builtins.dict": safe_dict, "builtins.tuple": tuple,
     "_codecs.encode": codecs_encode, "codecs.encode": codecs_encode,
     "copyreg._reconstructor": reconstructor, "copyreg.__newobj__": newobj,
     "numpy.core.multiarray._reconstruct": numpy_reconstruct,
@@ -221,6 +356,9 @@ _SAFE_CALLABLES: dict[str, Any] = {
     "numpy.core.multiarray.scalar": numpy_scalar,
     "numpy._core.multiarray.scalar": numpy_scalar,
     "numpy.ndarray": NDArray, "numpy.dtype": NumpyDtype,
+    **{f"torch.jit._pickle.{name}": _first_arg for name in (
+        "build_intlist", "build_tensorlist", "build_doublelist", "build_boollist",
+        "restore_type_tag")},
 }
 
 
