@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import os
 
-from ckptool.errors import InputError, NotACheckpointError, UnsupportedCheckpointError
+from ckptool.errors import (
+    CkptoolError,
+    CorruptCheckpointError,
+    InputError,
+    NotACheckpointError,
+    UnsupportedCheckpointError,
+)
 from ckptool.formats import pickle_fmt, safetensors_fmt, torch_legacy, torch_zip
 from ckptool.formats.base import RawRead
 
@@ -31,8 +37,29 @@ _LOOKALIKES = (
 )
 
 
+# a hint for errors raised without one, most specific class first
+_HINTS = (
+    (CorruptCheckpointError, "the file is truncated, damaged, or not what its name says; "
+     "if it was downloaded or copied, fetch it again"),
+    (UnsupportedCheckpointError, "load it with the tool that wrote it and save it again "
+     "with torch.save"),
+    (NotACheckpointError, "ckptool reads torch.save files (zip and legacy), TorchScript "
+     "archives, safetensors and pickles"),
+    (CkptoolError, "check the path and the file"),
+)
+
+
 def read(path: str) -> RawRead:
     """Read the checkpoint at ``path`` with the reader its bytes call for."""
+    try:
+        return _read(path)
+    except CkptoolError as exc:
+        if not exc.hint:
+            exc.hint = next(hint for cls, hint in _HINTS if isinstance(exc, cls))
+        raise
+
+
+def _read(path: str) -> RawRead:
     head, tail, size = _peek(path)
     if size == 0:
         raise NotACheckpointError(f"{path} is empty (0 bytes)",

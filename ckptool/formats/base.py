@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.safe_pickle import GlobalsSeen
-from ckptool.tensors import StorageRef, StorageType
+from ckptool.safe_pickle import HINT, GlobalsSeen
+from ckptool.tensors import MAX_INT64, StorageRef, StorageType
+from ckptool.values import brief
 
 
 @dataclass
@@ -30,12 +31,12 @@ class RawRead:
 def parse_storage_pid(pid: tuple[Any, ...], fields: int) -> tuple[StorageType, str, str, int]:
     """Check a torch ``('storage', type, key, location, numel[, view])`` id."""
     if len(pid) != fields or pid[0] != "storage":
-        raise CorruptCheckpointError(f"unexpected persistent id: {pid!r:.100}")
+        raise CorruptCheckpointError(f"unexpected persistent id: {brief(pid, 100)}", HINT)
     stype, key, location, numel = pid[1:5]
     if not isinstance(stype, StorageType):
-        raise CorruptCheckpointError(f"storage of unknown type {stype!r:.80}")
+        raise CorruptCheckpointError(f"storage of unknown type {brief(stype)}", HINT)
     if not isinstance(key, str) or not isinstance(location, str):
-        raise CorruptCheckpointError(f"malformed storage id: {pid!r:.100}")
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-        raise CorruptCheckpointError(f"storage {key} has a bad size: {numel!r:.40}")
+        raise CorruptCheckpointError(f"malformed storage id: {brief(pid, 100)}", HINT)
+    if type(numel) is not int or not 0 <= numel <= MAX_INT64:
+        raise CorruptCheckpointError(f"storage {key} has a bad size: {brief(numel, 40)}", HINT)
     return stype, key, location, numel

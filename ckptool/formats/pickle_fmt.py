@@ -8,19 +8,24 @@ by the legacy reader, so their location tags are still reported.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from ckptool import safe_pickle
 from ckptool.formats.base import RawRead
 
 PICKLE = "pickle"
+# protocol 0/1 opening with a GLOBAL: "cmodule\nname\n" (how classic exploits start)
+_GLOBAL_FIRST = re.compile(rb"c[A-Za-z_][\w.]*\n[A-Za-z_][\w.]*\n")
 
 
 def sniff(head: bytes, tail: bytes) -> bool:
     if head[:1] == b"\x80":
         return len(head) > 1 and 2 <= head[1] <= 5
-    # protocol 0/1: opens with MARK, an empty dict or list, ends with STOP
-    return head[:1] in (b"(", b"}", b"]") and tail.endswith(b".")
+    # protocol 0/1: opens with MARK, an empty dict or list, or a global;
+    # ends with STOP
+    return (head[:1] in (b"(", b"}", b"]") or bool(_GLOBAL_FIRST.match(head))) and (
+        tail.endswith(b"."))
 
 
 def read(path: str) -> RawRead:

@@ -19,9 +19,14 @@ from ckptool import dtypes
 from ckptool.errors import CorruptCheckpointError
 from ckptool.formats.base import RawRead
 from ckptool.tensors import StorageRef, TensorRecord
+from ckptool.values import brief
 
 SAFETENSORS = "safetensors"
 MAX_HEADER = 100_000_000  # the safetensors library's own limit
+MAX_INT64 = 2**63 - 1
+HINT = ("the header does not match the safetensors format; the file is damaged "
+        "or was not written by safetensors")
+TRUNCATED_HINT = "the file was probably cut short while copying or downloading"
 
 
 def sniff(head: bytes) -> bool:
@@ -37,19 +42,23 @@ def read(path: str) -> RawRead:
         (n,) = struct.unpack("<Q", f.read(8))
         if 8 + n > size:
             raise CorruptCheckpointError(
-                "safetensors header is longer than the file (truncated)",
-                "the file was probably cut short while copying or downloading",
-            )
+                "safetensors header is longer than the file (truncated)", TRUNCATED_HINT)
         raw = f.read(n)
     try:
         header = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CorruptCheckpointError(f"safetensors header is not valid JSON: {exc}") from exc
+        raise CorruptCheckpointError(f"safetensors header is not valid JSON: {exc}",
+                                     HINT) from exc
+    except RecursionError as exc:  # [[[[... nested past the interpreter's limit
+        raise CorruptCheckpointError("safetensors header nests too deeply", HINT) from exc
     if not isinstance(header, dict):
-        raise CorruptCheckpointError("safetensors header is not a JSON object")
+        raise CorruptCheckpointError("safetensors header is not a JSON object", HINT)
     metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict):
-        raise CorruptCheckpointError("safetensors __metadata__ is not an object")
+    # the format (and the safetensors library) allows only strings here
+    if not isinstance(metadata, dict) or not all(
+        isinstance(v, str) for v in metadata.values()
+    ):
+        raise CorruptCheckpointError("safetensors __metadata__ is not a map of strings", HINT)
     data_start = 8 + n
     root: dict[str, TensorRecord] = {}
     storages: dict[str, StorageRef] = {}
@@ -64,28 +73,35 @@ def read(path: str) -> RawRead:
 
 def _tensor(name: str, entry: Any, data_start: int, size: int) -> TensorRecord:
     if not isinstance(entry, dict):
-        raise CorruptCheckpointError(f"safetensors entry {name!r} is not an object")
+        raise CorruptCheckpointError(f"safetensors entry {name!r:.80} is not an object", HINT)
     code, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
     dtype = dtypes.SAFETENSORS_DTYPES.get(code) if isinstance(code, str) else None
     if dtype is None:
-        raise CorruptCheckpointError(f"safetensors entry {name!r} has unknown dtype {code!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise CorruptCheckpointError(f"safetensors entry {name!r} has a bad shape")
+        raise CorruptCheckpointError(
+            f"safetensors entry {name!r:.80} has unknown dtype {brief(code)}", HINT)
+    if not (isinstance(shape, list) and all(_size(d) for d in shape)
+            and math.prod(shape) <= MAX_INT64):
+        raise CorruptCheckpointError(f"safetensors entry {name!r:.80} has a bad shape", HINT)
     if not (isinstance(offsets, list) and len(offsets) == 2
-            and all(isinstance(o, int) for o in offsets) and 0 <= offsets[0] <= offsets[1]):
-        raise CorruptCheckpointError(f"safetensors entry {name!r} has bad data_offsets")
+            and all(_size(o) for o in offsets) and offsets[0] <= offsets[1]):
+        raise CorruptCheckpointError(f"safetensors entry {name!r:.80} has bad data_offsets",
+                                     HINT)
     begin, end = offsets
     numel = math.prod(shape)
     expected = (numel + 1) // 2 if code == "F4" else numel * dtypes.itemsize(dtype)
     if end - begin != expected:
         raise CorruptCheckpointError(
-            f"safetensors entry {name!r} spans {end - begin} bytes, {expected} expected")
+            f"safetensors entry {name!r:.80} spans {end - begin} bytes, {expected} expected",
+            HINT)
     if data_start + end > size:
         raise CorruptCheckpointError(
-            f"safetensors data for {name!r} lies past the end of the file (truncated)",
-            "the file was probably cut short while copying or downloading",
-        )
+            f"safetensors data for {name!r:.80} lies past the end of the file (truncated)",
+            TRUNCATED_HINT)
     ref = StorageRef(name, dtype, None, expected // dtypes.itemsize(dtype),
                      f"@{data_start + begin}")
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
     return TensorRecord(tuple(shape), dtype, stride, 0, ref, None)
+
+
+def _size(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_INT64

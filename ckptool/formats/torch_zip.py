@@ -8,7 +8,10 @@ is taken from its first entry: torch names it after the file's stem.
 
 from __future__ import annotations
 
+import lzma
+import struct
 import zipfile
+import zlib
 from typing import Any
 
 from ckptool import safe_pickle
@@ -22,6 +25,15 @@ from ckptool.tensors import StorageRef
 
 TORCH_ZIP = "torch-zip"
 TORCHSCRIPT = "torchscript"
+TRUNCATED_HINT = ("the file was probably cut short while copying or downloading; "
+                  "compare its size with the original")
+# what zipfile raises on damaged archives besides BadZipFile: undecodable
+# names, unknown versions or methods, encryption, damaged compressed data
+_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
+               NotImplementedError, RuntimeError, zlib.error, lzma.LZMAError, struct.error)
+# torch stores records uncompressed; a compressed pickle record is read whole,
+# so its claimed size is what reading it would cost
+MAX_INFLATED = 1 << 30
 
 
 def sniff(head: bytes) -> bool:
@@ -36,17 +48,15 @@ def _root_of(names: list[str]) -> str:
 def read(path: str) -> RawRead:
     try:
         zf = zipfile.ZipFile(path)
-    except zipfile.BadZipFile as exc:
-        raise CorruptCheckpointError(
-            f"zip archive is truncated or corrupt ({exc})",
-            "the file was probably cut short while copying or downloading; "
-            "compare its size with the original",
-        ) from exc
+    except _ZIP_ERRORS as exc:
+        raise CorruptCheckpointError(f"zip archive is truncated or corrupt ({exc})",
+                                     TRUNCATED_HINT) from exc
     with zf:
         infos = {i.filename: i for i in zf.infolist()}
         names = list(infos)
         if not names:
-            raise NotACheckpointError("empty zip archive, not a checkpoint")
+            raise NotACheckpointError("empty zip archive, not a checkpoint",
+                                      "the file holds no records; fetch it again")
         root = _root_of(names)
         prefix = f"{root}/" if root else ""
         if f"{prefix}data.pkl" not in infos:
@@ -67,12 +77,12 @@ def read(path: str) -> RawRead:
                     ref = StorageRef(sid, stype.dtype, location, numel, record)
                     info = infos.get(record)
                     if info is None:
-                        raise CorruptCheckpointError(f"storage record {record} is missing")
+                        raise CorruptCheckpointError(f"storage record {record} is missing",
+                                                     TRUNCATED_HINT)
                     if info.file_size < ref.nbytes:
                         raise CorruptCheckpointError(
                             f"storage record {record} holds {info.file_size} bytes, "
-                            f"{ref.nbytes} expected"
-                        )
+                            f"{ref.nbytes} expected", TRUNCATED_HINT)
                     storages[sid] = ref
                 return ref
             return persistent
@@ -95,10 +105,17 @@ def read(path: str) -> RawRead:
 
 
 def _read_record(zf: zipfile.ZipFile, name: str) -> bytes:
+    info = zf.getinfo(name)
+    if info.compress_type != zipfile.ZIP_STORED and info.file_size > MAX_INFLATED:
+        raise CorruptCheckpointError(
+            f"{name} is compressed and claims {info.file_size} bytes unpacked",
+            "torch.save never compresses records; this archive was rewritten, "
+            "maybe to exhaust memory")
     try:
         return zf.read(name)
-    except (zipfile.BadZipFile, OSError, EOFError) as exc:
-        raise CorruptCheckpointError(f"cannot read {name} from the archive: {exc}") from exc
+    except _ZIP_ERRORS as exc:
+        raise CorruptCheckpointError(f"cannot read {name} from the archive: {exc}",
+                                     TRUNCATED_HINT) from exc
 
 
 def _explain_other_zip(names: list[str]) -> None:
