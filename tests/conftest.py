@@ -1,0 +1,39 @@
+"""Fixtures shared by test files: the CLI run in-process (exit code, stdout
+and stderr apart) and small real checkpoints saved by torch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from ckptool.cli import main
+
+CliResult = tuple[int, str, str]  # exit code, stdout, stderr
+
+
+@pytest.fixture
+def run_cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., CliResult]:
+    """``run_cli("inspect", path)`` -> (exit code, stdout, stderr)."""
+
+    def run(*args: str) -> CliResult:
+        capsys.readouterr()
+        code = main(list(args))
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def torch_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """One small state dict saved by torch as 'zip' (root folder 'model_0') and 'legacy'."""
+    import torch
+
+    folder = tmp_path_factory.mktemp("torch_files")
+    sd = {"w": torch.arange(6, dtype=torch.float32).reshape(2, 3), "b": torch.zeros(3)}
+    paths = {"zip": folder / "model_0.pth", "legacy": folder / "legacy.pth"}
+    torch.save(sd, paths["zip"])
+    torch.save(sd, paths["legacy"], _use_new_zipfile_serialization=False)
+    return paths
