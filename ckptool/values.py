@@ -296,7 +296,8 @@ def safe_frozenset(items: Any = ()) -> frozenset[Any]:
     return frozenset(_hashed(items))
 
 
-def _pairs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+def _pairs(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    """``dict(...)``'s positional argument with every key checked before hashing."""
     if len(args) > 1:
         raise TypeError("dict expected at most 1 argument")
     if args and not isinstance(args[0], dict):
@@ -309,11 +310,11 @@ def _pairs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def safe_dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
-    return dict(*_pairs(args, kwargs), **kwargs)
+    return dict(*_pairs(args), **kwargs)
 
 
 def ordered_dict(*args: Any, **kwargs: Any) -> OrderedDict[Any, Any]:
-    return OrderedDict(*_pairs(args, kwargs), **kwargs)
+    return OrderedDict(*_pairs(args), **kwargs)
 
 
 def reconstructor(cls: Any, base: Any, state: Any = None) -> Any:
