@@ -15,7 +15,7 @@ from ckptool import dtypes
 NO_LOCATION = "unrecorded"  # bucket for formats that save no device (safetensors)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class TensorInfo:
     """One tensor: where it sits in the file and what it is."""
 
@@ -41,7 +41,7 @@ class TensorInfo:
         return dtypes.is_floating(self.dtype)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class StorageInfo:
     """One storage record: the bytes that one or more tensors view."""
 

@@ -34,10 +34,11 @@ def common_prefix(names: Iterable[str]) -> str:
     return ".".join(common) + "." if common else ""
 
 
-def wrapper_prefix(names: Iterable[str]) -> str:
+def wrapper_prefix(names: Iterable[str], common: str | None = None) -> str:
     """The wrapper components (``module.``, ``_orig_mod.module.``...) leading
-    every name, or "" if the names do not all share one."""
-    parts = common_prefix(names).split(".")[:-1]
+    every name, or "" if the names do not all share one. ``common`` is
+    ``common_prefix(names)`` when the caller has it already."""
+    parts = (common_prefix(names) if common is None else common).split(".")[:-1]
     taken: list[str] = []
     i = 0
     while i < len(parts):

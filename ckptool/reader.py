@@ -110,10 +110,11 @@ def _main_state_dict(cands: list[Candidate], tensors: list[TensorInfo]) -> State
     if not scored:
         return None
     best, ts = max(scored, key=lambda cm: (_rank(cm[0]), sum(t.numel for t in cm[1])))
+    common = prefixes.common_prefix(best.names)
     return StateDictInfo(
         path=best.path, kind=best.kind, keys=tuple(best.names),
-        prefix=prefixes.wrapper_prefix(best.names),
-        common_prefix=prefixes.common_prefix(best.names),
+        prefix=prefixes.wrapper_prefix(best.names, common),
+        common_prefix=common,
         num_tensors=len(ts),
         num_parameters=sum(t.numel for t in ts if t.is_floating),
         nbytes=sum(t.nbytes for t in ts),

@@ -51,6 +51,8 @@ MAX_EMBEDDED_DEPTH = 2  # legacy files inside storages inside legacy files...
 HINT = ("the file is truncated, damaged, or not what its name says; "
         "if it was downloaded or copied, fetch it again")
 
+_U32 = struct.Struct("<I").unpack
+
 _embedded_depth = contextvars.ContextVar("ckptool_embedded_depth", default=0)
 
 
@@ -88,6 +90,7 @@ class SafeUnpickler(pickle._Unpickler):
     readline: Callable[[], bytes]
     proto: int
     pop_mark: Callable[[], list[Any]]
+    memo: dict[int, Any]
 
     def __init__(self, file: IO[bytes], persistent: PersistentLoader | None,
                  seen: GlobalsSeen, embedded: dict[str, Any] | None = None) -> None:
@@ -180,6 +183,26 @@ class SafeUnpickler(pickle._Unpickler):
 
     # -- opcodes that differ from pickle._Unpickler ------------------------
 
+    # memo traffic is a third of a torch pickle's opcodes: these skip the
+    # stdlib's generic struct calls (a bad index still fails: KeyError)
+    def _load_binput(self) -> None:
+        self.memo[self.read(1)[0]] = self.stack[-1]
+
+    def _load_long_binput(self) -> None:
+        self.memo[_U32(self.read(4))[0]] = self.stack[-1]
+
+    def _load_binget(self) -> None:
+        self._get(self.read(1)[0])
+
+    def _load_long_binget(self) -> None:
+        self._get(_U32(self.read(4))[0])
+
+    def _get(self, index: int) -> None:
+        try:
+            self.append(self.memo[index])
+        except KeyError:
+            raise pickle.UnpicklingError(f"memo value not found at index {index}") from None
+
     def _load_stop(self) -> None:
         raise _Done(self.stack.pop())
 
@@ -249,6 +272,10 @@ SafeUnpickler.dispatch.update({
     pickle.ADDITEMS[0]: SafeUnpickler._load_additems,
     pickle.FROZENSET[0]: SafeUnpickler._load_frozenset,
     pickle.BUILD[0]: SafeUnpickler._load_build,
+    pickle.BINPUT[0]: SafeUnpickler._load_binput,
+    pickle.LONG_BINPUT[0]: SafeUnpickler._load_long_binput,
+    pickle.BINGET[0]: SafeUnpickler._load_binget,
+    pickle.LONG_BINGET[0]: SafeUnpickler._load_long_binget,
 })
 
 
