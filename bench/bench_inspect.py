@@ -24,6 +24,7 @@ asserted, only ratios between commands timed in the same run.
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import os
 import statistics
@@ -35,6 +36,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
+# commands run from here, not the repository root, so that `python -m ckptool`
+# imports the installed package as users run it, not the source tree
+RUN_DIR = Path(__file__).resolve().parent
 WORK = ROOT / "bench" / "_work"
 PY = sys.executable
 LAYERS = 1000  # a weight and a bias each: 2,000 tensors
@@ -170,7 +174,7 @@ def measure(cmd: list[str], capture: bool = False) -> Run:
     # output goes to a file, not a pipe: nothing to drain before wait4()
     with tempfile.TemporaryFile("w+") as out:
         t0 = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL,
+        proc = subprocess.Popen(cmd, cwd=RUN_DIR, stdin=subprocess.DEVNULL,
                                 stdout=out if capture else subprocess.DEVNULL, stderr=out)
         _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t0
@@ -202,7 +206,7 @@ def check_rc(runs: list[Run], what: str) -> list[str]:
 
 def importtime_top(path: Path, n: int = 12) -> list[str]:
     """Slowest imports (cumulative) of one inspect run, for a failing target."""
-    proc = subprocess.run([PY, "-X", "importtime", *inspect_cmd(path)[1:]], cwd=ROOT,
+    proc = subprocess.run([PY, "-X", "importtime", *inspect_cmd(path)[1:]], cwd=RUN_DIR,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     rows = []
     for line in proc.stderr.splitlines():
@@ -221,7 +225,7 @@ def specs(quick: bool) -> tuple[Spec, Spec]:
 
 def bench(quick: bool) -> tuple[list[Row], list[str], list[str]]:
     small, large = specs(quick)
-    n_inspect, n_torch = (3, 1) if quick else (5, 3)
+    n_inspect, n_torch = (3, 1) if quick else (12, 4)
     log = []
     for spec in (small, large):
         how = ensure(spec)
@@ -229,6 +233,12 @@ def bench(quick: bool) -> tuple[list[Row], list[str], list[str]]:
                    f"{LAYERS * 2} tensors ({how})")
     for spec in (small, large):
         warm(spec.path)
+    # byte-compile the installed ckptool, as pip install does; harmless when
+    # it already is, and without it PYTHONDONTWRITEBYTECODE=1 (set on this
+    # machine) would make every run recompile every module
+    import ckptool  # the bench's own interpreter: no torch, just the path
+
+    compileall.compile_dir(Path(ckptool.__file__).parent, quiet=1)
     bare_cmd = [PY, "-c", "pass"]
     torch_cmd = [PY, "-c", TORCH_LOAD, str(large.path)]
     # one untimed run of each command: warms .pyc files and torch's shared libs
@@ -239,12 +249,17 @@ def bench(quick: bool) -> tuple[list[Row], list[str], list[str]]:
     bare: list[Run] = []
     ins_small: list[Run] = []
     ins_large: list[Run] = []
-    for i in range(n_inspect):  # interleaved, so drift on a noisy box hits both
+    torch_runs: list[Run] = []
+    # everything interleaved, torch.load runs spread among the inspect runs,
+    # so that drift on a shared, noisy machine hits both sides of each ratio
+    torch_at = {round(k * n_inspect / n_torch) for k in range(n_torch)}
+    for i in range(n_inspect):
+        if i in torch_at:
+            torch_runs.append(measure(torch_cmd, capture=True))
         pair = [(ins_small, small), (ins_large, large)]
         for runs, spec in (pair if i % 2 == 0 else pair[::-1]):
             runs.append(measure(inspect_cmd(spec.path)))
         bare.append(measure(bare_cmd))
-    torch_runs = [measure(torch_cmd, capture=True) for _ in range(n_torch)]
     inner = [json.loads(r.out.strip().splitlines()[-1]) for r in torch_runs if r.rc == 0]
 
     rows = [
@@ -335,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
           + ("; --quick: reduced sizes and runs, figures indicative only" if args.quick else ""))
     print("warm page cache: each file read fully once and each command run once untimed "
           "before timing (dropping the cache needs root)")
+    print("ckptool byte-compiled first, as pip install does")
     print()
     print_table(rows)
     if diag:

@@ -79,12 +79,13 @@ def dumps(data: dict[str, Any]) -> str:
     cost more than reading a 2,000-tensor file; this keeps the C encoder and
     still gives one tensor per line for grep and diff.
     """
+    encode = json.JSONEncoder(default=repr).encode  # one encoder, not one per item
     fields = []
     for key, value in data.items():
-        name = json.dumps(key)
+        name = encode(key)
         if isinstance(value, list) and value:
-            items = ",\n    ".join(json.dumps(v, default=repr) for v in value)
+            items = ",\n    ".join(map(encode, value))
             fields.append(f"  {name}: [\n    {items}\n  ]")
         else:
-            fields.append(f"  {name}: {json.dumps(value, default=repr)}")
+            fields.append(f"  {name}: {encode(value)}")
     return "{\n" + ",\n".join(fields) + "\n}\n"

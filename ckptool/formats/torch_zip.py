@@ -8,11 +8,8 @@ is taken from its first entry: torch names it after the file's stem.
 
 from __future__ import annotations
 
-import lzma
-import struct
-import zipfile
-import zlib
-from typing import Any
+import os
+from typing import IO, Any
 
 from ckptool import safe_pickle
 from ckptool.errors import (
@@ -22,15 +19,12 @@ from ckptool.errors import (
 )
 from ckptool.formats.base import RawRead, parse_storage_pid
 from ckptool.tensors import StorageRef
+from ckptool.ziparchive import Member, ZipArchive, ZipError
 
 TORCH_ZIP = "torch-zip"
 TORCHSCRIPT = "torchscript"
 TRUNCATED_HINT = ("the file was probably cut short while copying or downloading; "
                   "compare its size with the original")
-# what zipfile raises on damaged archives besides BadZipFile: undecodable
-# names, unknown versions or methods, encryption, damaged compressed data
-_ZIP_ERRORS = (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
-               NotImplementedError, RuntimeError, zlib.error, lzma.LZMAError, struct.error)
 # torch stores records uncompressed; a compressed pickle record is read whole,
 # so its claimed size is what reading it would cost
 MAX_INFLATED = 1 << 30
@@ -45,14 +39,19 @@ def _root_of(names: list[str]) -> str:
     return first.split("/", 1)[0] if "/" in first else ""
 
 
-def read(path: str) -> RawRead:
+def open_archive(f: IO[bytes]) -> ZipArchive:
+    """The archive's directory, or a CorruptCheckpointError saying why not."""
     try:
-        zf = zipfile.ZipFile(path)
-    except _ZIP_ERRORS as exc:
+        return ZipArchive(f, os.fstat(f.fileno()).st_size)
+    except ZipError as exc:
         raise CorruptCheckpointError(f"zip archive is truncated or corrupt ({exc})",
                                      TRUNCATED_HINT) from exc
-    with zf:
-        infos = {i.filename: i for i in zf.infolist()}
+
+
+def read(path: str) -> RawRead:
+    with open(path, "rb") as f:
+        zf = open_archive(f)
+        infos = zf.members
         names = list(infos)
         if not names:
             raise NotACheckpointError("empty zip archive, not a checkpoint",
@@ -79,9 +78,9 @@ def read(path: str) -> RawRead:
                     if info is None:
                         raise CorruptCheckpointError(f"storage record {record} is missing",
                                                      TRUNCATED_HINT)
-                    if info.file_size < ref.nbytes:
+                    if info.size < ref.nbytes:
                         raise CorruptCheckpointError(
-                            f"storage record {record} holds {info.file_size} bytes, "
+                            f"storage record {record} holds {info.size} bytes, "
                             f"{ref.nbytes} expected", TRUNCATED_HINT)
                     storages[sid] = ref
                 return ref
@@ -97,23 +96,24 @@ def read(path: str) -> RawRead:
                 extra["constants"] = consts
         meta: dict[str, Any] = {"archive_root": root}
         for name in ("version", ".format_version", "byteorder", ".storage_alignment"):
-            if f"{prefix}{name}" in infos and infos[f"{prefix}{name}"].file_size < 64:
+            if f"{prefix}{name}" in infos and infos[f"{prefix}{name}"].size < 64:
                 meta[name.lstrip(".")] = _read_record(zf, f"{prefix}{name}").decode(
                     "ascii", "replace").strip()
         fmt = TORCHSCRIPT if is_script else TORCH_ZIP
         return RawRead(fmt, obj, storages, seen, meta, extra)
 
 
-def _read_record(zf: zipfile.ZipFile, name: str) -> bytes:
-    info = zf.getinfo(name)
-    if info.compress_type != zipfile.ZIP_STORED and info.file_size > MAX_INFLATED:
+def _read_record(zf: ZipArchive, name: str) -> bytes:
+    info: Member = zf.members[name]
+    if info.method != 0 and info.size > MAX_INFLATED:
         raise CorruptCheckpointError(
-            f"{name} is compressed and claims {info.file_size} bytes unpacked",
+            f"{name} is compressed and claims {info.size} bytes unpacked",
             "torch.save never compresses records; this archive was rewritten, "
             "maybe to exhaust memory")
     try:
-        return zf.read(name)
-    except _ZIP_ERRORS as exc:
+        # a stored record's size is bounded by the file; a deflated one by MAX_INFLATED
+        return zf.read(name, max(MAX_INFLATED, info.compressed_size))
+    except (ZipError, OSError) as exc:
         raise CorruptCheckpointError(f"cannot read {name} from the archive: {exc}",
                                      TRUNCATED_HINT) from exc
 
