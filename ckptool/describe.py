@@ -83,7 +83,28 @@ def _more(n: int) -> str:
 
 
 def plain_value(obj: Any, depth: int = 3) -> Any:
-    """A JSON-ready copy of small plain data, or None if it is not plain."""
+    """A JSON-ready copy of small plain data, or None if it is not plain.
+
+    Gives up after ``MAX_NODES`` values, so an entry whose lists all point at
+    one shared list (cheap to pickle) cannot make the copy expensive."""
+    budget = [MAX_NODES]
+    try:
+        return _plain(obj, depth, budget)
+    except _TooBig:
+        return None
+
+
+MAX_NODES = 256
+
+
+class _TooBig(Exception):
+    pass
+
+
+def _plain(obj: Any, depth: int, budget: list[int]) -> Any:
+    budget[0] -= 1
+    if budget[0] < 0:
+        raise _TooBig
     if obj is None or isinstance(obj, (bool, int, str)):
         return obj
     if isinstance(obj, float):
@@ -91,15 +112,15 @@ def plain_value(obj: Any, depth: int = 3) -> Any:
     if depth <= 0:
         return None
     if isinstance(obj, (list, tuple)) and len(obj) <= 64:
-        items = [plain_value(v, depth - 1) for v in obj]
+        items = [_plain(v, depth - 1, budget) for v in obj]
         ok = all(i is not None or v is None for i, v in zip(items, obj, strict=True))
         return items if ok else None
     if isinstance(obj, dict) and len(obj) <= 64:
-        pairs = {str(k): plain_value(v, depth - 1) for k, v in obj.items()}
+        pairs = {str(k): _plain(v, depth - 1, budget) for k, v in obj.items()}
         ok = all(pairs[str(k)] is not None or v is None for k, v in obj.items())
         return pairs if ok and all(isinstance(k, str) for k in obj) else None
     if isinstance(obj, StandIn) and not obj.args and obj.state is not None:
         named = obj.state_dict_view()
         if named:  # argparse.Namespace, AttributeDict and the like
-            return plain_value(named, depth)
+            return _plain(named, depth, budget)
     return None

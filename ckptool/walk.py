@@ -129,35 +129,52 @@ def _is_state_dict(obj: Any) -> bool:
     return found
 
 
+# A node's path as a chain of (parent link, name) pairs: built in O(1) per
+# node and turned into a string only for the few nodes that are reported, so
+# a deep chain of containers costs linear, not quadratic, memory.
+Link = tuple[Any, str] | None
+
+
+def path_of(link: Link, base: str) -> str:
+    names: list[str] = []
+    while link is not None:
+        link, name = link
+        names.append(name)
+    if base:
+        names.append(base)
+    return "/".join(reversed(names))
+
+
 def walk(root: Any, base: str = "") -> Walked:
     """Find tensors, non-tensor entries and state-dict candidates under ``root``."""
     out = Walked()
-    first_path: dict[int, str] = {}
+    first_link: dict[int, Link] = {}
     parent: dict[int, int] = {}
     holds_tensors: set[int] = set()
-    order: list[tuple[str, Any, int | None]] = []  # every visited node, preorder
+    order: list[tuple[Link, Any, int | None]] = []  # every visited node, preorder
 
-    stack: list[tuple[str, Any, int | None]] = [(base, root, None)]
+    stack: list[tuple[Link, Any, int | None]] = [(None, root, None)]
     while stack:
-        path, obj, par = stack.pop()
+        link, obj, par = stack.pop()
         if is_tensor(obj):
-            out.tensors.append((path, obj))
+            out.tensors.append((path_of(link, base), obj))
             _mark(par, parent, holds_tensors)
-            order.append((path, obj, par))
+            order.append((link, obj, par))
             continue
         if not _is_container(obj):
-            order.append((path, obj, par))
+            order.append((link, obj, par))
             continue
         oid = id(obj)
-        if oid in first_path:
-            out.aliases.append((path, first_path[oid]))
+        if oid in first_link:
+            out.aliases.append((path_of(link, base), path_of(first_link[oid], base)))
             continue
-        first_path[oid] = path
+        first_link[oid] = link
         if par is not None:
             parent[oid] = par
-        order.append((path, obj, par))
+        order.append((link, obj, par))
         kind = module_kind(obj)
         if kind is not None:
+            path = path_of(link, base)
             names = []
             for name, tensor in module_tensors(obj):
                 names.append(name)
@@ -167,18 +184,19 @@ def walk(root: Any, base: str = "") -> Walked:
                 out.candidates.append(Candidate(path, "module", names))
             continue
         if _is_state_dict(obj):
-            out.candidates.append(Candidate(path, "dict", [key_text(k) for k in obj]))
+            out.candidates.append(
+                Candidate(path_of(link, base), "dict", [key_text(k) for k in obj]))
         kids = list(children(obj))
         for name, child in reversed(kids):
-            stack.append((join(path, name), child, oid))
+            stack.append(((link, name), child, oid))
 
     # entries: the largest tensor-free subtrees hanging off tensor-holding containers
-    for path, obj, par in order:
+    for link, obj, par in order:
         if is_tensor(obj) or (_is_container(obj) and id(obj) in holds_tensors):
             continue
         # a module's own attributes never reach ``order``: its walk stops at it
         if par is None or par in holds_tensors:
-            out.entries.append((path, obj))
+            out.entries.append((path_of(link, base), obj))
     return out
 
 
