@@ -57,6 +57,18 @@ def attribute_dict_class() -> type:
     return cls
 
 
+class RunsCode:
+    """Pickles as a call to os.system: what a hostile checkpoint carries.
+
+    The command only prints a line; ckptool reports the call without running it.
+    """
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        import os
+
+        return (os.system, ("echo 'ckptool sample: torch.load just ran a shell command'",))
+
+
 def main() -> None:
     torch.manual_seed(0)
     net = TinyNet()
@@ -99,6 +111,9 @@ def main() -> None:
     # a whole pickled nn.Module in half precision, saved on cuda:1
     with saved_on("cuda:1"):
         torch.save(TinyNet().half(), HERE / "whole_model_cuda1.pth")
+    # a checkpoint that runs a shell command on torch.load(weights_only=False)
+    torch.save({"state_dict": net.state_dict(), "callback": RunsCode()},
+               HERE / "hostile_runs_code.pth")
     for path in sorted(HERE.iterdir()):
         if path.suffix != ".py":
             print(f"{path.name:28} {path.stat().st_size:>8} bytes")

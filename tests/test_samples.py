@@ -28,7 +28,8 @@ def test_sample_inspects(path: Path, capsys: pytest.CaptureFixture[str]) -> None
     data = json.loads(capsys.readouterr().out)
     assert data["num_tensors"] > 0
     assert data["main_state_dict"] is not None
-    assert data["unsafe_globals"] == []
+    hostile = path.name.startswith("hostile_")
+    assert bool(data["unsafe_globals"]) == hostile
 
 
 @pytest.fixture
@@ -43,7 +44,8 @@ def sample_classes(monkeypatch: pytest.MonkeyPatch) -> None:
     mod.attribute_dict_class()
 
 
-@pytest.mark.parametrize("path", [p for p in FILES if p.suffix != ".safetensors"],
+@pytest.mark.parametrize("path", [p for p in FILES if p.suffix != ".safetensors"
+                                  and not p.name.startswith("hostile_")],
                          ids=lambda p: p.name)
 @pytest.mark.usefixtures("sample_classes")
 def test_sample_matches_torch(path: Path) -> None:
@@ -60,3 +62,4 @@ def test_samples_cover_the_cases_users_meet() -> None:
     assert found["tinynet.safetensors"].format == "safetensors"
     assert found["tinynet_script.pt"].format == "torchscript"
     assert found["whole_model_cuda1.pth"].locations == ["cuda:1"]
+    assert found["hostile_runs_code.pth"].unsafe_globals == ["posix.system"]
