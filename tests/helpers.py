@@ -3,9 +3,9 @@ reading what torch itself loads from a file, flattened like ckptool keys."""
 
 from __future__ import annotations
 
-import contextlib
+import importlib.util
+import types
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -14,16 +14,20 @@ import torch.serialization
 
 import ckptool
 
+SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
-@contextlib.contextmanager
-def saved_on(tag: str) -> Iterator[None]:
-    """Make torch.save record ``tag`` as every storage's location."""
-    original = torch.serialization.location_tag
-    torch.serialization.location_tag = lambda storage: tag  # type: ignore[assignment]
-    try:
-        yield
-    finally:
-        torch.serialization.location_tag = original
+
+def load_samples_module() -> types.ModuleType:
+    """samples/make_samples.py, which owns the sample models and ``saved_on``."""
+    spec = importlib.util.spec_from_file_location("make_samples", SAMPLES / "make_samples.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+make_samples = load_samples_module()
+saved_on = make_samples.saved_on
 
 
 def flatten(obj: Any, path: str = "") -> dict[str, torch.Tensor]:

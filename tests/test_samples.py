@@ -3,13 +3,12 @@ file in samples/ is a new test."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import pytest
-from helpers import check_against_torch
+from helpers import check_against_torch, make_samples
 
 import ckptool
 from ckptool.cli import main
@@ -36,10 +35,7 @@ def test_sample_inspects(path: Path, capsys: pytest.CaptureFixture[str]) -> None
 def sample_classes(monkeypatch: pytest.MonkeyPatch) -> None:
     """Make the classes the samples pickle importable, as in the user's own
     environment, so that torch.load can load them for comparison."""
-    spec = importlib.util.spec_from_file_location("make_samples", SAMPLES / "make_samples.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    mod = make_samples
     monkeypatch.setattr(sys.modules["__main__"], "TinyNet", mod.TinyNet, raising=False)
     mod.attribute_dict_class()
 
