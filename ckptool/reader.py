@@ -13,6 +13,7 @@ from typing import Any
 
 from ckptool import formats, prefixes
 from ckptool.describe import plain_value, summarize, type_name
+from ckptool.formats.base import RawRead
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
 from ckptool.policy import UNSAFE
 from ckptool.tensors import StorageRef, TensorRecord
@@ -29,7 +30,11 @@ _CATEGORY_ORDER = {UNSAFE: 0, "custom": 1, "data": 2, "torch": 3}
 def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read ``path`` safely (no code from the file runs, no tensor bytes are read)."""
     path = os.fspath(path)
-    raw = formats.read(path)
+    return assemble(path, formats.read(path))
+
+
+def assemble(path: str, raw: RawRead) -> Checkpoint:
+    """The Checkpoint of an already read file (rewrites read it faithfully first)."""
     walked = walk(raw.root)
     for name, extra in raw.extra_roots.items():
         more = walk(extra, f"<{name}>")

@@ -27,6 +27,7 @@ bounded.
 from __future__ import annotations
 
 import _compat_pickle
+import contextlib
 import contextvars
 import copyreg
 import gc
@@ -34,7 +35,7 @@ import io
 import pickle
 import struct
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from itertools import chain
 from typing import IO, Any
 
@@ -279,9 +280,38 @@ SafeUnpickler.dispatch.update({
 })
 
 
+_faithful = contextvars.ContextVar("ckptool_faithful", default=False)
+
+
+@contextlib.contextmanager
+def faithful() -> Iterator[None]:
+    """Read for a rewrite: keep what is needed to write the pickle back as is.
+
+    Tensor rebuilds record their call (``TensorRecord.origin``), and every
+    other global but dtypes, storage types and ``OrderedDict`` stays a
+    recording stand-in: no value is decoded (a numpy scalar stays a call,
+    not an int), so writing the tree back reproduces the file's own pickle.
+    """
+    token = _faithful.set(True)
+    try:
+        yield
+    finally:
+        _faithful.reset(token)
+
+
 def resolve_global(module: str, name: str, verdict: policy.Verdict) -> Any:
     """What a global becomes: never the real object, except inert builtins."""
     dotted = f"{module}.{name}"
+    if _faithful.get() and verdict.category != policy.UNSAFE:
+        if dotted in tensors.REBUILDERS:
+            return tensors.traced(dotted)
+        if module in ("torch", "torch.storage") and tensors.storage_type(name) is not None:
+            return tensors.storage_type(name)
+        if module == "torch" and isinstance(values.torch_value(name), values.TorchDtype):
+            return values.torch_value(name)
+        if dotted == "collections.OrderedDict":
+            return values.safe_callable(dotted)
+        return values.standin_class(dotted, verdict.category)
     if verdict.category != policy.UNSAFE:
         rebuild = tensors.REBUILDERS.get(dotted)
         if rebuild is not None:

@@ -9,6 +9,7 @@ nothing here imports torch.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,6 +35,7 @@ class StorageRef:
     location: str | None  # saved device tag; None where the format records none
     numel: int  # elements of ``dtype``
     record: str | None = None  # where the bytes live (archive record name)
+    pid: tuple[Any, ...] | None = None  # the persistent id it was read from
 
     @property
     def nbytes(self) -> int:
@@ -53,6 +55,9 @@ class TensorRecord:
     layout: str = "strided"
     subclass: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # the rebuild call that made it, as (dotted name, args): kept only when
+    # reading for a rewrite (``safe_pickle.faithful``), to write it back as is
+    origin: tuple[str, tuple[Any, ...]] | None = None
 
     @property
     def numel(self) -> int:
@@ -70,6 +75,7 @@ class CompositeTensor:
     layout: str
     shape: tuple[int, ...]
     parts: dict[str, Any]
+    origin: tuple[str, tuple[Any, ...]] | None = None  # as TensorRecord.origin
 
 
 MAX_INT64 = 2**63 - 1  # torch sizes, strides and offsets are int64
@@ -161,7 +167,8 @@ def rebuild_parameter(data: Any, requires_grad: Any = True, backward_hooks: Any 
 
 
 def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
-    if func not in REBUILDERS.values() or not isinstance(args, tuple):
+    known = func in REBUILDERS.values() or hasattr(func, "ckpt_global")
+    if not known or not isinstance(args, tuple):
         raise CorruptCheckpointError("tensor rebuilt by an unknown function")
     result = func(*args)
     if isinstance(result, TensorRecord) and isinstance(new_type, type) and issubclass(
@@ -243,3 +250,32 @@ def storage_type(name: str) -> StorageType | None:
     """``torch.FloatStorage`` -> StorageType('FloatStorage', 'float32')."""
     dtype = dtypes.STORAGE_DTYPES.get(name)
     return StorageType(name, dtype) if dtype else None
+
+
+_TRACED: dict[str, Callable[..., Any]] = {}
+
+
+def traced(dotted: str) -> Callable[..., Any]:
+    """The rebuild function ``dotted``, recording each result's origin.
+
+    One wrapper per name (so the pickle memo's sharing survives a rewrite);
+    a result that is one of its own arguments (a parameter wrapping its
+    data) is copied first, so that its origin never contains itself.
+    """
+    fn = _TRACED.get(dotted)
+    if fn is None:
+        rebuild = REBUILDERS[dotted]
+
+        def call(*args: Any) -> Any:
+            result = rebuild(*args)
+            if isinstance(result, (TensorRecord, CompositeTensor)):
+                if any(result is a for a in args):
+                    result = dataclasses.replace(result)
+                    if isinstance(result, TensorRecord):
+                        result.extra = dict(result.extra)
+                result.origin = (dotted, args)
+            return result
+
+        call.ckpt_global = dotted  # type: ignore[attr-defined]
+        fn = _TRACED[dotted] = call
+    return fn

@@ -37,6 +37,7 @@ class StandIn:
     state: Any
     items: list[Any]
     dictitems: dict[Any, Any]
+    reduced: bool
 
     def __new__(cls, *args: Any, **kwargs: Any) -> StandIn:
         self = object.__new__(cls)
@@ -45,11 +46,13 @@ class StandIn:
         self.state = None
         self.items = []
         self.dictitems = {}
+        self.reduced = False
         return self
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
-        # REDUCE calls cls(*args): __new__ already recorded them
-        pass
+        # REDUCE calls cls(*args), NEWOBJ only cls.__new__: __new__ recorded
+        # the arguments, and this says which opcode made the object
+        self.reduced = True
 
     def __setstate__(self, state: Any) -> None:
         self.state = state

@@ -57,11 +57,13 @@ class ZipArchive:
             raise ZipError("no end-of-central-directory record (truncated?)")
         eocd_pos = size - tail_len + at
         _, disk, _, _, count, cd_size, cd_offset, _ = _EOCD.unpack_from(tail, at)
+        self.tail_start = eocd_pos  # end records: [zip64 end + locator] + end record
         if disk != 0:
             raise ZipError("multi-disk archives are not supported")
         loc = at - _LOCATOR64.size
         if loc >= 0 and tail[loc:loc + 4] == b"PK\x06\x07":
             _, _, eocd64_pos, _ = _LOCATOR64.unpack_from(tail, loc)
+            self.tail_start = min(eocd64_pos, size - tail_len + loc)
             f.seek(eocd64_pos)
             raw = f.read(_EOCD64.size)
             if len(raw) < _EOCD64.size or raw[:4] != b"PK\x06\x06":

@@ -10,9 +10,10 @@ whatever the record size.
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import IO
 
@@ -33,6 +34,7 @@ class Written:
     offset: int  # of the local header
     size: int
     crc: int
+    flags: int = _FLAGS
 
 
 class ZipWriter:
@@ -74,8 +76,34 @@ class ZipWriter:
         self.records.append(rec)
         return rec
 
+    def add_existing(self, name: str, offset: int, size: int, crc: int, flags: int) -> None:
+        """List a stored record already in the file (in-place rewrites)."""
+        self.records.append(Written(name, offset, size, crc, flags))
+
     def write_bytes(self, name: str, data: bytes) -> Written:
         return self.write_record(name, (data,))
+
+    def copy_record(self, name: str, src: IO[bytes], offset: int, size: int, crc: int,
+                    progress: Callable[[int], None] | None = None) -> Written:
+        """Write a record whose bytes are ``size`` bytes of ``src`` at ``offset``,
+        copied by the kernel (``copy_file_range``) where it can; ``crc`` is the
+        source's own CRC of those bytes (verification re-reads them later)."""
+        raw = name.encode("utf-8")
+        header = self._local_header(raw)
+        offset_here = self.pos
+        self.f.write(header)
+        self.f.flush()
+        self.pos += len(header)
+        copy_range(src.fileno(), offset, self.f.fileno(), self.pos, size, progress)
+        self.pos += size
+        self.f.seek(self.pos)
+        desc = (struct.pack("<IIQQ", 0x08074B50, crc, size, size) if size >= _LIMIT
+                else struct.pack("<IIII", 0x08074B50, crc, size, size))
+        self.f.write(desc)
+        self.pos += len(desc)
+        rec = Written(name, offset_here, size, crc)
+        self.records.append(rec)
+        return rec
 
     def close(self) -> int:
         """Write the central directory and end records; returns the end offset."""
@@ -90,7 +118,7 @@ class ZipWriter:
             if fields:
                 extra = struct.pack("<HH", 1, 8 * len(fields)) + struct.pack(
                     f"<{len(fields)}Q", *fields)
-            entry = _CENTRAL.pack(0x02014B50, 45, 45, _FLAGS, 0, 0, 0, rec.crc, size32,
+            entry = _CENTRAL.pack(0x02014B50, 45, 45, rec.flags, 0, 0, 0, rec.crc, size32,
                                   size32, len(raw), len(extra), 0, 0, 0, 0, off32)
             self.f.write(entry + raw + extra)
             self.pos += len(entry) + len(raw) + len(extra)
@@ -107,3 +135,29 @@ class ZipWriter:
             self.f.write(_EOCD.pack(0x06054B50, 0, 0, count, count, cd_size, cd_start, 0))
         self.pos += _EOCD.size
         return self.pos
+
+
+COPY_CHUNK = 64 << 20
+
+
+def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int,
+               progress: Callable[[int], None] | None = None) -> None:
+    """Copy ``size`` bytes between file descriptors at explicit offsets."""
+    done = 0
+    kernel = hasattr(os, "copy_file_range")
+    while done < size:
+        want = min(COPY_CHUNK, size - done)
+        n = 0
+        if kernel:
+            try:
+                n = os.copy_file_range(src_fd, dst_fd, want, src_off + done, dst_off + done)
+            except OSError:
+                kernel = False  # another filesystem, or not supported: copy ourselves
+        if not kernel:
+            chunk = os.pread(src_fd, want, src_off + done)
+            n = os.pwrite(dst_fd, chunk, dst_off + done) if chunk else 0
+        if n <= 0:
+            raise OSError(f"source ended {size - done} bytes early")
+        done += n
+        if progress is not None:
+            progress(n)

@@ -61,7 +61,7 @@ def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
         sid = id_prefix + key
         ref = storages.get(sid)
         if ref is None:
-            ref = storages[sid] = StorageRef(sid, stype.dtype, location, numel, None)
+            ref = storages[sid] = StorageRef(sid, stype.dtype, location, numel, None, pid)
         view = pid[5]
         if view is None:
             return ref

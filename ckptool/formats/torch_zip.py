@@ -73,7 +73,7 @@ def read(path: str) -> RawRead:
                 ref = storages.get(sid)
                 if ref is None:
                     record = f"{prefix}{folder}/{key}"
-                    ref = StorageRef(sid, stype.dtype, location, numel, record)
+                    ref = StorageRef(sid, stype.dtype, location, numel, record, pid)
                     info = infos.get(record)
                     if info is None:
                         raise CorruptCheckpointError(f"storage record {record} is missing",

@@ -1,0 +1,105 @@
+"""Atomic output files: write to a temporary file beside the target,
+verify, then rename into place.
+
+Where the filesystem allows, the temporary file is anonymous (``O_TMPFILE``)
+and only gets a name for the instant before the rename, so even ``kill -9``
+leaves no stray file behind; elsewhere it is a dot-file that any failure
+removes. Either way the target path is, at every instant, absent, the old
+file, or the complete new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import secrets
+from pathlib import Path
+from types import TracebackType
+from typing import IO
+
+from ckptool.errors import InputError, UsageError
+
+
+class AtomicOutput:
+    """Use as ``with AtomicOutput(target) as out``: write ``out.file``, verify
+    ``out.read_path``, then ``out.commit()``; leaving the block uncommitted
+    removes the temporary file."""
+
+    def __init__(self, target: str | os.PathLike[str], force: bool = False) -> None:
+        self.target = Path(target)
+        self.force = force
+        self.file: IO[bytes]
+        self._named: Path | None = None  # temp file's name, when it has one
+        self._committed = False
+
+    def __enter__(self) -> AtomicOutput:
+        if self.target.exists() and not self.force:
+            raise UsageError(f"{self.target} already exists",
+                             "pass --force to overwrite it, or -o to choose another path")
+        directory = self.target.parent
+        if not directory.is_dir():
+            raise UsageError(f"{directory} is not a directory",
+                             "create it first, or choose another output path")
+        fd = self._open_anonymous(directory)
+        if fd is None:
+            self._named = directory / f".{self.target.name}.{secrets.token_hex(4)}.ckptool-tmp"
+            try:
+                fd = os.open(self._named, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+            except OSError as exc:
+                raise InputError(f"cannot write in {directory}: {exc.strerror}",
+                                 "check the directory's permissions and free space") from exc
+        self.file = os.fdopen(fd, "w+b")
+        return self
+
+    @staticmethod
+    def _open_anonymous(directory: Path) -> int | None:
+        flag = getattr(os, "O_TMPFILE", 0)
+        if not flag or os.environ.get("CKPTOOL_NO_TMPFILE"):
+            return None
+        try:
+            return os.open(directory, flag | os.O_RDWR, 0o644)
+        except OSError:
+            return None  # filesystem without O_TMPFILE support
+
+    @property
+    def read_path(self) -> str:
+        """A path that reads the temporary file's contents (for verification)."""
+        self.file.flush()
+        if self._named is not None:
+            return str(self._named)
+        return f"/proc/self/fd/{self.file.fileno()}"
+
+    def commit(self) -> None:
+        """Make the file durable and move it onto the target path."""
+        self.file.flush()
+        os.fsync(self.file.fileno())
+        if self._named is None:
+            # give the anonymous file a name for the instant before the rename
+            self._named = self.target.parent / (
+                f".{self.target.name}.{secrets.token_hex(4)}.ckptool-tmp")
+            # os.link calls linkat(AT_SYMLINK_FOLLOW), which O_TMPFILE needs,
+            # only when given a directory fd
+            proc_fd = os.open("/proc/self/fd", os.O_RDONLY)
+            try:
+                os.link(str(self.file.fileno()), self._named, src_dir_fd=proc_fd)
+            finally:
+                os.close(proc_fd)
+        self.file.close()
+        os.replace(self._named, self.target)
+        self._committed = True
+        with contextlib.suppress(OSError):  # not every filesystem can fsync a directory
+            dir_fd = os.open(self.target.parent, os.O_RDONLY)
+            try:
+                os.fsync(dir_fd)
+            finally:
+                os.close(dir_fd)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._committed:
+            return
+        if not self.file.closed:
+            self.file.close()
+        if self._named is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self._named.unlink()
