@@ -148,38 +148,60 @@ def _to_safetensors(source: Checkpoint, dst: str, force: bool,
     if outside:
         result.left_out.append(f"{len(outside)} tensors outside '{sd_path}' "
                                f"(e.g. {outside[0]})")
-    header: dict[str, Any] = {}
-    offset = 0
-    for name, t in kept.items():
-        header[name] = {"dtype": ST_CODES[t.dtype], "shape": list(t.shape),
-                        "data_offsets": [offset, offset + t.nbytes]}
-        offset += t.nbytes
     meta = {"format": "pt"}
     if aliases:
         meta["ckptool.aliases"] = json.dumps(aliases)
     if entries:
         meta["ckptool.entries"] = json.dumps(entries, default=repr)
+    items = [(name, t, t.dtype) for name, t in kept.items()]
+    with AtomicOutput(dst, force) as out, TensorData(source) as reader:
+        crcs = write_safetensors(out.file, items, meta, reader, progress)
+        result.bytes_written = out.file.tell()
+        verify(out.read_path, {n: (t.shape, t.dtype) for n, t in kept.items()}, crcs)
+        out.commit()
+    return result
+
+
+def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: dict[str, str],
+                      reader: TensorData, progress: Progress | None = None) -> dict[str, int]:
+    """Write (name, tensor, dtype to write it as) to ``f``; returns each tensor's CRC."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t, dtype in items:
+        size = t.numel * dtypes.itemsize(dtype)
+        header[name] = {"dtype": ST_CODES[dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
     header["__metadata__"] = meta
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned
+    f.write(len(raw).to_bytes(8, "little") + raw)
     crcs: dict[str, int] = {}
-    with AtomicOutput(dst, force) as out, TensorData(source) as reader:
-        out.file.write(len(raw).to_bytes(8, "little") + raw)
-        done = 0
-        for name, t in kept.items():
-            crc = 0
-            for chunk in _tensor_chunks(reader, t):
-                out.file.write(chunk)
-                crc = zlib.crc32(chunk, crc)
-                done += len(chunk)
-                if progress is not None:
-                    progress(done, offset)
-            crcs[name] = crc
-        out.file.flush()
-        result.bytes_written = out.file.tell()
-        _verify(out.read_path, {n: (t.shape, t.dtype) for n, t in kept.items()}, crcs)
-        out.commit()
-    return result
+    done = 0
+    for name, t, dtype in items:
+        crc = 0
+        chunks = _tensor_chunks(reader, t)
+        if dtype != t.dtype:
+            chunks = iter([cast_bytes(b"".join(chunks), t.dtype, dtype)])
+        for chunk in chunks:
+            f.write(chunk)
+            crc = zlib.crc32(chunk, crc)
+            done += len(chunk)
+            if progress is not None:
+                progress(done, offset)
+        crcs[name] = crc
+    f.flush()
+    return crcs
+
+
+def cast_bytes(data: bytes | bytearray, src: str, dst: str) -> bytes:
+    """Elements of dtype ``src`` as dtype ``dst`` (through torch)."""
+    import torch  # only casts need torch
+
+    if not data:
+        return b""
+    cast = torch.frombuffer(bytearray(data), dtype=getattr(torch, src)).to(getattr(torch, dst))
+    return ctypes.string_at(cast.data_ptr(), cast.numel() * cast.element_size())
 
 
 def _to_torch(source: Checkpoint, dst: str, force: bool,
@@ -231,12 +253,12 @@ def _to_torch(source: Checkpoint, dst: str, force: bool,
         result.bytes_written = out.file.tell()
         expect = {t.key: (t.shape, t.dtype) for t in source.tensors}
         expect.update({a: expect[k] for a, k in aliases.items() if k in expect})
-        _verify(out.read_path, expect, crcs)
+        verify(out.read_path, expect, crcs)
         out.commit()
     return result
 
 
-def _verify(path: str, expect: dict[str, tuple[tuple[int, ...], str]],
+def verify(path: str, expect: dict[str, tuple[tuple[int, ...], str]],
             crcs: dict[str, int]) -> None:
     written = open_checkpoint(path)
     got = written.state_dict() or {t.key: t for t in written.tensors}

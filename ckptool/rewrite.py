@@ -13,7 +13,6 @@ by ``in_place``, which replaces it atomically.
 
 from __future__ import annotations
 
-import ctypes
 import os
 import struct
 import zlib
@@ -24,7 +23,9 @@ from typing import IO, Any
 
 from ckptool import formats, inplace, repickle, safe_pickle
 from ckptool.atomic import AtomicOutput
+from ckptool.convert import cast_bytes, verify, write_safetensors
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from ckptool.formats.safetensors_fmt import SAFETENSORS
 from ckptool.formats.torch_legacy import TORCH_LEGACY
 from ckptool.formats.torch_zip import TORCH_ZIP
 from ckptool.model import Checkpoint
@@ -62,10 +63,14 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         raise UsageError("--in-place and -o both name the output", "use one of them")
     with safe_pickle.faithful():
         raw = formats.read(src)
-    if raw.format not in (TORCH_ZIP, TORCH_LEGACY):
+    if raw.format not in (TORCH_ZIP, TORCH_LEGACY, SAFETENSORS):
         raise UnsupportedCheckpointError(
-            f"ckptool fix rewrites torch.save files; this is {raw.format}",
-            "safetensors and TorchScript rewrites are not supported yet")
+            f"ckptool fix rewrites torch.save files and safetensors; this is {raw.format}",
+            "for TorchScript, take the weights out first: "
+            "`ckptool convert FILE.pt FILE.safetensors`")
+    if raw.format == SAFETENSORS and (opts.to or opts.maps):
+        raise UsageError("safetensors files record no device: there is nothing to retarget",
+                         "pick the device when loading: load_file(path, device='cuda:0')")
     source = assemble(src, raw)
     plan = make_plan(source, opts)
     unsafe = unsafe_in(plan.root)
@@ -87,6 +92,13 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         raise UsageError("the output would overwrite the input",
                          "choose another path with -o, or pass --in-place")
     with AtomicOutput(target, force=force or in_place) as out:
+        if raw.format == SAFETENSORS:
+            _write_safetensors(source, plan, out, progress)
+            result.bytes_written = out.file.tell()
+            result.verified_storages = len(plan.root)
+            out.commit()
+            result.output = target
+            return result
         if raw.format == TORCH_ZIP:
             expected = _write_zip(src, source, plan, out.file, progress)
         else:
@@ -101,15 +113,6 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
 
 def _total(refs: dict[str, StorageRef]) -> int:
     return sum(r.nbytes for r in refs.values())
-
-
-def _cast(data: bytes | bytearray, src: str, dst: str) -> bytes:
-    import torch  # only --dtype needs torch
-
-    if not data:
-        return b""
-    cast = torch.frombuffer(bytearray(data), dtype=getattr(torch, src)).to(getattr(torch, dst))
-    return ctypes.string_at(cast.data_ptr(), cast.numel() * cast.element_size())
 
 
 def _storage_bytes(reader: TensorData, sid: str) -> bytearray:
@@ -148,7 +151,7 @@ def _write_zip(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
                 if key not in used:
                     continue  # only dropped or extracted-away entries viewed it
                 if key in plan.casts:
-                    rec = writer.write_bytes(name, _cast(_storage_bytes(reader, key),
+                    rec = writer.write_bytes(name, cast_bytes(_storage_bytes(reader, key),
                                                          *plan.casts[key]))
                     step(used[key].nbytes)
                 else:
@@ -159,6 +162,20 @@ def _write_zip(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
                 writer.write_bytes(name, archive.read(name, 1 << 20))
         writer.close()
     return expected
+
+
+def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
+                       progress: Progress | None) -> None:
+    """Renamed, dropped or cast safetensors: a new header, the bytes streamed."""
+    by_storage = {t.storage: t for t in source.tensors}
+    items = []
+    for name, rec in plan.root.items():
+        t = by_storage[rec.storage.key]
+        items.append((name, t, plan.casts.get(t.storage or "", (t.dtype, t.dtype))[1]))
+    meta = source.metadata.get("metadata") or {}
+    with TensorData(source) as reader:
+        crcs = write_safetensors(out.file, items, dict(meta), reader, progress)
+    verify(out.read_path, {n: (t.shape, d) for n, t, d in items}, crcs)
 
 
 def _legacy_header_end(f: IO[bytes]) -> int:
@@ -189,7 +206,7 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
             ref = used[key]
             data = bytes(_storage_bytes(reader, key))
             if key in plan.casts:
-                data = _cast(data, *plan.casts[key])
+                data = cast_bytes(data, *plan.casts[key])
             out.write(struct.pack("<q", ref.numel))
             out.write(data)
             expected[key] = zlib.crc32(data)

@@ -269,3 +269,25 @@ def test_whole_module_needs_extract_for_renames(tmp_path: Path) -> None:
     sd = torch.load(out, weights_only=True)
     assert isinstance(sd, OrderedDict)
     strict_load({k: v.float() if v.is_floating_point() else v for k, v in sd.items()})
+
+
+def test_safetensors_renames_drops_and_casts(tmp_path: Path) -> None:
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    src, out = tmp_path / "m.safetensors", tmp_path / "o.safetensors"
+    tensors = {"module.w": torch.randn(3, 2), "module.b": torch.randn(3), "module.n": torch.tensor(4)}
+    save_file(tensors, str(src), metadata={"note": "kept"})
+    assert main(["fix", str(src), "--strip-module", "--drop", "module.b", "--dtype", "bf16",
+                 "-o", str(out), "-q"]) == 0
+    with safe_open(str(out), "pt") as f:
+        assert sorted(f.keys()) == ["n", "w"] and f.metadata() == {"note": "kept"}
+        assert torch.equal(f.get_tensor("w"), tensors["module.w"].to(torch.bfloat16))
+        assert torch.equal(f.get_tensor("n"), tensors["module.n"])
+
+
+def test_safetensors_has_no_device_to_retarget(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fix", str(SAMPLES / "tinynet.safetensors"), "--to", "cuda:0",
+                 "-o", str(tmp_path / "o.safetensors")]) == 2
+    assert "record no device" in capsys.readouterr().err
