@@ -276,7 +276,8 @@ def test_safetensors_renames_drops_and_casts(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
     src, out = tmp_path / "m.safetensors", tmp_path / "o.safetensors"
-    tensors = {"module.w": torch.randn(3, 2), "module.b": torch.randn(3), "module.n": torch.tensor(4)}
+    tensors = {"module.w": torch.randn(3, 2), "module.b": torch.randn(3),
+               "module.n": torch.tensor(4)}
     save_file(tensors, str(src), metadata={"note": "kept"})
     assert main(["fix", str(src), "--strip-module", "--drop", "module.b", "--dtype", "bf16",
                  "-o", str(out), "-q"]) == 0
