@@ -26,10 +26,20 @@ $(STAMP): $(DEPS) $(SOURCES)
 	$(BIN)/python -m pip install --quiet --no-deps --no-build-isolation --force-reinstall .
 	touch $(STAMP)
 
+DEMO_DIR := $(shell mktemp -d -u /tmp/ckptool-demo.XXXXXX)
+
 demo: $(STAMP)
 	@for f in samples/*.pth samples/*.ckpt samples/*.safetensors samples/*.pt; do \
 	  echo; echo "\$$ ckptool inspect $$f"; $(BIN)/ckptool inspect "$$f" || exit $$?; \
 	done
+	@mkdir -p $(DEMO_DIR)
+	@echo; echo "\$$ ckptool fix samples/dataparallel_cuda2.pth --strip-module --to cpu -o $(DEMO_DIR)/fixed.pth"
+	@$(BIN)/ckptool fix samples/dataparallel_cuda2.pth --strip-module --to cpu -o $(DEMO_DIR)/fixed.pth
+	@echo; echo "\$$ ckptool inspect $(DEMO_DIR)/fixed.pth --limit 3"
+	@$(BIN)/ckptool inspect $(DEMO_DIR)/fixed.pth --limit 3
+	@echo; echo "\$$ ckptool convert $(DEMO_DIR)/fixed.pth $(DEMO_DIR)/fixed.safetensors"
+	@$(BIN)/ckptool convert $(DEMO_DIR)/fixed.pth $(DEMO_DIR)/fixed.safetensors
+	@rm -rf $(DEMO_DIR)
 
 lint: $(STAMP)
 	$(BIN)/ruff check ckptool tests bench samples
