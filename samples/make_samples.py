@@ -35,6 +35,19 @@ class TinyNet(nn.Module):
         return self.fc(self.bn(self.conv(x)).mean((2, 3)))
 
 
+class TinyNetV2(TinyNet):
+    """TinyNet fine-tuned into a new version: a 12-class head, batch norm
+    without running statistics, and a learnable temperature on the logits."""
+
+    def __init__(self) -> None:
+        super().__init__(classes=12)
+        self.bn = nn.BatchNorm2d(8, track_running_stats=False)
+        self.temperature = nn.Parameter(torch.ones(1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) / self.temperature
+
+
 @contextlib.contextmanager
 def saved_on(tag: str) -> Iterator[None]:
     """Make torch.save record ``tag`` as every storage's location."""
@@ -114,6 +127,16 @@ def main() -> None:
     # a checkpoint that runs a shell command on torch.load(weights_only=False)
     torch.save({"state_dict": net.state_dict(), "callback": RunsCode()},
                HERE / "hostile_runs_code.pth")
+    # version 2 of the net, fine-tuned from it one step, saved from torch.compile
+    # ("_orig_mod." keys) under "model": what `ckptool diff` compares it with
+    v2 = TinyNetV2()
+    with torch.no_grad():
+        for name in ("conv.weight", "conv.bias", "bn.weight", "bn.bias"):
+            v2.get_parameter(name).copy_(net.get_parameter(name))
+    nn.functional.cross_entropy(v2(torch.randn(4, 3, 8, 8)), torch.arange(4)).backward()
+    torch.optim.SGD(v2.parameters(), lr=0.01).step()
+    torch.save({"model": {f"_orig_mod.{k}": v for k, v in v2.state_dict().items()},
+                "step": 1300}, HERE / "finetuned_v2.pth")
     for path in sorted(HERE.iterdir()):
         if path.suffix != ".py":
             print(f"{path.name:28} {path.stat().st_size:>8} bytes")
