@@ -53,6 +53,37 @@ def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
     render_inspect(_console(), ckpt, pattern, depth, limit)
 
 
+@cli.command()
+@click.argument("path_a", metavar="A", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("path_b", metavar="B", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+@click.option("--no-values", is_flag=True,
+              help="Compare metadata only (shape, dtype, location); read no tensor bytes.")
+@click.option("--all", "all_tensors", is_flag=True,
+              help="Compare every tensor by its full key, not only the main state dicts.")
+@click.option("--limit", "-n", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Most difference rows to print; 0 prints all.")
+def diff(path_a: str, path_b: str, as_json: bool, no_values: bool, all_tensors: bool,
+         limit: int) -> int:
+    """Compare two checkpoints: names only in A or B, shape, dtype, location
+    and value changes. Exits 0 when they match, 1 when they differ."""
+    from ckptool.diff import diff_checkpoints
+    from ckptool.reader import open_checkpoint
+
+    report = diff_checkpoints(open_checkpoint(path_a), open_checkpoint(path_b),
+                              compare_values=not no_values, all_tensors=all_tensors)
+    if as_json:
+        from ckptool.report import dumps
+        from ckptool.report_diff import diff_dict
+
+        sys.stdout.write(dumps(diff_dict(report)))
+    else:
+        from ckptool.render_diff import render_diff
+
+        render_diff(_console(), report, limit)
+    return report.exit_code
+
+
 def _console() -> Any:
     from rich.console import Console
 
@@ -70,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     """Run the CLI; every error becomes a message and an exit code here."""
     show_tb = "--traceback" in (argv if argv is not None else sys.argv[1:])
     try:
-        cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
+        # a command's int return value is its exit code (diff: 1 = differences)
+        result = cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
     except CkptoolError as exc:
         if show_tb:
             traceback.print_exc()
@@ -88,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         # output piped into `head` and the reader went away: not an error
         sys.stderr.close()
         return 0
-    return 0
+    return result if isinstance(result, int) else 0
 
 
 def entry() -> None:
