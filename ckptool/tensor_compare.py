@@ -11,7 +11,6 @@ whatever the tensor's size. torch is imported when a comparison runs.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -115,22 +114,3 @@ def _integers(a: torch.Tensor, b: torch.Tensor, chunk: int) -> ValueDiff:
     for i in range(0, a.numel(), chunk):
         differ += int((a[i:i + chunk].to(torch.int64) != b[i:i + chunk].to(torch.int64)).sum())
     return _result(a.numel(), differ, None, 0)
-
-
-def describe(v: ValueDiff) -> str:
-    """A short human phrase: 'equal', 'max |Δ| 0.0125 · 3/864 differ'..."""
-    if v.status == NOT_COMPARED:
-        return f"not compared: {v.reason}"
-    if v.status == EQUAL:
-        return "equal"
-    parts = []
-    if v.max_abs_diff is not None and (v.max_abs_diff or not v.nan_mismatch):
-        parts.append(f"max |Δ| {_number(v.max_abs_diff)}")
-    parts.append(f"{v.num_different}/{v.numel} differ")
-    if v.nan_mismatch:
-        parts.append(f"{v.nan_mismatch} NaN vs number")
-    return " · ".join(parts)
-
-
-def _number(x: float) -> str:
-    return "inf" if math.isinf(x) else f"{x:.3g}"
