@@ -7,8 +7,11 @@ else. stdout carries only data. Rich is imported only for human output.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+import time
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import click
@@ -82,6 +85,113 @@ def diff(path_a: str, path_b: str, as_json: bool, no_values: bool, all_tensors: 
 
         render_diff(_console(), report, limit)
     return report.exit_code
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.option("-o", "--output", metavar="OUT",
+              help="Where to write (default: IN.fixed.EXT beside IN).")
+@click.option("--strip-module", is_flag=True,
+              help="Remove the DataParallel/DDP/compile/Lightning prefix the keys share.")
+@click.option("--strip-prefix", multiple=True, metavar="P", help="Remove prefix P from keys.")
+@click.option("--add-prefix", metavar="P", help="Put P in front of every key.")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL",
+              help="Rename keys with a regular expression (Python re.sub).")
+@click.option("--extract", is_flag=False, flag_value="auto", metavar="[PATH]",
+              help="Keep only the main state dict, or the entry at PATH.")
+@click.option("--drop", multiple=True, metavar="PATH", help="Leave out an entry (e.g. optimizer).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Cast floating-point tensors.")
+@click.option("--to", "to", metavar="DEVICE",
+              help="Save every storage as on DEVICE (cpu, cuda:0...).")
+@click.option("--map", "maps", multiple=True, metavar="SRC=DST",
+              help="Move storages saved on SRC to DST (e.g. cuda:2=cuda:0).")
+@click.option("--dry-run", is_flag=True, help="Show the plan and write nothing.")
+@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@click.option("--in-place", is_flag=True, help="Replace IN itself (atomically).")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan and result as JSON.")
+def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[str, ...],
+        add_prefix: str | None, rename: tuple[str, ...], extract: str | None,
+        drop: tuple[str, ...], dtype: str | None, to: str | None, maps: tuple[str, ...],
+        dry_run: bool, force: bool, in_place: bool, quiet: bool, as_json: bool) -> None:
+    """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
+    from ckptool import plan as planning
+    from ckptool.rewrite import fix as run_fix
+
+    opts = planning.FixOptions(
+        strip_module=strip_module, strip_prefixes=strip_prefix, add_prefix=add_prefix,
+        renames=tuple(planning.parse_pair(r, "--rename") for r in rename),
+        extract=extract, drop=drop,
+        dtype=planning.DTYPE_NAMES[dtype] if dtype else None,
+        to=planning.parse_device(to) if to else None,
+        maps=tuple((planning.parse_device(a), planning.parse_device(b))
+                   for a, b in (planning.parse_pair(m, "--map") for m in maps)),
+    )
+    with _progress(quiet) as progress:
+        result = run_fix(path, opts, output, force=force, in_place=in_place,
+                         dry_run=dry_run, progress=progress)
+    if as_json:
+        from ckptool.report import dumps, fix_dict
+
+        sys.stdout.write(dumps(fix_dict(result)))
+    elif not quiet:
+        from ckptool.render import render_fix
+
+        render_fix(_console(), result)
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("output", metavar="OUT", type=click.Path(path_type=str))
+@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+def convert(path: str, output: str, force: bool, quiet: bool, as_json: bool) -> None:
+    """Convert between torch files and safetensors (direction from OUT's extension)."""
+    from ckptool.convert import convert as run_convert
+
+    with _progress(quiet) as progress:
+        result = run_convert(path, output, force=force, progress=progress)
+    if as_json:
+        from ckptool.report import convert_dict, dumps
+
+        sys.stdout.write(dumps(convert_dict(result)))
+    elif not quiet:
+        from ckptool.render import render_convert
+
+        render_convert(_console(), result)
+
+
+@contextlib.contextmanager
+def _progress(quiet: bool) -> Iterator[Any]:
+    """A progress callback that shows a bar on stderr once a write takes over
+    a second, and never when quiet or when stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    start = time.monotonic()
+    bar = Progress("writing", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=True)
+    task = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            if time.monotonic() - start < 1.0:
+                return
+            bar.start()
+            task = bar.add_task("write", total=total)
+        bar.update(task, completed=done)
+
+    try:
+        yield update
+    finally:
+        if task is not None:
+            bar.stop()
 
 
 def _console() -> Any:

@@ -89,3 +89,56 @@ def dumps(data: dict[str, Any]) -> str:
         else:
             fields.append(f"  {name}: {encode(value)}")
     return "{\n" + ",\n".join(fields) + "\n}\n"
+
+
+def fix_groups(result: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Device moves and casts, grouped as (from, to, number of storages)."""
+    plan, storages = result.plan, result.source.storages
+    moves: dict[tuple[str, str], int] = {}
+    for sid, tag in plan.retargets.items():
+        old = storages[sid].location if sid in storages else None
+        moves[(old or "unrecorded", tag)] = moves.get((old or "unrecorded", tag), 0) + 1
+    casts: dict[tuple[str, str], int] = {}
+    for pair in plan.casts.values():
+        casts[pair] = casts.get(pair, 0) + 1
+    return ([{"from": a, "to": b, "storages": n} for (a, b), n in moves.items()],
+            [{"from": a, "to": b, "storages": n} for (a, b), n in casts.items()])
+
+
+def fix_dict(result: Any) -> dict[str, Any]:
+    """The ``fix --json`` schema (a FixResult from ckptool.rewrite)."""
+    plan = result.plan
+    devices, casts = fix_groups(result)
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "input": result.source.path,
+        "format": result.source.format,
+        "output": result.target,
+        "dry_run": result.output is None,
+        "renamed": [{"from": a, "to": b} for a, b in plan.renames],
+        "dropped": plan.dropped,
+        "extracted": plan.extracted,
+        "devices": devices,
+        "casts": casts,
+        "metadata_only": result.metadata_only,
+        "bytes_written": result.bytes_written,
+        "verified_storages": result.verified_storages,
+        "notes": plan.notes,
+    }
+
+
+def convert_dict(result: Any) -> dict[str, Any]:
+    """The ``convert --json`` schema (a ConvertResult from ckptool.convert)."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "input": result.source.path,
+        "input_format": result.source.format,
+        "output": result.output,
+        "output_format": "safetensors" if result.direction == "safetensors" else "torch-zip",
+        "tensors": result.tensors,
+        "aliases": result.aliases,
+        "copied_views": result.copied_views,
+        "kept_entries": result.kept_entries,
+        "left_out": result.left_out,
+        "bytes_written": result.bytes_written,
+    }
