@@ -2,10 +2,12 @@
 verify, then rename into place.
 
 Where the filesystem allows, the temporary file is anonymous (``O_TMPFILE``)
-and only gets a name for the instant before the rename, so even ``kill -9``
-leaves no stray file behind; elsewhere it is a dot-file that any failure
-removes. Either way the target path is, at every instant, absent, the old
-file, or the complete new one.
+and is linked straight to the target name when it is complete, so even
+``kill -9`` leaves no stray file behind (with ``--force`` it gets a dot-file
+name for the instant before the rename over the old file); elsewhere it is
+a dot-file that any failure removes, but that ``kill -9`` can leave.
+Either way the target path is, at every instant, absent, the old file, or
+the complete new one.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import threading
 from pathlib import Path
 from types import TracebackType
 from typing import IO
@@ -31,6 +34,7 @@ class AtomicOutput:
         self.file: IO[bytes]
         self._named: Path | None = None  # temp file's name, when it has one
         self._committed = False
+        self._sync: threading.Thread | None = None
 
     def __enter__(self) -> AtomicOutput:
         if self.target.exists() and not self.force:
@@ -69,24 +73,53 @@ class AtomicOutput:
             return str(self._named)
         return f"/proc/self/fd/{self.file.fileno()}"
 
-    def commit(self) -> None:
-        """Make the file durable and move it onto the target path."""
+    def sync_in_background(self) -> None:
+        """Start making the file durable while the caller verifies it
+        (fsync and reading back both release the GIL)."""
         self.file.flush()
-        os.fsync(self.file.fileno())
-        if self._named is None:
-            # give the anonymous file a name for the instant before the rename
-            self._named = self.target.parent / (
-                f".{self.target.name}.{secrets.token_hex(4)}.ckptool-tmp")
-            # os.link calls linkat(AT_SYMLINK_FOLLOW), which O_TMPFILE needs,
-            # only when given a directory fd
-            proc_fd = os.open("/proc/self/fd", os.O_RDONLY)
-            try:
-                os.link(str(self.file.fileno()), self._named, src_dir_fd=proc_fd)
-            finally:
-                os.close(proc_fd)
-        self.file.close()
-        os.replace(self._named, self.target)
+        self._sync = threading.Thread(target=os.fsync, args=(self.file.fileno(),))
+        self._sync.start()
+
+    def _link(self, name: Path) -> None:
+        # os.link calls linkat(AT_SYMLINK_FOLLOW), which O_TMPFILE needs,
+        # only when given a directory fd
+        proc_fd = os.open("/proc/self/fd", os.O_RDONLY)
+        try:
+            os.link(str(self.file.fileno()), name, src_dir_fd=proc_fd)
+        finally:
+            os.close(proc_fd)
+
+    def commit(self) -> None:
+        """Make the file durable and put it at the target path.
+
+        Without ``force`` the file appears under the target name in one step
+        (``linkat``), which never replaces a file: one that appeared while we
+        wrote is an error, not overwritten. With ``force`` it gets a temporary
+        name, then ``rename`` replaces the target atomically.
+        """
+        self.file.flush()
+        if self._sync is not None:
+            self._sync.join()
+        else:
+            os.fsync(self.file.fileno())
+        try:
+            if self._named is None and not self.force:
+                self._link(self.target)
+            else:
+                if self._named is None:
+                    self._named = self.target.parent / (
+                        f".{self.target.name}.{secrets.token_hex(4)}.ckptool-tmp")
+                    self._link(self._named)
+                if self.force:
+                    os.replace(self._named, self.target)
+                else:
+                    os.link(self._named, self.target)
+                    self._named.unlink()
+        except FileExistsError as exc:
+            raise UsageError(f"{self.target} appeared while ckptool was writing it",
+                             "nothing was overwritten; pass --force to replace it") from exc
         self._committed = True
+        self.file.close()
         with contextlib.suppress(OSError):  # not every filesystem can fsync a directory
             dir_fd = os.open(self.target.parent, os.O_RDONLY)
             try:
@@ -96,6 +129,8 @@ class AtomicOutput:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        if self._sync is not None:
+            self._sync.join()
         if self._committed:
             return
         if not self.file.closed:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import os
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -38,7 +39,7 @@ from ckptool.reader import open_checkpoint
 from ckptool.tensor_data import TensorData
 from ckptool.tensors import StorageRef, StorageType, TensorRecord
 from ckptool.values import TorchDtype
-from ckptool.zipwriter import ZipWriter
+from ckptool.zipwriter import ZipWriter, copy_range, crc_range
 
 ST_CODES = {v: k for k, v in dtypes.SAFETENSORS_DTYPES.items()}
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
@@ -155,16 +156,26 @@ def _to_safetensors(source: Checkpoint, dst: str, force: bool,
         meta["ckptool.entries"] = json.dumps(entries, default=repr)
     items = [(name, t, t.dtype) for name, t in kept.items()]
     with AtomicOutput(dst, force) as out, TensorData(source) as reader:
-        crcs = write_safetensors(out.file, items, meta, reader, progress)
+        spans = write_safetensors(out.file, items, meta, reader, progress)
         result.bytes_written = out.file.tell()
-        verify(out.read_path, {n: (t.shape, t.dtype) for n, t in kept.items()}, crcs)
+        out.sync_in_background()
+        verify(out.read_path, {n: (t.shape, t.dtype) for n, t in kept.items()}, spans,
+               out.file.fileno())
         out.commit()
     return result
 
 
+Expected = dict[str, tuple[int, int, int]]  # name -> (offset, size, crc) in the output
+
+
 def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: dict[str, str],
-                      reader: TensorData, progress: Progress | None = None) -> dict[str, int]:
-    """Write (name, tensor, dtype to write it as) to ``f``; returns each tensor's CRC."""
+                      reader: TensorData, progress: Progress | None = None) -> Expected:
+    """Write (name, tensor, dtype to write it as) to ``f``; returns where each
+    tensor's bytes went and the CRC they must have.
+
+    A tensor kept as it is and laid out densely in its storage is copied by
+    the kernel; its CRC comes from the zip directory when it fills its record,
+    else from reading the source. Casts and strided views go through torch."""
     header: dict[str, Any] = {}
     offset = 0
     for name, t, dtype in items:
@@ -176,22 +187,38 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned
     f.write(len(raw).to_bytes(8, "little") + raw)
-    crcs: dict[str, int] = {}
-    done = 0
-    for name, t, dtype in items:
-        crc = 0
-        chunks = _tensor_chunks(reader, t)
-        if dtype != t.dtype:
-            chunks = iter([cast_bytes(b"".join(chunks), t.dtype, dtype)])
-        for chunk in chunks:
-            f.write(chunk)
-            crc = zlib.crc32(chunk, crc)
-            done += len(chunk)
-            if progress is not None:
-                progress(done, offset)
-        crcs[name] = crc
     f.flush()
-    return crcs
+    base = 8 + len(raw)
+    expected: Expected = {}
+    done = 0
+    buf = bytearray(CHUNK)
+
+    def step(n: int) -> None:
+        nonlocal done
+        done += n
+        if progress is not None:
+            progress(done, offset)
+
+    for name, t, dtype in items:
+        start = base + header[name]["data_offsets"][0]
+        size = t.numel * dtypes.itemsize(dtype)
+        if dtype == t.dtype and t.storage is not None and _is_dense(t):
+            src = reader.storage_offset(t.storage) + t.storage_offset * dtypes.itemsize(t.dtype)
+            whole = t.storage_offset == 0 and size == reader.storage(t.storage).nbytes
+            crc = reader.record_crc(t.storage) if whole else None
+            if crc is None:
+                crc = crc_range(reader.fileno(), src, size, buf)
+            copy_range(reader.fileno(), src, f.fileno(), start, size, step)
+        else:
+            data = b"".join(_tensor_chunks(reader, t))
+            if dtype != t.dtype:
+                data = cast_bytes(data, t.dtype, dtype)
+            os.pwrite(f.fileno(), data, start)
+            crc = zlib.crc32(data)
+            step(len(data))
+        expected[name] = (start, size, crc)
+    f.seek(base + offset)
+    return expected
 
 
 def cast_bytes(data: bytes | bytearray, src: str, dst: str) -> bytes:
@@ -232,7 +259,7 @@ def _to_torch(source: Checkpoint, dst: str, force: bool,
             sd[alias] = sd[kept]  # one tensor under two names: shared storage again
     pickled = repickle.dumps(sd, lambda ref: tuple([*(ref.pid or ())]))
     root = Path(dst).stem
-    crcs: dict[str, int] = {}
+    spans: Expected = {}
     with AtomicOutput(dst, force) as out, TensorData(source) as reader:
         writer = ZipWriter(out.file)
         writer.write_bytes(f"{root}/data.pkl", pickled)
@@ -243,7 +270,7 @@ def _to_torch(source: Checkpoint, dst: str, force: bool,
         done = 0
         for key, t in records.items():
             written = writer.write_record(f"{root}/data/{key}", _tensor_chunks(reader, t))
-            crcs[t.key] = written.crc
+            spans[t.key] = (written.data_offset, written.size, written.crc)
             done += t.nbytes
             if progress is not None:
                 progress(done, total)
@@ -253,23 +280,26 @@ def _to_torch(source: Checkpoint, dst: str, force: bool,
         result.bytes_written = out.file.tell()
         expect = {t.key: (t.shape, t.dtype) for t in source.tensors}
         expect.update({a: expect[k] for a, k in aliases.items() if k in expect})
-        verify(out.read_path, expect, crcs)
+        out.sync_in_background()
+        verify(out.read_path, expect, spans, out.file.fileno())
         out.commit()
     return result
 
 
 def verify(path: str, expect: dict[str, tuple[tuple[int, ...], str]],
-            crcs: dict[str, int]) -> None:
+           spans: Expected, fd: int) -> None:
+    """Read the converted file back: names, shapes and dtypes from a fresh read
+    of ``path``, every tensor's bytes by CRC where the file itself puts them."""
     written = open_checkpoint(path)
     got = written.state_dict() or {t.key: t for t in written.tensors}
     if {k: (t.shape, t.dtype) for k, t in got.items()} != expect:
         raise CorruptCheckpointError("the converted file's tensors differ from the input's",
                                      "nothing was written; report this as a bug")
+    buf = bytearray(CHUNK)
     with TensorData(written) as reader:
-        for name, crc in crcs.items():
-            actual = 0
-            for chunk in _tensor_chunks(reader, got[name]):
-                actual = zlib.crc32(chunk, actual)
-            if actual != crc:
+        for name, (start, size, crc) in spans.items():
+            t = got[name]
+            at = reader.storage_offset(t.storage) if t.storage is not None else -1
+            if at != start or crc_range(fd, start, size, buf) != crc:
                 raise CorruptCheckpointError(f"the converted {name} does not match its bytes",
                                              "nothing was written; report this as a bug")

@@ -34,7 +34,7 @@ from ckptool.reader import assemble, open_checkpoint
 from ckptool.tensor_data import TensorData
 from ckptool.tensors import StorageRef
 from ckptool.walk import walk
-from ckptool.zipwriter import ZipWriter
+from ckptool.zipwriter import ZipWriter, crc_range
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -103,9 +103,9 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             expected = _write_zip(src, source, plan, out.file, progress)
         else:
             expected = _write_legacy(src, source, plan, out.file, progress)
-        out.file.flush()
         result.bytes_written = out.file.tell()
-        result.verified_storages = _verify(out.read_path, plan, expected)
+        out.sync_in_background()
+        result.verified_storages = _verify(out.read_path, plan, expected, out.file.fileno())
         out.commit()
     result.output = target
     return result
@@ -120,14 +120,18 @@ def _storage_bytes(reader: TensorData, sid: str) -> bytearray:
     return reader.read_range(sid, 0, info.nbytes)
 
 
+# where each output storage's bytes are, and the CRC they must have
+Expected = dict[str, tuple[int, int, int]]  # storage id -> (offset, size, crc)
+
+
 def _write_zip(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
-               progress: Progress | None) -> dict[str, int]:
-    """Write the zip; returns the CRC every output storage must have."""
+               progress: Progress | None) -> Expected:
+    """Write the zip; returns where each storage went and the CRC it must have."""
     used = used_storages(plan.root)
     shared: dict[str, Any] = {}
     pickled = repickle.dumps(plan.root, lambda ref: new_pid(ref, plan, shared))
     total, done = _total(used), 0
-    expected: dict[str, int] = {}
+    expected: Expected = {}
     with TensorData(source) as reader, open(src, "rb") as f:
         from ckptool.formats.torch_zip import open_archive
 
@@ -157,7 +161,7 @@ def _write_zip(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
                 else:
                     rec = writer.copy_record(name, f, archive.data_offset(member),
                                              member.size, member.crc, step)
-                expected[key] = rec.crc
+                expected[key] = (rec.data_offset, rec.size, rec.crc)
             else:
                 writer.write_bytes(name, archive.read(name, 1 << 20))
         writer.close()
@@ -174,8 +178,9 @@ def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
         items.append((name, t, plan.casts.get(t.storage or "", (t.dtype, t.dtype))[1]))
     meta = source.metadata.get("metadata") or {}
     with TensorData(source) as reader:
-        crcs = write_safetensors(out.file, items, dict(meta), reader, progress)
-    verify(out.read_path, {n: (t.shape, d) for n, t, d in items}, crcs)
+        spans = write_safetensors(out.file, items, dict(meta), reader, progress)
+    out.sync_in_background()
+    verify(out.read_path, {n: (t.shape, d) for n, t, d in items}, spans, out.file.fileno())
 
 
 def _legacy_header_end(f: IO[bytes]) -> int:
@@ -187,7 +192,7 @@ def _legacy_header_end(f: IO[bytes]) -> int:
 
 
 def _write_legacy(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
-                  progress: Progress | None) -> dict[str, int]:
+                  progress: Progress | None) -> Expected:
     used = used_storages(plan.root)
     if any((r.pid or (None,) * 6)[5] is not None for r in used.values()):
         raise UnsupportedCheckpointError("storage views of torch < 0.4 files cannot be rewritten",
@@ -196,7 +201,7 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
     pickled = repickle.dumps(plan.root, lambda ref: new_pid(ref, plan, shared))
     keys = sorted(used)  # torch writes the storage keys sorted, as strings
     total, done = _total(used), 0
-    expected: dict[str, int] = {}
+    expected: Expected = {}
     with TensorData(source) as reader, open(src, "rb") as f:
         header_end = _legacy_header_end(f)
         out.write(os.pread(f.fileno(), header_end, 0))
@@ -208,16 +213,19 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
             if key in plan.casts:
                 data = cast_bytes(data, *plan.casts[key])
             out.write(struct.pack("<q", ref.numel))
+            expected[key] = (out.tell(), len(data), zlib.crc32(data))
             out.write(data)
-            expected[key] = zlib.crc32(data)
             done += ref.nbytes
             if progress is not None:
                 progress(done, total)
     return expected
 
 
-def _verify(path: str, plan: Plan, expected: dict[str, int]) -> int:
-    """Read the written file back; compare it with the plan. Returns storages checked."""
+def _verify(path: str, plan: Plan, expected: Expected, fd: int) -> int:
+    """Read the written file back; compare it with the plan. Returns storages checked.
+
+    Metadata through a fresh read of ``path``; bytes by CRC, read straight
+    from ``fd`` where the writer put them (one reused buffer, no copies)."""
     try:
         written = open_checkpoint(path)
     except CorruptCheckpointError as exc:
@@ -238,12 +246,14 @@ def _verify(path: str, plan: Plan, expected: dict[str, int]) -> int:
                 rec.shape, rec.stride, rec.storage_offset, dtype, location, sid):
             raise CorruptCheckpointError(f"the output's {key} does not match the plan",
                                          "nothing was written; report this as a bug")
+    buf = bytearray(16 << 20)
     with TensorData(written) as reader:
-        for sid, crc in expected.items():
-            actual = 0
-            for chunk in reader.iter_storage_chunks(sid):
-                actual = zlib.crc32(chunk, actual)
-            if actual != crc:
+        for sid, (offset, size, crc) in expected.items():
+            # the output's own directory must point at the bytes checked here
+            if reader.storage_offset(sid) != offset or written.storages[sid].nbytes > size:
+                raise CorruptCheckpointError(f"storage {sid} of the output is misplaced",
+                                             "nothing was written; report this as a bug")
+            if crc_range(fd, offset, size, buf) != crc:
                 raise CorruptCheckpointError(
                     f"storage {sid} of the output does not match the input's bytes",
                     "the input may be damaged (its checksum fails), or the disk is; "

@@ -93,6 +93,19 @@ class TensorData:
         self._spans[storage_id] = start
         return start
 
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def record_crc(self, storage_id: str) -> int | None:
+        """The zip directory's CRC of a storage whose record it fills, else None."""
+        info = self.storage(storage_id)
+        if info.record is None or info.record.startswith("@"):
+            return None
+        self.storage_offset(storage_id)  # parses the directory and checks the record
+        assert self._zip is not None
+        member = self._zip.members[info.record]
+        return member.crc if member.size == info.nbytes else None
+
     def _record_offset(self, record: str, nbytes: int) -> int:
         try:
             if self._zip is None:

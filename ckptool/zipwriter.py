@@ -35,6 +35,7 @@ class Written:
     size: int
     crc: int
     flags: int = _FLAGS
+    data_offset: int = 0  # of the first data byte
 
 
 class ZipWriter:
@@ -59,6 +60,7 @@ class ZipWriter:
         offset = self.pos
         self.f.write(header)
         self.pos += len(header)
+        data_offset = self.pos
         crc, size = 0, 0
         for chunk in chunks:
             self.f.write(chunk)
@@ -72,7 +74,7 @@ class ZipWriter:
             desc = struct.pack("<IIII", 0x08074B50, crc, size, size)
         self.f.write(desc)
         self.pos += len(desc)
-        rec = Written(name, offset, size, crc)
+        rec = Written(name, offset, size, crc, data_offset=data_offset)
         self.records.append(rec)
         return rec
 
@@ -101,7 +103,7 @@ class ZipWriter:
                 else struct.pack("<IIII", 0x08074B50, crc, size, size))
         self.f.write(desc)
         self.pos += len(desc)
-        rec = Written(name, offset_here, size, crc)
+        rec = Written(name, offset_here, size, crc, data_offset=self.pos - size - len(desc))
         self.records.append(rec)
         return rec
 
@@ -161,3 +163,16 @@ def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int,
         done += n
         if progress is not None:
             progress(n)
+
+
+def crc_range(fd: int, offset: int, size: int, buf: bytearray | None = None) -> int:
+    """CRC-32 of ``size`` bytes of ``fd`` at ``offset``, read into one reused buffer."""
+    view = memoryview(buf if buf is not None else bytearray(COPY_CHUNK // 4))
+    crc, done = 0, 0
+    while done < size:
+        n = os.preadv(fd, [view[: min(len(view), size - done)]], offset + done)
+        if n <= 0:
+            raise OSError(f"file ends {size - done} bytes early")
+        crc = zlib.crc32(view[:n], crc)
+        done += n
+    return crc

@@ -622,7 +622,7 @@ def test_verification_failure(small: tuple[Path, Path], temp_mode: str,
     out = outdir / "o.pth"
     seen: list[str] = []
 
-    def broken(path: str, plan: Any, expected: dict[str, int]) -> int:
+    def broken(path: str, *args: Any) -> int:
         seen.append(path)
         # the temporary file is complete at this point, and not yet at OUT
         assert not out.exists()
