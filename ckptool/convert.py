@@ -32,6 +32,7 @@ from typing import Any
 
 from ckptool import dtypes, repickle
 from ckptool.atomic import AtomicOutput
+from ckptool.bytecheck import ByteChecker
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptool.formats.safetensors_fmt import SAFETENSORS
 from ckptool.model import Checkpoint, TensorInfo
@@ -159,8 +160,7 @@ def _to_safetensors(source: Checkpoint, dst: str, force: bool,
         spans = write_safetensors(out.file, items, meta, reader, progress)
         result.bytes_written = out.file.tell()
         out.sync_in_background()
-        verify(out.read_path, {n: (t.shape, t.dtype) for n, t in kept.items()}, spans,
-               out.file.fileno())
+        verify(out.read_path, {n: (t.shape, t.dtype) for n, t in kept.items()}, spans)
         out.commit()
     return result
 
@@ -192,6 +192,7 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
     expected: Expected = {}
     done = 0
     buf = bytearray(CHUNK)
+    checker = ByteChecker(f.fileno())
 
     def step(n: int) -> None:
         nonlocal done
@@ -217,8 +218,17 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
             crc = zlib.crc32(data)
             step(len(data))
         expected[name] = (start, size, crc)
+        checker.check(name, start, size, crc)
     f.seek(base + offset)
+    _finish(checker)
     return expected
+
+
+def _finish(checker: ByteChecker) -> None:
+    failed = checker.finish()
+    if failed:
+        raise CorruptCheckpointError(f"the converted {failed[0]} does not match its bytes",
+                                     "the input may be damaged; nothing was written")
 
 
 def cast_bytes(data: bytes | bytearray, src: str, dst: str) -> bytes:
@@ -268,38 +278,41 @@ def _to_torch(source: Checkpoint, dst: str, force: bool,
             writer.write_bytes(f"{root}/{name}", value)
         total = sum(t.nbytes for t in records.values())
         done = 0
+        checker = ByteChecker(out.file.fileno())
         for key, t in records.items():
             written = writer.write_record(f"{root}/data/{key}", _tensor_chunks(reader, t))
             spans[t.key] = (written.data_offset, written.size, written.crc)
+            out.file.flush()
+            checker.check(t.key, *spans[t.key])
             done += t.nbytes
             if progress is not None:
                 progress(done, total)
         writer.write_bytes(f"{root}/version", b"3\n")
         writer.close()
+        _finish(checker)
         out.file.flush()
         result.bytes_written = out.file.tell()
         expect = {t.key: (t.shape, t.dtype) for t in source.tensors}
         expect.update({a: expect[k] for a, k in aliases.items() if k in expect})
         out.sync_in_background()
-        verify(out.read_path, expect, spans, out.file.fileno())
+        verify(out.read_path, expect, spans)
         out.commit()
     return result
 
 
-def verify(path: str, expect: dict[str, tuple[tuple[int, ...], str]],
-           spans: Expected, fd: int) -> None:
+def verify(path: str, expect: dict[str, tuple[tuple[int, ...], str]], spans: Expected) -> None:
     """Read the converted file back: names, shapes and dtypes from a fresh read
-    of ``path``, every tensor's bytes by CRC where the file itself puts them."""
+    of ``path``; each tensor's bytes were re-read and CRC-checked as they were
+    written (``ByteChecker``), and here the file must point at those bytes."""
     written = open_checkpoint(path)
     got = written.state_dict() or {t.key: t for t in written.tensors}
     if {k: (t.shape, t.dtype) for k, t in got.items()} != expect:
         raise CorruptCheckpointError("the converted file's tensors differ from the input's",
                                      "nothing was written; report this as a bug")
-    buf = bytearray(CHUNK)
     with TensorData(written) as reader:
-        for name, (start, size, crc) in spans.items():
+        for name, (start, _, _) in spans.items():
             t = got[name]
             at = reader.storage_offset(t.storage) if t.storage is not None else -1
-            if at != start or crc_range(fd, start, size, buf) != crc:
+            if at != start:
                 raise CorruptCheckpointError(f"the converted {name} does not match its bytes",
                                              "nothing was written; report this as a bug")

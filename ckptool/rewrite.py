@@ -23,6 +23,7 @@ from typing import IO, Any
 
 from ckptool import formats, inplace, repickle, safe_pickle
 from ckptool.atomic import AtomicOutput
+from ckptool.bytecheck import ByteChecker
 from ckptool.convert import cast_bytes, verify, write_safetensors
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptool.formats.safetensors_fmt import SAFETENSORS
@@ -34,7 +35,7 @@ from ckptool.reader import assemble, open_checkpoint
 from ckptool.tensor_data import TensorData
 from ckptool.tensors import StorageRef
 from ckptool.walk import walk
-from ckptool.zipwriter import ZipWriter, crc_range
+from ckptool.zipwriter import ZipWriter
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -105,7 +106,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             expected = _write_legacy(src, source, plan, out.file, progress)
         result.bytes_written = out.file.tell()
         out.sync_in_background()
-        result.verified_storages = _verify(out.read_path, plan, expected, out.file.fileno())
+        result.verified_storages = _verify(out.read_path, plan, expected)
         out.commit()
     result.output = target
     return result
@@ -146,6 +147,7 @@ def _write_zip(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
             if progress is not None:
                 progress(done, total)
 
+        checker = ByteChecker(out.fileno())
         for name, member in archive.members.items():
             inner = name[len(prefix):] if name.startswith(prefix) else name
             if inner == "data.pkl":
@@ -162,10 +164,22 @@ def _write_zip(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
                     rec = writer.copy_record(name, f, archive.data_offset(member),
                                              member.size, member.crc, step)
                 expected[key] = (rec.data_offset, rec.size, rec.crc)
+                out.flush()
+                checker.check(key, rec.data_offset, rec.size, rec.crc)
             else:
                 writer.write_bytes(name, archive.read(name, 1 << 20))
         writer.close()
+        _finish(checker)
     return expected
+
+
+def _finish(checker: ByteChecker) -> None:
+    failed = checker.finish()
+    if failed:
+        raise CorruptCheckpointError(
+            f"storage {failed[0]} of the output does not match the input's bytes",
+            "the input may be damaged (its checksum fails), or the disk is; "
+            "nothing was written")
 
 
 def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
@@ -180,7 +194,7 @@ def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
     with TensorData(source) as reader:
         spans = write_safetensors(out.file, items, dict(meta), reader, progress)
     out.sync_in_background()
-    verify(out.read_path, {n: (t.shape, d) for n, t, d in items}, spans, out.file.fileno())
+    verify(out.read_path, {n: (t.shape, d) for n, t, d in items}, spans)
 
 
 def _legacy_header_end(f: IO[bytes]) -> int:
@@ -207,6 +221,7 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
         out.write(os.pread(f.fileno(), header_end, 0))
         out.write(pickled)
         out.write(repickle.dumps(keys, lambda ref: ()))
+        checker = ByteChecker(out.fileno())
         for key in keys:
             ref = used[key]
             data = bytes(_storage_bytes(reader, key))
@@ -215,17 +230,21 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, out: IO[bytes],
             out.write(struct.pack("<q", ref.numel))
             expected[key] = (out.tell(), len(data), zlib.crc32(data))
             out.write(data)
+            out.flush()
+            checker.check(key, *expected[key])
             done += ref.nbytes
             if progress is not None:
                 progress(done, total)
+        _finish(checker)
     return expected
 
 
-def _verify(path: str, plan: Plan, expected: Expected, fd: int) -> int:
+def _verify(path: str, plan: Plan, expected: Expected) -> int:
     """Read the written file back; compare it with the plan. Returns storages checked.
 
-    Metadata through a fresh read of ``path``; bytes by CRC, read straight
-    from ``fd`` where the writer put them (one reused buffer, no copies)."""
+    Metadata through a fresh read of ``path``; the bytes were read back and
+    CRC-checked as they were written (``ByteChecker``), and here the file's own
+    directory must point at exactly those bytes."""
     try:
         written = open_checkpoint(path)
     except CorruptCheckpointError as exc:
@@ -246,18 +265,12 @@ def _verify(path: str, plan: Plan, expected: Expected, fd: int) -> int:
                 rec.shape, rec.stride, rec.storage_offset, dtype, location, sid):
             raise CorruptCheckpointError(f"the output's {key} does not match the plan",
                                          "nothing was written; report this as a bug")
-    buf = bytearray(16 << 20)
     with TensorData(written) as reader:
-        for sid, (offset, size, crc) in expected.items():
+        for sid, (offset, size, _) in expected.items():
             # the output's own directory must point at the bytes checked here
             if reader.storage_offset(sid) != offset or written.storages[sid].nbytes > size:
                 raise CorruptCheckpointError(f"storage {sid} of the output is misplaced",
                                              "nothing was written; report this as a bug")
-            if crc_range(fd, offset, size, buf) != crc:
-                raise CorruptCheckpointError(
-                    f"storage {sid} of the output does not match the input's bytes",
-                    "the input may be damaged (its checksum fails), or the disk is; "
-                    "nothing was written")
     return len(expected)
 
 
