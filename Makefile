@@ -53,6 +53,7 @@ samples: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_inspect.py
+	$(BIN)/python bench/bench_fix.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
