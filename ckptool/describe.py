@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ckptool.constructors import NDArray
 from ckptool.tensors import CompositeTensor, StorageRef, TensorRecord
-from ckptool.values import NDArray, StandIn
+from ckptool.values import StandIn
 
 MAX_ITEMS = 8
 MAX_DEPTH = 4

@@ -1,7 +1,7 @@
 """Rewrite plans: what ``ckptool fix`` changes, applied to a faithful tree.
 
 A ``FixOptions`` says what to do; ``make_plan`` applies it to the object
-tree of a file read with ``safe_pickle.faithful()`` and returns the new tree
+tree of a file read with ``resolve.faithful()`` and returns the new tree
 with the list of changes (key renames, dropped entries, new location tags,
 casts). Nothing is written here and no tensor byte is read: the writer
 (``ckptool.rewrite``) streams the bytes afterwards.

@@ -17,7 +17,7 @@ import pickle
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from ckptool import values
+from ckptool import constructors, values
 from ckptool.errors import UnsupportedCheckpointError
 from ckptool.tensors import CompositeTensor, StorageRef, StorageType, TensorRecord
 from ckptool.values import StandIn, TorchDtype
@@ -120,7 +120,7 @@ def _global_name(obj: Any) -> str:
     dotted = getattr(obj, "ckpt_global", None)
     if isinstance(dotted, str):
         return dotted
-    if obj is values.safe_callable("collections.OrderedDict"):
+    if obj is constructors.safe_callable("collections.OrderedDict"):
         return "collections.OrderedDict"
     if isinstance(obj, type) and obj.__module__ in ("builtins", "collections"):
         return f"{obj.__module__}.{obj.__qualname__}"

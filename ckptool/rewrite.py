@@ -1,6 +1,6 @@
 """Carry out a rewrite plan: write the new file, verify it, put it in place.
 
-The file is read faithfully (``safe_pickle.faithful``), the plan applied
+The file is read faithfully (``resolve.faithful``), the plan applied
 (``ckptool.plan``), and the output written in the input's own format:
 torch zip records are copied by the kernel where unchanged, cast where
 ``--dtype`` asks, and the pickle is written anew; legacy files get their
@@ -32,6 +32,7 @@ from ckptool.formats.torch_zip import TORCH_ZIP
 from ckptool.model import Checkpoint
 from ckptool.plan import FixOptions, Plan, make_plan, new_pid, unsafe_in, used_storages
 from ckptool.reader import assemble, open_checkpoint
+from ckptool.resolve import faithful
 from ckptool.tensor_data import TensorData
 from ckptool.tensors import StorageRef
 from ckptool.walk import walk
@@ -62,7 +63,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         progress: Progress | None = None) -> FixResult:
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
-    with safe_pickle.faithful():
+    with faithful():
         raw = formats.read(src)
     if raw.format not in (TORCH_ZIP, TORCH_LEGACY, SAFETENSORS):
         raise UnsupportedCheckpointError(

@@ -13,7 +13,7 @@ the file's own objects are ours too, not only ``find_class``:
 - ``EXT1/2/4`` look a code up by name, never in ``copyreg``'s cache of live
   objects (which a plain ``pickle.loads`` in the same process fills);
 - ``BUILD`` sets state only on objects this read made for the file
-  (``values.BUILDABLE``): never on a class or function we hand out, which
+  (``constructors.BUILDABLE``): never on a class or function we hand out, which
   every later read shares, nor on a tensor or storage record already checked;
 - every dict key and set item is checked before it is hashed
   (``values.check_key``): the C unpickler hashes a 100k-deep tuple key
@@ -27,7 +27,6 @@ bounded.
 from __future__ import annotations
 
 import _compat_pickle
-import contextlib
 import contextvars
 import copyreg
 import gc
@@ -35,22 +34,19 @@ import io
 import pickle
 import struct
 from collections import Counter
-from collections.abc import Callable, Iterator
-from itertools import chain
+from collections.abc import Callable
 from typing import IO, Any
 
-from ckptool import policy, tensors, values
+from ckptool import constructors, policy, values
 from ckptool.errors import CorruptCheckpointError
+from ckptool.resolve import resolve_global
+from ckptool.treecheck import HINT, check_tree
 
 PersistentLoader = Callable[[tuple[Any, ...]], Any]
 
-MAX_DEPTH = 10_000  # containers nested in one object tree
-MAX_INT_BITS = 8_192  # longer integers cannot be printed (sys.get_int_max_str_digits)
 MAX_GLOBALS = 10_000  # distinct globals one file may name: each becomes a class
 MAX_EMBEDDED_DEPTH = 2  # legacy files inside storages inside legacy files...
 
-HINT = ("the file is truncated, damaged, or not what its name says; "
-        "if it was downloaded or copied, fetch it again")
 
 _U32 = struct.Struct("<I").unpack
 
@@ -255,7 +251,7 @@ class SafeUnpickler(pickle._Unpickler):
 
     def _load_build(self) -> None:
         inst = self.stack[-2]
-        if not isinstance(inst, values.BUILDABLE):
+        if not isinstance(inst, constructors.BUILDABLE):
             raise pickle.UnpicklingError(
                 f"pickle sets state on {values.brief(inst)}, which it did not create")
         _BASE_BUILD(self)  # type: ignore[arg-type]
@@ -278,134 +274,6 @@ SafeUnpickler.dispatch.update({
     pickle.BINGET[0]: SafeUnpickler._load_binget,
     pickle.LONG_BINGET[0]: SafeUnpickler._load_long_binget,
 })
-
-
-_faithful = contextvars.ContextVar("ckptool_faithful", default=False)
-
-
-@contextlib.contextmanager
-def faithful() -> Iterator[None]:
-    """Read for a rewrite: keep what is needed to write the pickle back as is.
-
-    Tensor rebuilds record their call (``TensorRecord.origin``), and every
-    other global but dtypes, storage types and ``OrderedDict`` stays a
-    recording stand-in: no value is decoded (a numpy scalar stays a call,
-    not an int), so writing the tree back reproduces the file's own pickle.
-    """
-    token = _faithful.set(True)
-    try:
-        yield
-    finally:
-        _faithful.reset(token)
-
-
-def resolve_global(module: str, name: str, verdict: policy.Verdict) -> Any:
-    """What a global becomes: never the real object, except inert builtins."""
-    dotted = f"{module}.{name}"
-    if _faithful.get() and verdict.category != policy.UNSAFE:
-        if dotted in tensors.REBUILDERS:
-            return tensors.traced(dotted)
-        if module in ("torch", "torch.storage") and tensors.storage_type(name) is not None:
-            return tensors.storage_type(name)
-        if module == "torch" and isinstance(values.torch_value(name), values.TorchDtype):
-            return values.torch_value(name)
-        if dotted == "collections.OrderedDict":
-            return values.safe_callable(dotted)
-        return values.standin_class(dotted, verdict.category)
-    if verdict.category != policy.UNSAFE:
-        rebuild = tensors.REBUILDERS.get(dotted)
-        if rebuild is not None:
-            return rebuild
-        if module in ("torch", "torch.storage"):
-            st = tensors.storage_type(name)
-            if st is not None:
-                return st
-        if module == "torch":
-            value = values.torch_value(name)
-            if value is not None:
-                return value
-        if dotted == "torch.serialization._get_layout":
-            return values.TorchConstant
-        safe = values.safe_callable(dotted)
-        if safe is not None:
-            return safe
-    return values.standin_class(dotted, verdict.category)
-
-
-def check_tree(root: Any) -> None:
-    """Refuse an object tree nested deeper than MAX_DEPTH, or with huge integers.
-
-    Measures the longest chain of containers, each shared container once
-    (a reference back into the chain being walked is not followed), so a
-    tree that reuses its parts through the memo costs its size, not more.
-    """
-    heights: dict[int, int] = {}  # finished containers: longest chain below
-    on_path: set[int] = set()
-    frames: list[list[Any]] = []  # [container, its children, longest child chain]
-
-    def visit(obj: Any) -> None:
-        on_path.add(id(obj))
-        frames.append([obj, _children(obj), 0])
-        if len(frames) > MAX_DEPTH:
-            raise CorruptCheckpointError(
-                f"pickle nests containers more than {MAX_DEPTH} levels deep", HINT)
-
-    if not _is_node(root):
-        _check_leaf(root)
-        return
-    visit(root)
-    while frames:
-        frame = frames[-1]
-        for child in frame[1]:
-            if not _is_node(child):
-                _check_leaf(child)
-                continue
-            known = heights.get(id(child))
-            if known is not None:
-                frame[2] = max(frame[2], known)
-            elif id(child) not in on_path:
-                visit(child)
-                break
-        else:
-            frames.pop()
-            height = frame[2] + 1
-            heights[id(frame[0])] = height
-            on_path.discard(id(frame[0]))
-            if height > MAX_DEPTH:
-                raise CorruptCheckpointError(
-                    f"pickle nests containers more than {MAX_DEPTH} levels deep", HINT)
-            if frames:
-                frames[-1][2] = max(frames[-1][2], height)
-
-
-_NODES = (dict, list, tuple, set, frozenset, slice, values.StandIn, values.NDArray,
-          tensors.CompositeTensor)
-
-
-def _is_node(obj: Any) -> bool:
-    return isinstance(obj, _NODES)
-
-
-def _children(obj: Any) -> Any:
-    if isinstance(obj, dict):
-        return chain(chain.from_iterable(obj.items()), vars(obj).values()
-                     if hasattr(obj, "__dict__") else ())
-    if isinstance(obj, values.StandIn):
-        return chain(obj.args, obj.kwargs.values(), (obj.state,), obj.items,
-                     chain.from_iterable(obj.dictitems.items()))
-    if isinstance(obj, slice):
-        return iter((obj.start, obj.stop, obj.step))
-    if isinstance(obj, values.NDArray):
-        return iter(obj.values or ())
-    if isinstance(obj, tensors.CompositeTensor):
-        return iter(obj.parts.values())
-    return iter(obj)
-
-
-def _check_leaf(obj: Any) -> None:
-    if isinstance(obj, int) and obj.bit_length() > MAX_INT_BITS:
-        raise CorruptCheckpointError(
-            f"pickle holds an integer of {obj.bit_length()} bits, too long to print", HINT)
 
 
 def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,

@@ -56,7 +56,7 @@ class TensorRecord:
     subclass: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
     # the rebuild call that made it, as (dotted name, args): kept only when
-    # reading for a rewrite (``safe_pickle.faithful``), to write it back as is
+    # reading for a rewrite (``resolve.faithful``), to write it back as is
     origin: tuple[str, tuple[Any, ...]] | None = None
 
     @property

@@ -16,8 +16,9 @@ import torch
 from helpers import make_samples, saved_on
 
 import ckptool
-from ckptool import formats, repickle, safe_pickle
+from ckptool import formats, repickle
 from ckptool.cli import main
+from ckptool.resolve import faithful
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
@@ -159,7 +160,7 @@ def test_views_tied_weights_and_odd_dtypes_survive(tmp_path: Path) -> None:
 def test_unchanged_plan_reproduces_the_pickle_byte_for_byte(tmp_path: Path) -> None:
     for sample in ("dataparallel_cuda2.pth", "lightning.ckpt", "whole_model_cuda1.pth",
                    "hostile_runs_code.pth"):
-        with safe_pickle.faithful():
+        with faithful():
             raw = formats.read(str(SAMPLES / sample))
         with zipfile.ZipFile(SAMPLES / sample) as zf:
             original = zf.read(f"{raw.metadata['archive_root']}/data.pkl")
