@@ -50,7 +50,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 from bench_inspect import (
@@ -61,6 +60,7 @@ from bench_inspect import (
     WORK,
     Row,
     Run,
+    Spec,
     best,
     check_rc,
     measure,
@@ -97,25 +97,9 @@ print(json.dumps({"import": t1 - t0, "load": t2 - t1, "save": t3 - t2}))
 """
 
 
-@dataclass
-class Spec:
-    label: str
-    dim: int  # each layer: weight [dim, dim] and bias [dim], float32
-
-    @property
-    def path(self) -> Path:
-        return WORK / f"fix_{LAYERS * 2}t_d{self.dim}_cuda2.pth"
-
-    @property
-    def data_bytes(self) -> int:
-        return LAYERS * (self.dim * self.dim + self.dim) * 4
-
-    def looks_complete(self) -> bool:
-        try:
-            size = self.path.stat().st_size
-        except OSError:
-            return False
-        return self.data_bytes <= size <= self.data_bytes + 2 * LAYERS * 1024 + 2 * MB
+def make_spec(label: str, dim: int) -> Spec:
+    """bench_inspect's file spec, under this bench's own file name."""
+    return Spec(label, dim, "fix_{tensors}t_d{dim}_cuda2.pth")
 
 
 def generate(path: str, dim: int) -> None:
@@ -150,8 +134,8 @@ def ensure(spec: Spec) -> str:
 def specs(quick: bool) -> tuple[Spec, Spec]:
     """(small, large): in-place runs on both, everything else on the large one."""
     if quick:
-        return Spec("~2 MB", 22), Spec("~200 MB", 224)
-    return Spec("~20 MB", 70), Spec("~2 GB", 724)
+        return make_spec("~2 MB", 22), make_spec("~200 MB", 224)
+    return make_spec("~20 MB", 70), make_spec("~2 GB", 724)
 
 
 def fix_cmd(src: Path, out: Path) -> list[str]:

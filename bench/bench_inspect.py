@@ -82,10 +82,11 @@ print(json.dumps({"rc": rc, "imported": [m for m in heavy if m in sys.modules]})
 class Spec:
     label: str
     dim: int  # each layer: weight [dim, dim] and bias [dim], float32
+    name: str = "inspect_{tensors}t_d{dim}.pth"  # file name under bench/_work
 
     @property
     def path(self) -> Path:
-        return WORK / f"inspect_{LAYERS * 2}t_d{self.dim}.pth"
+        return WORK / self.name.format(tensors=LAYERS * 2, dim=self.dim)
 
     @property
     def data_bytes(self) -> int:
