@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.errors import UsageError
 from ckptool.model import Checkpoint
-from ckptool.tensors import StorageRef, StorageType, TensorRecord
+from ckptool.tensors import CompositeTensor, StorageRef, StorageType, TensorRecord
 from ckptool.values import StandIn
 from ckptool.walk import children, module_kind, module_tensors
 
@@ -204,72 +205,61 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
     return plan
 
 
-def used_storages(root: Any) -> dict[str, StorageRef]:
-    """Storages reachable from ``root`` (what the output must carry)."""
-    found: dict[str, StorageRef] = {}
+def reachable(root: Any) -> Iterator[Any]:
+    """Every object that writing ``root`` back would write, each once: what
+    the output carries (storages) and what it would name (stand-in globals)."""
     seen: set[int] = set()
     stack = [root]
     while stack:
         obj = stack.pop()
-        if isinstance(obj, StorageRef):
-            found.setdefault(obj.key, obj)
-            continue
-        if id(obj) in seen:
+        if isinstance(obj, (str, bytes, int, float, type(None))) or id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, TensorRecord):
-            if obj.storage is not None:
-                found.setdefault(obj.storage.key, obj.storage)
+        yield obj
+        if isinstance(obj, (TensorRecord, CompositeTensor)):
+            if isinstance(obj, TensorRecord) and obj.storage is not None:
+                stack.append(obj.storage)
             if obj.origin is not None:
                 stack.extend(obj.origin[1])
         elif isinstance(obj, dict):
-            stack.extend(obj.values())
-            stack.extend(k for k in obj if not isinstance(k, (str, int)))
-            stack.extend(getattr(obj, "__dict__", {}).values())
+            stack.extend([*obj.values(), *obj, *getattr(obj, "__dict__", {}).values()])
         elif isinstance(obj, (list, tuple, set, frozenset)):
             stack.extend(obj)
         elif isinstance(obj, StandIn):
-            stack.extend([*obj.args, obj.state, *obj.items, *obj.dictitems.values()])
-        elif hasattr(obj, "origin") and getattr(obj, "origin", None) is not None:
-            stack.extend(obj.origin[1])
+            stack.extend([*obj.args, *obj.kwargs.values(), obj.state, *obj.items,
+                          *obj.dictitems, *obj.dictitems.values()])
+
+
+def used_storages(root: Any) -> dict[str, StorageRef]:
+    """Storages reachable from ``root`` (what the output must carry)."""
+    found: dict[str, StorageRef] = {}
+    for obj in reachable(root):
+        if isinstance(obj, StorageRef):
+            found.setdefault(obj.key, obj)
     return found
 
 
 def unsafe_in(root: Any) -> list[str]:
     """Dotted names of unsafe globals the tree would write back."""
-    names: set[str] = set()
-    seen: set[int] = set()
-    stack = [root]
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (str, bytes, int, float, StorageRef)):
-            continue
-        seen.add(id(obj))
+    names = set()
+    for obj in reachable(root):
         cls = obj if isinstance(obj, type) else type(obj)
         if issubclass(cls, StandIn) and cls.category == "unsafe":
             names.add(cls.qualname)
-        if isinstance(obj, StandIn):
-            stack.extend([*obj.args, obj.state, *obj.items, *obj.dictitems.values(),
-                          *obj.dictitems])
-        elif isinstance(obj, dict):
-            stack.extend([*obj.values(), *obj, *getattr(obj, "__dict__", {}).values()])
-        elif isinstance(obj, (list, tuple, set, frozenset)):
-            stack.extend(obj)
-        elif getattr(obj, "origin", None) is not None:
-            stack.extend(obj.origin[1])
     return sorted(names)
 
 
 def _plan_storages(plan: Plan, opts: FixOptions) -> None:
     maps = dict(opts.maps)
-    for sid, ref in used_storages(plan.root).items():
+    used = used_storages(plan.root)
+    for sid, ref in used.items():
         tag = opts.to if opts.to is not None else maps.get(ref.location or "")
         if tag is not None and tag != ref.location:
             plan.retargets[sid] = tag
         if opts.dtype is not None and ref.dtype in _CASTABLE and ref.dtype != opts.dtype:
             plan.casts[sid] = (ref.dtype, opts.dtype)
     for src in maps:
-        if not any(r.location == src for r in used_storages(plan.root).values()):
+        if not any(r.location == src for r in used.values()):
             plan.notes.append(f"--map {src}=...: no storage is saved on {src}")
 
 
