@@ -56,6 +56,9 @@ def read(path: str) -> RawRead:
     except CkptoolError as exc:
         if not exc.hint:
             exc.hint = next(hint for cls, hint in _HINTS if isinstance(exc, cls))
+        if path not in exc.message:  # say which file: diff and convert read two
+            exc.message = f"{path}: {exc.message}"
+            exc.args = (exc.message,)
         raise
 
 
