@@ -17,7 +17,7 @@ from typing import Any
 import click
 
 from ckptool import __version__
-from ckptool.errors import EXIT_INTERRUPTED, EXIT_USAGE, CkptoolError
+from ckptool.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_USAGE, CkptoolError
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -230,6 +230,12 @@ def main(argv: list[str] | None = None) -> int:
         # output piped into `head` and the reader went away: not an error
         sys.stderr.close()
         return 0
+    except OSError as exc:  # the system refused a read or write (disk full...)
+        if show_tb:
+            traceback.print_exc()
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _fail(f"{where}{exc.strerror or exc}", "check free space and permissions; "
+                     "nothing was left half-written", EXIT_BAD_INPUT)
     return result if isinstance(result, int) else 0
 
 

@@ -293,3 +293,24 @@ def test_safetensors_has_no_device_to_retarget(tmp_path: Path,
     assert main(["fix", str(SAMPLES / "tinynet.safetensors"), "--to", "cuda:0",
                  "-o", str(tmp_path / "o.safetensors")]) == 2
     assert "record no device" in capsys.readouterr().err
+
+
+def test_disk_full_is_one_clean_error_and_leaves_nothing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptool import rewrite
+
+    src = tmp_path / "m.pth"
+    dp_checkpoint(src)
+
+    def full(*args: Any) -> Any:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(rewrite, "_write_zip", full)
+    assert main(["fix", str(src), "--to", "cpu"]) == 3
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        "ckptool: error: No space left on device",
+        "hint: check free space and permissions; nothing was left half-written"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]
