@@ -63,6 +63,7 @@ from bench_inspect import (
     Spec,
     best,
     check_rc,
+    ensure,
     measure,
     med,
     print_table,
@@ -119,16 +120,6 @@ def generate(path: str, dim: int) -> None:
         os.replace(tmp, path)  # a killed run never leaves a half file to reuse
     finally:
         ser.location_tag = orig
-
-
-def ensure(spec: Spec) -> str:
-    if spec.looks_complete():
-        return "reused"
-    WORK.mkdir(parents=True, exist_ok=True)
-    subprocess.run([PY, __file__, "--generate", str(spec.path), str(spec.dim)], check=True)
-    if not spec.looks_complete():
-        sys.exit(f"generated {spec.path} has an unexpected size")
-    return "generated"
 
 
 def specs(quick: bool) -> tuple[Spec, Spec]:
@@ -239,7 +230,7 @@ def bench(quick: bool) -> tuple[list[Row], list[str], list[str]]:
     rounds, in_place_rounds = (2, 2) if quick else (3, 7)
     log = []
     for spec in (small, large):
-        how = ensure(spec)
+        how = ensure(spec, __file__)
         log.append(f"{spec.path.relative_to(ROOT)}: {spec.path.stat().st_size / MB:.1f} MiB, "
                    f"{LAYERS * 2} tensors, all cuda:2, keys under module. ({how})")
     import ckptool

@@ -145,11 +145,12 @@ def generate(path: str, dim: int) -> None:
         ser.location_tag = orig
 
 
-def ensure(spec: Spec) -> str:
+def ensure(spec: Spec, script: str = __file__) -> str:
+    """Generate ``spec``'s file (with ``script --generate``) unless it is there."""
     if spec.looks_complete():
         return "reused"
     WORK.mkdir(parents=True, exist_ok=True)
-    subprocess.run([PY, __file__, "--generate", str(spec.path), str(spec.dim)], check=True)
+    subprocess.run([PY, script, "--generate", str(spec.path), str(spec.dim)], check=True)
     if not spec.looks_complete():
         sys.exit(f"generated {spec.path} has an unexpected size")
     return "generated"
