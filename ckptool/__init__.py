@@ -2,8 +2,12 @@
 
 ``ckptool.open(path)`` reads any checkpoint's metadata into a pure data
 model without running code from the file, reading tensor bytes, or
-importing torch, click, rich or textual.
+importing torch, click, rich or textual. ``ckptool.fix``, ``ckptool.convert``
+and ``ckptool.diff_checkpoints`` are loaded on first use, so that reading
+stays as light as it is.
 """
+
+from typing import Any
 
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
@@ -11,6 +15,22 @@ from ckptool.reader import open_checkpoint as open
 
 __version__ = "0.1.0"
 __all__ = [
-    "Checkpoint", "CkptoolError", "Entry", "GlobalInfo", "StateDictInfo",
-    "StorageInfo", "TensorInfo", "__version__", "open",
+    "Checkpoint", "CkptoolError", "Entry", "FixOptions", "GlobalInfo", "StateDictInfo",
+    "StorageInfo", "TensorInfo", "__version__", "convert", "diff_checkpoints", "fix", "open",
 ]
+
+_LAZY = {
+    "fix": ("ckptool.rewrite", "fix"),
+    "FixOptions": ("ckptool.plan", "FixOptions"),
+    "convert": ("ckptool.conversion", "convert"),
+    "diff_checkpoints": ("ckptool.diff", "diff_checkpoints"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'ckptool' has no attribute {name!r}")

@@ -149,7 +149,7 @@ def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[s
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def convert(path: str, output: str, force: bool, quiet: bool, as_json: bool) -> None:
     """Convert between torch files and safetensors (direction from OUT's extension)."""
-    from ckptool.convert import convert as run_convert
+    from ckptool.conversion import convert as run_convert
 
     with _progress(quiet) as progress:
         result = run_convert(path, output, force=force, progress=progress)

@@ -128,7 +128,7 @@ def fix_dict(result: Any) -> dict[str, Any]:
 
 
 def convert_dict(result: Any) -> dict[str, Any]:
-    """The ``convert --json`` schema (a ConvertResult from ckptool.convert)."""
+    """The ``convert --json`` schema (a ConvertResult from ckptool.conversion)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "input": result.source.path,

@@ -24,7 +24,7 @@ from typing import IO, Any
 from ckptool import formats, inplace, repickle, safe_pickle
 from ckptool.atomic import AtomicOutput
 from ckptool.bytecheck import ByteChecker
-from ckptool.convert import cast_bytes, verify, write_safetensors
+from ckptool.conversion import cast_bytes, verify, write_safetensors
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptool.formats.safetensors_fmt import SAFETENSORS
 from ckptool.formats.torch_legacy import TORCH_LEGACY

@@ -41,3 +41,15 @@ def test_core_prints_nothing() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, timeout=60)
     assert proc.stdout == "" and proc.stderr == ""
+
+
+def test_rewrite_api_is_public_and_loaded_on_first_use() -> None:
+    code = ("import sys, ckptool\n"
+            "assert 'ckptool.rewrite' not in sys.modules\n"
+            "assert callable(ckptool.fix) and callable(ckptool.convert)\n"
+            "assert ckptool.FixOptions(strip_module=True).strip_module\n"
+            "assert callable(ckptool.diff_checkpoints)\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60).stdout
+    assert out.strip() == "ok"
