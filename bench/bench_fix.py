@@ -66,7 +66,7 @@ from bench_inspect import (
     ensure,
     measure,
     med,
-    print_table,
+    report,
     spread,
     warm,
 )
@@ -371,24 +371,12 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name in ("fix_out.pth", "fix_out.safetensors", "fix_in_place.pth"):
             (WORK / name).unlink(missing_ok=True)
-    print("\n".join(log))
-    print(f"python {sys.version.split()[0]} ({PY}); {os.cpu_count()} CPUs"
-          + ("; --quick: reduced sizes and runs, figures indicative only" if args.quick else ""))
-    print("warm page cache: each input read fully once, each Python command run once "
-          "untimed (on the small file) before timing")
-    print("fix fsyncs and re-reads its output; cp and torch.save do neither "
-          "(cp + sync FILE shows the fsync)")
-    print()
-    print_table(rows)
-    if diag:
-        print("\n" + "\n".join(diag))
-    checked = [r.ok for r in rows if r.ok is not None]
-    print(f"\n{sum(checked)}/{len(checked)} targets pass "
-          f"(bench took {time.perf_counter() - t0:.0f} s)")
-    if not args.keep:
-        for spec in specs(args.quick):
-            spec.path.unlink(missing_ok=True)
-    return 0 if all(checked) else 1
+    notes = ["warm page cache: each input read fully once, each Python command run once "
+             "untimed (on the small file) before timing",
+             "fix fsyncs and re-reads its output; cp and torch.save do neither "
+             "(cp + sync FILE shows the fsync)"]
+    cleanup = [] if args.keep else [spec.path for spec in specs(args.quick)]
+    return report(rows, log, diag, notes, args.quick, t0, cleanup)
 
 
 if __name__ == "__main__":

@@ -360,22 +360,29 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     rows, log, diag = bench(args.quick)
+    notes = ["warm page cache: each file read fully once and each command run once untimed "
+             "before timing (dropping the cache needs root)",
+             "ckptool byte-compiled first, as pip install does"]
+    cleanup = [] if args.keep else [spec.path for spec in specs(args.quick)]
+    return report(rows, log, diag, notes, args.quick, t0, cleanup)
+
+
+def report(rows: list[Row], log: list[str], diag: list[str], notes: list[str], quick: bool,
+           started: float, cleanup: list[Path]) -> int:
+    """Print a bench's header, table and diagnostics; 0 if every target passed."""
     print("\n".join(log))
     print(f"python {sys.version.split()[0]} ({PY}); {os.cpu_count()} CPUs"
-          + ("; --quick: reduced sizes and runs, figures indicative only" if args.quick else ""))
-    print("warm page cache: each file read fully once and each command run once untimed "
-          "before timing (dropping the cache needs root)")
-    print("ckptool byte-compiled first, as pip install does")
+          + ("; --quick: reduced sizes and runs, figures indicative only" if quick else ""))
+    print("\n".join(notes))
     print()
     print_table(rows)
     if diag:
         print("\n" + "\n".join(diag))
     checked = [r.ok for r in rows if r.ok is not None]
     print(f"\n{sum(checked)}/{len(checked)} targets pass "
-          f"(bench took {time.perf_counter() - t0:.0f} s)")
-    if not args.keep:
-        for spec in specs(args.quick):
-            spec.path.unlink(missing_ok=True)
+          f"(bench took {time.perf_counter() - started:.0f} s)")
+    for path in cleanup:
+        path.unlink(missing_ok=True)
     return 0 if all(checked) else 1
 
 
