@@ -14,7 +14,7 @@ import struct
 from collections import OrderedDict
 from typing import Any
 
-from ckptool.values import StandIn, check_key, name_of, standin_class
+from ckptool.values import StandIn, check_key, name_of, shape_text, standin_class
 
 
 class NDArray:
@@ -39,7 +39,7 @@ class NDArray:
                 self.values = raw
 
     def __repr__(self) -> str:
-        shape = "x".join(str(s) for s in self.shape) or "scalar"
+        shape = shape_text(self.shape)
         return f"ndarray({shape}, {self.dtype})"
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from ckptool.constructors import NDArray
 from ckptool.tensors import CompositeTensor, StorageRef, TensorRecord
-from ckptool.values import StandIn
+from ckptool.values import StandIn, shape_text
 
 MAX_ITEMS = 8
 MAX_DEPTH = 4
@@ -37,7 +37,7 @@ def _text(obj: Any, depth: int) -> str:
     if depth <= 0:
         return "…"
     if isinstance(obj, TensorRecord):
-        return f"tensor({'x'.join(map(str, obj.shape)) or 'scalar'}, {obj.dtype})"
+        return f"tensor({shape_text(obj.shape)}, {obj.dtype})"
     if isinstance(obj, StorageRef):
         return f"storage({obj.numel}, {obj.dtype})"
     if isinstance(obj, CompositeTensor):

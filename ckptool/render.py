@@ -16,6 +16,7 @@ from rich.text import Text
 
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 from ckptool.report import matches
+from ckptool.values import shape_text
 
 _SEP = re.compile(r"[/.]")
 
@@ -121,7 +122,7 @@ def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int) 
         shares = labels.get(t.storage or "", "")
         if shares and t.storage_offset:
             shares += f" @{t.storage_offset}"
-        table.add_row(t.key, "x".join(map(str, t.shape)) or "scalar", t.dtype,
+        table.add_row(t.key, shape_text(t.shape), t.dtype,
                       t.location or "-", human_bytes(t.nbytes), shares)
     console.print(table)
     if len(shown) < len(rows):

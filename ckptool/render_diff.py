@@ -13,6 +13,7 @@ from rich.text import Text
 from ckptool.diff import ALL, Change, DiffReport, Side
 from ckptool.model import TensorInfo
 from ckptool.tensor_compare import EQUAL, NOT_COMPARED
+from ckptool.values import shape_text
 
 
 def _what(side: Side, mode: str) -> str:
@@ -54,11 +55,11 @@ def render_summary(console: Console, report: DiffReport) -> None:
 
 
 def _brief(t: TensorInfo) -> str:
-    return f"{'x'.join(map(str, t.shape)) or 'scalar'} {t.dtype}"
+    return f"{shape_text(t.shape)} {t.dtype}"
 
 
 def _changed(t: TensorInfo, changes: tuple[str, ...]) -> str:
-    shown = {"shape": "x".join(map(str, t.shape)) or "scalar", "dtype": t.dtype,
+    shown = {"shape": shape_text(t.shape), "dtype": t.dtype,
              "location": t.location or "-", "layout": t.layout}
     return " ".join(shown[c] for c in changes if c in shown)
 
