@@ -163,6 +163,32 @@ def convert(path: str, output: str, force: bool, quiet: bool, as_json: bool) -> 
         render_convert(_console(), result)
 
 
+@cli.command()
+@click.argument("path", metavar="[CKPT]", required=False,
+                type=click.Path(dir_okay=True, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+def devices(path: str | None, as_json: bool) -> None:
+    """Show the CUDA GPUs torch would see here (CUDA_VISIBLE_DEVICES applied)
+    and, given CKPT, which device to load it onto and how."""
+    from ckptool.gpus import probe
+
+    ckpt = None
+    if path is not None:
+        from ckptool.reader import open_checkpoint
+
+        ckpt = open_checkpoint(path)
+    machine = probe()
+    if as_json:
+        from ckptool.report import dumps
+        from ckptool.report_devices import devices_dict
+
+        sys.stdout.write(dumps(devices_dict(machine, ckpt)))
+        return
+    from ckptool.render_devices import render_devices
+
+    render_devices(_console(), machine, ckpt)
+
+
 @contextlib.contextmanager
 def _progress(quiet: bool) -> Iterator[Any]:
     """A progress callback that shows a bar on stderr once a write takes over
