@@ -125,3 +125,12 @@ def _plain(obj: Any, depth: int, budget: list[int]) -> Any:
         if named:  # argparse.Namespace, AttributeDict and the like
             return _plain(named, depth, budget)
     return None
+
+
+def human_bytes(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if size < 1000 or unit == "TB":
+            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{n} B"

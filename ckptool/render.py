@@ -14,20 +14,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ckptool.describe import human_bytes
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 from ckptool.report import matches
 from ckptool.values import shape_text
 
 _SEP = re.compile(r"[/.]")
-
-
-def human_bytes(n: int) -> str:
-    size = float(n)
-    for unit in ("B", "kB", "MB", "GB", "TB"):
-        if size < 1000 or unit == "TB":
-            return f"{int(size)} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1000
-    return f"{n} B"
 
 
 def human_count(n: int) -> str:
