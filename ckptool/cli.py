@@ -57,6 +57,55 @@ def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
 
 
 @cli.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--model", "-m", "model_spec", metavar="MODULE:CLASS",
+              help="The model to load into: package.module:Class or path/to/file.py:Class "
+                   "(built on the meta device: no memory for weights).")
+@click.option("--model-arg", "-a", "model_args", multiple=True, metavar="NAME=VALUE",
+              help="A constructor argument for --model (value parsed as JSON, else a string).")
+@click.option("--reference", "-r", metavar="CKPT",
+              help="Compare keys and shapes with another checkpoint instead of a model.")
+@click.option("--device-count", type=click.IntRange(min=0), metavar="N",
+              help="Diagnose for a machine with N visible GPUs instead of this one.")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
+             reference: str | None, device_count: int | None, as_json: bool) -> int:
+    """Say why a checkpoint will not load here (or into a model) and print the
+    one `ckptool fix` command that repairs it. Exits 0 when nothing needs
+    fixing, 1 when problems were found."""
+    from ckptool import gpus, modelspec
+    from ckptool.diagnose import diagnose as run_diagnose
+    from ckptool.diagnose import saved_settings
+    from ckptool.errors import UsageError
+    from ckptool.reader import open_checkpoint
+
+    if model_spec and reference:
+        raise UsageError("--model and --reference both say what to compare with",
+                         "use one of them")
+    if model_args and not model_spec:
+        raise UsageError("--model-arg needs --model", "name the class: --model mod:Class")
+    arguments = modelspec.parse_arguments(model_args)
+    ckpt = open_checkpoint(path)
+    model = None
+    if model_spec:
+        model = modelspec.build_model(model_spec, arguments, saved_settings(ckpt.root))
+    elif reference:
+        model = modelspec.reference_keys(reference)
+    machine = gpus.assumed(device_count) if device_count is not None else gpus.probe()
+    result = run_diagnose(ckpt, machine, model)
+    if as_json:
+        from ckptool.report import dumps
+        from ckptool.report_diagnose import diagnose_dict
+
+        sys.stdout.write(dumps(diagnose_dict(result)))
+    else:
+        from ckptool.render_diagnose import render_diagnose
+
+        render_diagnose(_console(), result)
+    return result.exit_code
+
+
+@cli.command()
 @click.argument("path_a", metavar="A", type=click.Path(dir_okay=True, path_type=str))
 @click.argument("path_b", metavar="B", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")

@@ -1,0 +1,99 @@
+"""Human output of ``ckptool diagnose`` (rich): the target machine, what a
+plain ``torch.load`` does there, the device plan, the key comparison, the
+findings with their fixes, and the one command that fixes everything.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptool.describe import human_bytes
+from ckptool.diagnose import ERROR, WARNING, Diagnosis, describe_machine
+from ckptool.report_diagnose import load_errors
+
+_STYLE = {ERROR: "bold red", WARNING: "yellow", "info": "cyan"}
+
+
+def render_diagnose(console: Console, d: Diagnosis) -> None:
+    ckpt, machine = d.checkpoint, d.machine
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    grid.add_row("file", f"{ckpt.path} · {ckpt.format} · {human_bytes(ckpt.file_size)}")
+    target = describe_machine(machine)
+    if machine.note:
+        target += f"; {machine.note}"
+    grid.add_row("target", target)
+    errors = load_errors(d)
+    grid.add_row("torch.load", Text("fails: " + errors[0], style="red") if errors
+                 else Text("loads", style="green"))
+    for more in errors[1:]:
+        grid.add_row("", Text("and: " + more, style="red"))
+    sd = ckpt.main_state_dict
+    if sd is not None:
+        where = f"'{sd.path}'" if sd.path else "the file itself"
+        prefix = f" · prefix {sd.prefix!r}" if sd.prefix else ""
+        grid.add_row("state dict", f"{where} · {sd.num_tensors} tensors{prefix}")
+    if d.keys is not None and d.model is not None:
+        k = d.keys
+        after = len(k.matched) + len(k.mismatched)
+        line = f"{d.model.source}: {k.expected} expected · {k.before} match as saved"
+        if not k.rewrite.empty:
+            line += f" · {after} after the rewrite"
+        line += (f" · {len(k.missing)} missing · {len(k.unexpected)} unexpected · "
+                 f"{len(k.mismatched)} shape")
+        grid.add_row("keys", line)
+    console.print(grid)
+    _devices(console, d)
+    console.print()
+    if not d.findings:
+        console.print(Text("no problems found: plain torch.load and load_state_dict will "
+                           "take this file", style="green"))
+        return
+    findings = Table.grid(padding=(0, 1))
+    findings.add_column(no_wrap=True)
+    findings.add_column(overflow="fold")
+    for f in d.findings:
+        body = Text()
+        body.append(f.code, style="bold")
+        body.append(f"\n{f.message}")
+        for label, text in zip(("fix: ", "or:  "), [x for x in (f.fix, f.snippet) if x],
+                               strict=False):
+            body.append(f"\n{label}{text}", style="dim")
+        findings.add_row(Text(f.severity, style=_STYLE.get(f.severity, "")), body)
+    console.print(findings)
+    console.print()
+    if d.fix_command:
+        folder = os.path.dirname(ckpt.path) or "."
+        console.print(f"fix everything fixable at once (run in {folder}/, writes "
+                      f"{os.path.basename(d.fix_output or '')}):")
+        console.print(Text(f"  {d.fix_command}", style="bold"), soft_wrap=True)
+    elif d.fix_refused:
+        console.print(Text(f"no ckptool fix command: {d.fix_refused}", style="yellow"))
+
+
+def _devices(console: Console, d: Diagnosis) -> None:
+    if not d.tags:
+        return
+    table = Table(box=None, padding=(0, 2), show_edge=False)
+    table.add_column("saved on", style="bold")
+    table.add_column("tensors", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("plain torch.load here")
+    for t in d.tags:
+        if t.error:
+            lands = Text("fails", style="red")
+        elif t.lands and t.lands.startswith("cuda:"):
+            gpu = d.machine.gpus[int(t.lands[5:])]
+            extra = f" (physical GPU {t.physical})" if t.physical is not None else ""
+            free = f" · {human_bytes(gpu.free_bytes)} free" if gpu.free_bytes is not None else ""
+            lands = Text(f"{t.lands}{extra}{free}")
+        else:
+            lands = Text(t.lands or "-")
+        table.add_row(t.location, str(t.tensors), human_bytes(t.nbytes), lands)
+    console.print()
+    console.print(table)

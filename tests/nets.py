@@ -1,0 +1,53 @@
+"""Model definitions that diagnose tests name with ``--model tests/nets.py:Class``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    """Needs its width: the constructor argument a Lightning run saves."""
+
+    def __init__(self, width: int, classes: int = 10) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, width, 3, padding=1)
+        self.bn = nn.BatchNorm2d(width)
+        self.fc = nn.Linear(width, classes)
+        # not part of the state dict: load_state_dict never asks for it
+        self.register_buffer("scratch", torch.zeros(width), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(self.bn(self.conv(x)).mean((2, 3)))
+
+
+class TiedLM(nn.Module):
+    """An embedding and an output head sharing one weight."""
+
+    def __init__(self, vocab: int = 50, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.embed.weight
+
+
+class Huge(nn.Module):
+    """About 40 GB of float32 weights if it were ever allocated."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(100_000, 100_000)
+
+
+class Broken(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        raise ValueError("this model is broken on purpose")
+
+
+def make_net(width: int = 8) -> nn.Module:
+    """A factory function instead of a class."""
+    return Net(width)
+
+
+NOT_CALLABLE = 3
