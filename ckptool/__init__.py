@@ -2,9 +2,9 @@
 
 ``ckptool.open(path)`` reads any checkpoint's metadata into a pure data
 model without running code from the file, reading tensor bytes, or
-importing torch, click, rich or textual. ``ckptool.fix``, ``ckptool.convert``
-and ``ckptool.diff_checkpoints`` are loaded on first use, so that reading
-stays as light as it is.
+importing torch, click, rich or textual. ``ckptool.diagnose``,
+``ckptool.fix``, ``ckptool.convert`` and ``ckptool.diff_checkpoints`` are
+loaded on first use, so that reading stays as light as it is.
 """
 
 from typing import Any
@@ -16,10 +16,12 @@ from ckptool.reader import open_checkpoint as open
 __version__ = "0.1.0"
 __all__ = [
     "Checkpoint", "CkptoolError", "Entry", "FixOptions", "GlobalInfo", "StateDictInfo",
-    "StorageInfo", "TensorInfo", "__version__", "convert", "diff_checkpoints", "fix", "open",
+    "StorageInfo", "TensorInfo", "__version__", "convert", "diagnose", "diff_checkpoints",
+    "fix", "open",
 ]
 
 _LAZY = {
+    "diagnose": ("ckptool.diagnosis", "diagnose"),
     "fix": ("ckptool.rewrite", "fix"),
     "FixOptions": ("ckptool.plan", "FixOptions"),
     "convert": ("ckptool.conversion", "convert"),

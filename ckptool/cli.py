@@ -74,8 +74,8 @@ def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
     one `ckptool fix` command that repairs it. Exits 0 when nothing needs
     fixing, 1 when problems were found."""
     from ckptool import gpus, modelspec
-    from ckptool.diagnose import diagnose as run_diagnose
-    from ckptool.diagnose import saved_settings
+    from ckptool.diagnosis import diagnose as run_diagnose
+    from ckptool.diagnosis import saved_settings
     from ckptool.errors import UsageError
     from ckptool.reader import open_checkpoint
 

@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.describe import human_bytes
-from ckptool.diagnose import ERROR, WARNING, Diagnosis, describe_machine
+from ckptool.diagnosis import ERROR, WARNING, Diagnosis, describe_machine
 from ckptool.report_diagnose import load_errors
 
 _STYLE = {ERROR: "bold red", WARNING: "yellow", "info": "cyan"}

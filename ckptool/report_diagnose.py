@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from ckptool import loadcheck
-from ckptool.diagnose import Diagnosis, describe_machine
+from ckptool.diagnosis import Diagnosis, describe_machine
 from ckptool.report import SCHEMA_VERSION
 
 

@@ -49,7 +49,25 @@ def test_rewrite_api_is_public_and_loaded_on_first_use() -> None:
             "assert callable(ckptool.fix) and callable(ckptool.convert)\n"
             "assert ckptool.FixOptions(strip_module=True).strip_module\n"
             "assert callable(ckptool.diff_checkpoints)\n"
+            "assert callable(ckptool.diagnose)\n"
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout
     assert out.strip() == "ok"
+
+
+def test_json_diagnose_without_a_model_does_not_import_torch_or_rich() -> None:
+    setup = (f"from ckptool.cli import main; import io, contextlib\n"
+             f"with contextlib.redirect_stdout(io.StringIO()):\n"
+             f"    assert main(['diagnose', '--json', {str(SAMPLE)!r}]) == 1")
+    assert loaded_after(setup) == ["click"]
+
+
+def test_diagnose_api() -> None:
+    code = (f"import ckptool\n"
+            f"d = ckptool.diagnose(ckptool.open({str(SAMPLE)!r}))\n"
+            f"print(d.exit_code, [f.code for f in d.findings][0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60, env={"CUDA_VISIBLE_DEVICES": "",
+                                                      "PATH": "/usr/bin:/bin"}).stdout
+    assert out.split() == ["1", "device-unavailable"]

@@ -18,7 +18,7 @@ from nets import Net, TiedLM
 import ckptool
 from ckptool import gpus, loadcheck
 from ckptool.cli import main
-from ckptool.diagnose import Diagnosis, diagnose
+from ckptool.diagnosis import Diagnosis, diagnose
 from ckptool.gpus import Gpu, Machine
 from ckptool.modelspec import build_model, reference_keys
 

@@ -84,7 +84,7 @@ def test_dataparallel_on_cuda2_in_a_training_dict(tmp_path: Path) -> None:
         torch.save({"epoch": 12, "state_dict": prefixed(net.state_dict(), "module."),
                     "optimizer": optimizer.state_dict(),
                     "args": argparse.Namespace(arch="net", lr=0.1)}, path)
-    with pytest.raises(RuntimeError, match="torch.cuda.is_available"):
+    with pytest.raises(RuntimeError, match=r"torch\.cuda\.is_available"):
         torch.load(path, weights_only=False)
     report = diagnose_and_fix(path, ["width=8"], net)
     assert {f["code"] for f in report["findings"]} == {

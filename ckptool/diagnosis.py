@@ -17,7 +17,7 @@ from typing import Any
 from ckptool import loadcheck
 from ckptool.describe import human_bytes
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK, CkptoolError
-from ckptool.gpus import Machine, pick
+from ckptool.gpus import Machine, pick, probe
 from ckptool.loadcheck import TagLoad
 from ckptool.model import Checkpoint
 from ckptool.modelspec import ModelKeys
@@ -59,8 +59,12 @@ class Diagnosis:
         return EXIT_FINDINGS if problems else EXIT_OK
 
 
-def diagnose(ckpt: Checkpoint, machine: Machine, model: ModelKeys | None = None) -> Diagnosis:
-    """Every finding about ``ckpt`` loading on ``machine`` (into ``model``)."""
+def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
+             model: ModelKeys | None = None) -> Diagnosis:
+    """Every finding about ``ckpt`` loading on ``machine`` (default: this
+    one) and into ``model`` (from ``modelspec``), when given."""
+    if machine is None:
+        machine = probe()
     tags = loadcheck.plan_tags(ckpt, machine)
     result = Diagnosis(ckpt, machine, tags, [], model)
     opts = FixOptions()
