@@ -32,13 +32,20 @@ demo: $(STAMP)
 	@for f in samples/*.pth samples/*.ckpt samples/*.safetensors samples/*.pt; do \
 	  echo; echo "\$$ ckptool inspect $$f"; $(BIN)/ckptool inspect "$$f" || exit $$?; \
 	done
-	@mkdir -p $(DEMO_DIR)
-	@echo; echo "\$$ ckptool fix samples/dataparallel_cuda2.pth --strip-module --to cpu -o $(DEMO_DIR)/fixed.pth"
-	@$(BIN)/ckptool fix samples/dataparallel_cuda2.pth --strip-module --to cpu -o $(DEMO_DIR)/fixed.pth
-	@echo; echo "\$$ ckptool inspect $(DEMO_DIR)/fixed.pth --limit 3"
-	@$(BIN)/ckptool inspect $(DEMO_DIR)/fixed.pth --limit 3
-	@echo; echo "\$$ ckptool convert $(DEMO_DIR)/fixed.pth $(DEMO_DIR)/fixed.safetensors"
-	@$(BIN)/ckptool convert $(DEMO_DIR)/fixed.pth $(DEMO_DIR)/fixed.safetensors
+	@mkdir -p $(DEMO_DIR) && cp samples/dataparallel_cuda2.pth $(DEMO_DIR)/
+	@echo; echo "\$$ cd $(DEMO_DIR) && ckptool diagnose dataparallel_cuda2.pth --model $(CURDIR)/samples/make_samples.py:TinyNet"
+	@cd $(DEMO_DIR) && $(CURDIR)/$(BIN)/ckptool diagnose dataparallel_cuda2.pth \
+	  --model $(CURDIR)/samples/make_samples.py:TinyNet; test $$? -eq 1
+	@# run the one fix command diagnose printed, exactly as printed
+	@cd $(DEMO_DIR) && cmd=$$($(CURDIR)/$(BIN)/ckptool diagnose --json dataparallel_cuda2.pth \
+	  --model $(CURDIR)/samples/make_samples.py:TinyNet | $(CURDIR)/$(BIN)/python -c \
+	  'import json, sys; print(json.load(sys.stdin)["fix_command"])') && \
+	  echo && echo "\$$ $$cmd" && PATH=$(CURDIR)/$(BIN):$$PATH eval "$$cmd"
+	@echo; echo "\$$ ckptool diagnose dataparallel_cuda2.fixed.pth --model $(CURDIR)/samples/make_samples.py:TinyNet"
+	@cd $(DEMO_DIR) && $(CURDIR)/$(BIN)/ckptool diagnose dataparallel_cuda2.fixed.pth \
+	  --model $(CURDIR)/samples/make_samples.py:TinyNet
+	@echo; echo "\$$ ckptool convert dataparallel_cuda2.fixed.pth fixed.safetensors"
+	@cd $(DEMO_DIR) && $(CURDIR)/$(BIN)/ckptool convert dataparallel_cuda2.fixed.pth fixed.safetensors
 	@rm -rf $(DEMO_DIR)
 
 lint: $(STAMP)

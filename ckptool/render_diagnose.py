@@ -25,7 +25,7 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
     grid.add_column(overflow="fold")
     grid.add_row("file", f"{ckpt.path} · {ckpt.format} · {human_bytes(ckpt.file_size)}")
     target = describe_machine(machine)
-    if machine.note:
+    if machine.note and machine.source != "assumed":
         target += f"; {machine.note}"
     grid.add_row("target", target)
     errors = load_errors(d)
@@ -68,8 +68,9 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
     console.print(findings)
     console.print()
     if d.fix_command:
-        folder = os.path.dirname(ckpt.path) or "."
-        console.print(f"fix everything fixable at once (run in {folder}/, writes "
+        folder = os.path.dirname(ckpt.path)
+        where = f"run in {folder}/" if folder else "run here"
+        console.print(f"fix everything fixable at once ({where}, writes "
                       f"{os.path.basename(d.fix_output or '')}):")
         console.print(Text(f"  {d.fix_command}", style="bold"), soft_wrap=True)
     elif d.fix_refused:
