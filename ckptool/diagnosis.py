@@ -118,8 +118,7 @@ def _devices(tags: list[TagLoad], machine: Machine, opts: FixOptions,
                       for t in failing)
     return [Finding(
         "device-unavailable", ERROR,
-        f"plain torch.load fails on {describe_machine(machine)}: the file saved {saved}. "
-        f"torch raises: RuntimeError: {failing[0].error}",
+        f"plain torch.load fails on {describe_machine(machine)}: the file saved {saved}",
         f"ckptool fix {name} {flags}",
         f"torch.load({name!r}, map_location={where})")]
 
@@ -368,6 +367,10 @@ def _plan_command(result: Diagnosis, opts: FixOptions) -> None:
 
     ckpt = result.checkpoint
     output = default_output(ckpt.path)
+    stem, ext = os.path.splitext(output)
+    n = 2
+    while os.path.lexists(output):  # one new file: never one fix would refuse to replace
+        output, n = f"{stem}{n}{ext}", n + 1
     try:
         fix(ckpt.path, opts, output, dry_run=True)
     except CkptoolError as exc:

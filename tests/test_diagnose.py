@@ -112,7 +112,8 @@ def test_device_unavailable_on_cpu_only(tmp_path: Path) -> None:
     assert codes(d) == ["device-unavailable"]
     f = finding(d, "device-unavailable")
     assert f.severity == "error"
-    assert "torch.cuda.is_available() is False" in f.message
+    assert f.message.endswith("the file saved 9 tensors (1.4 kB) on cuda:2")
+    assert "torch.cuda.is_available() is False" in d.tags[0].error
     assert f.fix == "ckptool fix m.pth --to cpu"
     assert f.snippet == "torch.load('m.pth', map_location='cpu')"
     assert d.fix_command == "ckptool fix m.pth --to cpu -o m.fixed.pth"
@@ -122,10 +123,19 @@ def test_device_unavailable_on_cpu_only(tmp_path: Path) -> None:
     assert tag.nbytes == sum(t.numel() * t.element_size() for t in net_sd().values())
 
 
+def test_command_never_targets_an_existing_file(tmp_path: Path) -> None:
+    path = save(net_sd(), tmp_path / "m.pth", "cuda:2")
+    (tmp_path / "m.fixed.pth").write_bytes(b"earlier result")
+    (tmp_path / "m.fixed2.pth").write_bytes(b"another")
+    d = run(path)
+    assert d.fix_command == "ckptool fix m.pth --to cpu -o m.fixed3.pth"
+
+
 def test_device_count_one_moves_to_cuda0(tmp_path: Path) -> None:
     d = run(save(net_sd(), tmp_path / "m.pth", "cuda:2"), gpus.assumed(1))
     f = finding(d, "device-unavailable")
-    assert "CUDA device 2 but torch.cuda.device_count() is 1" in f.message
+    assert "a machine with 1 visible CUDA GPU:" in f.message
+    assert "CUDA device 2 but torch.cuda.device_count() is 1" in d.tags[0].error
     assert d.fix_command == "ckptool fix m.pth --to cuda:0 -o m.fixed.pth"
 
 
@@ -158,7 +168,8 @@ def test_picks_gpu_with_most_free_memory(tmp_path: Path) -> None:
 
 def test_mps_on_linux(tmp_path: Path) -> None:
     d = run(save(net_sd(), tmp_path / "m.pth", "mps"), gpus.assumed(2))
-    assert "Storage device not recognized: mps" in finding(d, "device-unavailable").message
+    assert "on mps" in finding(d, "device-unavailable").message
+    assert d.tags[0].error == "torch.UntypedStorage(): Storage device not recognized: mps"
     assert d.fix_command == "ckptool fix m.pth --to cuda:0 -o m.fixed.pth"
 
 
