@@ -143,7 +143,7 @@ def test_device_count_retargets_for_another_machine(tmp_path: Path) -> None:
         torch.save(trained(8).state_dict(), path)
     proc = ckptool("diagnose", "--json", "--device-count", "1", path.name, cwd=tmp_path)
     report = json.loads(proc.stdout)
-    assert "torch.cuda.device_count() is 1" in report["findings"][0]["message"]
+    assert "torch.cuda.device_count() is 1" in report["load"]["errors"][0]
     assert report["fix_command"] == "ckptool fix dp.pth --to cuda:0 -o dp.fixed.pth"
     assert ckptool(*shlex.split(report["fix_command"])[1:], cwd=tmp_path).returncode == 0
     tags = set()
