@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ckptool.describe import human_bytes
 from ckptool.gpus import Gpu, Machine, missing_devices
 from ckptool.model import NO_LOCATION, Checkpoint
-from ckptool.render import human_bytes
 from ckptool.report_devices import Advice, fix_command, load_snippet, recommend
 
 _LABEL_WIDTH = len("checkpoint")  # both grids line up

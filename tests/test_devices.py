@@ -17,8 +17,8 @@ import torch.cuda
 
 from ckptool import gpus
 from ckptool.cli import main
+from ckptool.describe import human_bytes
 from ckptool.gpus import Gpu, Machine
-from ckptool.render import human_bytes
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 DP = SAMPLES / "dataparallel_cuda2.pth"  # every tensor saved on cuda:2
