@@ -17,14 +17,14 @@ from typing import Any
 from ckptool import loadcheck
 from ckptool.describe import human_bytes
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK, CkptoolError
-from ckptool.gpus import Machine, pick, probe
+from ckptool.gpus import Machine, fits, pick, probe
 from ckptool.loadcheck import TagLoad
 from ckptool.model import Checkpoint
 from ckptool.modelspec import ModelKeys
 from ckptool.plan import FixOptions
 from ckptool.reconcile import KeyReport, ShapeHint, explain_shapes, reconcile
 
-ERROR, WARNING, INFO = "error", "warning", "info"
+ERROR, WARNING = "error", "warning"  # error: loading fails; warning: not as wanted
 # entries where training scripts keep their settings: constructor values
 SETTINGS = ("hyper_parameters", "hparams", "args", "config", "cfg", "opt", "params")
 
@@ -32,7 +32,7 @@ SETTINGS = ("hyper_parameters", "hparams", "args", "config", "cfg", "opt", "para
 @dataclass(frozen=True)
 class Finding:
     code: str  # stable: device-unavailable, key-prefix, wrapped-state-dict...
-    severity: str  # error (loading fails), warning (loads, but not as wanted), info
+    severity: str  # error (loading fails) or warning (loads, but not as wanted)
     message: str
     fix: str | None = None  # a runnable ckptool command, or a code change
     snippet: str | None = None  # the same fix as Python, where there is one
@@ -55,8 +55,28 @@ class Diagnosis:
 
     @property
     def exit_code(self) -> int:
-        problems = any(f.severity in (ERROR, WARNING) for f in self.findings)
-        return EXIT_FINDINGS if problems else EXIT_OK
+        return EXIT_FINDINGS if self.findings else EXIT_OK
+
+    @property
+    def remaining(self) -> list[str]:
+        """Codes of findings that ``fix_command`` does not repair."""
+        fixed = self.fix_command is not None
+        return [f.code for f in self.findings
+                if not (fixed and f.fix and f.fix.startswith("ckptool fix "))]
+
+    def load_errors(self) -> list[str]:
+        """What plain ``torch.load(path)`` raises here, one line per cause."""
+        out = [f"RuntimeError: {t.error}" for t in self.tags if t.error]
+        refused = loadcheck.refused_globals(self.checkpoint)
+        if not loadcheck.weights_only_default():
+            return out
+        if self.checkpoint.format == "torchscript":
+            out.append("RuntimeError: Cannot use ``weights_only=True`` with TorchScript "
+                       "archives passed to ``torch.load``.")
+        elif refused:
+            out.append(f"UnpicklingError: Weights only load failed. ... Unsupported global: "
+                       f"GLOBAL {refused[0]} was not an allowed global by default.")
+        return out
 
 
 def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
@@ -68,14 +88,16 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     tags = loadcheck.plan_tags(ckpt, machine)
     result = Diagnosis(ckpt, machine, tags, [], model)
     opts = FixOptions()
-    name = shlex.quote(os.path.basename(ckpt.path))
+    name = shell_name(ckpt.path)
     result.findings += _format(ckpt, name)
-    result.findings += _devices(tags, machine, opts, name)
+    result.findings += _devices(ckpt, tags, machine, opts, name)
     result.findings += _memory(tags, machine)
     result.findings += _wrapping(ckpt, opts, name)
     result.findings += _globals(ckpt, opts, name)
     if ckpt.main_state_dict is not None and model is not None:
-        result.keys = reconcile({n: t.shape for n, t in ckpt.state_dict().items()},
+        tensors = ckpt.state_dict()
+        names = ckpt.main_state_dict.keys  # extra-state entries too: strict loading checks them
+        result.keys = reconcile({n: tensors[n].shape if n in tensors else None for n in names},
                                 model.shapes, model.tied)
         result.shape_hints = explain_shapes(result.keys.mismatched, model.arguments,
                                             saved_settings(ckpt.root))
@@ -95,16 +117,16 @@ def _format(ckpt: Checkpoint, name: str) -> list[Finding]:
         "torchscript", WARNING,
         "this is a TorchScript archive: plain torch.load refuses it (weights_only) and "
         "load_state_dict cannot take it; torch.jit.load runs its code",
-        f"ckptool convert {name} {shlex.quote(_stem(name) + '.safetensors')}",
-        f"torch.jit.load({name!r}, map_location='cpu').state_dict()")]
+        f"ckptool convert {name} {shell_name(_stem(ckpt.path) + '.safetensors')}",
+        f"torch.jit.load({os.path.basename(ckpt.path)!r}, map_location='cpu').state_dict()")]
 
 
-def _devices(tags: list[TagLoad], machine: Machine, opts: FixOptions,
+def _devices(ckpt: Checkpoint, tags: list[TagLoad], machine: Machine, opts: FixOptions,
              name: str) -> list[Finding]:
     failing = [t for t in tags if t.error]
     if not failing:
         return []
-    target = _best_device(machine, sum(t.nbytes for t in tags))
+    target = _best_device(machine, sum(t.nbytes for t in failing))
     every = all(t.error or t.location == target for t in tags)
     if every:
         opts.to = target
@@ -114,18 +136,21 @@ def _devices(tags: list[TagLoad], machine: Machine, opts: FixOptions,
         opts.maps = tuple((t.location, target) for t in failing)
         flags = " ".join(f"--map {t.location}={target}" for t in failing)
         where = "{" + ", ".join(f"{t.location!r}: {target!r}" for t in failing) + "}"
-    saved = ", ".join(f"{t.tensors} tensors ({human_bytes(t.nbytes)}) on {t.location}"
+    saved = ", ".join(f"{_n(t.tensors, 'tensor')} ({human_bytes(t.nbytes)}) on {t.location}"
                       for t in failing)
     return [Finding(
         "device-unavailable", ERROR,
         f"plain torch.load fails on {describe_machine(machine)}: the file saved {saved}",
         f"ckptool fix {name} {flags}",
-        f"torch.load({name!r}, map_location={where})")]
+        f"torch.load({os.path.basename(ckpt.path)!r}, map_location={where})")]
 
 
 def _best_device(machine: Machine, need: int) -> str:
+    """The GPU with the most free memory, unless the bytes do not fit there."""
     gpu = pick(machine, need) if machine.device_count else None
-    return f"cuda:{gpu.index}" if gpu is not None else "cpu"
+    if gpu is None or fits(gpu, need) is False:
+        return "cpu"
+    return f"cuda:{gpu.index}"
 
 
 def _memory(tags: list[TagLoad], machine: Machine) -> list[Finding]:
@@ -145,7 +170,8 @@ def _wrapping(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:
     sd = ckpt.main_state_dict
     if sd is None:
         return [Finding("no-state-dict", WARNING,
-                        "no state dict found: no dict of tensors a model could load")]
+                        "no state dict found: no dict of tensors a model could load, so "
+                        "there are no keys to compare with a model")]
     if sd.kind == "module" and ckpt.format != "torchscript":
         opts.extract = "auto"
         where = f"'{sd.path}'" if sd.path else "the file"
@@ -160,7 +186,7 @@ def _wrapping(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:
     opts.extract = "auto"
     others = [k for k in _top_keys(ckpt) if k != sd.path.split("/")[0]]
     beside = f" next to {', '.join(others[:6])}" if others else ""
-    index = "".join(f"[{p!r}]" for p in sd.path.split("/"))
+    index = "".join(f"[{p}]" if p.isdigit() else f"[{p!r}]" for p in sd.path.split("/"))
     return [Finding(
         "wrapped-state-dict", WARNING,
         f"the weights are the state dict under '{sd.path}'{beside}: "
@@ -380,10 +406,9 @@ def _plan_command(result: Diagnosis, opts: FixOptions) -> None:
                            else f for f in result.findings]
         return
     result.fix_options = opts
-    result.fix_output = output
-    result.fix_command = " ".join(["ckptool", "fix", shlex.quote(os.path.basename(ckpt.path)),
-                                   *command_flags(opts),
-                                   "-o", shlex.quote(os.path.basename(output))])
+    result.fix_output = os.path.basename(output)
+    result.fix_command = " ".join(["ckptool", "fix", shell_name(ckpt.path),
+                                   *command_flags(opts), "-o", shell_name(output)])
 
 
 def command_flags(opts: FixOptions) -> list[str]:
@@ -412,5 +437,11 @@ def describe_machine(machine: Machine) -> str:
     return f"this machine ({n} visible CUDA GPU{'s' if n != 1 else ''})"
 
 
-def _stem(name: str) -> str:
-    return os.path.splitext(name.strip("'"))[0]
+def shell_name(path: str) -> str:
+    """``path``'s file name as a shell word that no command takes for an option."""
+    name = os.path.basename(path)
+    return shlex.quote(f"./{name}" if name.startswith("-") else name)
+
+
+def _stem(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]

@@ -133,19 +133,10 @@ def fits(gpu: Gpu, need_bytes: int) -> bool | None:
 def missing_devices(machine: Machine, locations: Iterable[str]) -> list[str]:
     """The saved device tags (``cuda:2``, ``mps``) that torch.load cannot
     restore on this machine without ``map_location``."""
-    missing = []
-    for tag in locations:
-        kind, _, index = tag.partition(":")
-        if kind in ("cpu", "unrecorded", "meta"):
-            continue
-        if kind == "cuda":
-            n = int(index) if index.isdigit() else 0
-            if n < machine.device_count:
-                continue
-        elif kind == "mps" and machine.platform == "darwin":
-            continue  # whether this Mac has MPS is not probed: assume it does
-        missing.append(tag)
-    return missing
+    from ckptool.loadcheck import restore_error  # it needs Machine from here
+
+    return [tag for tag in locations
+            if tag != "unrecorded" and restore_error(tag, machine)[1] is not None]
 
 
 def _query_smi() -> tuple[list[Gpu] | None, str]:

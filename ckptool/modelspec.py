@@ -29,8 +29,8 @@ class ModelKeys:
     """What a model (or a reference checkpoint) has under each state-dict key."""
 
     source: str  # "model mypkg.nets:ResNet" or "reference other.pth"
-    shapes: dict[str, tuple[int, ...]]  # key -> shape, in state_dict order
-    tied: dict[str, str] = field(default_factory=dict)  # alias -> first key sharing its tensor
+    shapes: dict[str, tuple[int, ...] | None]  # key -> shape (None: extra state), in order
+    tied: dict[str, tuple[str, ...]] = field(default_factory=dict)  # key -> keys sharing its tensor
     arguments: dict[str, Any] = field(default_factory=dict)  # constructor arguments as called
     name: str = ""  # the class (or factory) name
     given: dict[str, Any] = field(default_factory=dict)  # the arguments --model-arg gave
@@ -63,8 +63,8 @@ def find_class(spec: str) -> Any:
     if not sep or not target or not attr:
         raise UsageError(f"--model needs the form module:Class or file.py:Class, got {spec!r}",
                          "for example --model mypkg.nets:ResNet or --model nets.py:ResNet")
-    module = _import_file(target) if target.endswith(".py") or os.sep in target \
-        else _import_module(target)
+    is_path = target.endswith(".py") or "/" in target or os.sep in target
+    module = _import_file(target) if is_path else _import_module(target)
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
@@ -84,13 +84,15 @@ def _import_module(name: str) -> Any:
         sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(name)
-    except Exception as exc:  # the user's module failed to import: say how
+    except (Exception, SystemExit) as exc:  # the user's module failed to import: say how
         raise ModelError(f"importing {name} failed: {type(exc).__name__}: {exc}",
                          "check the module path and that its dependencies are installed; "
                          "a file can be named as path/to/file.py:Class") from exc
 
 
 def _import_file(path: str) -> Any:
+    if os.path.isdir(path):
+        raise ModelError(f"{path} is a directory", "give --model path/to/file.py:Class")
     if not os.path.isfile(path):
         raise ModelError(f"no such model file: {path}", "give --model path/to/file.py:Class")
     folder = os.path.dirname(os.path.abspath(path))
@@ -104,10 +106,11 @@ def _import_file(path: str) -> Any:
     sys.modules[name] = module
     try:
         spec.loader.exec_module(module)
-    except Exception as exc:  # the user's file failed to run: say how
+    except (Exception, SystemExit) as exc:  # the user's file failed to run: say how
         del sys.modules[name]
         raise ModelError(f"importing {path} failed: {type(exc).__name__}: {exc}",
-                         "run the file with python to see the full error") from exc
+                         "run the file with python to see the full error; code that parses "
+                         "arguments or trains belongs under if __name__ == '__main__'") from exc
     return module
 
 
@@ -122,25 +125,28 @@ def build_model(spec: str, arguments: dict[str, Any],
     try:
         with torch.device("meta"):
             model = factory(**arguments)
-    except Exception as exc:  # the user's constructor failed: report it, no traceback
+    except (Exception, SystemExit) as exc:  # the user's constructor failed: no traceback
         raise ModelError(f"constructing {spec} failed: {type(exc).__name__}: {exc}",
                          _constructor_hint(factory, saved)) from exc
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"{spec} returned a {type(model).__name__}, not an nn.Module",
                          "name an nn.Module class or a function that returns one")
-    tensors = model.state_dict(keep_vars=True)
-    shapes: dict[str, tuple[int, ...]] = {}
-    tied: dict[str, str] = {}
-    first: dict[int, str] = {}
-    for key, value in tensors.items():
-        if not isinstance(value, torch.Tensor):  # get_extra_state() objects
+    shapes: dict[str, tuple[int, ...] | None] = {}
+    groups: dict[int, list[str]] = {}
+    for key, value in model.state_dict(keep_vars=True).items():
+        if not isinstance(value, torch.Tensor):  # get_extra_state(): strict loading wants it
+            shapes[key] = None
             continue
         shapes[key] = tuple(value.shape)
-        owner = first.setdefault(id(value), key)
-        if owner != key:
-            tied[key] = owner
-    return ModelKeys(f"model {spec}", shapes, tied, called,
+        groups.setdefault(id(value), []).append(key)
+    return ModelKeys(f"model {spec}", shapes, _ties(groups.values()), called,
                      getattr(factory, "__name__", spec), dict(arguments))
+
+
+def _ties(groups: Any) -> dict[str, tuple[str, ...]]:
+    """Each key of a group of names sharing one tensor, with the others."""
+    return {k: tuple(o for o in group if o != k) for group in groups if len(group) > 1
+            for k in group}
 
 
 def _bound_arguments(factory: Any, arguments: dict[str, Any]) -> dict[str, Any]:
@@ -184,11 +190,11 @@ def reference_keys(path: str) -> ModelKeys:
     if ref.main_state_dict is None:
         raise UsageError(f"{path}: no state dict found to compare against",
                          "give a checkpoint that holds a model's weights")
-    shapes = {name: t.shape for name, t in ref.state_dict().items()}
-    tied: dict[str, str] = {}
-    first: dict[tuple[str | None, int, tuple[int, ...]], str] = {}
-    for name, t in ref.state_dict().items():
-        owner = first.setdefault((t.storage, t.storage_offset, t.shape), name)
-        if owner != name and t.storage is not None:
-            tied[name] = owner
-    return ModelKeys(f"reference {path}", shapes, tied)
+    tensors = ref.state_dict()
+    shapes = {name: tensors[name].shape if name in tensors else None
+              for name in ref.main_state_dict.keys}
+    groups: dict[tuple[str | None, int, tuple[int, ...]], list[str]] = {}
+    for name, t in tensors.items():
+        if t.storage is not None:
+            groups.setdefault((t.storage, t.storage_offset, t.shape), []).append(name)
+    return ModelKeys(f"reference {path}", shapes, _ties(groups.values()))

@@ -19,6 +19,7 @@ from typing import Any
 from ckptool.prefixes import WRAPPERS, common_prefix
 
 Shape = tuple[int, ...]
+MaybeShape = Shape | None  # None: an extra-state entry, not a tensor
 
 
 @dataclass(frozen=True)
@@ -87,7 +88,7 @@ def _candidates(keys: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def infer_rewrite(names: list[str], expected: dict[str, Shape]) -> Rewrite:
+def infer_rewrite(names: list[str], expected: dict[str, MaybeShape]) -> Rewrite:
     """The strip/add pair under which the most names match ``expected``;
     among equals, the smallest change."""
     # a name matches under (strip, add) when it, stripped, is an expected
@@ -104,10 +105,11 @@ def infer_rewrite(names: list[str], expected: dict[str, Shape]) -> Rewrite:
     return best
 
 
-def reconcile(shapes: dict[str, Shape], expected: dict[str, Shape],
-              tied: dict[str, str] | None = None,
+def reconcile(shapes: dict[str, MaybeShape], expected: dict[str, MaybeShape],
+              tied: dict[str, tuple[str, ...]] | None = None,
               rewrite: Rewrite | None = None) -> KeyReport:
-    """Compare file keys (with their shapes) with the expected ones."""
+    """Compare file keys (with their shapes) with the expected ones. ``tied``
+    maps each key to the keys sharing its tensor in the model."""
     if rewrite is None:
         rewrite = infer_rewrite(list(shapes), expected)
     renamed = {rewrite.apply(k): v for k, v in shapes.items()}
@@ -115,13 +117,16 @@ def reconcile(shapes: dict[str, Shape], expected: dict[str, Shape],
     for key, shape in expected.items():
         if key not in renamed:
             missing.append(key)
-        elif tuple(renamed[key]) != tuple(shape):
-            mismatched.append((key, tuple(renamed[key]), tuple(shape)))
+        elif (got := renamed[key]) is not None and shape is not None and got != shape:
+            mismatched.append((key, tuple(got), tuple(shape)))
         else:
             matched.append(key)
     unexpected = [k for k in renamed if k not in expected]
-    tied_missing = {k: tied[k] for k in missing
-                    if tied and k in tied and tied[k] in renamed}
+    tied_missing = {}
+    for k in missing:
+        twin = next((t for t in (tied or {}).get(k, ()) if t in renamed), None)
+        if twin is not None:
+            tied_missing[k] = twin
     before = sum(1 for k in shapes if k in expected)
     return KeyReport(rewrite, matched, missing, unexpected, mismatched, before, tied_missing)
 

@@ -13,9 +13,8 @@ from rich.text import Text
 
 from ckptool.describe import human_bytes
 from ckptool.diagnosis import ERROR, WARNING, Diagnosis, describe_machine
-from ckptool.report_diagnose import load_errors
 
-_STYLE = {ERROR: "bold red", WARNING: "yellow", "info": "cyan"}
+_STYLE = {ERROR: "bold red", WARNING: "yellow"}
 
 
 def render_diagnose(console: Console, d: Diagnosis) -> None:
@@ -28,7 +27,7 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
     if machine.note and machine.source != "assumed":
         target += f"; {machine.note}"
     grid.add_row("target", target)
-    errors = load_errors(d)
+    errors = d.load_errors()
     grid.add_row("torch.load", Text("fails: " + errors[0], style="red") if errors
                  else Text("loads", style="green"))
     for more in errors[1:]:
@@ -61,18 +60,21 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
         body = Text()
         body.append(f.code, style="bold")
         body.append(f"\n{f.message}")
-        for label, text in zip(("fix: ", "or:  "), [x for x in (f.fix, f.snippet) if x],
-                               strict=False):
-            body.append(f"\n{label}{text}", style="dim")
+        if f.fix:
+            body.append(f"\nfix: {f.fix}", style="dim")
+        if f.snippet:
+            body.append(f"\n{'or:  ' if f.fix else 'try: '}{f.snippet}", style="dim")
         findings.add_row(Text(f.severity, style=_STYLE.get(f.severity, "")), body)
     console.print(findings)
     console.print()
     if d.fix_command:
         folder = os.path.dirname(ckpt.path)
         where = f"run in {folder}/" if folder else "run here"
-        console.print(f"fix everything fixable at once ({where}, writes "
-                      f"{os.path.basename(d.fix_output or '')}):")
+        console.print(f"fix everything fixable at once ({where}, writes {d.fix_output}):")
         console.print(Text(f"  {d.fix_command}", style="bold"), soft_wrap=True)
+        if d.remaining:
+            console.print(Text(f"still to resolve by hand: {', '.join(d.remaining)}",
+                               style="yellow"))
     elif d.fix_refused:
         console.print(Text(f"no ckptool fix command: {d.fix_refused}", style="yellow"))
 

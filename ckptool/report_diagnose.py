@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptool import loadcheck
 from ckptool.diagnosis import Diagnosis, describe_machine
 from ckptool.report import SCHEMA_VERSION
 
@@ -31,7 +30,7 @@ def diagnose_dict(d: Diagnosis) -> dict[str, Any]:
                       "total_bytes": g.total_bytes, "free_bytes": g.free_bytes}
                      for g in machine.gpus],
         },
-        "load": {"succeeds": not load_errors(d), "errors": load_errors(d)},
+        "load": {"succeeds": not d.load_errors(), "errors": d.load_errors()},
         "devices": [{"location": t.location, "tensors": t.tensors, "nbytes": t.nbytes,
                      "lands": t.lands, "physical": t.physical, "error": t.error}
                     for t in d.tags],
@@ -56,19 +55,6 @@ def diagnose_dict(d: Diagnosis) -> dict[str, Any]:
         "fix_command": d.fix_command,
         "fix_output": d.fix_output,
         "fix_refused": d.fix_refused,
+        "remaining": d.remaining,
         "exit_code": d.exit_code,
     }
-
-
-def load_errors(d: Diagnosis) -> list[str]:
-    """What plain ``torch.load(path)`` raises here, one line per cause."""
-    out = [f"RuntimeError: {t.error}" for t in d.tags if t.error]
-    codes = {f.code for f in d.findings}
-    if "torchscript" in codes:
-        out.append("RuntimeError: Cannot use ``weights_only=True`` with TorchScript archives "
-                   "passed to ``torch.load``.")
-    refused = loadcheck.refused_globals(d.checkpoint)
-    if refused and "torchscript" not in codes and loadcheck.weights_only_default():
-        out.append(f"UnpicklingError: Weights only load failed. ... Unsupported global: "
-                   f"GLOBAL {refused[0]} was not an allowed global by default.")
-    return out

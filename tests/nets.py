@@ -21,6 +21,14 @@ class Net(nn.Module):
         return self.fc(self.bn(self.conv(x)).mean((2, 3)))
 
 
+class Wrapped(nn.Module):
+    """A Lightning-style module: Net's keys sit under 'model.'."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.model = Net(width)
+
+
 class TiedLM(nn.Module):
     """An embedding and an output head sharing one weight."""
 
@@ -43,6 +51,25 @@ class Broken(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         raise ValueError("this model is broken on purpose")
+
+
+class WithExtra(Net):
+    """Net with extra state: strict loading wants an ``_extra_state`` key."""
+
+    def __init__(self) -> None:
+        super().__init__(8)
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"version": 2}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.version = state["version"]
+
+
+class Exits(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        raise SystemExit("bye")
 
 
 def make_net(width: int = 8) -> nn.Module:

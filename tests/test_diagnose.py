@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shlex
+import subprocess
+import sys
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ from ckptool.gpus import Gpu, Machine
 from ckptool.modelspec import build_model, reference_keys
 
 NETS = Path(__file__).resolve().parent / "nets.py"
+ROOT = NETS.parent.parent
 CPU_ONLY = gpus.assumed(0)
 
 
@@ -65,8 +70,10 @@ def gpu_machine(*free_gb: float) -> Machine:
 
 @pytest.mark.parametrize("tag", ["cuda:0", "cuda:2", "cuda", "mps", "xpu:0", "hpu:0",
                                  "mtia:0", "privateuseone:0", "foo:1"])
-def test_restore_error_matches_torch_on_this_machine(tmp_path: Path, tag: str) -> None:
-    """The predicted error is the text torch.load raises here, to the letter."""
+def test_restore_error_matches_torch_without_a_gpu(tmp_path: Path, tag: str,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The predicted error is the text torch.load raises, to the letter."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # also on a GPU host
     path = save({"w": torch.ones(2)}, tmp_path / "t.pth", tag)
     with pytest.raises(RuntimeError) as raised:
         torch.load(path)
@@ -166,6 +173,30 @@ def test_picks_gpu_with_most_free_memory(tmp_path: Path) -> None:
     assert d.fix_command == "ckptool fix m.pth --to cuda:1 -o m.fixed.pth"
 
 
+def test_no_gpu_with_room_means_cpu(tmp_path: Path) -> None:
+    path = save({"w": torch.zeros(1000, 1000)}, tmp_path / "big.pth", "cuda:7")
+    d = run(path, gpu_machine(0.0001, 0.002))  # 4 MB to place, 2 MB free at most
+    assert d.fix_command == "ckptool fix big.pth --to cpu -o big.fixed.pth"
+
+
+@pytest.mark.parametrize(("name", "shell", "python"), [
+    ("-m.pth", "./-m.pth", "'-m.pth'"),
+    ("my model.pth", "'my model.pth'", "'my model.pth'"),
+    ("it's.pth", """'it'"'"'s.pth'""", '"it\'s.pth"'),
+])
+def test_odd_file_names(tmp_path: Path, name: str, shell: str, python: str) -> None:
+    d = run(save(net_sd(), tmp_path / name, "cuda:1"))
+    f = finding(d, "device-unavailable")
+    assert f.fix == f"ckptool fix {shell} --to cpu"
+    assert f.snippet == f"torch.load({python}, map_location='cpu')"
+    assert d.fix_command is not None and d.fix_command.startswith(f"ckptool fix {shell} ")
+    proc = subprocess.run([sys.executable, "-m", "ckptool", *shlex.split(d.fix_command)[1:]],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert (tmp_path / d.fix_output).is_file()
+
+
 def test_mps_on_linux(tmp_path: Path) -> None:
     d = run(save(net_sd(), tmp_path / "m.pth", "mps"), gpus.assumed(2))
     assert "on mps" in finding(d, "device-unavailable").message
@@ -236,6 +267,12 @@ def test_torchscript_gets_convert() -> None:
 def test_no_state_dict(tmp_path: Path) -> None:
     d = run(save([1, 2, "three"], tmp_path / "l.pth"))
     assert codes(d) == ["no-state-dict"]
+
+
+def test_state_dict_in_a_list_gets_an_int_index(tmp_path: Path) -> None:
+    d = run(save([net_sd(), {"lr": 0.1}], tmp_path / "l.pth"))
+    assert finding(d, "wrapped-state-dict").snippet == \
+        "model.load_state_dict(torch.load(path)[0])"
 
 
 def test_clean_state_dict_exits_zero(tmp_path: Path) -> None:
@@ -319,13 +356,30 @@ def test_batchnorm_buffers_expected_and_nonpersistent_not(tmp_path: Path) -> Non
 
 def test_tied_weights(tmp_path: Path) -> None:
     keys = build_model(f"{NETS}:TiedLM", {})
-    assert keys.tied == {"head.weight": "embed.weight"}
+    assert keys.tied == {"head.weight": ("embed.weight",), "embed.weight": ("head.weight",)}
     full = save(TiedLM().state_dict(), tmp_path / "full.pth")
     assert run(full, model="TiedLM").findings == []
     only_one = save({"embed.weight": torch.zeros(50, 16)}, tmp_path / "one.pth")
     d = run(only_one, model="TiedLM")
     assert codes(d) == ["tied-keys"]
     assert "head.weight (tied to embed.weight)" in finding(d, "tied-keys").message
+    # either twin will do
+    other = save({"head.weight": torch.zeros(50, 16)}, tmp_path / "other.pth")
+    assert "embed.weight (tied to head.weight)" in finding(run(other, model="TiedLM"),
+                                                           "tied-keys").message
+
+
+def test_extra_state_is_a_key_both_ways(tmp_path: Path) -> None:
+    """get_extra_state() entries are keys strict loading checks."""
+    with_extra = run(save(net_sd(), tmp_path / "plain.pth"), model="WithExtra")
+    assert codes(with_extra) == ["missing-keys"]
+    assert finding(with_extra, "missing-keys").keys == ("_extra_state",)
+    sd = net_sd()
+    sd["_extra_state"] = {"version": 2}  # type: ignore[assignment]
+    extra = save(sd, tmp_path / "extra.pth")
+    assert run(extra, model="WithExtra").findings == []
+    d = run(extra, model="Net", width=8)
+    assert finding(d, "unexpected-keys").keys == ("_extra_state",)
 
 
 def test_shape_mismatch_points_at_the_argument(tmp_path: Path) -> None:
@@ -376,6 +430,16 @@ def test_cli_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["keys"]["rewrite"] == {"strip": "module.", "add": ""}
     assert data["keys"]["matched"] == 9 and data["keys"]["matched_as_saved"] == 0
     assert data["target"]["device_count"] == 0
+    # every documented field, and nothing undocumented
+    assert set(data) == {"schema_version", "path", "format", "target", "load", "devices",
+                         "main_state_dict", "keys", "findings", "fix_command", "fix_output",
+                         "fix_refused", "remaining", "exit_code"}
+    assert set(data["target"]) == {"description", "source", "device_count", "cuda_available",
+                                   "cuda_visible_devices", "note", "gpus"}
+    assert set(data["keys"]) == {"against", "rewrite", "expected", "matched_as_saved",
+                                 "matched", "missing", "unexpected", "mismatched",
+                                 "tied_missing"}
+    assert data["fix_output"] == "dataparallel_cuda2.fixed.pth" and data["remaining"] == []
 
 
 def test_cli_human_output(capsys: pytest.CaptureFixture[str]) -> None:
@@ -402,6 +466,8 @@ def test_cli_clean_exit_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     ("no_such_pkg_xyz.nets:Net", [], "No module named 'no_such_pkg_xyz'"),
     ("justaname", [], "--model needs the form"),
     (f"{NETS}:Net", ["-a", "9=1"], "--model-arg needs the form"),
+    (f"{NETS}:Exits", [], "SystemExit: bye"),
+    (f"{NETS.parent}:Net", [], "is a directory"),
 ])
 def test_bad_model_is_a_clean_error(capsys: pytest.CaptureFixture[str], spec: str,
                                     args: list[str], message: str) -> None:

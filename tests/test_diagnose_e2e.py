@@ -46,9 +46,10 @@ def trained(width: int) -> Net:
     return net
 
 
-def diagnose_and_fix(path: Path, model_args: list[str], net: Net) -> dict[str, Any]:
+def diagnose_and_fix(path: Path, model_args: list[str], net: torch.nn.Module,
+                     model: str = "Net") -> dict[str, Any]:
     """Diagnose, run its fix command as printed, load the result plainly."""
-    args = ["--model", f"{NETS}:Net", *[a for v in model_args for a in ("--model-arg", v)]]
+    args = ["--model", f"{NETS}:{model}", *[a for v in model_args for a in ("--model-arg", v)]]
     proc = ckptool("diagnose", "--json", path.name, *args, cwd=path.parent)
     assert proc.returncode == 1, proc.stderr
     report = json.loads(proc.stdout)
@@ -60,14 +61,14 @@ def diagnose_and_fix(path: Path, model_args: list[str], net: Net) -> dict[str, A
 
     fixed = ckptool(*shlex.split(command)[1:], cwd=path.parent)
     assert fixed.returncode == 0, fixed.stderr
-    output = path.parent / report["fix_output"].rsplit("/", 1)[-1]
+    output = path.parent / report["fix_output"]
     assert sorted(p.name for p in path.parent.iterdir()) == sorted([path.name, output.name])
 
     state = torch.load(output)  # plain: weights_only=True, no map_location
-    model = Net(**{k: json.loads(v) for k, v in (a.split("=") for a in model_args)})
-    model.load_state_dict(state, strict=True)
+    fresh = type(net)(**{k: json.loads(v) for k, v in (a.split("=") for a in model_args)})
+    fresh.load_state_dict(state, strict=True)
     for key, value in net.state_dict().items():
-        assert torch.equal(model.state_dict()[key], value), key
+        assert torch.equal(fresh.state_dict()[key], value), key
     # and the fixed file has nothing left to fix
     again = ckptool("diagnose", output.name, *args, cwd=path.parent)
     assert again.returncode == 0, again.stdout
@@ -149,3 +150,39 @@ def test_device_count_retargets_for_another_machine(tmp_path: Path) -> None:
     tags = set()
     torch.load(tmp_path / "dp.fixed.pth", map_location=lambda s, loc: tags.add(loc) or s)
     assert tags == {"cuda:0"}
+
+
+def test_bare_state_dict_into_a_wrapping_module(tmp_path: Path) -> None:
+    """--add-prefix, spelled as diagnose prints it, run through the CLI."""
+    from nets import Wrapped
+
+    net = Wrapped()
+    with torch.no_grad():
+        net.model.fc.bias.fill_(0.5)
+    path = tmp_path / "bare.pth"
+    with saved_on("cuda:1"):
+        torch.save(net.model.state_dict(), path)
+    report = diagnose_and_fix(path, [], net, model="Wrapped")
+    assert report["fix_command"] == \
+        "ckptool fix bare.pth --add-prefix model. --to cpu -o bare.fixed.pth"
+
+
+def test_some_tags_mapped(tmp_path: Path) -> None:
+    """--map, spelled as diagnose prints it: only the missing tag moves."""
+    path = tmp_path / "mixed.pth"
+    tags = iter(["cpu"] * 3 + ["cuda:3"] * 20)
+    original = torch.serialization.location_tag
+    torch.serialization.location_tag = lambda s: next(tags)  # type: ignore[assignment]
+    try:
+        torch.save(trained(8).state_dict(), path)
+    finally:
+        torch.serialization.location_tag = original
+    proc = ckptool("diagnose", "--json", "--device-count", "1", path.name, cwd=tmp_path)
+    report = json.loads(proc.stdout)
+    assert report["fix_command"] == \
+        "ckptool fix mixed.pth --map cuda:3=cuda:0 -o mixed.fixed.pth"
+    assert ckptool(*shlex.split(report["fix_command"])[1:], cwd=tmp_path).returncode == 0
+    seen: list[str] = []
+    torch.load(tmp_path / "mixed.fixed.pth",
+               map_location=lambda s, loc: seen.append(loc) or s)  # type: ignore[func-returns-value]
+    assert seen == ["cpu"] * 3 + ["cuda:0"] * 6
