@@ -242,6 +242,8 @@ def _wrapper_name(prefix: str) -> str:
     names = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile",
              "model.": "a Lightning module attribute", "base_model.model.": "PEFT",
              "_forward_module.": "Lightning Fabric"}
+    if prefix in names:
+        return names[prefix]
     parts = [names.get(p + ".", p) for p in prefix.rstrip(".").split(".")]
     known = [p for p in parts if p in names.values()]
     return " over ".join(known) if known else "a wrapper"

@@ -293,6 +293,10 @@ def test_key_prefix_without_model(tmp_path: Path) -> None:
     f = finding(d, "key-prefix")
     assert f.severity == "warning" and "DataParallel/DDP" in f.message
     assert d.fix_command == "ckptool fix m.pth --strip-module -o m.fixed.pth"
+    peft = run(save(net_sd(prefix="base_model.model."), tmp_path / "p.pth"))
+    assert "'base_model.model.' (PEFT)" in finding(peft, "key-prefix").message
+    both = run(save(net_sd(prefix="_orig_mod.module."), tmp_path / "c.pth"))
+    assert "(torch.compile over DataParallel/DDP)" in finding(both, "key-prefix").message
 
 
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "_orig_mod.module.",
