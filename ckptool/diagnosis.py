@@ -22,6 +22,7 @@ from ckptool.loadcheck import TagLoad
 from ckptool.model import Checkpoint
 from ckptool.modelspec import ModelKeys
 from ckptool.plan import FixOptions
+from ckptool.prefixes import describe_wrapper
 from ckptool.reconcile import KeyReport, ShapeHint, explain_shapes, reconcile
 
 ERROR, WARNING = "error", "warning"  # error: loading fails; warning: not as wanted
@@ -48,7 +49,6 @@ class Diagnosis:
     model: ModelKeys | None = None
     keys: KeyReport | None = None
     shape_hints: list[ShapeHint] = field(default_factory=list)
-    fix_options: FixOptions | None = None
     fix_command: str | None = None
     fix_output: str | None = None  # the file fix_command writes
     fix_refused: str | None = None  # why no command could be planned
@@ -233,20 +233,9 @@ def _bare_prefix(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]
     opts.strip_module = True
     return [Finding(
         "key-prefix", WARNING,
-        f"every key starts with {sd.prefix!r} ({_wrapper_name(sd.prefix)}): the bare model "
+        f"every key starts with {sd.prefix!r} ({describe_wrapper(sd.prefix)}): the bare model "
         "expects them without it (pass --model to check against yours)",
         f"ckptool fix {name} --strip-module")]
-
-
-def _wrapper_name(prefix: str) -> str:
-    names = {"module.": "DataParallel/DDP", "_orig_mod.": "torch.compile",
-             "model.": "a Lightning module attribute", "base_model.model.": "PEFT",
-             "_forward_module.": "Lightning Fabric"}
-    if prefix in names:
-        return names[prefix]
-    parts = [names.get(p + ".", p) for p in prefix.rstrip(".").split(".")]
-    known = [p for p in parts if p in names.values()]
-    return " over ".join(known) if known else "a wrapper"
 
 
 def _keys(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], model: ModelKeys,
@@ -407,7 +396,6 @@ def _plan_command(result: Diagnosis, opts: FixOptions) -> None:
         result.findings = [replace(f, fix=None) if f.fix and f.fix.startswith("ckptool fix")
                            else f for f in result.findings]
         return
-    result.fix_options = opts
     result.fix_output = os.path.basename(output)
     result.fix_command = " ".join(["ckptool", "fix", shell_name(ckpt.path),
                                    *command_flags(opts), "-o", shell_name(output)])

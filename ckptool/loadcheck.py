@@ -69,16 +69,10 @@ def restore_error(location: str, machine: Machine) -> tuple[str | None, str | No
 def plan_tags(ckpt: Checkpoint, machine: Machine) -> list[TagLoad]:
     """Every saved tag in the order torch meets them (storage order), with
     its tensor count, bytes, and where it lands or why it fails."""
-    counts: dict[str, int] = {}
-    for t in ckpt.tensors:
-        tag = t.location or NO_LOCATION
-        counts[tag] = counts.get(tag, 0) + 1
-    sizes: dict[str, int] = {}
-    for s in ckpt.storages.values():
-        tag = s.location or NO_LOCATION
-        sizes[tag] = sizes.get(tag, 0) + s.nbytes
+    counts, sizes = ckpt.tensors_by_location, ckpt.bytes_by_location
+    met = [s.location or NO_LOCATION for s in ckpt.storages.values()]  # storage order
     out = []
-    for tag in dict.fromkeys([*sizes, *counts]):
+    for tag in dict.fromkeys([*met, *counts]):
         if tag == NO_LOCATION:  # safetensors: the loader picks the device
             out.append(TagLoad(tag, counts.get(tag, 0), sizes.get(tag, 0), "cpu", None))
             continue

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-# dotted component runs that wrappers add; longest first so that
-# "base_model.model." wins over "model."
+# dotted component runs that wrappers add, and who adds them; longest first
+# so that "base_model.model." wins over "model."
 WRAPPERS: tuple[tuple[str, ...], ...] = (
     ("base_model", "model"),
     ("_orig_mod",),
@@ -15,6 +15,9 @@ WRAPPERS: tuple[tuple[str, ...], ...] = (
     ("model",),
     ("_forward_module",),
 )
+WRAPPER_NAMES = {"base_model.model.": "PEFT", "_orig_mod.": "torch.compile",
+                 "module.": "DataParallel/DDP", "model.": "a Lightning module attribute",
+                 "_forward_module.": "Lightning Fabric"}
 
 
 def common_prefix(names: Iterable[str]) -> str:
@@ -38,15 +41,31 @@ def wrapper_prefix(names: Iterable[str], common: str | None = None) -> str:
     """The wrapper components (``module.``, ``_orig_mod.module.``...) leading
     every name, or "" if the names do not all share one. ``common`` is
     ``common_prefix(names)`` when the caller has it already."""
-    parts = (common_prefix(names) if common is None else common).split(".")[:-1]
-    taken: list[str] = []
+    runs = leading_wrappers(common_prefix(names) if common is None else common)
+    return runs[-1] if runs else ""
+
+
+def leading_wrappers(name: str) -> list[str]:
+    """The wrapper prefixes ``name`` starts with, each one longer:
+    ``_orig_mod.module.fc.weight`` -> ``["_orig_mod.", "_orig_mod.module."]``."""
+    parts = name.split(".")[:-1]
+    runs: list[str] = []
     i = 0
     while i < len(parts):
         for run in WRAPPERS:
             if tuple(parts[i: i + len(run)]) == run:
-                taken.extend(run)
                 i += len(run)
+                runs.append(".".join(parts[:i]) + ".")
                 break
         else:
             break
-    return ".".join(taken) + "." if taken else ""
+    return runs
+
+
+def describe_wrapper(prefix: str) -> str:
+    """Who adds ``prefix``: "torch.compile over DataParallel/DDP", "PEFT"..."""
+    if prefix in WRAPPER_NAMES:
+        return WRAPPER_NAMES[prefix]
+    known = [WRAPPER_NAMES[p + "."] for p in prefix.rstrip(".").split(".")
+             if p + "." in WRAPPER_NAMES]
+    return " over ".join(known) if known else "a wrapper"

@@ -16,7 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.prefixes import WRAPPERS, common_prefix
+from ckptool.prefixes import common_prefix, leading_wrappers
 
 Shape = tuple[int, ...]
 MaybeShape = Shape | None  # None: an extra-state entry, not a tensor
@@ -58,27 +58,12 @@ class KeyReport:
         return not (self.missing or self.unexpected or self.mismatched)
 
 
-def _leading_runs(key: str) -> list[str]:
-    """Wrapper prefixes at the start of ``key``: "_orig_mod.", "_orig_mod.module."..."""
-    parts = key.split(".")[:-1]
-    runs, i = [], 0
-    while i < len(parts):
-        for run in WRAPPERS:
-            if tuple(parts[i: i + len(run)]) == run:
-                i += len(run)
-                runs.append(".".join(parts[:i]) + ".")
-                break
-        else:
-            break
-    return runs
-
-
 def _candidates(keys: Iterable[str]) -> list[str]:
     """Prefixes worth trying to strip from (or add to) these keys."""
     keys = list(keys)
     found: Counter[str] = Counter()
     for key in keys:
-        found.update(_leading_runs(key))
+        found.update(leading_wrappers(key))
     # a wrapper prefix on a tenth of the keys or more (Lightning keeps a
     # loss module beside "model."); and each run of the shared prefix
     minimum = max(1, len(keys) // 10)
