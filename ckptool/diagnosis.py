@@ -52,6 +52,7 @@ class Diagnosis:
     fix_command: str | None = None
     fix_output: str | None = None  # the file fix_command writes
     fix_refused: str | None = None  # why no command could be planned
+    fix_options: FixOptions | None = None  # what fix_command asks for
 
     @property
     def exit_code(self) -> int:
@@ -397,6 +398,7 @@ def _plan_command(result: Diagnosis, opts: FixOptions) -> None:
                            else f for f in result.findings]
         return
     result.fix_output = os.path.basename(output)
+    result.fix_options = opts
     result.fix_command = " ".join(["ckptool", "fix", shell_name(ckpt.path),
                                    *command_flags(opts), "-o", shell_name(output)])
 

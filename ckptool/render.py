@@ -14,19 +14,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.describe import human_bytes
+from ckptool.describe import human_bytes, human_count
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 from ckptool.report import matches
 from ckptool.values import shape_text
 
 _SEP = re.compile(r"[/.]")
-
-
-def human_count(n: int) -> str:
-    for div, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "k")):
-        if n >= div:
-            return f"{n / div:.1f}{unit}"
-    return str(n)
 
 
 def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:

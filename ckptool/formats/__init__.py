@@ -7,7 +7,9 @@ are not checkpoints get an error saying what they look like instead.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Callable, Iterator
 
 from ckptool.errors import (
     CkptoolError,
@@ -19,7 +21,7 @@ from ckptool.errors import (
 from ckptool.formats import pickle_fmt, safetensors_fmt, torch_legacy, torch_zip
 from ckptool.formats.base import RawRead
 
-__all__ = ["RawRead", "read"]
+__all__ = ["RawRead", "check", "read"]
 
 # magic bytes of files people mistake for checkpoints
 _LOOKALIKES = (
@@ -51,8 +53,21 @@ _HINTS = (
 
 def read(path: str) -> RawRead:
     """Read the checkpoint at ``path`` with the reader its bytes call for."""
+    with _explained(path):
+        return _reader_for(path)(path)
+
+
+def check(path: str) -> None:
+    """Raise what ``read`` would for a file that is missing, empty or not a
+    checkpoint at all, reading only its first and last bytes."""
+    with _explained(path):
+        _reader_for(path)
+
+
+@contextlib.contextmanager
+def _explained(path: str) -> Iterator[None]:
     try:
-        return _read(path)
+        yield
     except CkptoolError as exc:
         if not exc.hint:
             exc.hint = next(hint for cls, hint in _HINTS if isinstance(exc, cls))
@@ -62,21 +77,21 @@ def read(path: str) -> RawRead:
         raise
 
 
-def _read(path: str) -> RawRead:
+def _reader_for(path: str) -> Callable[[str], RawRead]:
     head, tail, size = _peek(path)
     if size == 0:
         raise NotACheckpointError(f"{path} is empty (0 bytes)",
                                   "the download or copy probably failed; fetch it again")
     if torch_zip.sniff(head):
-        return torch_zip.read(path)
+        return torch_zip.read
     if torch_legacy.sniff(head):
-        return torch_legacy.read(path)
+        return torch_legacy.read
     if safetensors_fmt.sniff(head):
-        return safetensors_fmt.read(path)
+        return safetensors_fmt.read
     if torch_legacy.sniff_tar(head):
         _explain_tar(path)
     if pickle_fmt.sniff(head, tail):
-        return pickle_fmt.read(path)
+        return pickle_fmt.read
     for magic, what, hint in _LOOKALIKES:
         if head.lstrip().startswith(magic):
             raise NotACheckpointError(f"{path} is {what}, not a PyTorch checkpoint", hint)
