@@ -9,9 +9,10 @@ the file names, and the main state dict with its key prefix.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from typing import Any
 
-from ckptool import formats, prefixes
+from ckptool import formats, prefixes, safe_pickle
 from ckptool.describe import plain_value, summarize, type_name
 from ckptool.formats.base import RawRead
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
@@ -27,10 +28,37 @@ PREFERRED_NAMES = (
 _CATEGORY_ORDER = {UNSAFE: 0, "custom": 1, "data": 2, "torch": 3}
 
 
-def open_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
-    """Read ``path`` safely (no code from the file runs, no tensor bytes are read)."""
+def open_checkpoint(path: str | os.PathLike[str],
+                    on_tensors: Callable[[list[TensorInfo]], None] | None = None) -> Checkpoint:
+    """Read ``path`` safely (no code from the file runs, no tensor bytes are read).
+
+    ``on_tensors``, if given, is called on the reading thread while the
+    pickle is read, with a batch of tensors each time a dict of them grows
+    (every 1000 entries of a state dict), keyed as ``Checkpoint.tensors``
+    will key them. Only tensors in dicts the pickle stack places are sent
+    (none from a pickled module, a list, or under int keys). They are a
+    preview: a state dict that ends up inside a tuple of at most 3 items
+    (``torch.save((sd, opt))``) is sent under the keys it would have outside
+    it (see ``safe_pickle.observe``). The returned Checkpoint is complete,
+    and the same as without ``on_tensors``.
+    """
     path = os.fspath(path)
-    return assemble(path, formats.read(path))
+    if on_tensors is None:
+        return assemble(path, formats.read(path))
+    with safe_pickle.observe(_partial_tensors(on_tensors), (TensorRecord, StorageRef)):
+        raw = formats.read(path)
+    return assemble(path, raw)
+
+
+def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> safe_pickle.Observer:
+    def added(path: tuple[str, ...], pairs: list[tuple[Any, Any]]) -> None:
+        # as walk.path_of: every name joined by "/" (walk.key_text of a str is itself)
+        prefix = "".join(f"{name}/" for name in path)
+        infos = [tensor_info(prefix + key, value) for key, value in pairs
+                 if type(key) is str and isinstance(value, (TensorRecord, StorageRef))]
+        if infos:
+            on_tensors(infos)
+    return added
 
 
 def assemble(path: str, raw: RawRead) -> Checkpoint:
@@ -40,7 +68,7 @@ def assemble(path: str, raw: RawRead) -> Checkpoint:
         more = walk(extra, f"<{name}>")
         walked.tensors += more.tensors
         walked.entries += more.entries
-    tensors = [_tensor_info(key, rec) for key, rec in walked.tensors]
+    tensors = [tensor_info(key, rec) for key, rec in walked.tensors]
     entries = [Entry(key, type_name(v), summarize(v), plain_value(v))
                for key, v in walked.entries]
     entries += [Entry(key, "alias", f"same object as {same}") for key, same in walked.aliases]
@@ -63,7 +91,8 @@ def assemble(path: str, raw: RawRead) -> Checkpoint:
     )
 
 
-def _tensor_info(key: str, rec: Any) -> TensorInfo:
+def tensor_info(key: str, rec: Any) -> TensorInfo:
+    """The TensorInfo of a TensorRecord, or of a StorageRef saved on its own."""
     if isinstance(rec, StorageRef):  # a storage saved on its own
         return TensorInfo(key, (rec.numel,), rec.dtype, (1,), 0, rec.key, rec.location,
                           rec.nbytes, layout="storage")
