@@ -106,6 +106,56 @@ def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
 
 
 @cli.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--model", "-m", "model_spec", metavar="MODULE:CLASS",
+              help="Show key findings against this model, as diagnose --model does.")
+@click.option("--model-arg", "-a", "model_args", multiple=True, metavar="NAME=VALUE",
+              help="A constructor argument for --model (value parsed as JSON, else a string).")
+@click.option("--reference", "-r", metavar="CKPT",
+              help="Compare keys and shapes with another checkpoint instead of a model.")
+@click.option("--device-count", type=click.IntRange(min=0), metavar="N",
+              help="Findings for a machine with N visible GPUs instead of this one.")
+def browse(path: str, model_spec: str | None, model_args: tuple[str, ...],
+           reference: str | None, device_count: int | None) -> int:
+    """Browse a checkpoint in the terminal: module tree, tensors, devices,
+    storage sharing, statistics, findings, and fixes with a preview."""
+    from ckptool import formats, gpus, modelspec
+    from ckptool.errors import UsageError
+
+    if model_spec and reference:
+        raise UsageError("--model and --reference both say what to compare with",
+                         "use one of them")
+    if model_args and not model_spec:
+        raise UsageError("--model-arg needs --model", "name the class: --model mod:Class")
+    formats.check(path)  # a missing or foreign file fails here, before the screen opens
+    if not _is_terminal():
+        raise UsageError("browse needs a terminal (stdin and stdout are not both one)",
+                         "for output you can pipe, use `ckptool inspect` or `inspect --json`")
+    arguments = modelspec.parse_arguments(model_args)
+    loader = None
+    if model_spec:
+        def loader(ckpt: Any) -> Any:
+            from ckptool.diagnosis import saved_settings
+
+            return modelspec.build_model(model_spec, arguments, saved_settings(ckpt.root))
+    elif reference:
+        def loader(ckpt: Any) -> Any:
+            return modelspec.reference_keys(reference)
+    machine = gpus.assumed(device_count) if device_count is not None else None
+    from ckptool.tui import make_app
+
+    app = make_app(path, machine=machine, model=loader)
+    app.run()
+    if app.error is not None:
+        raise app.error
+    return 0
+
+
+def _is_terminal() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+@cli.command()
 @click.argument("path_a", metavar="A", type=click.Path(dir_okay=True, path_type=str))
 @click.argument("path_b", metavar="B", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")

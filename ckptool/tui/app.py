@@ -1,0 +1,399 @@
+"""``ckptool browse``: the Textual app.
+
+The app paints at once and reads the file on a worker thread. While the
+pickle is read, tensors arrive in batches (``open_checkpoint(on_tensors=)``)
+and are listed as they come; when the read ends, the full ``Checkpoint``
+replaces them and a second worker diagnoses it (``ckptool.diagnosis``).
+Statistics, fix planning and writing run on workers too. Everything shown
+comes from the core; the app only keeps view state (cursor, open modules,
+filter, sort).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from rich.text import Text
+from textual import on, work
+from textual.app import App, ComposeResult
+from textual.binding import Binding
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.widgets import Footer, Input, Static
+from textual.worker import get_current_worker
+
+from ckptool.diagnosis import Diagnosis
+from ckptool.errors import CkptoolError
+from ckptool.gpus import Machine
+from ckptool.model import Checkpoint, TensorInfo
+from ckptool.modelspec import ModelKeys
+from ckptool.stats import TensorStats
+from ckptool.tui import panes
+from ckptool.tui.index import SORTS, Filter, Index, Node, Rows
+from ckptool.tui.screens import FixDefaults, FixScreen, HelpScreen, JumpScreen
+from ckptool.tui.table import TensorTable
+
+WIDE = 120  # columns from which the details sit beside the list
+ModelLoader = Callable[[Checkpoint], ModelKeys | None]
+
+
+class BrowseApp(App[int]):
+    """Browse one checkpoint. ``return_code`` is 0, or the exit code of the
+    error that stopped the read (kept in ``error``)."""
+
+    CSS_PATH = "browse.tcss"
+    TITLE = "ckptool browse"
+    ENABLE_COMMAND_PALETTE = False
+    BINDINGS = [
+        Binding("slash", "filter", "Filter"),
+        Binding("g", "jump", "Jump"),
+        Binding("o", "sort", "Sort"),
+        Binding("t", "toggle_view", "Tree"),
+        Binding("s", "stats", "Stats"),
+        Binding("c", "copy", "Copy"),
+        Binding("x", "fix", "Fix"),
+        Binding("f", "findings", "Findings", show=False),
+        Binding("tab", "focus_next", "Next pane", show=False),
+        Binding("question_mark", "help", "Help"),
+        Binding("q", "quit", "Quit"),
+    ]
+
+    def __init__(self, path: str, *, machine: Machine | None = None,
+                 model: ModelLoader | None = None) -> None:
+        super().__init__()
+        self.path = path
+        self.machine = machine  # None: probe this machine (nvidia-smi), on a worker
+        self.model_loader = model
+        self.ckpt: Checkpoint | None = None
+        self.index = Index()
+        self.diagnosis: Diagnosis | None = None
+        self.findings_error: str | None = None
+        self.error: CkptoolError | None = None
+        self.tree_view = True
+        self.sort = "file"
+        self.filter = Filter("")
+        self.expanded: set[str] = set()
+        self.stats: dict[str, TensorStats | str] = {}
+        self._partial: list[list[TensorInfo]] = []  # batches from the reading thread
+        self._taken = 0
+        self._opened_defaults = False
+        self.loaded = threading.Event()  # set once the full read is shown
+
+    # -- layout ------------------------------------------------------------------
+    def compose(self) -> ComposeResult:
+        yield Static(panes.summary_loading(self.path, 0), id="summary")
+        with Horizontal(id="main"):
+            with Vertical(id="list"):
+                yield TensorTable(id="table")
+                yield Input(placeholder="filter: a substring, or a glob like *.bias "
+                            "(Enter keeps it, Esc clears)", id="filter")
+                yield Static("", id="status")
+            with Vertical(id="side"):
+                with VerticalScroll(id="detail-box"):
+                    yield Static("", id="detail")
+                with VerticalScroll(id="findings-box"):
+                    yield Static(panes.findings(None), id="findings")
+        yield Footer(compact=True)
+
+    def on_mount(self) -> None:
+        self.query_one("#filter").display = False
+        self.query_one("#detail-box").border_title = "details"
+        self.query_one("#findings-box").border_title = "findings"
+        self.query_one(TensorTable).empty_text = "reading…"
+        self.query_one(TensorTable).focus()
+        self._layout(self.size.width)
+        self._drain_timer = self.set_interval(0.1, self._drain)
+        self._load()
+
+    def on_resize(self) -> None:
+        self._layout(self.size.width)
+
+    def _layout(self, width: int) -> None:
+        self.query_one("#main").set_class(width >= WIDE, "-wide")
+
+    # -- loading -----------------------------------------------------------------
+    @work(thread=True, exclusive=True, group="load")
+    def _load(self) -> None:
+        from ckptool.reader import open_checkpoint
+
+        try:
+            ckpt = open_checkpoint(self.path, on_tensors=self._partial.append)
+        except CkptoolError as exc:
+            self.call_from_thread(self._failed, exc)
+            return
+        # the batches were a preview; when they hold exactly the final keys
+        # (the usual case) the tree built from them stays, else it is rebuilt
+        sent = [t.key for batch in self._partial for t in batch]
+        same = sent == [t.key for t in ckpt.tensors]
+        index = None if same else Index(ckpt.tensors)
+        self.call_from_thread(self._loaded, ckpt, index)
+        # the one slow sort (natural order of names), ready before it is asked
+        self.index.sorted_tensors("name")
+
+    def _drain(self) -> None:
+        """Show the batches the reader has passed on so far."""
+        if self.ckpt is not None:
+            return
+        batches = self._partial[self._taken:]
+        if not batches:
+            return
+        self._taken += len(batches)
+        for batch in batches:
+            self.index.extend(batch)
+        self._open_defaults()
+        self.query_one("#summary", Static).update(
+            panes.summary_loading(self.path, len(self.index)))
+        self._refresh_rows()
+
+    def _open_defaults(self) -> None:
+        if not self._opened_defaults and len(self.index):
+            self._opened_defaults = True
+            self.expanded = self.index.default_expanded(max(20, self.size.height - 8))
+
+    def _loaded(self, ckpt: Checkpoint, index: Index | None) -> None:
+        self._drain()
+        self._drain_timer.stop()
+        self.ckpt = ckpt
+        if index is not None:
+            self.index = index
+        self._open_defaults()
+        self.query_one("#summary", Static).update(panes.summary(ckpt))
+        table = self.query_one(TensorTable)
+        table.empty_text = "no tensors in this file" if not len(self.index) else ""
+        self._refresh_rows()
+        self.loaded.set()
+        self._diagnose(ckpt)
+
+    def _failed(self, exc: CkptoolError) -> None:
+        self.error = exc
+        self.exit(exc.exit_code, return_code=exc.exit_code)
+
+    @work(thread=True, exclusive=True, group="diagnose")
+    def _diagnose(self, ckpt: Checkpoint) -> None:
+        from ckptool.diagnosis import diagnose
+        from ckptool.gpus import probe
+
+        try:
+            machine = self.machine or probe()
+            model = self.model_loader(ckpt) if self.model_loader else None
+            result = diagnose(ckpt, machine, model)
+        except CkptoolError as exc:
+            hint = f"\nhint: {exc.hint}" if exc.hint else ""
+            self.call_from_thread(self._diagnosed, None, f"{exc.message}{hint}")
+            return
+        self.call_from_thread(self._diagnosed, result, None)
+
+    def _diagnosed(self, result: Diagnosis | None, error: str | None) -> None:
+        self.diagnosis, self.findings_error = result, error
+        self.query_one("#findings", Static).update(panes.findings(result, error))
+        box = self.query_one("#findings-box")
+        box.border_title = (f"findings ({len(result.findings)})" if result is not None
+                            else "findings")
+        self._status(len(self.query_one(TensorTable).rows))
+        self._show_detail()
+
+    # -- rows --------------------------------------------------------------------
+    def _rows(self) -> Rows:
+        if self.tree_view:
+            return self.index.tree(self.expanded, self.sort, self.filter)
+        return self.index.flat(self.sort, self.filter)
+
+    def _refresh_rows(self, keep: str | None = None) -> None:
+        table = self.query_one(TensorTable)
+        if keep is None:
+            keep = _key_of(table.current)
+        rows = self._rows()
+        table.set_rows(rows, self.index, self.tree_view, self.expanded, keep)
+        self._status(len(rows))
+
+    def _status(self, shown: int) -> None:
+        view = "tree" if self.tree_view else "flat"
+        parts = [f"{view} · sorted by {self.sort}", f"{len(self.index):,} tensors"]
+        if self.filter:
+            matched = "rows" if self.tree_view else "match"
+            parts.append(f"filter {self.filter.pattern!r}: {shown:,} {matched}")
+        if self.ckpt is None:
+            parts.append("reading…")
+        elif self.diagnosis is not None and self.diagnosis.findings:
+            n = len(self.diagnosis.findings)
+            parts.append(f"{n} finding{'s' if n != 1 else ''} (f)")
+        self.query_one("#status", Static).update(Text(" · ".join(parts), style="dim"))
+
+    @on(TensorTable.Toggle)
+    def toggled(self, event: TensorTable.Toggle) -> None:
+        path = event.node.path
+        is_open = path in self.expanded
+        want = (not is_open) if event.open is None else event.open
+        if want == is_open or self.filter:
+            return
+        if want:
+            self.expanded.add(path)
+        else:
+            self.expanded.discard(path)
+        self._refresh_rows(keep=path)
+
+    @on(TensorTable.Highlighted)
+    def highlighted(self) -> None:
+        self._show_detail()
+
+    def _show_detail(self) -> None:
+        item = self.query_one(TensorTable).current
+        detail = self.query_one("#detail", Static)
+        if item is None:
+            detail.update("")
+        elif isinstance(item, Node):
+            detail.update(panes.node_detail(item))
+        else:
+            loads = ({t.location: t for t in self.diagnosis.tags}
+                     if self.diagnosis is not None else None)
+            detail.update(panes.tensor_detail(self.ckpt, item, loads, self.stats.get(item.key)))
+
+    # -- filter --------------------------------------------------------------------
+    def action_filter(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = True
+        box.focus()
+
+    @on(Input.Changed, "#filter")
+    def filter_changed(self, event: Input.Changed) -> None:
+        self.filter = Filter(event.value)
+        self._refresh_rows()
+
+    @on(Input.Submitted, "#filter")
+    def filter_done(self) -> None:
+        box = self.query_one("#filter", Input)
+        box.display = bool(box.value)
+        self.query_one(TensorTable).focus()
+
+    def on_key(self, event: Any) -> None:
+        box = self.query_one("#filter", Input)
+        if event.key == "escape" and (box.has_focus or box.value):
+            event.stop()
+            box.value = ""
+            box.display = False
+            self.filter = Filter("")
+            self.query_one(TensorTable).focus()
+            self._refresh_rows()
+
+    # -- actions -------------------------------------------------------------------
+    def action_sort(self) -> None:
+        self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
+        self._refresh_rows()
+
+    def action_toggle_view(self) -> None:
+        self.tree_view = not self.tree_view
+        self._refresh_rows()
+
+    def action_copy(self) -> None:
+        key = _key_of(self.query_one(TensorTable).current)
+        if key:
+            self.copy_to_clipboard(key)
+            self.notify(key, title="copied")
+
+    def action_jump(self) -> None:
+        def jump(key: str | None) -> None:
+            if key:
+                self.jump_to(key)
+
+        self.push_screen(JumpScreen([t.key for t in self.index.tensors]), jump)
+
+    def jump_to(self, key: str) -> None:
+        """Put the cursor on ``key``: clear a filter that hides it and open
+        the modules above it."""
+        table = self.query_one(TensorTable)
+        if self.filter:
+            box = self.query_one("#filter", Input)
+            with box.prevent(Input.Changed):
+                box.value = ""
+            box.display = False
+            self.filter = Filter("")
+        if self.tree_view:
+            self.expanded.update(self.index.ancestors(key))
+        self._refresh_rows(keep=key)
+        table.select(key)
+        table.focus()
+
+    def action_stats(self) -> None:
+        item = self.query_one(TensorTable).current
+        if not isinstance(item, TensorInfo):
+            self.notify("select a tensor to compute its statistics", severity="warning")
+            return
+        if self.ckpt is None:
+            self.notify("statistics need the full read: a moment", severity="warning")
+            return
+        if item.key in self.stats and self.stats[item.key] != "computing…":
+            return
+        self.stats[item.key] = "computing…"
+        self._show_detail()
+        self._compute_stats(self.ckpt, item)
+
+    @work(thread=True, group="stats")
+    def _compute_stats(self, ckpt: Checkpoint, tensor: TensorInfo) -> None:
+        from ckptool.stats import StatsCancelled, tensor_stats
+        from ckptool.tensor_data import TensorData
+
+        worker = get_current_worker()
+        result: TensorStats | str
+        try:
+            with TensorData(ckpt) as data:
+                result = tensor_stats(data, tensor, cancelled=lambda: worker.is_cancelled)
+        except StatsCancelled:
+            return
+        except CkptoolError as exc:
+            result = f"cannot compute: {exc.message}"
+        except OSError as exc:
+            result = f"cannot read: {exc.strerror or exc}"
+        self.call_from_thread(self._stats_done, tensor.key, result)
+
+    def _stats_done(self, key: str, result: TensorStats | str) -> None:
+        self.stats[key] = result
+        self._show_detail()
+
+    def action_findings(self) -> None:
+        """Wide: focus the findings. Narrow: show them in place of the
+        details and focus them; again, back to the details and the list."""
+        main = self.query_one("#main")
+        if not main.has_class("-wide") and main.has_class("-findings"):
+            main.remove_class("-findings")
+            self.query_one(TensorTable).focus()
+            return
+        main.add_class("-findings")
+        self.query_one("#findings-box").focus()
+
+    def action_help(self) -> None:
+        self.push_screen(HelpScreen())
+
+    def action_fix(self) -> None:
+        if self.ckpt is None:
+            self.notify("a fix needs the full read: a moment", severity="warning")
+            return
+        self.push_screen(FixScreen(self.path, self.fix_defaults()))
+
+    def fix_defaults(self) -> FixDefaults:
+        """The diagnosis's fix when it has one, else the file's own prefix."""
+        assert self.ckpt is not None
+        sd = self.ckpt.main_state_dict
+        prefix = sd.prefix if sd is not None else ""
+        opts = self.diagnosis.fix_options if self.diagnosis is not None else None
+        if opts is None:
+            return FixDefaults(bool(prefix), prefix, False, "cpu", False)
+        device = opts.to or (opts.maps[0][1] if opts.maps else "cpu")
+        strip = bool(opts.strip_module or opts.strip_prefixes)
+        if opts.strip_prefixes:
+            prefix = opts.strip_prefixes[0]
+        return FixDefaults(strip, prefix, bool(opts.to or opts.maps), device,
+                           opts.extract is not None)
+
+
+def _key_of(item: Node | TensorInfo | None) -> str | None:
+    if item is None:
+        return None
+    return item.path if isinstance(item, Node) else item.key
+
+
+def make_app(path: str | os.PathLike[str], *, machine: Machine | None = None,
+             model: ModelLoader | None = None) -> BrowseApp:
+    """The browser for ``path``: what ``ckptool browse`` runs and tests drive."""
+    return BrowseApp(os.fspath(path), machine=machine, model=model)

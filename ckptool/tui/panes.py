@@ -1,0 +1,218 @@
+"""What the browser's text panes say: the summary header, the detail of the
+selected tensor or module, and the findings. Functions from core objects to
+rich ``Text``; the app only places them."""
+
+from __future__ import annotations
+
+import os
+
+from rich.text import Text
+
+from ckptool.describe import human_bytes, human_count
+from ckptool.diagnosis import Diagnosis
+from ckptool.loadcheck import TagLoad
+from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
+from ckptool.stats import TensorStats
+from ckptool.tui.index import Node
+from ckptool.values import shape_text
+
+SHOWN_SHARERS = 6
+
+
+def _tally(tally: dict[str, int], most: int = 3) -> str:
+    parts = [f"{name} {human_bytes(n)}" for name, n in list(tally.items())[:most]]
+    if len(tally) > most:
+        parts.append(f"+{len(tally) - most} more")
+    return ", ".join(parts) or "none"
+
+
+def summary_loading(path: str, tensors_so_far: int) -> Text:
+    size = os.path.getsize(path) if os.path.exists(path) else 0
+    text = Text()
+    text.append(os.path.basename(path), style="bold")
+    text.append(f" · {human_bytes(size)}\n")
+    so_far = f"{tensors_so_far:,} tensors so far" if tensors_so_far else "starting"
+    text.append(f"reading… {so_far}\n", style="italic")
+    return text
+
+
+def summary(ckpt: Checkpoint) -> Text:
+    """Three lines: the file; bytes by dtype and by saved device; the state dict."""
+    params = sum(t.numel for t in ckpt.tensors if t.is_floating)
+    text = Text()
+    text.append(os.path.basename(ckpt.path), style="bold")
+    text.append(f" · {ckpt.format} · {human_bytes(ckpt.file_size)} · "
+                f"{len(ckpt.tensors):,} tensors · {human_count(params)} params\n")
+    text.append("dtypes ", style="bold")
+    text.append(_tally(ckpt.bytes_by_dtype))
+    text.append("  saved on ", style="bold")
+    text.append(_tally(ckpt.bytes_by_location) + "\n")
+    sd = ckpt.main_state_dict
+    text.append("state dict ", style="bold")
+    if sd is None:
+        text.append("none found", style="yellow")
+    else:
+        where = f"'{sd.path}'" if sd.path else "the whole file"
+        if sd.kind == "module":
+            where += " (a whole module)"
+        text.append(f"{where} · {sd.num_tensors:,} tensors")
+        if sd.prefix:
+            text.append(" · prefix ")
+            text.append(sd.prefix, style="bold yellow")
+    unsafe = ckpt.unsafe_globals
+    if unsafe:
+        more = f" +{len(unsafe) - 2}" if len(unsafe) > 2 else ""
+        text.append("  ⚠ unsafe globals: " + ", ".join(unsafe[:2]) + more, style="bold red")
+    return text
+
+
+# -- detail pane ---------------------------------------------------------------
+
+def _row(text: Text, label: str, value: str | Text, style: str = "") -> None:
+    text.append(f"{label:<9} ", style="bold")
+    if isinstance(value, Text):
+        text.append_text(value)
+    else:
+        text.append(value, style=style)
+    text.append("\n")
+
+
+def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...] | None) -> bool:
+    if stride is None:
+        return False
+    expect = 1
+    for size, step in zip(reversed(shape), reversed(stride), strict=True):
+        if size != 1 and step != expect:
+            return False
+        expect *= size
+    return True
+
+
+def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLoad] | None,
+                  stats: TensorStats | str | None) -> Text:
+    """Everything about one tensor, densest first so that 80x24 shows it:
+    shape and dtype, layout, storage and sharing, where it was saved and
+    where it lands here, and its statistics once asked for."""
+    text = Text()
+    text.append(t.key + "\n", style="bold")
+    kind = [shape_text(t.shape), t.dtype, f"{t.numel:,} elements", human_bytes(t.nbytes)]
+    if t.is_parameter:
+        kind.append("parameter")
+    if t.requires_grad:
+        kind.append("requires_grad")
+    if t.layout not in ("strided", "storage"):
+        kind.append(t.layout)
+    if t.subclass:
+        kind.append(t.subclass)
+    _row(text, "tensor", " · ".join(kind))
+    stride = "unrecorded" if t.stride is None else str(tuple(t.stride))
+    layout = "contiguous" if _contiguous(t.shape, t.stride) else "not contiguous"
+    _row(text, "stride", f"{stride} · offset {t.storage_offset} · {layout}")
+    _storage(text, ckpt, t)
+    loc = t.location or NO_LOCATION
+    landing = Text(f"{loc} → ")
+    landing.append_text(_landing(t, loads))
+    _row(text, "saved on", landing)
+    _stats(text, stats)
+    return text
+
+
+def _storage(text: Text, ckpt: Checkpoint | None, t: TensorInfo) -> None:
+    if t.storage is None:
+        _row(text, "storage", "none recorded")
+        return
+    info = ckpt.storages.get(t.storage) if ckpt is not None else None
+    if info is None:
+        _row(text, "storage", f"{t.storage} (details once the file is read)")
+        return
+    line = Text(f"{info.id} · {human_bytes(info.nbytes)} · {info.dtype} · ")
+    others = [k for k in info.tensors if k != t.key]
+    if not others:
+        line.append("not shared")
+    else:
+        shown = ", ".join(others[:SHOWN_SHARERS])
+        more = f" +{len(others) - SHOWN_SHARERS} more" if len(others) > SHOWN_SHARERS else ""
+        line.append(f"shared with {shown}{more}", style="yellow")
+    _row(text, "storage", line)
+
+
+def _landing(t: TensorInfo, loads: dict[str, TagLoad] | None) -> Text:
+    loc = t.location or NO_LOCATION
+    if loads is None:
+        return Text("checking this machine…", style="italic")
+    load = loads.get(loc)
+    if loc == NO_LOCATION:
+        return Text("safetensors: the loader picks (load_file(..., device=...))")
+    if load is None:
+        return Text("unknown")
+    if load.lands:
+        where = f"plain torch.load puts it on {load.lands}"
+        if load.physical is not None:
+            where += f" (physical GPU {load.physical})"
+        return Text(where, style="green")
+    first = (load.error or "").split(". ")[0].rstrip(".")
+    return Text(f"torch.load fails here: {first}", style="red")
+
+
+def _stats(text: Text, stats: TensorStats | str | None) -> None:
+    if stats is None:
+        _row(text, "stats", "press s to compute (reads this tensor only)", "italic")
+        return
+    if isinstance(stats, str):
+        _row(text, "stats", stats, "italic")
+        return
+    if stats.min is None:
+        _row(text, "stats", "no finite value")
+    else:
+        _row(text, "min/max", f"{stats.min:.6g} / {stats.max:.6g}")
+        _row(text, "mean/std", f"{stats.mean:.6g} / {stats.std:.6g}" if stats.std is not None
+             else f"{stats.mean:.6g} / -")
+    bad = f"{stats.nan:,} NaN · {stats.inf:,} Inf · {stats.zeros:,} zeros"
+    _row(text, "counts", bad, "red" if stats.nan or stats.inf else "")
+    if stats.note:
+        _row(text, "note", stats.note)
+
+
+def node_detail(n: Node) -> Text:
+    text = Text()
+    text.append((n.path or "(root)") + "\n", style="bold")
+    _row(text, "tensors", f"{n.count:,}")
+    short = human_count(n.params)
+    _row(text, "params", f"{n.params:,}" + (f" ({short})" if short != str(n.params) else ""))
+    _row(text, "size", human_bytes(n.nbytes))
+    _row(text, "saved on", _tally(dict(sorted(n.locations.items(),
+                                              key=lambda kv: (-kv[1], kv[0]))), most=4))
+    kids, here = len(n.children), len(n.tensors)
+    _row(text, "children", f"{kids:,} module{'s' if kids != 1 else ''} · "
+         f"{here:,} tensor{'s' if here != 1 else ''} here")
+    return text
+
+
+# -- findings -----------------------------------------------------------------
+
+def findings(diag: Diagnosis | None, error: str | None = None) -> Text:
+    text = Text()
+    if error is not None:
+        text.append(error, style="bold red")
+        return text
+    if diag is None:
+        text.append("diagnosing…", style="italic")
+        return text
+    if not diag.findings:
+        text.append("✓ no findings: ", style="bold green")
+        text.append("a plain torch.load works on this machine\n")
+        return text
+    for f in diag.findings:
+        mark, style = ("✗", "bold red") if f.severity == "error" else ("!", "bold yellow")
+        text.append(f"{mark} {f.code}", style=style)
+        text.append(f"  {f.message}\n")
+        if f.fix:
+            text.append("  fix: ", style="bold")
+            text.append(f.fix + "\n", style="cyan")
+    if diag.fix_command:
+        text.append("\nfix everything: ", style="bold")
+        text.append(diag.fix_command, style="bold cyan")
+        text.append("\npress x to preview it and write it from here\n", style="italic")
+    elif diag.fix_refused:
+        text.append(f"\nno fix command: {diag.fix_refused}\n", style="yellow")
+    return text

@@ -1,0 +1,557 @@
+"""``ckptool browse``: the real Textual app driven with its pilot
+(``App.run_test``), plus the CLI command that starts it.
+
+Each test runs the app headless at a fixed size, against a machine with no
+GPU (``gpus.assumed(0)``) so that findings do not depend on where the
+tests run."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import threading
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptool import gpus
+from ckptool.cli import main
+from ckptool.model import TensorInfo
+from ckptool.tui import make_app
+from ckptool.tui.app import BrowseApp
+from ckptool.tui.index import Node
+from ckptool.tui.table import TensorTable
+from ckptool.tui.textshot import screen_text
+from tests.helpers import SAMPLES, saved_on
+
+DP = SAMPLES / "dataparallel_cuda2.pth"
+
+Pilot = Any
+Script = Callable[[BrowseApp, Pilot], Awaitable[None]]
+
+
+def drive(path: Path | str, script: Script, size: tuple[int, int] = (80, 24),
+          **kwargs: Any) -> BrowseApp:
+    """Run the app on ``path``, wait for the read and the findings, run ``script``."""
+    kwargs.setdefault("machine", gpus.assumed(0))
+    app = make_app(path, **kwargs)
+
+    async def run() -> None:
+        async with app.run_test(size=size) as pilot:
+            await settle(app, pilot)
+            await script(app, pilot)
+
+    asyncio.run(run())
+    return app
+
+
+async def settle(app: BrowseApp, pilot: Pilot, findings: bool = True) -> None:
+    for _ in range(400):
+        if app.return_code is not None:
+            return
+        if app.loaded.is_set() and (not findings or app.diagnosis is not None
+                                    or app.findings_error is not None):
+            break
+        await pilot.pause(0.02)
+    else:
+        raise AssertionError("the app did not finish reading")
+    await pilot.pause()
+
+
+async def until(pilot: Pilot, cond: Callable[[], bool], what: str) -> None:
+    for _ in range(500):
+        if cond():
+            return
+        await pilot.pause(0.02)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def table(app: BrowseApp) -> TensorTable:
+    return app.query_one(TensorTable)
+
+
+def row_keys(app: BrowseApp) -> list[str]:
+    return [r.path if isinstance(r, Node) else r.key for r in table(app).rows]
+
+
+def detail(app: BrowseApp) -> str:
+    return str(app.query_one("#detail").render())
+
+
+# -- reading and layout -------------------------------------------------------
+
+def test_opens_with_summary_tree_and_findings() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        summary = str(app.query_one("#summary").render())
+        assert "dataparallel_cuda2.pth · torch-zip" in summary
+        assert "15 tensors" in summary and "saved on cuda:2" in summary
+        assert "prefix module." in summary
+        # single-child chains open by themselves: state_dict > module > conv...
+        assert row_keys(app)[:4] == ["state_dict", "state_dict/module",
+                                     "state_dict/module.conv",
+                                     "state_dict/module.conv.weight"]
+        findings = str(app.query_one("#findings").render())
+        assert "device-unavailable" in findings and "wrapped-state-dict" in findings
+        assert "fix everything: ckptool fix dataparallel_cuda2.pth" in findings
+
+    drive(DP, script)
+
+
+def test_navigation_and_tensor_details() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        assert "tensors" in detail(app)  # a module node first
+        await pilot.press("down", "down", "down")
+        item = table(app).current
+        assert isinstance(item, TensorInfo) and item.key == "state_dict/module.conv.weight"
+        text = detail(app)
+        assert "8x3x3x3 · float32 · 216 elements · 864 B" in text
+        assert "(27, 9, 3, 1) · offset 0 · contiguous" in text
+        assert "cuda:2 → torch.load fails here" in text
+        assert "press s" in text
+        await pilot.press("end")
+        assert table(app).cursor == len(table(app).rows) - 1
+        await pilot.press("home")
+        assert table(app).cursor == 0
+
+    drive(DP, script)
+
+
+def test_where_a_tensor_lands_on_a_machine_with_a_gpu() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        app.jump_to("state_dict/module.fc.bias")
+        await pilot.pause()
+        assert "cuda:2 → plain torch.load puts it on cuda:2" in detail(app)
+
+    drive(DP, script, machine=gpus.assumed(3))
+
+
+def test_collapse_and_open_modules() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        before = len(table(app).rows)
+        await pilot.press("down", "down")  # state_dict/module.conv
+        assert table(app).current.path == "state_dict/module.conv"  # type: ignore[union-attr]
+        await pilot.press("enter")
+        assert len(table(app).rows) == before - 2
+        await pilot.press("right")
+        assert len(table(app).rows) == before
+        await pilot.press("down", "left")  # from the tensor back to its module
+        assert table(app).current.path == "state_dict/module.conv"  # type: ignore[union-attr]
+        await pilot.press("left")  # and closed
+        assert len(table(app).rows) == before - 2
+
+    drive(DP, script)
+
+
+def test_flat_view_sorts_and_node_detail() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("t")
+        assert not app.tree_view
+        assert all(isinstance(r, TensorInfo) for r in table(app).rows)
+        assert len(table(app).rows) == 15
+        await pilot.press("o", "o")  # file -> name -> size
+        assert app.sort == "size"
+        sizes = [r.nbytes for r in table(app).rows]  # type: ignore[union-attr]
+        assert sizes == sorted(sizes, reverse=True)
+        await pilot.press("o")
+        assert app.sort == "device"
+        await pilot.press("o")
+        assert app.sort == "file"
+        await pilot.press("t")  # back to the tree, the cursor on the same tensor
+        assert isinstance(table(app).rows[0], Node)
+        assert table(app).current.key == "state_dict/module.conv.weight"  # type: ignore[union-attr]
+        await pilot.press("home")
+        assert "tensors" in detail(app) and "params" in detail(app)
+
+    drive(DP, script)
+
+
+def test_filter_as_you_type_then_clear() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("t", "slash")
+        assert app.query_one("#filter").has_focus
+        await pilot.press("b", "n")
+        assert row_keys(app) == [f"state_dict/module.bn.{n}" for n in (
+            "weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+        await pilot.press(".", "w")
+        assert row_keys(app) == ["state_dict/module.bn.weight"]
+        await pilot.press("enter")  # keeps the filter, back to the list
+        assert table(app).has_focus and app.filter.pattern == "bn.w"
+        assert "filter 'bn.w': 1 match" in str(app.query_one("#status").render())
+        await pilot.press("escape")
+        assert not app.filter and len(table(app).rows) == 15
+
+    drive(DP, script)
+
+
+def test_glob_filter_in_the_tree_opens_matching_modules() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("slash", *"*.bias", "enter")
+        keys = row_keys(app)
+        tensors = [k for k in keys if k.endswith(".bias")]
+        assert tensors == ["state_dict/module.conv.bias", "state_dict/module.bn.bias",
+                           "state_dict/module.fc.bias"]
+        assert "state_dict/module.fc" in keys  # closed before: opened by the filter
+
+    drive(DP, script)
+
+
+def test_jump_to_a_key_clears_the_filter_and_opens_its_modules() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("slash", "c", "o", "n", "v", "enter")
+        await pilot.press("g")
+        await pilot.press(*"running_v", "enter")
+        await pilot.pause()
+        assert table(app).current.key == "state_dict/module.bn.running_var"  # type: ignore[union-attr]
+        assert not app.filter
+
+    drive(DP, script)
+
+
+def test_jump_completes_from_the_start_of_keys() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("g", *"state_dict/module.f")
+        await pilot.pause()
+        screen_input = app.screen.query_one("#jump-input")
+        assert screen_input._suggestion == "state_dict/module.fc.weight"  # type: ignore[attr-defined]
+        await pilot.press("right", "enter")  # accept the suggestion
+        await pilot.pause()
+        assert table(app).current.key == "state_dict/module.fc.weight"  # type: ignore[union-attr]
+
+    drive(DP, script)
+
+
+def test_statistics_on_request_read_that_tensor_only() -> None:
+    expected = torch.load(DP, map_location="cpu", weights_only=False)["state_dict"][
+        "module.fc.weight"]
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        assert app.stats == {}  # nothing computed up front
+        app.jump_to("state_dict/module.fc.weight")
+        await pilot.pause()
+        await pilot.press("s")
+        await until(pilot, lambda: not isinstance(
+            app.stats.get("state_dict/module.fc.weight"), (str, type(None))), "stats")
+        await pilot.pause()
+        stats = app.stats["state_dict/module.fc.weight"]
+        assert not isinstance(stats, str)
+        assert stats.min == pytest.approx(expected.min().item())
+        assert stats.max == pytest.approx(expected.max().item())
+        assert stats.mean == pytest.approx(expected.double().mean().item())
+        assert stats.std == pytest.approx(expected.double().std().item())
+        text = detail(app)
+        assert f"{expected.min().item():.6g}" in text and "0 NaN · 0 Inf" in text
+        assert list(app.stats) == ["state_dict/module.fc.weight"]
+
+    drive(DP, script)
+
+
+def test_statistics_of_a_module_row_are_refused_politely() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("s")
+        assert app.stats == {}
+
+    drive(DP, script)
+
+
+def test_copy_key_and_help_and_quit() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("down", "down", "down", "c")
+        assert app.clipboard == "state_dict/module.conv.weight"
+        await pilot.press("question_mark")
+        assert type(app.screen).__name__ == "HelpScreen"
+        assert "filter as you type" in screen_text(app)
+        await pilot.press("escape")
+        assert type(app.screen).__name__ == "Screen"
+        await pilot.press("q")
+
+    app = drive(DP, script)
+    assert app.return_code == 0
+
+
+def test_findings_switch_in_a_narrow_terminal() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        assert not app.query_one("#findings-box").display
+        await pilot.press("f")
+        assert app.query_one("#findings-box").display
+        assert not app.query_one("#detail-box").display
+        await pilot.press("f")
+        assert app.query_one("#detail-box").display
+        assert table(app).has_focus
+
+    drive(DP, script)
+
+
+def test_wide_terminal_shows_details_beside_the_list() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        assert app.query_one("#main").has_class("-wide")
+        assert app.query_one("#findings-box").display and app.query_one("#detail-box").display
+        assert table(app).region.width < 100
+
+    drive(DP, script, size=(140, 40))
+
+
+def test_unreadable_file_stops_the_app_with_exit_3(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.pth"
+    data = DP.read_bytes()
+    bad.write_bytes(data[: len(data) // 2])
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        pass
+
+    app = drive(bad, script)
+    assert app.return_code == 3
+    assert app.error is not None and "bad.pth" in app.error.message
+
+
+def test_model_findings_and_model_errors(tmp_path: Path) -> None:
+    from ckptool import modelspec
+
+    spec = f"{SAMPLES / 'make_samples.py'}:TinyNet"
+
+    def good(ckpt: Any) -> Any:
+        return modelspec.build_model(spec, {}, {})
+
+    async def check_good(app: BrowseApp, pilot: Pilot) -> None:
+        findings = str(app.query_one("#findings").render())
+        assert "key-prefix" in findings
+
+    drive(DP, check_good, model=good)
+
+    def bad(ckpt: Any) -> Any:
+        return modelspec.build_model(f"{SAMPLES / 'make_samples.py'}:NoSuchNet", {}, {})
+
+    async def check_bad(app: BrowseApp, pilot: Pilot) -> None:
+        findings = str(app.query_one("#findings").render())
+        assert "NoSuchNet" in findings and "hint:" in findings
+
+    drive(DP, check_bad, model=bad)
+
+
+def test_partial_rows_show_before_the_read_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reader hands over batches while it reads: they are listed at once."""
+    import ckptool.reader as reader
+
+    real = reader.open_checkpoint
+    release = threading.Event()
+
+    def slow_open(path: str, on_tensors: Any = None) -> Any:
+        ckpt = real(path)
+        assert on_tensors is not None
+        on_tensors(ckpt.tensors[:4])
+        release.wait(10)
+        return ckpt
+
+    monkeypatch.setattr(reader, "open_checkpoint", slow_open)
+    app = make_app(DP, machine=gpus.assumed(0))
+
+    async def run() -> None:
+        async with app.run_test(size=(80, 24)) as pilot:
+            await until(pilot, lambda: len(app.index) == 4, "the first batch")
+            await pilot.pause(0.15)
+            assert app.ckpt is None
+            assert "state_dict/module.conv.weight" in [
+                r.key for r in table(app).rows if isinstance(r, TensorInfo)]
+            assert "reading… 4 tensors so far" in str(app.query_one("#summary").render())
+            release.set()
+            await settle(app, pilot)
+            assert len(app.index) == 15 and app.ckpt is not None
+
+    asyncio.run(run())
+
+
+def test_a_preview_that_was_exact_is_kept(tmp_path: Path) -> None:
+    """A plain state dict: every tensor comes in a batch, so the tree built
+    while reading is the final one and is not rebuilt."""
+    path = tmp_path / "sd.pth"
+    torch.save({f"module.l{i}.weight": torch.zeros(2) for i in range(2500)}, path)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        assert app._taken >= 3  # batches of 1000
+        assert len(app.index) == 2500
+        assert [t.key for t in app.index.tensors] == [t.key for t in app.ckpt.tensors]  # type: ignore[union-attr]
+        assert "2,500 tensors" in str(app.query_one("#summary").render())
+        await pilot.press("t", "end")
+        assert table(app).current.key == "module.l2499.weight"  # type: ignore[union-attr]
+
+    drive(path, script)
+
+
+# -- fixing from the browser ------------------------------------------------------
+
+def test_fix_preview_lists_keys_before_and_after(tmp_path: Path) -> None:
+    src = tmp_path / "dp.pth"
+    shutil.copy(DP, src)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen = app.screen
+        assert type(screen).__name__ == "FixScreen"
+        # the diagnosis's fix: extract, strip module., move to the CPU
+        await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+        await pilot.pause()
+        summary = str(screen.query_one("#fix-summary").render())
+        assert "9 tensors kept · 9 renamed · 9 moved · 6 left out" in summary
+        assert "--extract --strip-prefix module. --to cpu -o dp.fixed.pth" in summary
+        lines = list(screen.query_one("#fix-preview").lines)
+        assert lines[0] == "state_dict/module.conv.weight  ⇒  conv.weight   [cuda:2 → cpu]"
+        assert any(line.startswith("optimizer/") and "(left out)" in line for line in lines)
+        # untick extract and the move: only the renames remain
+        screen.query_one("#fix-extract").value = False
+        screen.query_one("#fix-move").value = False
+        await pilot.pause(0.1)
+        await until(pilot, lambda: screen.result is not None, "the new plan")  # type: ignore[attr-defined]
+        await pilot.pause()
+        lines = list(screen.query_one("#fix-preview").lines)
+        assert lines[0] == ("state_dict/module.conv.weight  ⇒  state_dict/conv.weight   "
+                            "[cuda:2]")
+        await pilot.press("escape")
+        assert type(app.screen).__name__ == "Screen"
+
+    drive(src, script)
+    assert not (tmp_path / "dp.fixed.pth").exists()  # a preview writes nothing
+    assert sorted(os.listdir(tmp_path)) == ["dp.pth"]
+
+
+def test_fix_writes_through_the_core_after_confirmation(tmp_path: Path) -> None:
+    src = tmp_path / "dp.pth"
+    shutil.copy(DP, src)
+    original = src.read_bytes()
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen = app.screen
+        await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+        await pilot.press("ctrl+w")
+        assert type(app.screen).__name__ == "ConfirmScreen"
+        await pilot.press("n")  # said no: nothing written
+        assert type(app.screen).__name__ == "FixScreen"
+        assert not (tmp_path / "dp.fixed.pth").exists()
+        await pilot.press("ctrl+w", "y")
+        await until(pilot, lambda: screen.written is not None, "the write")  # type: ignore[attr-defined]
+        await pilot.pause()
+        assert "storages verified" in str(screen.query_one("#fix-summary").render())
+        await pilot.press("escape")
+
+    drive(src, script)
+    out = tmp_path / "dp.fixed.pth"
+    assert src.read_bytes() == original
+    sd = torch.load(out)  # plain load: weights only, default device
+    model = torch.nn.Module()
+    assert sorted(sd)[:2] == ["bn.bias", "bn.num_batches_tracked"]
+    assert all(v.device.type == "cpu" for v in sd.values())
+    with saved_on("cpu"):
+        ref = torch.load(DP, map_location="cpu", weights_only=False)["state_dict"]
+    for k, v in ref.items():
+        assert torch.equal(sd[k.removeprefix("module.")], v)
+    del model
+
+
+def test_fix_errors_show_in_the_dialog(tmp_path: Path) -> None:
+    src = tmp_path / "dp.pth"
+    shutil.copy(DP, src)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen = app.screen
+        await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+        device = screen.query_one("#fix-device")
+        device.value = "warp:9000x"
+        await pilot.pause(0.1)
+        assert "warp:9000x" in str(screen.query_one("#fix-summary").render())
+        device.value = "cpu"
+        screen.query_one("#fix-extract").value = False
+        await pilot.pause(0.1)
+        await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+        # the optimizer state holds no unsafe global, but args is a Namespace: fine;
+        # an existing output asks before replacing it
+        (tmp_path / "dp.fixed.pth").write_bytes(b"keep me")
+        await pilot.press("ctrl+w")
+        assert "exists and will be replaced" in screen_text(app)
+        await pilot.press("n", "escape")
+
+    drive(src, script)
+    assert (tmp_path / "dp.fixed.pth").read_bytes() == b"keep me"
+
+
+# -- the command ---------------------------------------------------------------
+
+class Ran:
+    def __init__(self) -> None:
+        self.apps: list[BrowseApp] = []
+
+
+@pytest.fixture
+def ran(monkeypatch: pytest.MonkeyPatch) -> Ran:
+    record = Ran()
+
+    def fake_run(self: BrowseApp, *args: Any, **kwargs: Any) -> int:
+        record.apps.append(self)
+        return 0
+
+    monkeypatch.setattr(BrowseApp, "run", fake_run)
+    monkeypatch.setattr("ckptool.cli._is_terminal", lambda: True)
+    return record
+
+
+def test_cli_builds_the_app_for_the_file(ran: Ran) -> None:
+    assert main(["browse", str(DP)]) == 0
+    (app,) = ran.apps
+    assert app.path == str(DP)
+    assert app.machine is None  # probed on a worker, not assumed
+    assert app.model_loader is None
+
+
+def test_cli_passes_device_count_and_model(ran: Ran) -> None:
+    spec = f"{SAMPLES / 'make_samples.py'}:TinyNet"
+    assert main(["browse", str(DP), "--device-count", "2", "--model", spec,
+                 "--model-arg", "width=8"]) == 0
+    (app,) = ran.apps
+    assert app.machine is not None and app.machine.device_count == 2
+    assert app.model_loader is not None
+
+
+def test_cli_reports_a_read_error_from_the_app(ran: Ran, monkeypatch: pytest.MonkeyPatch,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    from ckptool.errors import CorruptCheckpointError
+
+    def failing_run(self: BrowseApp, *args: Any, **kwargs: Any) -> int:
+        self.error = CorruptCheckpointError("x.pth: cannot read pickle", "fetch it again")
+        return 3
+
+    monkeypatch.setattr(BrowseApp, "run", failing_run)
+    assert main(["browse", str(DP)]) == 3
+    err = capsys.readouterr().err
+    assert err == "ckptool: error: x.pth: cannot read pickle\nhint: fetch it again\n"
+
+
+@pytest.mark.parametrize(("args", "code", "message"), [
+    (["browse", "missing.pth"], 3, "missing.pth: no such file"),
+    (["browse", str(DP), "--model-arg", "a=1"], 2, "--model-arg needs --model"),
+    (["browse", str(DP), "--model", "a:B", "--reference", str(DP)], 2, "both say"),
+])
+def test_cli_errors_before_the_screen_opens(ran: Ran, capsys: pytest.CaptureFixture[str],
+                                            args: list[str], code: int, message: str) -> None:
+    assert main(args) == code
+    assert message in capsys.readouterr().err
+    assert ran.apps == []
+
+
+def test_cli_refuses_without_a_terminal(monkeypatch: pytest.MonkeyPatch,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr("ckptool.cli._is_terminal", lambda: False)
+    assert main(["browse", str(DP)]) == 2
+    err = capsys.readouterr().err
+    assert "browse needs a terminal" in err and "ckptool inspect" in err
+
+
+def test_cli_text_file_is_refused_before_the_screen(ran: Ran, tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "notes.pth"
+    text.write_text("hello")
+    assert main(["browse", str(text)]) == 3
+    assert "not a checkpoint" in capsys.readouterr().err
+    assert ran.apps == []

@@ -1,0 +1,165 @@
+"""The browser's view model (ckptool.tui.index): the module tree, filters,
+sorts and lazy rows, without Textual."""
+
+from __future__ import annotations
+
+import pytest
+
+from ckptool.model import TensorInfo
+from ckptool.tui.index import Filter, Index, LazyRows, Node, leaf_name, natural
+
+
+def t(key: str, n: int = 4, dtype: str = "float32", loc: str | None = "cpu") -> TensorInfo:
+    return TensorInfo(key, (n,), dtype, (1,), 0, key, loc, n * 4)
+
+
+KEYS = [
+    "state_dict/module.conv.weight",
+    "state_dict/module.conv.bias",
+    "state_dict/module.layers.10.weight",
+    "state_dict/module.layers.2.weight",
+    "state_dict/module.bn.num_batches_tracked",
+    "optimizer/state/0/exp_avg",
+]
+
+
+def index() -> Index:
+    tensors = [t(k, n=i + 1) for i, k in enumerate(KEYS)]
+    tensors[4] = TensorInfo(KEYS[4], (), "int64", (), 0, "s4", "cuda:2", 8)
+    return Index(tensors)
+
+
+def keys(rows: object) -> list[str]:
+    return [r.path if isinstance(r, Node) else r.key for r in rows]  # type: ignore[attr-defined]
+
+
+def test_tree_counts_params_bytes_and_locations() -> None:
+    ix = index()
+    module = ix.node("state_dict/module")
+    assert module is not None
+    assert module.count == 5
+    assert module.params == 1 + 2 + 3 + 4  # the int64 counter is no parameter
+    assert module.nbytes == 4 * (1 + 2 + 3 + 4) + 8
+    assert module.locations == {"cpu": 40, "cuda:2": 8}
+    assert module.main_location == "cpu"
+    conv = ix.node("state_dict/module.conv")
+    assert conv is not None and [x.key for x in conv.tensors] == KEYS[:2]
+    assert ix.node("optimizer/state/0").count == 1  # type: ignore[union-attr]
+    assert ix.node("state_dict/modul") is None
+    assert ix.root.count == len(KEYS)
+
+
+def test_tree_rows_follow_expanded_nodes_only() -> None:
+    ix = index()
+    assert keys(ix.tree(set(), "file")) == ["state_dict", "optimizer"]
+    rows = ix.tree({"state_dict", "state_dict/module"}, "file")
+    assert keys(rows) == ["state_dict", "state_dict/module", "state_dict/module.conv",
+                          "state_dict/module.layers", "state_dict/module.bn", "optimizer"]
+    opened = ix.tree({"state_dict", "state_dict/module", "state_dict/module.conv"}, "file")
+    assert keys(opened)[3:5] == KEYS[:2]
+    assert [ix.depth(r, True) for r in opened][:5] == [0, 1, 2, 3, 3]
+
+
+def test_default_expanded_opens_single_child_chains() -> None:
+    ix = Index([t(f"sd/module.encoder.block{i}.{p}") for i in range(100) for p in "wb"])
+    opened = ix.default_expanded(rows=30)
+    # the chain opens, and the first wide level too: the screen fills
+    assert {"sd", "sd/module", "sd/module.encoder"} <= opened
+    assert not any(p.startswith("sd/module.encoder.block") for p in opened)
+    small = Index([t("a.b.w"), t("a.b.b"), t("a.c.w"), t("a.c.b")])
+    assert small.default_expanded(rows=30) == {"a", "a.b", "a.c"}
+
+
+def test_flat_rows_and_sorts() -> None:
+    ix = index()
+    assert keys(ix.flat("file")) == KEYS
+    assert keys(ix.flat("name"))[1:3] == ["state_dict/module.bn.num_batches_tracked",
+                                          "state_dict/module.conv.bias"]
+    by_name = keys(ix.flat("name"))
+    assert by_name.index(KEYS[3]) < by_name.index(KEYS[2])  # layers.2 before layers.10
+    assert keys(ix.flat("size"))[0] == "optimizer/state/0/exp_avg"  # 24 bytes, largest
+    assert keys(ix.flat("device"))[-1] == KEYS[4]  # cuda:2 after cpu
+
+
+def test_tree_sort_orders_siblings() -> None:
+    ix = index()
+    opened = {"state_dict", "state_dict/module"}
+    assert keys(ix.tree(opened, "size"))[:3] == [
+        "state_dict", "state_dict/module", "state_dict/module.layers"]
+    assert keys(ix.tree(set(), "name")) == ["optimizer", "state_dict"]
+
+
+@pytest.mark.parametrize(("pattern", "expected"), [
+    ("conv", KEYS[:2]),
+    ("CONV", []),  # a capital letter makes it case-sensitive
+    ("Module.Conv", []),
+    ("layers.1", [KEYS[2]]),
+    ("*.weight", [KEYS[0], KEYS[2], KEYS[3]]),  # glob over the last part
+    ("module.conv.*", KEYS[:2]),
+    ("state_dict/*bias", [KEYS[1]]),  # glob over the whole key
+    ("exp_avg", [KEYS[5]]),
+    ("layers.?.weight", []),  # anchored: a glob matches whole names
+    ("*layers.?.weight", [KEYS[3]]),
+    ("[", []),  # an unclosed bracket is a literal, not an error
+])
+def test_filters(pattern: str, expected: list[str]) -> None:
+    assert keys(index().flat("file", Filter(pattern))) == expected
+
+
+def test_empty_filter_is_false_and_shows_all() -> None:
+    assert not Filter("  ")
+    assert keys(index().flat("file", Filter(""))) == KEYS
+
+
+def test_filtered_tree_opens_every_node_with_a_match_lazily() -> None:
+    ix = index()
+    rows = ix.tree(set(), "file", Filter("conv"))
+    assert isinstance(rows, LazyRows)
+    assert len(rows) == 5
+    assert keys(rows) == ["state_dict", "state_dict/module", "state_dict/module.conv",
+                          *KEYS[:2]]
+    assert rows[-1].key == KEYS[1]  # type: ignore[union-attr]
+    assert len(ix.tree(set(), "file", Filter("nothing-matches"))) == 0
+
+
+def test_filtered_tree_count_matches_rows_on_a_big_index() -> None:
+    ix = Index([t(f"m.l{i // 50}.b{i % 50}.{p}") for i in range(2000) for p in "wb"])
+    for pattern in ("l1", "b4", ".w", "*.b", "zzz"):
+        rows = ix.tree(set(), "size", Filter(pattern))
+        made = list(rows)
+        assert len(made) == len(rows)
+        tensors = [r for r in made if isinstance(r, TensorInfo)]
+        assert len(tensors) == len(ix.flat("file", Filter(pattern)))
+
+
+def test_batches_grow_the_same_tree() -> None:
+    whole = index()
+    parts = Index()
+    tensors = whole.tensors
+    parts.extend(tensors[:3])
+    assert parts.node("state_dict/module").count == 3  # type: ignore[union-attr]
+    parts.extend(tensors[3:])
+    assert keys(parts.flat("file")) == keys(whole.flat("file"))
+    assert parts.node("state_dict/module").nbytes == whole.node(  # type: ignore[union-attr]
+        "state_dict/module").nbytes
+
+
+def test_a_key_that_is_also_a_module() -> None:
+    ix = Index([t("a.b"), t("a.b.c")])
+    rows = ix.tree({"a", "a.b"}, "file")
+    assert keys(rows) == ["a", "a.b", "a.b", "a.b.c"]  # the tensor a.b, then the module a.b
+
+
+def test_ancestors_and_helpers() -> None:
+    ix = index()
+    assert ix.ancestors("state_dict/module.conv.weight") == [
+        "state_dict", "state_dict/module", "state_dict/module.conv"]
+    assert leaf_name(ix.tensors[0]) == "weight"
+    assert natural("layers.10") > natural("layers.2")
+
+
+def test_deep_keys_do_not_recurse() -> None:
+    key = ".".join(["a"] * 5000)
+    ix = Index([t(key)])
+    opened = set(ix.ancestors(key))
+    assert len(ix.tree(opened, "name")) == 5000

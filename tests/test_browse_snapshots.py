@@ -1,0 +1,111 @@
+"""Snapshots of ``ckptool browse`` at fixed terminal sizes, as plain text
+(``ckptool.tui.textshot``): layout regressions show up as a readable diff.
+
+After an intended change, rewrite them with
+``CKPTOOL_UPDATE_SNAPSHOTS=1 python -m pytest tests/test_browse_snapshots.py``
+and read the diff before committing."""
+
+from __future__ import annotations
+
+import asyncio
+import difflib
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptool import gpus
+from ckptool.tui import make_app
+from ckptool.tui.textshot import screen_text
+from tests.helpers import SAMPLES
+from tests.test_browse import settle, until
+
+SNAPSHOTS = Path(__file__).resolve().parent / "snapshots"
+
+
+def shot(path: Path, keys: list[str], size: tuple[int, int], wait_fix: bool = False,
+         env: dict[str, str] | None = None) -> tuple[str, Any]:
+    app = make_app(path, machine=gpus.assumed(0))
+    out: list[str] = []
+
+    async def run() -> None:
+        async with app.run_test(size=size) as pilot:
+            await settle(app, pilot)
+            for key in keys:
+                await pilot.press(key)
+            if wait_fix:
+                screen = app.screen
+                await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+            await pilot.pause(0.2)
+            out.append(screen_text(app))
+
+    asyncio.run(run())
+    return out[0], app
+
+
+def check(name: str, text: str) -> None:
+    path = SNAPSHOTS / f"{name}.txt"
+    if os.environ.get("CKPTOOL_UPDATE_SNAPSHOTS"):
+        path.parent.mkdir(exist_ok=True)
+        path.write_text(text + "\n", encoding="utf-8")
+        return
+    assert path.exists(), f"no snapshot {path.name}: run with CKPTOOL_UPDATE_SNAPSHOTS=1"
+    want = path.read_text(encoding="utf-8").removesuffix("\n")
+    if text != want:
+        diff = "\n".join(difflib.unified_diff(want.splitlines(), text.splitlines(),
+                                              "snapshot", "now", lineterm=""))
+        pytest.fail(f"{path.name} changed:\n{diff}")
+
+
+@pytest.fixture
+def sample(tmp_path: Path) -> Path:
+    # a copy under a fixed name: the dialogs show paths next to it
+    dst = tmp_path / "dataparallel_cuda2.pth"
+    shutil.copy(SAMPLES / "dataparallel_cuda2.pth", dst)
+    return dst
+
+
+def test_snapshot_first_screen_80x24(sample: Path) -> None:
+    text, _ = shot(sample, [], (80, 24))
+    check("browse_first_80x24", text)
+
+
+def test_snapshot_flat_filtered_with_details_80x24(sample: Path) -> None:
+    text, _ = shot(sample, ["t", "slash", "b", "n", "enter", "down", "down"], (80, 24))
+    check("browse_flat_filter_80x24", text)
+
+
+def test_snapshot_findings_80x24(sample: Path) -> None:
+    text, _ = shot(sample, ["f"], (80, 24))
+    check("browse_findings_80x24", text)
+
+
+def test_snapshot_fix_preview_80x24(sample: Path) -> None:
+    text, _ = shot(sample, ["x"], (80, 24), wait_fix=True)
+    check("browse_fix_80x24", text)
+
+
+def test_snapshot_wide_120x32(sample: Path) -> None:
+    text, _ = shot(sample, ["down", "down", "down"], (120, 32))
+    check("browse_wide_120x32", text)
+
+
+def test_no_color_keeps_the_layout_and_marks_the_cursor(sample: Path,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    plain, _ = shot(sample, [], (80, 24))
+    monkeypatch.setenv("NO_COLOR", "1")
+    text, app = shot(sample, [], (80, 24))
+    assert app.no_color
+    assert text == plain
+    # with no colour to tell it apart, the cursor row is drawn in reverse video
+    from ckptool.tui.table import TensorTable
+
+    async def style() -> Any:
+        a = make_app(sample, machine=gpus.assumed(0))
+        async with a.run_test(size=(80, 24)) as pilot:
+            await settle(a, pilot)
+            return a.query_one(TensorTable).get_component_rich_style("tensor-table--cursor")
+
+    assert asyncio.run(style()).reverse
