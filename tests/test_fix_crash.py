@@ -365,8 +365,14 @@ def test_kill_9_during_fix_leaves_nothing_or_the_whole_output(
              f"{ref.looks} looks"]
     states: dict[str, str] = {}
     for label, trigger in points:
-        res = run_and_kill(fix_args(src, outdir / "out.pth"), src, outdir, trigger, label, env)
-        state = check_after_kill(res, src, src_digest, outdir, expected, ref, named_temp)
+        # a loaded machine can run past a moment before the poller sees it:
+        # such a run proves nothing about that moment, so it is tried again
+        for _ in range(3):  # check_after_kill leaves outdir empty for the next run
+            res = run_and_kill(fix_args(src, outdir / "out.pth"), src, outdir, trigger, label,
+                               env)
+            state = check_after_kill(res, src, src_digest, outdir, expected, ref, named_temp)
+            if res.killed or label.startswith("random") or label == "OUT appeared":
+                break
         states[label] = state if res.killed else "not killed: " + state
         lines.append(f"{describe(res, ref.size)} -> {state}")
     print(f"\n[{'named temp' if named_temp else 'O_TMPFILE'}]\n" + "\n".join(lines))
