@@ -9,7 +9,7 @@ VENV   ?= .venv
 BIN    := $(VENV)/bin
 DEPS   := $(VENV)/.deps-installed
 STAMP  := $(VENV)/.installed
-SOURCES := $(shell find ckptool -name '*.py')
+SOURCES := $(shell find ckptool -name '*.py' -o -name '*.tcss')
 
 .PHONY: demo test lint bench samples clean
 
@@ -61,6 +61,7 @@ samples: $(STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/bench_inspect.py
 	$(BIN)/python bench/bench_fix.py
+	$(BIN)/python bench/bench_browse.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

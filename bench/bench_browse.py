@@ -107,9 +107,11 @@ async def first_screen(path: Path) -> tuple[float, float, float]:
 
 
 async def _pause(pilot: Any, t0: float) -> None:
+    """Let the app run a few ms. A plain sleep: ``pilot.pause`` would force a
+    repaint each time, work a real terminal does not ask of the app."""
     if time.perf_counter() - t0 > GIVE_UP_S:
         raise SystemExit(f"the app showed nothing in {GIVE_UP_S:.0f} s: FAIL")
-    await pilot.pause(0.005)
+    await asyncio.sleep(0.01)
 
 
 async def keystrokes(path: Path, tree: bool) -> tuple[list[float], list[float]]:

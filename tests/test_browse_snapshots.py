@@ -109,3 +109,11 @@ def test_no_color_keeps_the_layout_and_marks_the_cursor(sample: Path,
             return a.query_one(TensorTable).get_component_rich_style("tensor-table--cursor")
 
     assert asyncio.run(style()).reverse
+
+
+def test_readme_shows_the_snapshots() -> None:
+    """The README's browse screens are these snapshots, not stale copies."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    for name in ("browse_first_80x24", "browse_fix_80x24"):
+        text = (SNAPSHOTS / f"{name}.txt").read_text(encoding="utf-8")
+        assert f"```\n{text}```" in readme, name

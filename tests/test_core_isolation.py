@@ -71,3 +71,14 @@ def test_diagnose_api() -> None:
                          check=True, timeout=60, env={"CUDA_VISIBLE_DEVICES": "",
                                                       "PATH": "/usr/bin:/bin"}).stdout
     assert out.split() == ["1", "device-unavailable"]
+
+
+def test_browser_view_model_imports_no_textual() -> None:
+    """The browser's rows, filters and fix preview are core-like: no views."""
+    assert loaded_after("import ckptool.tui, ckptool.tui.index, ckptool.tui.preview") == []
+
+
+def test_browser_starts_without_torch() -> None:
+    """torch (about a second to import) waits until statistics are asked for."""
+    setup = f"from ckptool.tui import make_app; make_app({str(SAMPLE)!r})"
+    assert loaded_after(setup) == ["rich", "textual"]
