@@ -56,28 +56,33 @@ def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
     render_inspect(_console(), ckpt, pattern, depth, limit)
 
 
-@cli.command()
-@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
-@click.option("--model", "-m", "model_spec", metavar="MODULE:CLASS",
-              help="The model to load into: package.module:Class or path/to/file.py:Class "
-                   "(built on the meta device: no memory for weights).")
-@click.option("--model-arg", "-a", "model_args", multiple=True, metavar="NAME=VALUE",
-              help="A constructor argument for --model (value parsed as JSON, else a string).")
-@click.option("--reference", "-r", metavar="CKPT",
-              help="Compare keys and shapes with another checkpoint instead of a model.")
-@click.option("--device-count", type=click.IntRange(min=0), metavar="N",
-              help="Diagnose for a machine with N visible GPUs instead of this one.")
-@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
-def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
-             reference: str | None, device_count: int | None, as_json: bool) -> int:
-    """Say why a checkpoint will not load here (or into a model) and print the
-    one `ckptool fix` command that repairs it. Exits 0 when nothing needs
-    fixing, 1 when problems were found."""
-    from ckptool import gpus, modelspec
-    from ckptool.diagnosis import diagnose as run_diagnose
-    from ckptool.diagnosis import saved_settings
+def _target_options(command: Any) -> Any:
+    """--model/--model-arg/--reference/--device-count: what diagnose and
+    browse check the file against."""
+    for option in reversed([
+        click.option("--model", "-m", "model_spec", metavar="MODULE:CLASS",
+                     help="The model to load into: package.module:Class or "
+                          "path/to/file.py:Class (built on the meta device: no memory "
+                          "for weights)."),
+        click.option("--model-arg", "-a", "model_args", multiple=True, metavar="NAME=VALUE",
+                     help="A constructor argument for --model (value parsed as JSON, "
+                          "else a string)."),
+        click.option("--reference", "-r", metavar="CKPT",
+                     help="Compare keys and shapes with another checkpoint instead of "
+                          "a model."),
+        click.option("--device-count", type=click.IntRange(min=0), metavar="N",
+                     help="Diagnose for a machine with N visible GPUs instead of this one."),
+    ]):
+        command = option(command)
+    return command
+
+
+def _model_loader(model_spec: str | None, model_args: tuple[str, ...],
+                  reference: str | None) -> Any:
+    """A function from the read checkpoint to the ModelKeys to compare with
+    (None without --model or --reference); bad combinations fail now."""
+    from ckptool import modelspec
     from ckptool.errors import UsageError
-    from ckptool.reader import open_checkpoint
 
     if model_spec and reference:
         raise UsageError("--model and --reference both say what to compare with",
@@ -85,12 +90,33 @@ def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
     if model_args and not model_spec:
         raise UsageError("--model-arg needs --model", "name the class: --model mod:Class")
     arguments = modelspec.parse_arguments(model_args)
-    ckpt = open_checkpoint(path)
-    model = None
     if model_spec:
-        model = modelspec.build_model(model_spec, arguments, saved_settings(ckpt.root))
-    elif reference:
-        model = modelspec.reference_keys(reference)
+        def build(ckpt: Any) -> Any:
+            from ckptool.diagnosis import saved_settings
+
+            return modelspec.build_model(model_spec, arguments, saved_settings(ckpt.root))
+        return build
+    if reference:
+        return lambda ckpt: modelspec.reference_keys(reference)
+    return None
+
+
+@cli.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@_target_options
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
+             reference: str | None, device_count: int | None, as_json: bool) -> int:
+    """Say why a checkpoint will not load here (or into a model) and print the
+    one `ckptool fix` command that repairs it. Exits 0 when nothing needs
+    fixing, 1 when problems were found."""
+    from ckptool import gpus
+    from ckptool.diagnosis import diagnose as run_diagnose
+    from ckptool.reader import open_checkpoint
+
+    loader = _model_loader(model_spec, model_args, reference)
+    ckpt = open_checkpoint(path)
+    model = loader(ckpt) if loader else None
     machine = gpus.assumed(device_count) if device_count is not None else gpus.probe()
     result = run_diagnose(ckpt, machine, model)
     if as_json:
@@ -107,40 +133,19 @@ def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
 
 @cli.command()
 @click.argument("path", type=click.Path(dir_okay=True, path_type=str))
-@click.option("--model", "-m", "model_spec", metavar="MODULE:CLASS",
-              help="Show key findings against this model, as diagnose --model does.")
-@click.option("--model-arg", "-a", "model_args", multiple=True, metavar="NAME=VALUE",
-              help="A constructor argument for --model (value parsed as JSON, else a string).")
-@click.option("--reference", "-r", metavar="CKPT",
-              help="Compare keys and shapes with another checkpoint instead of a model.")
-@click.option("--device-count", type=click.IntRange(min=0), metavar="N",
-              help="Findings for a machine with N visible GPUs instead of this one.")
+@_target_options
 def browse(path: str, model_spec: str | None, model_args: tuple[str, ...],
            reference: str | None, device_count: int | None) -> int:
     """Browse a checkpoint in the terminal: module tree, tensors, devices,
     storage sharing, statistics, findings, and fixes with a preview."""
-    from ckptool import formats, gpus, modelspec
+    from ckptool import formats, gpus
     from ckptool.errors import UsageError
 
-    if model_spec and reference:
-        raise UsageError("--model and --reference both say what to compare with",
-                         "use one of them")
-    if model_args and not model_spec:
-        raise UsageError("--model-arg needs --model", "name the class: --model mod:Class")
+    loader = _model_loader(model_spec, model_args, reference)
     formats.check(path)  # a missing or foreign file fails here, before the screen opens
     if not _is_terminal():
         raise UsageError("browse needs a terminal (stdin and stdout are not both one)",
                          "for output you can pipe, use `ckptool inspect` or `inspect --json`")
-    arguments = modelspec.parse_arguments(model_args)
-    loader = None
-    if model_spec:
-        def loader(ckpt: Any) -> Any:
-            from ckptool.diagnosis import saved_settings
-
-            return modelspec.build_model(model_spec, arguments, saved_settings(ckpt.root))
-    elif reference:
-        def loader(ckpt: Any) -> Any:
-            return modelspec.reference_keys(reference)
     machine = gpus.assumed(device_count) if device_count is not None else None
     from ckptool.tui import make_app
 

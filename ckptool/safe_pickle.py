@@ -370,17 +370,12 @@ class SafeUnpickler(pickle._Unpickler):
     # are frequent in a torch pickle, hence one Python call each.
 
     def _observed_binget(self) -> None:
-        index = self.read(1)[0]
-        try:
-            obj = self.memo[index]
-        except KeyError:
-            raise _memo_miss(index) from None
-        self.append(obj)
-        if isinstance(obj, dict):
-            self._from_memo.add(id(obj))
+        self._observed_push(self.read(1)[0])
 
     def _observed_long_binget(self) -> None:
-        index = _U32(self.read(4))[0]
+        self._observed_push(_U32(self.read(4))[0])
+
+    def _observed_push(self, index: int) -> None:
         try:
             obj = self.memo[index]
         except KeyError:
