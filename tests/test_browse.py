@@ -307,6 +307,38 @@ def test_unreadable_file_stops_the_app_with_exit_3(tmp_path: Path) -> None:
     assert app.error is not None and "bad.pth" in app.error.message
 
 
+def test_a_read_the_system_refuses_stops_the_app_with_exit_3(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptool.reader as reader
+
+    def refused(path: str, on_tensors: Any = None) -> Any:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(reader, "open_checkpoint", refused)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        pass
+
+    app = drive(DP, script)
+    assert app.return_code == 3
+    assert app.error is not None and app.error.message.endswith("Input/output error")
+
+
+def test_findings_say_why_they_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptool.diagnosis as diagnosis
+
+    def gone(*args: Any, **kwargs: Any) -> Any:
+        raise FileNotFoundError(2, "No such file or directory")
+
+    monkeypatch.setattr(diagnosis, "diagnose", gone)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        assert "cannot diagnose: No such file or directory" in str(
+            app.query_one("#findings").render())
+
+    drive(DP, script)
+
+
 def test_model_findings_and_model_errors(tmp_path: Path) -> None:
     from ckptool import modelspec
 

@@ -26,7 +26,7 @@ from textual.widgets import Footer, Input, Static
 from textual.worker import get_current_worker
 
 from ckptool.diagnosis import Diagnosis
-from ckptool.errors import CkptoolError
+from ckptool.errors import CkptoolError, InputError
 from ckptool.gpus import Machine
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.modelspec import ModelKeys
@@ -124,6 +124,10 @@ class BrowseApp(App[int]):
         except CkptoolError as exc:
             self.call_from_thread(self._failed, exc)
             return
+        except OSError as exc:  # the system refused a read midway
+            self.call_from_thread(self._failed, InputError(
+                f"{self.path}: {exc.strerror or exc}", "check the file and try again"))
+            return
         # the batches were a preview; when they hold exactly the final keys
         # (the usual case) the tree built from them stays, else it is rebuilt
         sent = [t.key for batch in self._partial for t in batch]
@@ -192,6 +196,10 @@ class BrowseApp(App[int]):
         except CkptoolError as exc:
             hint = f"\nhint: {exc.hint}" if exc.hint else ""
             self.call_from_thread(self._diagnosed, None, f"{exc.message}{hint}")
+            return
+        except OSError as exc:  # the file went away since it was read
+            self.call_from_thread(self._diagnosed, None,
+                                  f"cannot diagnose: {exc.strerror or exc}")
             return
         self.call_from_thread(self._diagnosed, result, None)
 
