@@ -1,11 +1,13 @@
 """Check written bytes while the rest of the file is still being written.
 
 A writer hands each finished range (offset, size, expected CRC) to a
-``ByteChecker``: a background thread reads it back from the output file,
-compares the CRC, and asks the kernel to start writing it to disk
-(``sync_file_range``, asynchronous), so that the final ``fsync`` has little
-left to do. Reading back, copying and writeback overlap instead of running
-one after the other; every byte is still re-read after it was written.
+``ByteChecker``: a background thread reads it back from the output file
+(``fastcrc``: mmap windows, libdeflate where present) and compares the CRC.
+For an output that must be durable it also asks the kernel to start writing
+the range to disk (``sync_file_range``, asynchronous), so that the final
+``fsync`` has little left to do. Reading back and copying overlap instead of
+running one after the other; every byte is still re-read after it was
+written.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from ckptool.zipwriter import crc_range
+from ckptool.fastcrc import crc_file_ranges
 
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -34,34 +36,45 @@ def _writeback_starter() -> Callable[[int, int, int], None] | None:
     return start
 
 
-class ByteChecker:
-    """``check(name, offset, size, crc)`` as ranges are written; ``finish()``
-    returns the names whose bytes did not match."""
+Check = tuple[str, int, int, int]  # (name, offset, size, expected CRC)
 
-    def __init__(self, fd: int) -> None:
+
+class ByteChecker:
+    """``check(name, offset, size, crc)`` or ``check_many([...])`` as ranges
+    are written; ``finish()`` returns the names whose bytes did not match."""
+
+    def __init__(self, fd: int, durable: bool = False) -> None:
         self.fd = fd
         self.failed: list[str] = []
         self.checked = 0
-        self._queue: queue.Queue[tuple[str, int, int, int] | None] = queue.Queue()
-        self._writeback = _writeback_starter()
-        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._queue: queue.Queue[list[Check] | None] = queue.Queue()
+        # writing back early only pays when an fsync will wait for it; else it
+        # makes this run wait for the disk, which cp and torch.save never do
+        self._writeback = _writeback_starter() if durable else None
+        self._thread = threading.Thread(target=self._run, name="ckptool-check", daemon=True)
         self._thread.start()
 
     def check(self, name: str, offset: int, size: int, crc: int) -> None:
-        self._queue.put((name, offset, size, crc))
+        self._queue.put([(name, offset, size, crc)])
+
+    def check_many(self, checks: list[Check]) -> None:
+        """Ranges re-read together (in file order: one mapping for neighbours,
+        few GIL round trips)."""
+        if checks:
+            self._queue.put(sorted(checks, key=lambda c: c[1]))
 
     def _run(self) -> None:
-        buf = bytearray(16 << 20)
-        while (item := self._queue.get()) is not None:
-            name, offset, size, crc = item
+        while (batch := self._queue.get()) is not None:
             try:
-                if crc_range(self.fd, offset, size, buf) != crc:
-                    self.failed.append(name)
+                crcs = crc_file_ranges(self.fd, [(offset, size) for _, offset, size, _ in batch])
+                self.failed += [name for (name, _, _, crc), got in zip(batch, crcs, strict=True)
+                                if got != crc]
                 if self._writeback is not None:
-                    self._writeback(self.fd, offset, size)
+                    start = batch[0][1]
+                    self._writeback(self.fd, start, batch[-1][1] + batch[-1][2] - start)
             except OSError:  # unreadable counts as not matching
-                self.failed.append(name)
-            self.checked += 1
+                self.failed += [name for name, *_ in batch]
+            self.checked += len(batch)
 
     def finish(self) -> list[str]:
         self._queue.put(None)
