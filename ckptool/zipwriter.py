@@ -10,14 +10,14 @@ whatever the record size.
 
 from __future__ import annotations
 
-import os
 import struct
 import zlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO
 
 ALIGNMENT = 64
+PAGE = 4096  # what ckptool.zipcopy keeps copied records congruent to
 _LIMIT = 0xFFFFFFFF  # sizes and offsets from here on need ZIP64 fields
 _MASK = 0xFFFFFFFF  # what a 32-bit field holds when the ZIP64 field has the value
 _FLAGS = 0x0808
@@ -47,11 +47,7 @@ class ZipWriter:
         self.records: list[Written] = []
 
     def _local_header(self, name: bytes) -> bytes:
-        base = self.pos + _LOCAL.size + len(name) + 4
-        pad = (-base) % ALIGNMENT
-        extra = b"FB" + struct.pack("<H", pad) + b"\0" * pad
-        return _LOCAL.pack(0x04034B50, 45, _FLAGS, 0, 0, 0, 0, 0, 0,
-                           len(name), len(extra)) + name + extra
+        return local_header(name, self.pos)
 
     def write_record(self, name: str, chunks: Iterable[bytes]) -> Written:
         """Write one record from ``chunks``; returns its offset, size and CRC."""
@@ -67,45 +63,20 @@ class ZipWriter:
             crc = zlib.crc32(chunk, crc)
             size += len(chunk)
         self.pos += size
-        # zip64 data descriptors carry 8-byte sizes
-        if size >= _LIMIT:
-            desc = struct.pack("<IIQQ", 0x08074B50, crc, size, size)
-        else:
-            desc = struct.pack("<IIII", 0x08074B50, crc, size, size)
+        desc = descriptor(crc, size)
         self.f.write(desc)
         self.pos += len(desc)
         rec = Written(name, offset, size, crc, data_offset=data_offset)
         self.records.append(rec)
         return rec
 
-    def add_existing(self, name: str, offset: int, size: int, crc: int, flags: int) -> None:
-        """List a stored record already in the file (in-place rewrites)."""
-        self.records.append(Written(name, offset, size, crc, flags))
+    def add_existing(self, name: str, offset: int, size: int, crc: int, flags: int,
+                     data_offset: int = 0) -> None:
+        """List a stored record already in the file (copied, or kept in place)."""
+        self.records.append(Written(name, offset, size, crc, flags, data_offset))
 
     def write_bytes(self, name: str, data: bytes) -> Written:
         return self.write_record(name, (data,))
-
-    def copy_record(self, name: str, src: IO[bytes], offset: int, size: int, crc: int,
-                    progress: Callable[[int], None] | None = None) -> Written:
-        """Write a record whose bytes are ``size`` bytes of ``src`` at ``offset``,
-        copied by the kernel (``copy_file_range``) where it can; ``crc`` is the
-        source's own CRC of those bytes (verification re-reads them later)."""
-        raw = name.encode("utf-8")
-        header = self._local_header(raw)
-        offset_here = self.pos
-        self.f.write(header)
-        self.f.flush()
-        self.pos += len(header)
-        copy_range(src.fileno(), offset, self.f.fileno(), self.pos, size, progress)
-        self.pos += size
-        self.f.seek(self.pos)
-        desc = (struct.pack("<IIQQ", 0x08074B50, crc, size, size) if size >= _LIMIT
-                else struct.pack("<IIII", 0x08074B50, crc, size, size))
-        self.f.write(desc)
-        self.pos += len(desc)
-        rec = Written(name, offset_here, size, crc, data_offset=self.pos - size - len(desc))
-        self.records.append(rec)
-        return rec
 
     def close(self) -> int:
         """Write the central directory and end records; returns the end offset."""
@@ -139,40 +110,22 @@ class ZipWriter:
         return self.pos
 
 
-COPY_CHUNK = 64 << 20
+def local_header(name: bytes, at: int, congruent_to: int | None = None) -> bytes:
+    """A stored record's local header for a record starting at offset ``at``.
+
+    Its ``FB`` extra field pads the header so that the data starts 64-byte
+    aligned, as torch writes it, or, given ``congruent_to`` (a 64-byte
+    aligned offset), at an offset equal to it modulo the page size, so that
+    the kernel can copy whole pages into it (``ckptool.zipcopy``)."""
+    base = at + _LOCAL.size + len(name) + 4
+    pad = -base % ALIGNMENT if congruent_to is None else (congruent_to - base) % PAGE
+    extra = b"FB" + struct.pack("<H", pad) + b"\0" * pad
+    return _LOCAL.pack(0x04034B50, 45, _FLAGS, 0, 0, 0, 0, 0, 0,
+                       len(name), len(extra)) + name + extra
 
 
-def copy_range(src_fd: int, src_off: int, dst_fd: int, dst_off: int, size: int,
-               progress: Callable[[int], None] | None = None) -> None:
-    """Copy ``size`` bytes between file descriptors at explicit offsets."""
-    done = 0
-    kernel = hasattr(os, "copy_file_range")
-    while done < size:
-        want = min(COPY_CHUNK, size - done)
-        n = 0
-        if kernel:
-            try:
-                n = os.copy_file_range(src_fd, dst_fd, want, src_off + done, dst_off + done)
-            except OSError:
-                kernel = False  # another filesystem, or not supported: copy ourselves
-        if not kernel:
-            chunk = os.pread(src_fd, want, src_off + done)
-            n = os.pwrite(dst_fd, chunk, dst_off + done) if chunk else 0
-        if n <= 0:
-            raise OSError(f"source ended {size - done} bytes early")
-        done += n
-        if progress is not None:
-            progress(n)
-
-
-def crc_range(fd: int, offset: int, size: int, buf: bytearray | None = None) -> int:
-    """CRC-32 of ``size`` bytes of ``fd`` at ``offset``, read into one reused buffer."""
-    view = memoryview(buf if buf is not None else bytearray(COPY_CHUNK // 4))
-    crc, done = 0, 0
-    while done < size:
-        n = os.preadv(fd, [view[: min(len(view), size - done)]], offset + done)
-        if n <= 0:
-            raise OSError(f"file ends {size - done} bytes early")
-        crc = zlib.crc32(view[:n], crc)
-        done += n
-    return crc
+def descriptor(crc: int, size: int) -> bytes:
+    """The data descriptor after a record's bytes (ZIP64 ones carry 8-byte sizes)."""
+    if size >= _LIMIT:
+        return struct.pack("<IIQQ", 0x08074B50, crc, size, size)
+    return struct.pack("<IIII", 0x08074B50, crc, size, size)
