@@ -7,7 +7,15 @@ and is linked straight to the target name when it is complete, so even
 name for the instant before the rename over the old file); elsewhere it is
 a dot-file that any failure removes, but that ``kill -9`` can leave.
 Either way the target path is, at every instant, absent, the old file, or
-the complete new one.
+the complete new one: a ``kill -9`` cannot leave it partial, because the
+name appears only once the file is written and verified.
+
+Durability against power loss is a separate cost. Before it replaces an
+existing file the output is fsynced, so a crash cannot trade a good file
+for a torn one. A brand-new file is left to the kernel's normal writeback,
+as ``cp`` and ``torch.save`` leave theirs (the input is untouched, so
+nothing existing is at risk), unless ``fsync=True`` (``--fsync``) asks to
+wait until it is on disk.
 """
 
 from __future__ import annotations
@@ -28,18 +36,22 @@ class AtomicOutput:
     ``out.read_path``, then ``out.commit()``; leaving the block uncommitted
     removes the temporary file."""
 
-    def __init__(self, target: str | os.PathLike[str], force: bool = False) -> None:
+    def __init__(self, target: str | os.PathLike[str], force: bool = False,
+                 fsync: bool = False) -> None:
         self.target = Path(target)
         self.force = force
+        self.durable = fsync  # also once it turns out to replace a file
         self.file: IO[bytes]
         self._named: Path | None = None  # temp file's name, when it has one
         self._committed = False
         self._sync: threading.Thread | None = None
 
     def __enter__(self) -> AtomicOutput:
-        if self.target.exists() and not self.force:
-            raise UsageError(f"{self.target} already exists",
-                             "pass --force to overwrite it, or -o to choose another path")
+        if self.target.exists():
+            if not self.force:
+                raise UsageError(f"{self.target} already exists",
+                                 "pass --force to overwrite it, or -o to choose another path")
+            self.durable = True
         directory = self.target.parent
         if not directory.is_dir():
             raise UsageError(f"{directory} is not a directory",
@@ -74,9 +86,11 @@ class AtomicOutput:
         return f"/proc/self/fd/{self.file.fileno()}"
 
     def sync_in_background(self) -> None:
-        """Start making the file durable while the caller verifies it
-        (fsync and reading back both release the GIL)."""
+        """Start making the file durable, if it is to be, while the caller
+        verifies it (fsync and reading back both release the GIL)."""
         self.file.flush()
+        if not self.durable:
+            return
         self._sync = threading.Thread(target=os.fsync, args=(self.file.fileno(),))
         self._sync.start()
 
@@ -90,7 +104,7 @@ class AtomicOutput:
             os.close(proc_fd)
 
     def commit(self) -> None:
-        """Make the file durable and put it at the target path.
+        """Put the file at the target path (durable first, when it is to be).
 
         Without ``force`` the file appears under the target name in one step
         (``linkat``), which never replaces a file: one that appeared while we
@@ -100,7 +114,7 @@ class AtomicOutput:
         self.file.flush()
         if self._sync is not None:
             self._sync.join()
-        else:
+        elif self.durable:
             os.fsync(self.file.fileno())
         try:
             if self._named is None and not self.force:
@@ -120,6 +134,8 @@ class AtomicOutput:
                              "nothing was overwritten; pass --force to replace it") from exc
         self._committed = True
         self.file.close()
+        if not self.durable:
+            return
         with contextlib.suppress(OSError):  # not every filesystem can fsync a directory
             dir_fd = os.open(self.target.parent, os.O_RDONLY)
             try:

@@ -60,6 +60,10 @@ class Plan:
     retargets: dict[str, str] = field(default_factory=dict)  # storage id -> new tag
     casts: dict[str, tuple[str, str]] = field(default_factory=dict)  # storage id -> (from, to)
     notes: list[str] = field(default_factory=list)
+    # what writing ``root`` back writes: its storages, and the unsafe globals it
+    # names (one walk of the tree, by make_plan)
+    storages: dict[str, StorageRef] = field(default_factory=dict)
+    unsafe: list[str] = field(default_factory=list)
 
     @property
     def empty(self) -> bool:
@@ -232,26 +236,31 @@ def reachable(root: Any) -> Iterator[Any]:
 
 def used_storages(root: Any) -> dict[str, StorageRef]:
     """Storages reachable from ``root`` (what the output must carry)."""
-    found: dict[str, StorageRef] = {}
-    for obj in reachable(root):
-        if isinstance(obj, StorageRef):
-            found.setdefault(obj.key, obj)
-    return found
+    return _survey(root)[0]
 
 
 def unsafe_in(root: Any) -> list[str]:
     """Dotted names of unsafe globals the tree would write back."""
-    names = set()
+    return _survey(root)[1]
+
+
+def _survey(root: Any) -> tuple[dict[str, StorageRef], list[str]]:
+    storages: dict[str, StorageRef] = {}
+    unsafe = set()
     for obj in reachable(root):
+        if isinstance(obj, StorageRef):
+            storages.setdefault(obj.key, obj)
+            continue
         cls = obj if isinstance(obj, type) else type(obj)
         if issubclass(cls, StandIn) and cls.category == "unsafe":
-            names.add(cls.qualname)
-    return sorted(names)
+            unsafe.add(cls.qualname)
+    return storages, sorted(unsafe)
 
 
 def _plan_storages(plan: Plan, opts: FixOptions) -> None:
     maps = dict(opts.maps)
-    used = used_storages(plan.root)
+    plan.storages, plan.unsafe = _survey(plan.root)
+    used = plan.storages
     for sid, ref in used.items():
         tag = opts.to if opts.to is not None else maps.get(ref.location or "")
         if tag is not None and tag != ref.location:

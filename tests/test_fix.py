@@ -295,10 +295,11 @@ def test_safetensors_has_no_device_to_retarget(tmp_path: Path,
     assert "record no device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("where", ["writer", "copy_thread"])
 def test_disk_full_is_one_clean_error_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    from ckptool import rewrite
+        capsys: pytest.CaptureFixture[str], where: str) -> None:
+    from ckptool import zipcopy, zipfix
 
     src = tmp_path / "m.pth"
     dp_checkpoint(src)
@@ -306,7 +307,10 @@ def test_disk_full_is_one_clean_error_and_leaves_nothing(
     def full(*args: Any) -> Any:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(rewrite, "_write_zip", full)
+    if where == "writer":
+        monkeypatch.setattr(zipfix, "write_zip", full)
+    else:  # the storage copy runs on its own thread: its error reaches the CLI
+        monkeypatch.setattr(zipcopy.Copier, "_copy", full)
     assert main(["fix", str(src), "--to", "cpu"]) == 3
     captured = capsys.readouterr()
     assert captured.out == ""

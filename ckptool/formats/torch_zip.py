@@ -9,7 +9,7 @@ is taken from its first entry: torch names it after the file's stem.
 from __future__ import annotations
 
 import os
-from typing import IO, Any
+from typing import IO, Any, Protocol
 
 from ckptool import safe_pickle
 from ckptool.errors import (
@@ -48,62 +48,76 @@ def open_archive(f: IO[bytes]) -> ZipArchive:
                                      TRUNCATED_HINT) from exc
 
 
+class Archive(Protocol):
+    """What ``read_archive`` needs: a ``ZipArchive``, or a stand-in for one
+    (``fix`` reads its output back before the directory is written)."""
+
+    members: dict[str, Member]
+
+    def read(self, name: str, max_size: int) -> bytes: ...
+
+
 def read(path: str) -> RawRead:
     with open(path, "rb") as f:
-        zf = open_archive(f)
-        infos = zf.members
-        names = list(infos)
-        if not names:
-            raise NotACheckpointError("empty zip archive, not a checkpoint",
-                                      "the file holds no records; fetch it again")
-        root = _root_of(names)
-        prefix = f"{root}/" if root else ""
-        if f"{prefix}data.pkl" not in infos:
-            _explain_other_zip(names)
-        is_script = f"{prefix}constants.pkl" in infos or any(
-            n.startswith(f"{prefix}code/") for n in names
-        )
-        seen = safe_pickle.GlobalsSeen()
-        storages: dict[str, StorageRef] = {}
-
-        def loader(folder: str, id_prefix: str) -> safe_pickle.PersistentLoader:
-            def persistent(pid: tuple[Any, ...]) -> StorageRef:
-                stype, key, location, numel = parse_storage_pid(pid, 5)
-                sid = id_prefix + key
-                ref = storages.get(sid)
-                if ref is None:
-                    record = f"{prefix}{folder}/{key}"
-                    ref = StorageRef(sid, stype.dtype, location, numel, record, pid)
-                    info = infos.get(record)
-                    if info is None:
-                        raise CorruptCheckpointError(f"storage record {record} is missing",
-                                                     TRUNCATED_HINT)
-                    if info.size < ref.nbytes:
-                        raise CorruptCheckpointError(
-                            f"storage record {record} holds {info.size} bytes, "
-                            f"{ref.nbytes} expected", TRUNCATED_HINT)
-                    storages[sid] = ref
-                return ref
-            return persistent
-
-        data = _read_record(zf, f"{prefix}data.pkl")
-        obj = safe_pickle.load(data, loader("data", ""), seen)
-        extra: dict[str, Any] = {}
-        if is_script and f"{prefix}constants.pkl" in infos:
-            consts = safe_pickle.load(_read_record(zf, f"{prefix}constants.pkl"),
-                                      loader("constants", "constants/"), seen)
-            if consts:
-                extra["constants"] = consts
-        meta: dict[str, Any] = {"archive_root": root}
-        for name in ("version", ".format_version", "byteorder", ".storage_alignment"):
-            if f"{prefix}{name}" in infos and infos[f"{prefix}{name}"].size < 64:
-                meta[name.lstrip(".")] = _read_record(zf, f"{prefix}{name}").decode(
-                    "ascii", "replace").strip()
-        fmt = TORCHSCRIPT if is_script else TORCH_ZIP
-        return RawRead(fmt, obj, storages, seen, meta, extra)
+        return read_archive(open_archive(f))
 
 
-def _read_record(zf: ZipArchive, name: str) -> bytes:
+def read_archive(zf: Archive) -> RawRead:
+    """The pickles of an open archive; storage records are checked for
+    presence and size from its directory and never opened."""
+    infos = zf.members
+    names = list(infos)
+    if not names:
+        raise NotACheckpointError("empty zip archive, not a checkpoint",
+                                  "the file holds no records; fetch it again")
+    root = _root_of(names)
+    prefix = f"{root}/" if root else ""
+    if f"{prefix}data.pkl" not in infos:
+        _explain_other_zip(names)
+    is_script = f"{prefix}constants.pkl" in infos or any(
+        n.startswith(f"{prefix}code/") for n in names
+    )
+    seen = safe_pickle.GlobalsSeen()
+    storages: dict[str, StorageRef] = {}
+
+    def loader(folder: str, id_prefix: str) -> safe_pickle.PersistentLoader:
+        def persistent(pid: tuple[Any, ...]) -> StorageRef:
+            stype, key, location, numel = parse_storage_pid(pid, 5)
+            sid = id_prefix + key
+            ref = storages.get(sid)
+            if ref is None:
+                record = f"{prefix}{folder}/{key}"
+                ref = StorageRef(sid, stype.dtype, location, numel, record, pid)
+                info = infos.get(record)
+                if info is None:
+                    raise CorruptCheckpointError(f"storage record {record} is missing",
+                                                 TRUNCATED_HINT)
+                if info.size < ref.nbytes:
+                    raise CorruptCheckpointError(
+                        f"storage record {record} holds {info.size} bytes, "
+                        f"{ref.nbytes} expected", TRUNCATED_HINT)
+                storages[sid] = ref
+            return ref
+        return persistent
+
+    data = _read_record(zf, f"{prefix}data.pkl")
+    obj = safe_pickle.load(data, loader("data", ""), seen)
+    extra: dict[str, Any] = {}
+    if is_script and f"{prefix}constants.pkl" in infos:
+        consts = safe_pickle.load(_read_record(zf, f"{prefix}constants.pkl"),
+                                  loader("constants", "constants/"), seen)
+        if consts:
+            extra["constants"] = consts
+    meta: dict[str, Any] = {"archive_root": root}
+    for name in ("version", ".format_version", "byteorder", ".storage_alignment"):
+        if f"{prefix}{name}" in infos and infos[f"{prefix}{name}"].size < 64:
+            meta[name.lstrip(".")] = _read_record(zf, f"{prefix}{name}").decode(
+                "ascii", "replace").strip()
+    fmt = TORCHSCRIPT if is_script else TORCH_ZIP
+    return RawRead(fmt, obj, storages, seen, meta, extra)
+
+
+def _read_record(zf: Archive, name: str) -> bytes:
     info: Member = zf.members[name]
     if info.method != 0 and info.size > MAX_INFLATED:
         raise CorruptCheckpointError(

@@ -1,0 +1,228 @@
+"""The rewritten zip's layout (ckptool.zipcopy): storage records first, each
+run copied page-congruent, the pickle and small records after them, the
+central directory in the source's order; every byte of it re-read."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from helpers import saved_on
+
+import ckptool
+from ckptool import rewrite, zipcopy
+from ckptool.cli import main
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.plan import FixOptions
+from ckptool.ziparchive import ZipArchive
+
+
+def training_file(path: Path, tag: str = "cuda:2", big: bool = True) -> dict[str, torch.Tensor]:
+    """module.-prefixed float and int tensors, an optimizer, a shared storage;
+    over 1 MiB of them unless not ``big`` (the size from which copies are
+    padded to be page-congruent)."""
+    gen = torch.Generator().manual_seed(1)
+    w = torch.randn(1400 if big else 64, 300, generator=gen)
+    sd = {"module.a.weight": w, "module.a.bias": torch.randn(300, generator=gen),
+          "module.a.steps": torch.tensor(3), "module.view": w[1:3],
+          "module.b.weight": torch.randn(5000, generator=gen).to(torch.float16)}
+    with saved_on(tag):
+        torch.save({"epoch": 1, "state_dict": sd,
+                    "optimizer": {"state": {0: {"m": torch.ones(7)}}}}, path)
+    return {k.removeprefix("module."): v for k, v in sd.items()}
+
+
+def records(path: Path) -> dict[str, tuple[int, int]]:
+    """name -> (local header offset, data offset), in central-directory order."""
+    with open(path, "rb") as f:
+        archive = ZipArchive(f, os.path.getsize(path))
+        return {n: (m.header_offset, archive.data_offset(m)) for n, m in archive.members.items()}
+
+
+def torch_loads(path: Path) -> dict[str, Any]:
+    tags: set[str] = set()
+
+    def record(storage: Any, location: str) -> Any:
+        tags.add(location)
+        return storage
+
+    plain = torch.load(path, map_location=record)
+    mapped = torch.load(path, map_location="cpu", mmap=True)
+    assert plain.keys() == mapped.keys()
+    return {"obj": plain, "mmap": mapped, "tags": tags}
+
+
+def test_layout_storages_first_congruent_and_readable_by_everyone(tmp_path: Path) -> None:
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    want = training_file(src)
+    result = rewrite.fix(str(src), FixOptions(strip_module=True, to="cuda:0"), str(out))
+    assert result.verified_storages == len(ckptool.open(src).storages)
+    before, after = records(src), records(out)
+    names = list(before)
+    assert list(after) == names  # the directory keeps torch's order: data.pkl first
+    root = names[0].split("/")[0]
+    storage_names = [n for n in names if n.startswith(f"{root}/data/")]
+    # physically, every storage record comes before the pickle and small records
+    assert max(after[n][0] for n in storage_names) < min(
+        after[n][0] for n in names if n not in storage_names)
+    for name in storage_names:  # copied page-congruent, torch's 64-byte alignment kept
+        assert (after[name][1] - before[name][1]) % 4096 == 0
+        assert after[name][1] % 64 == 0
+    assert zipfile.ZipFile(out).testzip() is None  # every CRC, by an independent reader
+    loaded = torch_loads(out)
+    assert loaded["tags"] == {"cuda:0"}
+    for sd in (loaded["obj"]["state_dict"], loaded["mmap"]["state_dict"]):
+        assert list(sd) == list(want)
+        for key, tensor in want.items():
+            assert torch.equal(sd[key], tensor), key
+    assert sd["view"].untyped_storage().data_ptr() == sd["a.weight"].untyped_storage().data_ptr()
+
+
+def test_casts_in_the_middle_of_the_records_break_the_runs(tmp_path: Path) -> None:
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    want = training_file(src)
+    rewrite.fix(str(src), FixOptions(strip_module=True, to="cpu", dtype="bfloat16"), str(out))
+    assert zipfile.ZipFile(out).testzip() is None
+    sd = torch.load(out)["state_dict"]
+    for key, tensor in want.items():
+        if tensor.is_floating_point():
+            assert sd[key].dtype == torch.bfloat16
+            assert torch.equal(sd[key], tensor.to(torch.bfloat16)), key
+        else:
+            assert torch.equal(sd[key], tensor), key
+
+
+def test_dropped_records_are_left_out(tmp_path: Path) -> None:
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    training_file(src)
+    rewrite.fix(str(src), FixOptions(drop=("optimizer",)), str(out))
+    assert len(ckptool.open(out).storages) == len(ckptool.open(src).storages) - 1
+    assert len(records(out)) == len(records(src)) - 1
+    assert zipfile.ZipFile(out).testzip() is None
+    assert "optimizer" not in torch.load(out, map_location="cpu")
+
+
+def test_a_zip_rewritten_by_python_without_descriptors_or_alignment(tmp_path: Path) -> None:
+    """Records that do not follow torch's layout are copied one by one."""
+    src, rezipped, out = tmp_path / "m.pth", tmp_path / "z.pth", tmp_path / "o.pth"
+    want = training_file(src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(rezipped, "w") as zout:
+        for info in zin.infolist():
+            zout.writestr(info.filename, zin.read(info.filename))  # stored, no descriptor
+    assert any(d % 64 for _, d in records(rezipped).values())  # not aligned any more
+    assert main(["fix", str(rezipped), "--strip-module", "--to", "cpu", "-o", str(out),
+                 "-q"]) == 0
+    assert all(d % 64 == 0 for name, (_, d) in records(out).items() if "/data/" in name)
+    assert zipfile.ZipFile(out).testzip() is None
+    sd = torch.load(out)["state_dict"]
+    assert all(torch.equal(sd[k], v) for k, v in want.items())
+
+
+def test_damage_between_copied_records_is_caught(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The local headers copied inside a span are re-read too, not only the data."""
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    training_file(src)
+    real = zipcopy.Copier._copy
+
+    def damaging(self: zipcopy.Copier, src_at: int, size: int, dst_at: int) -> int:
+        n = real(self, src_at, size, dst_at)
+        # a byte of the second record's local header, once it is copied (and
+        # before this chunk's ranges go to the checker)
+        at = self.layout.runs[0].pieces[1].header + 31
+        if dst_at <= at < dst_at + n:
+            byte = os.pread(self.dst_fd, 1, at)
+            os.pwrite(self.dst_fd, bytes([byte[0] ^ 0xFF]), at)
+        return n
+
+    monkeypatch.setattr(zipcopy.Copier, "_copy", damaging)
+    with pytest.raises(CorruptCheckpointError, match="header"):
+        rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+    assert not out.exists()
+    assert os.listdir(tmp_path) == ["m.pth"]
+
+
+def test_records_no_tensor_uses_are_kept_as_they_are(tmp_path: Path) -> None:
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    want = training_file(src)
+    with zipfile.ZipFile(src, "a") as z:
+        root = z.namelist()[0].split("/")[0]
+        z.writestr(f"{root}/data/orphan", b"not referenced by the pickle")
+    assert main(["fix", str(src), "--strip-module", "-o", str(out), "-q"]) == 0
+    assert f"{root}/data/orphan" in records(out)
+    assert zipfile.ZipFile(out).read(f"{root}/data/orphan") == b"not referenced by the pickle"
+    sd = torch.load(out, map_location="cpu")["state_dict"]
+    assert all(torch.equal(sd[k], v) for k, v in want.items())
+
+
+def test_a_compressed_storage_record_is_refused(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    src, deflated = tmp_path / "m.pth", tmp_path / "d.pth"
+    training_file(src)
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(deflated, "w") as zout:
+        for info in zin.infolist():
+            method = zipfile.ZIP_DEFLATED if "/data/0" in info.filename else zipfile.ZIP_STORED
+            zout.writestr(info.filename, zin.read(info.filename), method)
+    os.remove(src)
+    assert main(["fix", str(deflated), "--strip-module", "-o", str(tmp_path / "o.pth")]) == 3
+    err = capsys.readouterr().err
+    assert "compressed" in err and "Traceback" not in err
+    assert os.listdir(tmp_path) == ["d.pth"]
+
+
+def test_layout_of_a_torch_file(tmp_path: Path) -> None:
+    src = tmp_path / "m.pth"
+    training_file(src)
+    with open(src, "rb") as f:
+        archive = ZipArchive(f, os.path.getsize(src))
+        members = zipcopy.storage_members(archive, "m/")
+        layout = zipcopy.plan_layout(f.fileno(), archive, members, {})
+    assert len(layout.runs) == 1  # torch writes its records back to back
+    run = layout.runs[0]
+    assert [p.key for p in run.pieces] == sorted(members, key=int)
+    assert run.pieces[0].header == 0 and (run.pieces[0].data - run.src_start) % 4096 == 0
+    # a check for our header, each record, each gap between records, the last descriptor
+    assert len(run.checks) == 2 * len(run.pieces) + 1
+    assert layout.total == run.src_end - run.src_start
+    with open(src, "rb") as f:
+        archive = ZipArchive(f, os.path.getsize(src))
+        casts = {"1": 8}
+        layout = zipcopy.plan_layout(f.fileno(), archive, members, casts)
+    assert [len(r.pieces) for r in layout.runs] == [1, 1, len(members) - 2]
+    assert layout.runs[1].cast and layout.runs[1].pieces[0].size == 8
+
+
+def test_small_copies_keep_torchs_alignment_without_page_padding(tmp_path: Path) -> None:
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    training_file(src, big=False)
+    rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+    after = records(out)
+    first = min(after.values())
+    assert first[0] == 0 and first[1] < 128  # a header padded to 64 bytes, not to a page
+    assert all(d % 64 == 0 for name, (_, d) in after.items() if "/data/" in name)
+    assert abs(out.stat().st_size - src.stat().st_size) < 200  # the keys got shorter
+
+
+def test_refused_input_after_the_copy_started_leaves_nothing(tmp_path: Path) -> None:
+    """A zip whose records look right but whose pickle is damaged: the early
+    copy has started when the read fails."""
+    src = tmp_path / "m.pth"
+    training_file(src)
+    broken = tmp_path / "b.pth"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(broken, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename.endswith("data.pkl"):
+                data = data[: len(data) // 2]
+            zout.writestr(info.filename, data)
+    shutil.move(broken, tmp_path / "in.pth")
+    os.remove(src)
+    with pytest.raises((CorruptCheckpointError, UnsupportedCheckpointError)):
+        rewrite.fix(str(tmp_path / "in.pth"), FixOptions(strip_module=True),
+                    str(tmp_path / "o.pth"))
+    assert os.listdir(tmp_path) == ["in.pth"]
