@@ -19,6 +19,8 @@ import click
 from ckptool import __version__
 from ckptool.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_USAGE, CkptoolError
 
+FSYNC_HELP = ("Return only once OUT is on disk, safe from a power cut (as cp + sync). "
+              "Replacing a file (--force, --in-place) always waits.")
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptool")
@@ -213,12 +215,14 @@ def diff(path_a: str, path_b: str, as_json: bool, no_values: bool, all_tensors: 
 @click.option("--dry-run", is_flag=True, help="Show the plan and write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--in-place", is_flag=True, help="Replace IN itself (atomically).")
+@click.option("--fsync", is_flag=True, help=FSYNC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan and result as JSON.")
 def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: str | None, rename: tuple[str, ...], extract: str | None,
         drop: tuple[str, ...], dtype: str | None, to: str | None, maps: tuple[str, ...],
-        dry_run: bool, force: bool, in_place: bool, quiet: bool, as_json: bool) -> None:
+        dry_run: bool, force: bool, in_place: bool, fsync: bool, quiet: bool,
+        as_json: bool) -> None:
     """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
     from ckptool import plan as planning
     from ckptool.rewrite import fix as run_fix
@@ -234,7 +238,7 @@ def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[s
     )
     with _progress(quiet) as progress:
         result = run_fix(path, opts, output, force=force, in_place=in_place,
-                         dry_run=dry_run, progress=progress)
+                         dry_run=dry_run, progress=progress, fsync=fsync)
     if as_json:
         from ckptool.report import dumps, fix_dict
 
@@ -249,14 +253,16 @@ def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[s
 @click.argument("path", type=click.Path(dir_okay=True, path_type=str))
 @click.argument("output", metavar="OUT", type=click.Path(path_type=str))
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@click.option("--fsync", is_flag=True, help=FSYNC_HELP)
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert(path: str, output: str, force: bool, quiet: bool, as_json: bool) -> None:
+def convert(path: str, output: str, force: bool, fsync: bool, quiet: bool,
+            as_json: bool) -> None:
     """Convert between torch files and safetensors (direction from OUT's extension)."""
     from ckptool.conversion import convert as run_convert
 
     with _progress(quiet) as progress:
-        result = run_convert(path, output, force=force, progress=progress)
+        result = run_convert(path, output, force=force, progress=progress, fsync=fsync)
     if as_json:
         from ckptool.report import convert_dict, dumps
 

@@ -34,17 +34,20 @@ from ckptool import dtypes, repickle
 from ckptool.atomic import AtomicOutput
 from ckptool.bytecheck import ByteChecker
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from ckptool.fastcrc import crc_file_range
 from ckptool.formats.safetensors_fmt import SAFETENSORS
+from ckptool.gather import copy_pieces
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.reader import open_checkpoint
 from ckptool.tensor_data import TensorData
 from ckptool.tensors import StorageRef, StorageType, TensorRecord
 from ckptool.values import TorchDtype
-from ckptool.zipwriter import ZipWriter, copy_range, crc_range
+from ckptool.zipwriter import ZipWriter
 
 ST_CODES = {v: k for k, v in dtypes.SAFETENSORS_DTYPES.items()}
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 CHUNK = 16 << 20
+CHECK_BATCH = 64 << 20  # bytes handed to the verifier at a time
 _TYPED = {v: k for k, v in dtypes.STORAGE_DTYPES.items() if k not in ("UntypedStorage",
                                                                        "TypedStorage")}
 Progress = Callable[[int, int], None]
@@ -64,7 +67,10 @@ class ConvertResult:
 
 
 def convert(src: str, dst: str, *, force: bool = False,
-            progress: Progress | None = None) -> ConvertResult:
+            progress: Progress | None = None, fsync: bool = False) -> ConvertResult:
+    """Convert ``src`` into ``dst`` (the format from its extension). The output
+    is durable on disk before this returns when ``fsync`` is set or it
+    replaces a file (``AtomicOutput``)."""
     suffix = Path(dst).suffix.lower()
     if suffix not in (".safetensors", *TORCH_SUFFIXES):
         raise UsageError(f"cannot tell the output format from {dst!r}",
@@ -73,11 +79,11 @@ def convert(src: str, dst: str, *, force: bool = False,
     if suffix == ".safetensors":
         if source.format == SAFETENSORS:
             raise UsageError(f"{src} is already safetensors", "name a torch output: OUT.pth")
-        return _to_safetensors(source, dst, force, progress)
+        return _to_safetensors(source, dst, AtomicOutput(dst, force, fsync), progress)
     if source.format != SAFETENSORS:
         raise UsageError(f"{src} is already a torch checkpoint",
                          "use `ckptool fix` to rewrite torch files")
-    return _to_torch(source, dst, force, progress)
+    return _to_torch(source, dst, AtomicOutput(dst, force, fsync), progress)
 
 
 def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -133,7 +139,7 @@ def _plan_names(source: Checkpoint) -> tuple[dict[str, TensorInfo], dict[str, st
     return kept, aliases, copies
 
 
-def _to_safetensors(source: Checkpoint, dst: str, force: bool,
+def _to_safetensors(source: Checkpoint, dst: str, output: AtomicOutput,
                     progress: Progress | None) -> ConvertResult:
     kept, aliases, copies = _plan_names(source)
     result = ConvertResult(source, dst, "safetensors", len(kept), aliases, copies)
@@ -156,8 +162,8 @@ def _to_safetensors(source: Checkpoint, dst: str, force: bool,
     if entries:
         meta["ckptool.entries"] = json.dumps(entries, default=repr)
     items = [(name, t, t.dtype) for name, t in kept.items()]
-    with AtomicOutput(dst, force) as out, TensorData(source) as reader:
-        spans = write_safetensors(out.file, items, meta, reader, progress)
+    with output as out, TensorData(source) as reader:
+        spans = write_safetensors(out.file, items, meta, reader, progress, out.durable)
         result.bytes_written = out.file.tell()
         out.sync_in_background()
         verify(out.read_path, {n: (t.shape, t.dtype) for n, t in kept.items()}, spans)
@@ -169,7 +175,8 @@ Expected = dict[str, tuple[int, int, int]]  # name -> (offset, size, crc) in the
 
 
 def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: dict[str, str],
-                      reader: TensorData, progress: Progress | None = None) -> Expected:
+                      reader: TensorData, progress: Progress | None = None,
+                      durable: bool = False) -> Expected:
     """Write (name, tensor, dtype to write it as) to ``f``; returns where each
     tensor's bytes went and the CRC they must have.
 
@@ -191,8 +198,7 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
     base = 8 + len(raw)
     expected: Expected = {}
     done = 0
-    buf = bytearray(CHUNK)
-    checker = ByteChecker(f.fileno())
+    checker = ByteChecker(f.fileno(), durable)
 
     def step(n: int) -> None:
         nonlocal done
@@ -200,6 +206,18 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
         if progress is not None:
             progress(done, offset)
 
+    batch: list[tuple[str, int, int, int]] = []  # checks handed over together
+
+    def written(name: str, start: int, size: int, crc: int) -> None:
+        nonlocal batch
+        expected[name] = (start, size, crc)
+        step(size)
+        batch.append((name, start, size, crc))
+        if start + size - batch[0][1] >= CHECK_BATCH:
+            checker.check_many(batch)
+            batch = []
+
+    copies: list[tuple[str, int, int, int, int]] = []  # name, source, size, dest, crc
     for name, t, dtype in items:
         start = base + header[name]["data_offsets"][0]
         size = t.numel * dtypes.itemsize(dtype)
@@ -207,18 +225,22 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
             src = reader.storage_offset(t.storage) + t.storage_offset * dtypes.itemsize(t.dtype)
             whole = t.storage_offset == 0 and size == reader.storage(t.storage).nbytes
             crc = reader.record_crc(t.storage) if whole else None
-            if crc is None:
-                crc = crc_range(reader.fileno(), src, size, buf)
-            copy_range(reader.fileno(), src, f.fileno(), start, size, step)
+            if crc is None:  # a view into a larger storage: its own bytes' CRC
+                crc = crc_file_range(reader.fileno(), src, size)
+            copies.append((name, src, size, start, crc))
         else:
             data = b"".join(_tensor_chunks(reader, t))
             if dtype != t.dtype:
                 data = cast_bytes(data, t.dtype, dtype)
             os.pwrite(f.fileno(), data, start)
-            crc = zlib.crc32(data)
-            step(len(data))
-        expected[name] = (start, size, crc)
-        checker.check(name, start, size, crc)
+            written(name, start, len(data), zlib.crc32(data))
+    def copied(i: int) -> None:
+        name, _, size, start, crc = copies[i]
+        written(name, start, size, crc)
+
+    # dense tensors: read ahead on a thread while this one writes (gather.py)
+    copy_pieces(reader.fileno(), f.fileno(), [(s, n, d) for _, s, n, d, _ in copies], copied)
+    checker.check_many(batch)
     f.seek(base + offset)
     _finish(checker)
     return expected
@@ -241,7 +263,7 @@ def cast_bytes(data: bytes | bytearray, src: str, dst: str) -> bytes:
     return ctypes.string_at(cast.data_ptr(), cast.numel() * cast.element_size())
 
 
-def _to_torch(source: Checkpoint, dst: str, force: bool,
+def _to_torch(source: Checkpoint, dst: str, output: AtomicOutput,
               progress: Progress | None) -> ConvertResult:
     st_meta = source.metadata.get("metadata", {})
     aliases = json.loads(st_meta.get("ckptool.aliases", "{}"))
@@ -270,7 +292,7 @@ def _to_torch(source: Checkpoint, dst: str, force: bool,
     pickled = repickle.dumps(sd, lambda ref: tuple([*(ref.pid or ())]))
     root = Path(dst).stem
     spans: Expected = {}
-    with AtomicOutput(dst, force) as out, TensorData(source) as reader:
+    with output as out, TensorData(source) as reader:
         writer = ZipWriter(out.file)
         writer.write_bytes(f"{root}/data.pkl", pickled)
         for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"),
@@ -278,7 +300,7 @@ def _to_torch(source: Checkpoint, dst: str, force: bool,
             writer.write_bytes(f"{root}/{name}", value)
         total = sum(t.nbytes for t in records.values())
         done = 0
-        checker = ByteChecker(out.file.fileno())
+        checker = ByteChecker(out.file.fileno(), out.durable)
         for key, t in records.items():
             written = writer.write_record(f"{root}/data/{key}", _tensor_chunks(reader, t))
             spans[t.key] = (written.data_offset, written.size, written.crc)
