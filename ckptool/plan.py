@@ -20,7 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.errors import UsageError
+from ckptool.errors import UnsupportedCheckpointError, UsageError
+from ckptool.formats.safetensors_fmt import SAFETENSORS
+from ckptool.formats.torch_legacy import TORCH_LEGACY
+from ckptool.formats.torch_zip import TORCH_ZIP
 from ckptool.model import Checkpoint
 from ckptool.tensors import CompositeTensor, StorageRef, StorageType, TensorRecord
 from ckptool.values import StandIn
@@ -32,6 +35,7 @@ _CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 _STORAGE_CLASS = {"float32": "FloatStorage", "float16": "HalfStorage",
                   "bfloat16": "BFloat16Storage"}
 _DEVICE = re.compile(r"^[a-z][a-z0-9_]*(:\d+)?$")
+REWRITABLE = (TORCH_ZIP, TORCH_LEGACY, SAFETENSORS)  # formats fix writes back
 
 
 @dataclass
@@ -71,6 +75,27 @@ class Plan:
                     or self.retargets or self.casts)
 
 
+def check_rewritable(fmt: str, opts: FixOptions) -> None:
+    """What ``fix`` refuses for a file of format ``fmt``, before any plan."""
+    if fmt not in REWRITABLE:
+        raise UnsupportedCheckpointError(
+            f"ckptool fix rewrites torch.save files and safetensors; this is {fmt}",
+            "for TorchScript, take the weights out first: "
+            "`ckptool convert FILE.pt FILE.safetensors`")
+    if fmt == SAFETENSORS and (opts.to or opts.maps):
+        raise UsageError("safetensors files record no device: there is nothing to retarget",
+                         "pick the device when loading: load_file(path, device='cuda:0')")
+
+
+def refuse_unsafe(names: list[str]) -> None:
+    """``fix`` never writes an unsafe global back."""
+    if names:
+        raise UnsupportedCheckpointError(
+            f"the output would keep unsafe globals: {', '.join(names)}",
+            "drop the entries that hold them (--drop PATH) or keep only the weights "
+            "(--extract); see `ckptool inspect` for where they are")
+
+
 def parse_device(tag: str) -> str:
     if not _DEVICE.match(tag):
         raise UsageError(f"not a device: {tag!r}",
@@ -86,13 +111,13 @@ def parse_pair(text: str, what: str) -> tuple[str, str]:
     return left, right
 
 
-def _find(root: Any, path: str) -> tuple[Any, Any, Any]:
+def find_entry(root: Any, path: str) -> tuple[Any, Any, Any]:
     """(parent container, key in it, object) at a '/'-joined container path."""
     parent: Any = None
     key: Any = None
     obj = root
     for part in path.split("/") if path else []:
-        for raw_key, name, child in _keyed_children(obj):
+        for raw_key, name, child in keyed_children(obj):
             if name == part:
                 parent, key, obj = obj, raw_key, child
                 break
@@ -102,7 +127,7 @@ def _find(root: Any, path: str) -> tuple[Any, Any, Any]:
     return parent, key, obj
 
 
-def _keyed_children(obj: Any) -> list[tuple[Any, str, Any]]:
+def keyed_children(obj: Any) -> list[tuple[Any, str, Any]]:
     if isinstance(obj, dict):
         return [(k, name, v) for (name, v), k in zip(children(obj), obj, strict=True)]
     if isinstance(obj, list):
@@ -110,7 +135,7 @@ def _keyed_children(obj: Any) -> list[tuple[Any, str, Any]]:
     return [(None, name, v) for name, v in children(obj)]
 
 
-def _replace(root: Any, parent: Any, key: Any, new: Any) -> Any:
+def replace_child(root: Any, parent: Any, key: Any, new: Any) -> Any:
     if parent is None:
         return new
     if isinstance(parent, (dict, list)):
@@ -120,14 +145,14 @@ def _replace(root: Any, parent: Any, key: Any, new: Any) -> Any:
                      "extract or drop the container that holds it instead")
 
 
-def _state_dict_of(obj: Any) -> Any:
+def state_dict_of(obj: Any) -> Any:
     """A module (pickled nn.Module, TorchScript) as an OrderedDict of its tensors."""
     if module_kind(obj) is None:
         return obj
     return OrderedDict(module_tensors(obj))
 
 
-def _rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
+def rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
     """A copy of ``sd`` with keys through ``rename``; ``_metadata`` follows."""
     new: Any = type(sd)() if isinstance(sd, OrderedDict) else {}
     changes = []
@@ -151,7 +176,7 @@ def _rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
     return new, changes
 
 
-def _key_function(opts: FixOptions, wrapper: str) -> Any:
+def key_function(opts: FixOptions, wrapper: str) -> Any:
     patterns = []
     for regex, repl in opts.renames:
         try:
@@ -176,7 +201,7 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
     """Apply ``opts`` to ``ckpt.root`` (read faithfully); ``ckpt`` is its analysis."""
     plan = Plan(ckpt.root)
     for drop in opts.drop:
-        parent, key, _ = _find(plan.root, drop)
+        parent, key, _ = find_entry(plan.root, drop)
         if parent is None or not isinstance(parent, (dict, list)):
             raise UsageError(f"cannot drop {drop!r}", "drop an entry of a dict or list")
         del parent[key]
@@ -188,24 +213,24 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
         if path is None:
             raise UsageError("no state dict found to extract",
                              "name one: --extract PATH (see `ckptool inspect`)")
-        _, _, obj = _find(plan.root, path)
-        plan.root = _state_dict_of(obj)
+        _, _, obj = find_entry(plan.root, path)
+        plan.root = state_dict_of(obj)
         plan.extracted = path
         sd_path = "" if path == sd_path else None
     if opts.changes_keys():
         if sd_path is None or sd_info is None:
             raise UsageError("no state dict to rename keys in",
                              "extract one first: --extract PATH")
-        parent, key, sd = _find(plan.root, sd_path)
+        parent, key, sd = find_entry(plan.root, sd_path)
         if not isinstance(sd, dict):
             raise UsageError(
                 f"'{sd_info.path or 'the file'}' is a whole pickled module, not a state dict",
                 "add --extract to turn it into a state dict first")
-        new_sd, plan.renames = _rename_all(sd, _key_function(opts, sd_info.prefix))
-        plan.root = _replace(plan.root, parent, key, new_sd)
+        new_sd, plan.renames = rename_all(sd, key_function(opts, sd_info.prefix))
+        plan.root = replace_child(plan.root, parent, key, new_sd)
         if opts.strip_module and not sd_info.prefix:
             plan.notes.append("--strip-module: no module./_orig_mod./model. prefix found")
-    _plan_storages(plan, opts)
+    plan_storages(plan, opts)
     return plan
 
 
@@ -257,7 +282,7 @@ def _survey(root: Any) -> tuple[dict[str, StorageRef], list[str]]:
     return storages, sorted(unsafe)
 
 
-def _plan_storages(plan: Plan, opts: FixOptions) -> None:
+def plan_storages(plan: Plan, opts: FixOptions) -> None:
     maps = dict(opts.maps)
     plan.storages, plan.unsafe = _survey(plan.root)
     used = plan.storages

@@ -29,10 +29,9 @@ from ckptool.bytecheck import ByteChecker
 from ckptool.conversion import cast_bytes, verify, write_safetensors
 from ckptool.errors import UnsupportedCheckpointError, UsageError
 from ckptool.formats.safetensors_fmt import SAFETENSORS
-from ckptool.formats.torch_legacy import TORCH_LEGACY
 from ckptool.formats.torch_zip import TORCH_ZIP
 from ckptool.model import Checkpoint
-from ckptool.plan import FixOptions, Plan, make_plan, new_pid
+from ckptool.plan import FixOptions, Plan, check_rewritable, make_plan, new_pid, refuse_unsafe
 from ckptool.reader import assemble
 from ckptool.resolve import faithful
 from ckptool.tensor_data import TensorData
@@ -72,22 +71,10 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             early = zipfix.copy_early(src, target, opts, force, fsync, progress, stack)
         with faithful():
             raw = formats.read(src)
-        if raw.format not in (TORCH_ZIP, TORCH_LEGACY, SAFETENSORS):
-            raise UnsupportedCheckpointError(
-                f"ckptool fix rewrites torch.save files and safetensors; this is {raw.format}",
-                "for TorchScript, take the weights out first: "
-                "`ckptool convert FILE.pt FILE.safetensors`")
-        if raw.format == SAFETENSORS and (opts.to or opts.maps):
-            raise UsageError("safetensors files record no device: there is nothing to retarget",
-                             "pick the device when loading: load_file(path, device='cuda:0')")
+        check_rewritable(raw.format, opts)
         source = assemble(src, raw)
         plan = make_plan(source, opts)
-        unsafe = plan.unsafe
-        if unsafe:
-            raise UnsupportedCheckpointError(
-                f"the output would keep unsafe globals: {', '.join(unsafe)}",
-                "drop the entries that hold them (--drop PATH) or keep only the weights "
-                "(--extract); see `ckptool inspect` for where they are")
+        refuse_unsafe(plan.unsafe)
         result = FixResult(plan, source, target)
         if dry_run:
             return result
