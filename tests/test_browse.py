@@ -11,6 +11,7 @@ import asyncio
 import os
 import shutil
 import threading
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
@@ -89,7 +90,9 @@ def test_opens_with_summary_tree_and_findings() -> None:
         summary = str(app.query_one("#summary").render())
         assert "dataparallel_cuda2.pth · torch-zip" in summary
         assert "15 tensors" in summary and "saved on cuda:2" in summary
-        assert "prefix module." in summary
+        # the model's parameters, not the optimizer's moments as well (676)
+        assert "'state_dict' · prefix module. · 9 tensors · 346 params" in summary
+        assert "676" not in summary
         # single-child chains open by themselves: state_dict > module > conv...
         assert row_keys(app)[:4] == ["state_dict", "state_dict/module",
                                      "state_dict/module.conv",
@@ -149,17 +152,17 @@ def test_collapse_and_open_modules() -> None:
 def test_flat_view_sorts_and_node_detail() -> None:
     async def script(app: BrowseApp, pilot: Pilot) -> None:
         await pilot.press("t")
-        assert not app.tree_view
+        assert not app.view.tree
         assert all(isinstance(r, TensorInfo) for r in table(app).rows)
         assert len(table(app).rows) == 15
         await pilot.press("o", "o")  # file -> name -> size
-        assert app.sort == "size"
+        assert app.view.sort == "size"
         sizes = [r.nbytes for r in table(app).rows]  # type: ignore[union-attr]
         assert sizes == sorted(sizes, reverse=True)
         await pilot.press("o")
-        assert app.sort == "device"
+        assert app.view.sort == "device"
         await pilot.press("o")
-        assert app.sort == "file"
+        assert app.view.sort == "file"
         await pilot.press("t")  # back to the tree, the cursor on the same tensor
         assert isinstance(table(app).rows[0], Node)
         assert table(app).current.key == "state_dict/module.conv.weight"  # type: ignore[union-attr]
@@ -179,10 +182,11 @@ def test_filter_as_you_type_then_clear() -> None:
         await pilot.press(".", "w")
         assert row_keys(app) == ["state_dict/module.bn.weight"]
         await pilot.press("enter")  # keeps the filter, back to the list
-        assert table(app).has_focus and app.filter.pattern == "bn.w"
-        assert "filter 'bn.w': 1 match" in str(app.query_one("#status").render())
+        assert table(app).has_focus and app.view.filter.pattern == "bn.w"
+        assert "filter 'bn.w': 1 of 15 tensors matches" in str(
+            app.query_one("#status").render())
         await pilot.press("escape")
-        assert not app.filter and len(table(app).rows) == 15
+        assert not app.view.filter and len(table(app).rows) == 15
 
     drive(DP, script)
 
@@ -206,7 +210,7 @@ def test_jump_to_a_key_clears_the_filter_and_opens_its_modules() -> None:
         await pilot.press(*"running_v", "enter")
         await pilot.pause()
         assert table(app).current.key == "state_dict/module.bn.running_var"  # type: ignore[union-attr]
-        assert not app.filter
+        assert not app.view.filter
 
     drive(DP, script)
 
@@ -261,6 +265,11 @@ def test_copy_key_and_help_and_quit() -> None:
     async def script(app: BrowseApp, pilot: Pilot) -> None:
         await pilot.press("down", "down", "down", "c")
         assert app.clipboard == "state_dict/module.conv.weight"
+        # OSC 52 cannot tell whether the terminal took it: the text is shown,
+        # and where it was sent
+        (note,) = list(app._notifications)
+        assert note.message.startswith("state_dict/module.conv.weight\n")
+        assert "terminal's clipboard" in note.message and "select" in note.message
         await pilot.press("question_mark")
         assert type(app.screen).__name__ == "HelpScreen"
         assert "filter as you type" in screen_text(app)
@@ -423,7 +432,7 @@ def test_fix_preview_lists_keys_before_and_after(tmp_path: Path) -> None:
         screen = app.screen
         assert type(screen).__name__ == "FixScreen"
         # the diagnosis's fix: extract, strip module., move to the CPU
-        await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+        await until(pilot, lambda: screen.preview is not None, "the plan")  # type: ignore[attr-defined]
         await pilot.pause()
         summary = str(screen.query_one("#fix-summary").render())
         assert "9 tensors kept · 9 renamed · 9 moved · 6 left out" in summary
@@ -435,7 +444,7 @@ def test_fix_preview_lists_keys_before_and_after(tmp_path: Path) -> None:
         screen.query_one("#fix-extract").value = False
         screen.query_one("#fix-move").value = False
         await pilot.pause(0.1)
-        await until(pilot, lambda: screen.result is not None, "the new plan")  # type: ignore[attr-defined]
+        await until(pilot, lambda: screen.preview is not None, "the new plan")  # type: ignore[attr-defined]
         await pilot.pause()
         lines = list(screen.query_one("#fix-preview").lines)
         assert lines[0] == ("state_dict/module.conv.weight  ⇒  state_dict/conv.weight   "
@@ -456,13 +465,19 @@ def test_fix_writes_through_the_core_after_confirmation(tmp_path: Path) -> None:
     async def script(app: BrowseApp, pilot: Pilot) -> None:
         await pilot.press("x")
         screen = app.screen
-        await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
-        await pilot.press("ctrl+w")
+        await until(pilot, lambda: screen.preview is not None, "the plan")  # type: ignore[attr-defined]
+        await pilot.press("ctrl+s")
         assert type(app.screen).__name__ == "ConfirmScreen"
+        # what the output will hold, from the plan: not the input's 15 tensors
+        assert "Write dp.fixed.pth (9 tensors, about 1.4 kB)?" in screen_text(app)
         await pilot.press("n")  # said no: nothing written
         assert type(app.screen).__name__ == "FixScreen"
         assert not (tmp_path / "dp.fixed.pth").exists()
-        await pilot.press("ctrl+w", "y")
+        await pilot.press("f2")  # the other write key
+        assert type(app.screen).__name__ == "ConfirmScreen"
+        await pilot.press("escape")
+        assert type(app.screen).__name__ == "FixScreen"
+        await pilot.press("ctrl+s", "y")
         await until(pilot, lambda: screen.written is not None, "the write")  # type: ignore[attr-defined]
         await pilot.pause()
         assert "storages verified" in str(screen.query_one("#fix-summary").render())
@@ -489,24 +504,447 @@ def test_fix_errors_show_in_the_dialog(tmp_path: Path) -> None:
     async def script(app: BrowseApp, pilot: Pilot) -> None:
         await pilot.press("x")
         screen = app.screen
-        await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+        await until(pilot, lambda: screen.preview is not None, "the plan")  # type: ignore[attr-defined]
         device = screen.query_one("#fix-device")
         device.value = "warp:9000x"
-        await pilot.pause(0.1)
-        assert "warp:9000x" in str(screen.query_one("#fix-summary").render())
+        await until(pilot, lambda: "warp:9000x" in str(
+            screen.query_one("#fix-summary").render()), "the error")
+        assert screen.preview is None  # type: ignore[attr-defined]
         device.value = "cpu"
         screen.query_one("#fix-extract").value = False
-        await pilot.pause(0.1)
-        await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+        await until(pilot, lambda: screen.preview is not None, "the plan")  # type: ignore[attr-defined]
         # the optimizer state holds no unsafe global, but args is a Namespace: fine;
         # an existing output asks before replacing it
         (tmp_path / "dp.fixed.pth").write_bytes(b"keep me")
-        await pilot.press("ctrl+w")
+        await pilot.press("ctrl+s")
         assert "exists and will be replaced" in screen_text(app)
         await pilot.press("n", "escape")
 
     drive(src, script)
     assert (tmp_path / "dp.fixed.pth").read_bytes() == b"keep me"
+
+
+# -- what a review of the browser found ---------------------------------------------
+
+class _RunsCode:
+    """Pickles as a call to os.system (touching ``canary``), as a hostile
+    checkpoint does; torch.save only writes the call, nothing runs it."""
+
+    def __init__(self, canary: Path) -> None:
+        self.canary = canary
+
+    def __reduce__(self) -> tuple[Any, tuple[str]]:
+        return (os.system, (f"touch {self.canary}",))
+
+
+def test_unsafe_globals_warning_is_its_own_first_line(tmp_path: Path) -> None:
+    """A long state-dict line must not push the warning out of the header."""
+    path, canary = tmp_path / "compiled_ddp.pth", tmp_path / "ran"
+    sd = {f"_orig_mod.module.{n}": torch.zeros(2) for n in ("conv.weight", "conv.bias")}
+    torch.save({"epoch": 3, "model_state_dict": sd, "callback": _RunsCode(canary)}, path)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        lines = screen_text(app).splitlines()
+        assert app.ckpt is not None and app.ckpt.unsafe_globals == ["posix.system"]
+        assert lines[0].startswith(" ⚠ 1 unsafe global: posix.system")
+        assert lines[1].startswith(" compiled_ddp.pth · torch-zip")
+        assert "'model_state_dict' · prefix _orig_mod.module. · 2 tensors" in lines[3]
+        assert lines[4].startswith("module / key")  # the header grew by one line
+        assert app.query_one("#summary").size.height == 4
+
+    drive(path, script)
+    assert not canary.exists()
+
+
+def test_resizing_switches_the_layout_at_once() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        main = app.query_one("#main")
+        assert not main.has_class("-wide")
+        for width, wide in ((130, True), (80, False), (125, True), (119, False)):
+            await pilot.resize_terminal(width, 30)
+            await pilot.pause()
+            assert main.has_class("-wide") == wide, width
+
+    drive(DP, script)
+
+
+def test_write_key_works_from_inside_a_text_field(tmp_path: Path) -> None:
+    """ctrl+w deletes a word in a text field: writing is ctrl+s (or F2),
+    which no field takes, and an emptied prefix says so."""
+    src = tmp_path / "dp.pth"
+    shutil.copy(DP, src)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen: Any = app.screen
+        await until(pilot, lambda: screen.preview is not None, "the plan")
+        prefix = screen.query_one("#fix-prefix")
+        assert prefix.placeholder == "prefix to strip, e.g. module."
+        prefix.focus()
+        await pilot.press("end", "ctrl+w")  # the field's own key: a word goes
+        assert prefix.value == ""
+        await until(pilot, lambda: "prefix is empty" in str(
+            screen.query_one("#fix-summary").render()), "the warning")
+        prefix.value = "module."
+        await until(pilot, lambda: screen.preview is not None
+                    and screen.opts.strip_prefixes == ("module.",), "the plan again")
+        prefix.focus()
+        await pilot.press("ctrl+s")
+        assert type(app.screen).__name__ == "ConfirmScreen"
+        assert prefix.value == "module."
+        await pilot.press("y")
+        await until(pilot, lambda: screen.written is not None, "the write")
+
+    drive(src, script)
+    assert sorted(torch.load(tmp_path / "dp.fixed.pth"))[:2] == ["bn.bias",
+                                                                 "bn.num_batches_tracked"]
+
+
+def test_fix_preview_uses_the_read_checkpoint_and_plans_one_at_a_time(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No preview reads the file again (no dry run); edits in a burst make one
+    preview, never two at once; renaming the output makes none; the write
+    still goes through rewrite.fix."""
+    import ckptool.rewrite as rewrite
+    from ckptool.preview import Previewer
+
+    src = tmp_path / "dp.pth"
+    shutil.copy(DP, src)
+    calls: list[dict[str, Any]] = []
+    real_fix, real_preview = rewrite.fix, Previewer.preview
+
+    def fix(*args: Any, **kwargs: Any) -> Any:
+        calls.append(kwargs)
+        return real_fix(*args, **kwargs)
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def preview(self: Previewer, opts: Any) -> Any:
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            time.sleep(0.05)
+            return real_preview(self, opts)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(rewrite, "fix", fix)
+    monkeypatch.setattr(Previewer, "preview", preview)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        calls.clear()  # the diagnosis checks its command with a dry run: not the dialog
+        await pilot.press("x")
+        screen: Any = app.screen
+        await until(pilot, lambda: screen.preview is not None, "the plan")
+        made = screen.previews
+        prefix, device = screen.query_one("#fix-prefix"), screen.query_one("#fix-device")
+        for text in ("m", "mo", "mod", "modu", "modul", "module", "module."):
+            prefix.value = text  # a burst of keystrokes
+        device.value = "cuda:1"
+        await pilot.pause(0.1)
+        assert screen.previews == made  # still typing, as far as it knows
+        await until(pilot, lambda: screen.preview is not None and screen.opts.to == "cuda:1",
+                    "the plan of the last edit")
+        assert screen.previews == made + 1
+        screen.query_one("#fix-extract").value = False  # two changes while one runs
+        screen.query_one("#fix-move").value = False
+        await until(pilot, lambda: screen.preview is not None and screen.opts.to is None
+                    and screen.opts.extract is None, "the plan of the last change")
+        made = screen.previews
+        screen.query_one("#fix-output").value = "renamed.pth"
+        await pilot.pause(0.4)
+        assert screen.previews == made  # same plan, another name
+        assert "-o renamed.pth" in str(screen.query_one("#fix-summary").render())
+        await pilot.press("ctrl+s", "y")
+        await until(pilot, lambda: screen.written is not None, "the write")
+
+    drive(src, script)
+    assert most[0] == 1
+    assert [kw.get("dry_run", False) for kw in calls] == [False]  # only the write
+    assert (tmp_path / "renamed.pth").exists()
+
+
+def test_write_says_what_it_waits_for_and_takes_progress_from_any_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Before its bytes are copied, a write reads the file again (no progress
+    to show): the dialog says so and counts the seconds. The core may report
+    progress from a thread of its own."""
+    import ckptool.rewrite as rewrite
+
+    src = tmp_path / "dp.pth"
+    shutil.copy(DP, src)
+    real = rewrite.fix
+    reading, copying = threading.Event(), threading.Event()
+    seen: list[str] = []
+
+    def fix(*args: Any, progress: Any = None, **kwargs: Any) -> Any:
+        if kwargs.get("dry_run"):  # the diagnosis checking its command
+            return real(*args, progress=progress, **kwargs)
+        reading.wait(10)  # the faithful read
+        copier = threading.Thread(target=progress, args=(50, 100))  # neither app nor worker
+        copier.start()
+        copier.join()
+        copying.wait(10)
+        return real(*args, progress=progress, **kwargs)
+
+    monkeypatch.setattr(rewrite, "fix", fix)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen: Any = app.screen
+        await until(pilot, lambda: screen.preview is not None, "the plan")
+        await pilot.press("ctrl+s", "y")
+        summary = screen.query_one("#fix-summary")
+        await until(pilot, lambda: "1 s" in str(summary.render()), "a second of reading")
+        seen.append(str(summary.render()))
+        assert screen.query_one("#fix-prefix").disabled  # no edits while it writes
+        bar = screen.query_one("#fix-progress")
+        assert not bar.display  # no "--%" bar while nothing can be measured
+        reading.set()
+        await until(pilot, lambda: bar.progress == 50, "the progress")
+        assert bar.total == 100 and "copying tensor bytes" in str(summary.render())
+        copying.set()
+        await until(pilot, lambda: screen.written is not None, "the write")
+
+    drive(src, script)
+    assert "reading dp.pth again, faithfully, before its bytes are copied… 1 s" in seen[0]
+    assert (tmp_path / "dp.fixed.pth").exists()
+
+
+def test_closing_the_fix_dialog_while_it_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool.preview import Previewer
+
+    real = Previewer.preview
+
+    def slow(self: Previewer, opts: Any) -> Any:
+        time.sleep(0.3)
+        return real(self, opts)
+
+    monkeypatch.setattr(Previewer, "preview", slow)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen: Any = app.screen
+        await pilot.press("escape")
+        assert type(app.screen).__name__ == "Screen"
+        await pilot.pause(0.5)  # the plan it dropped ends: nothing to show it in
+        assert screen.preview is None
+        await pilot.press("x")  # again: the same previewer serves it
+        await until(pilot, lambda: app.screen.preview is not None, "the plan")  # type: ignore[attr-defined]
+        await pilot.press("escape", "q")
+
+    app = drive(DP, script)
+    assert app.return_code == 0
+
+
+def test_tab_completes_in_the_jump_dialog_and_candidates_show() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("g", *"state_dict/module.f")
+        await pilot.pause()
+        box = app.screen.query_one("#jump-input")
+        shown = str(app.screen.query_one("#jump-candidates").render())
+        assert "state_dict/module.fc.weight" in shown and "state_dict/module.fc.bias" in shown
+        await pilot.press("tab")  # as far as the keys that start so agree
+        assert box.value == "state_dict/module.fc."  # type: ignore[attr-defined]
+        await pilot.press("tab")  # then the first of them
+        assert box.value == "state_dict/module.fc.weight"  # type: ignore[attr-defined]
+        await pilot.press("backspace", "backspace", "backspace", "backspace", "backspace",
+                          "backspace", "b", "right")  # → takes the suggestion too
+        assert box.value == "state_dict/module.fc.bias"  # type: ignore[attr-defined]
+        await pilot.press("enter")
+        await pilot.pause()
+        assert table(app).current.key == "state_dict/module.fc.bias"  # type: ignore[union-attr]
+        await pilot.press("g", *"running_v")
+        await pilot.pause()
+        assert "keys that contain it" in str(app.screen.query_one("#jump-candidates").render())
+
+    drive(DP, script)
+
+
+def test_findings_pane_shows_what_diagnose_shows() -> None:
+    """Python alternatives, the key comparison with the model, what the fix
+    leaves to do by hand, and the machine judged for."""
+    from ckptool.modelspec import ModelKeys
+
+    def model(ckpt: Any) -> ModelKeys:
+        shapes = {k.removeprefix("module."): t.shape for k, t in ckpt.state_dict().items()}
+        return ModelKeys("model nets:Net", {**shapes, "head.weight": (3, 3), "fc.bias": (11,)})
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        text = str(app.query_one("#findings").render())
+        assert text.startswith("keys model nets:Net: 10 expected · 0 match as saved · "
+                               "9 after the rewrite · 1 missing · 0 unexpected · 1 shape")
+        assert "  or:  torch.load('dataparallel_cuda2.pth', map_location='cpu')" in text
+        assert "fix everything: ckptool fix dataparallel_cuda2.pth --extract" in text
+        assert "still to resolve by hand: missing-keys, shape-mismatch" in text
+        assert "target     a machine with 0 visible CUDA GPUs" in text
+        assert "torch.load fails: RuntimeError: Attempting to deserialize" in text
+        assert "saved on   cuda:2: 15 tensors · 2.7 kB · torch.load fails here" in text
+
+    drive(DP, script, model=model)
+
+
+def test_filtered_tree_shows_open_modules_that_open_and_close() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("slash", "b", "n", "enter")
+        bn = [f"state_dict/module.bn.{n}" for n in (
+            "weight", "bias", "running_mean", "running_var", "num_batches_tracked")]
+        assert row_keys(app) == ["state_dict", "state_dict/module", "state_dict/module.bn", *bn]
+        text = screen_text(app)
+        assert "▾ state_dict" in text and "    ▾ bn" in text and "▸" not in text
+        status = str(app.query_one("#status").render())
+        assert "filter 'bn': 5 of 15 tensors match" in status  # tensors, not the 8 rows
+        await pilot.press("home", "down", "down")  # on bn
+        await pilot.press("enter")  # closes it, under the filter too
+        assert row_keys(app) == ["state_dict", "state_dict/module", "state_dict/module.bn"]
+        assert "    ▸ bn" in screen_text(app)
+        await pilot.press("right")
+        assert row_keys(app)[3:] == bn
+        await pilot.press("down", "down", "left")  # from a tensor to its module
+        assert table(app).current.path == "state_dict/module.bn"  # type: ignore[union-attr]
+        await pilot.press("left", "up", "left")  # close bn, then module
+        assert row_keys(app) == ["state_dict", "state_dict/module"]
+        await pilot.press("slash", "z", "z", "z")  # another filter (typed over the old)
+        assert len(table(app).rows) == 0
+        assert "no tensor matches 'zzz'" in screen_text(app)
+        assert "filter 'zzz': no tensor matches" in str(app.query_one("#status").render())
+        await pilot.press("backspace", "backspace", "backspace", *"bn")
+        assert len(table(app).rows) == 8  # every match open again
+
+    drive(DP, script)
+
+
+def test_help_fits_80x24_without_wrapping_an_entry() -> None:
+    from rich.text import Text
+
+    from ckptool.tui.screens import HELP
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("question_mark")
+        await pilot.pause()
+        text = screen_text(app)
+        for line in Text.from_markup(HELP).plain.splitlines():
+            assert line.rstrip() in text, line
+        assert app.screen.query_one("#help-body").max_scroll_y == 0  # nothing to scroll to
+
+    drive(DP, script)
+
+
+def test_statistics_show_at_80x24() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        app.jump_to("state_dict/module.fc.weight")
+        await pilot.pause()
+        await pilot.press("s")
+        await until(pilot, lambda: "0 NaN" in detail(app), "the statistics")
+        await pilot.pause()
+        text = screen_text(app)
+        assert "stats     min " in text and "counts    0 NaN · 0 Inf · 0 zeros" in text
+        assert "saved on  cuda:2" in text
+
+    drive(DP, script)
+
+
+def test_findings_pane_scrolls_by_line_and_by_page() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("f")
+        box = app.query_one("#findings-box")
+        assert box.has_focus and box.max_scroll_y > 10
+        page = box.scrollable_content_region.height - 1
+        await pilot.press("down", "down")
+        assert box.scroll_y == 2
+        await pilot.press("pagedown")
+        assert box.scroll_y == 2 + page
+        await pilot.press("up")
+        assert box.scroll_y == 1 + page
+        await pilot.press("pageup")
+        assert box.scroll_y == 1
+        await pilot.press("end")
+        assert box.scroll_y == box.max_scroll_y
+        await pilot.press("home")
+        assert box.scroll_y == 0
+
+    drive(DP, script)
+
+
+def test_narrow_cells_say_what_they_can() -> None:
+    from ckptool.tui.index import Index
+    from ckptool.tui.table import Columns, node_cells, tensor_cells
+
+    many = Index([TensorInfo(f"m.l{i}.w", (2,), "float32", (1,), 0, f"s{i}", None, 8)
+                  for i in range(100_000)])
+    node = many.node("m")
+    assert node is not None
+    narrow, wide = Columns.fit(40), Columns.fit(120)
+    assert node_cells(node, narrow)[0] == "100.0k"
+    assert node_cells(node, wide)[0] == "100.0k tensors"
+    assert node_cells(node, wide)[2] == "-"  # safetensors record no device
+    assert tensor_cells(many.tensors[0])[2] == "-"
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        lines = screen_text(app).splitlines()
+        start = next(i for i, line in enumerate(lines) if line.startswith("module / key"))
+        rows = lines[start + 1:start + 9]
+        assert all(" - " in row and "unreco" not in row and "…" not in row for row in rows)
+
+    drive(SAMPLES / "tinynet.safetensors", script)
+
+
+def test_statistics_errors_are_tried_again_and_never_computed_twice(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptool.stats as stats
+    from ckptool.errors import CkptoolError
+
+    real = stats.tensor_stats
+    calls: list[str] = []
+    release = threading.Event()
+
+    def flaky(data: Any, tensor: TensorInfo, **kwargs: Any) -> Any:
+        calls.append(tensor.key)
+        if len(calls) == 1:
+            raise CkptoolError("the disk hiccuped")
+        release.wait(10)
+        return real(data, tensor, **kwargs)
+
+    monkeypatch.setattr(stats, "tensor_stats", flaky)
+    key = "state_dict/module.fc.weight"
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        app.jump_to(key)
+        await pilot.pause()
+        await pilot.press("s")
+        await until(pilot, lambda: app.stats.get(key) == "cannot compute: the disk hiccuped",
+                    "the error")
+        await pilot.press("s")  # tried again
+        await until(pilot, lambda: len(calls) == 2, "the second try")
+        assert "computing…" in detail(app)
+        await pilot.press("s", "s")  # under way: not again
+        await pilot.pause(0.1)
+        release.set()
+        await until(pilot, lambda: isinstance(app.stats.get(key), stats.TensorStats), "stats")
+        await pilot.press("s")  # done: nothing to do
+        await pilot.pause(0.1)
+
+    drive(DP, script)
+    assert calls == [key, key]
+
+
+def test_fix_preview_keeps_rows_in_a_small_terminal(tmp_path: Path) -> None:
+    src = tmp_path / "dp.pth"
+    shutil.copy(DP, src)
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen: Any = app.screen
+        await until(pilot, lambda: screen.preview is not None, "the plan")
+        await pilot.pause()
+        rows = [line for line in screen_text(app).splitlines() if "⇒" in line]
+        assert len(rows) >= 4
+        assert "Write… (ctrl+s)" in screen_text(app)
+
+    drive(src, script, size=(60, 15))
 
 
 # -- the command ---------------------------------------------------------------

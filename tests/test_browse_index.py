@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from ckptool.model import TensorInfo
-from ckptool.tui.index import Filter, Index, LazyRows, Node, leaf_name, natural
+from ckptool.tui.index import Filter, FilteredTree, Index, Node, leaf_name, natural
 
 
 def t(key: str, n: int = 4, dtype: str = "float32", loc: str | None = "cpu") -> TensorInfo:
@@ -114,7 +114,7 @@ def test_empty_filter_is_false_and_shows_all() -> None:
 def test_filtered_tree_opens_every_node_with_a_match_lazily() -> None:
     ix = index()
     rows = ix.tree(set(), "file", Filter("conv"))
-    assert isinstance(rows, LazyRows)
+    assert isinstance(rows, FilteredTree)
     assert len(rows) == 5
     assert keys(rows) == ["state_dict", "state_dict/module", "state_dict/module.conv",
                           *KEYS[:2]]
@@ -163,3 +163,89 @@ def test_deep_keys_do_not_recurse() -> None:
     ix = Index([t(key)])
     opened = set(ix.ancestors(key))
     assert len(ix.tree(opened, "name")) == 5000
+
+
+def big(n: int = 20_000) -> Index:
+    """Keys as bench/bench_browse.py makes them: module.encoder.layers.N.blockM.x"""
+    return Index([t(f"state_dict/module.encoder.layers.{i // 40}.block{(i // 4) % 10}."
+                    f"{('weight', 'bias', 'norm.weight', 'norm.running_mean')[i % 4]}")
+                  for i in range(n)])
+
+
+def test_a_row_deep_in_a_filtered_tree_is_found_without_making_the_rows_above() -> None:
+    """A filter keystroke keeps the cursor on its row: finding that row, and
+    drawing the screen around it, must not walk every row before it."""
+    ix = big()
+    deep = "state_dict/module.encoder.layers.450.block3.bias"
+    rows = ix.tree(set(), "file", Filter("block3"))
+    assert isinstance(rows, FilteredTree)
+    at = rows.index_of(deep)
+    assert at is not None and at > 2000
+    screen = [rows[i] for i in range(at - 20, at + 20)]  # what the view draws
+    assert rows[at].key == deep  # type: ignore[union-attr]
+    assert rows.made <= len(screen) + 1  # the rows above it were never made
+    assert rows.index_of("state_dict/module.encoder.layers.450") == at - 3
+    assert rows.made <= 2 * len(screen) + 2
+
+
+@pytest.mark.parametrize("sort", ["file", "name", "size", "device"])
+@pytest.mark.parametrize("pattern", ["block3", "*.bias", "layers.1", "zzz", "norm"])
+def test_random_access_rows_are_the_walked_rows(sort: str, pattern: str) -> None:
+    ix = big(4000)
+    walked = list(ix.tree(set(), sort, Filter(pattern)))  # made one after another
+    assert len(walked) == len(ix.tree(set(), sort, Filter(pattern)))
+    where = {keys([r])[0]: i for i, r in reversed(list(enumerate(walked)))}
+    for step in (1, 7, 97):
+        rows = ix.tree(set(), sort, Filter(pattern))
+        for i in range(len(walked) - 1, -1, -step):  # backwards: every access seeks
+            assert rows[i] is walked[i]
+    rows = ix.tree(set(), sort, Filter(pattern))
+    for key, i in list(where.items())[::13]:
+        assert rows.index_of(key) == i  # type: ignore[attr-defined]
+    assert rows.index_of("state_dict/module.encoder.layers.0.nothing") is None  # type: ignore[attr-defined]
+
+
+def test_modules_closed_under_a_filter_hide_their_rows() -> None:
+    ix = big(4000)
+    closed = {"state_dict/module.encoder.layers.3", "state_dict/module.encoder.layers.7.block3"}
+    rows = ix.tree(set(), "name", Filter("block3"), closed)
+    made = list(rows)
+    assert len(made) == len(rows)
+    assert isinstance(rows, FilteredTree)
+    shown = keys(made)
+    assert "state_dict/module.encoder.layers.3" in shown
+    assert not any(k.startswith("state_dict/module.encoder.layers.3.") for k in shown)
+    assert "state_dict/module.encoder.layers.7.block3" in shown
+    assert "state_dict/module.encoder.layers.7.block3.bias" not in shown
+    assert not rows.is_open(ix.node("state_dict/module.encoder.layers.3"))  # type: ignore[arg-type]
+    assert rows.is_open(ix.node("state_dict/module.encoder.layers.4"))  # type: ignore[arg-type]
+    assert rows.index_of("state_dict/module.encoder.layers.3.block3.bias") is None
+    for key in ("state_dict/module.encoder.layers.7.block3", "state_dict/module.encoder.layers.8"):
+        assert rows.index_of(key) == shown.index(key)
+        assert keys([rows[shown.index(key)]]) == [key]
+
+
+def test_flat_rows_find_a_key_by_its_position() -> None:
+    ix = big(4000)
+    rows = ix.flat("name", Filter("*.bias"))
+    key = "state_dict/module.encoder.layers.70.block2.bias"
+    at = rows.index_of(key)  # type: ignore[attr-defined]
+    assert at is not None and rows[at].key == key  # type: ignore[union-attr]
+    assert rows.index_of("nothing") is None  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("pattern", ["*.bias", "*bias", "bias*", "*conv*", "module.conv*",
+                                     "0/exp*", "state_dict/*", "*", "**", "*.Weight",
+                                     "*layers.1*", "optimizer*"])
+def test_plain_globs_match_as_the_glob_does(pattern: str) -> None:
+    """``*X``, ``X*`` and ``*X*`` skip the regex: the same matches."""
+    import fnmatch
+    import re
+
+    keys = [*KEYS, "bias", "a.bias.b", "Module.Weight", "x/module.convert"]
+    filt = Filter(pattern)
+    assert filt.glob
+    flags = re.IGNORECASE | re.DOTALL if filt.fold else re.DOTALL
+    rx = re.compile(r"(?:.*/)?" + fnmatch.translate(filt.pattern), flags)
+    seen = [k.lower() for k in keys] if filt.fold else keys
+    assert filt.mask(seen) == [rx.match(k) is not None for k in seen]

@@ -37,7 +37,7 @@ def shot(path: Path, keys: list[str], size: tuple[int, int], wait_fix: bool = Fa
                 await pilot.press(key)
             if wait_fix:
                 screen = app.screen
-                await until(pilot, lambda: screen.result is not None, "the plan")  # type: ignore[attr-defined]
+                await until(pilot, lambda: screen.preview is not None, "the plan")  # type: ignore[attr-defined]
             await pilot.pause(0.2)
             out.append(screen_text(app))
 
@@ -117,3 +117,20 @@ def test_readme_shows_the_snapshots() -> None:
     for name in ("browse_first_80x24", "browse_fix_80x24"):
         text = (SNAPSHOTS / f"{name}.txt").read_text(encoding="utf-8")
         assert f"```\n{text}```" in readme, name
+
+
+def test_wide_screen_lines_up() -> None:
+    """Every line of the wide screen has the side panes' left border in the
+    same column (list rows once stopped a cell short of their width, and
+    what was drawn beside them slid left), and the list's header names sit
+    over their columns."""
+    lines = (SNAPSHOTS / "browse_wide_120x32.txt").read_text(encoding="utf-8").splitlines()
+    borders = [line for line in lines[3:-1] if any(c in line for c in "│╭╰")]
+    assert len(borders) == len(lines) - 4
+    assert {min(line.index(c) for c in "│╭╰" if c in line) for line in borders} == {72}
+    for name in ("browse_wide_120x32", "browse_first_80x24"):
+        lines = (SNAPSHOTS / f"{name}.txt").read_text(encoding="utf-8").splitlines()
+        header, row = lines[3], lines[4]
+        assert header.index("shape") == row.index("9 tensors"), name
+        assert header.index("device") == row.index("cuda:2"), name
+        assert header.index("size") + 4 == row.index("1.4 kB") + 6, name

@@ -74,8 +74,17 @@ def test_diagnose_api() -> None:
 
 
 def test_browser_view_model_imports_no_textual() -> None:
-    """The browser's rows, filters and fix preview are core-like: no views."""
-    assert loaded_after("import ckptool.tui, ckptool.tui.index, ckptool.tui.preview") == []
+    """The browser's rows, filters and view state are core-like: no views."""
+    assert loaded_after("import ckptool.tui, ckptool.tui.index, ckptool.tui.rows, "
+                        "ckptool.tui.view") == []
+
+
+def test_fix_preview_is_core() -> None:
+    """The fix preview the browser shows is core: no views, no torch."""
+    setup = (f"import ckptool, ckptool.preview\n"
+             f"ckptool.preview.preview(ckptool.open({str(SAMPLE)!r}), "
+             f"ckptool.FixOptions(extract='auto', strip_module=True, to='cpu'))")
+    assert loaded_after(setup) == []
 
 
 def test_browser_starts_without_torch() -> None:

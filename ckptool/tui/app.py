@@ -21,7 +21,8 @@ from rich.text import Text
 from textual import on, work
 from textual.app import App, ComposeResult
 from textual.binding import Binding
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical
+from textual.events import Resize
 from textual.widgets import Footer, Input, Static
 from textual.worker import get_current_worker
 
@@ -30,11 +31,16 @@ from ckptool.errors import CkptoolError, InputError
 from ckptool.gpus import Machine
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.modelspec import ModelKeys
+from ckptool.preview import Previewer
 from ckptool.stats import TensorStats
 from ckptool.tui import panes
-from ckptool.tui.index import SORTS, Filter, Index, Node, Rows
-from ckptool.tui.screens import FixDefaults, FixScreen, HelpScreen, JumpScreen
-from ckptool.tui.table import TensorTable
+from ckptool.tui.findings import findings
+from ckptool.tui.fixscreen import FixDefaults, FixScreen
+from ckptool.tui.index import Index, Node
+from ckptool.tui.rows import key_of
+from ckptool.tui.screens import HelpScreen, JumpScreen
+from ckptool.tui.table import Pane, TensorTable
+from ckptool.tui.view import ViewState
 
 WIDE = 120  # columns from which the details sit beside the list
 ModelLoader = Callable[[Checkpoint], ModelKeys | None]
@@ -72,11 +78,11 @@ class BrowseApp(App[int]):
         self.diagnosis: Diagnosis | None = None
         self.findings_error: str | None = None
         self.error: CkptoolError | None = None
-        self.tree_view = True
-        self.sort = "file"
-        self.filter = Filter("")
-        self.expanded: set[str] = set()
-        self.stats: dict[str, TensorStats | str] = {}
+        self.view = ViewState()
+        self.stats: dict[str, TensorStats | str] = {}  # a result, or why there is none
+        self.computing: set[str] = set()  # keys whose statistics are being computed
+        self.previewer: Previewer | None = None
+        self._anchor: str | None = None  # the row a filter being typed keeps
         self._partial: list[list[TensorInfo]] = []  # batches from the reading thread
         self._taken = 0
         self._opened_defaults = False
@@ -92,10 +98,10 @@ class BrowseApp(App[int]):
                             "(Enter keeps it, Esc clears)", id="filter")
                 yield Static("", id="status")
             with Vertical(id="side"):
-                with VerticalScroll(id="detail-box"):
+                with Pane(id="detail-box"):
                     yield Static("", id="detail")
-                with VerticalScroll(id="findings-box"):
-                    yield Static(panes.findings(None), id="findings")
+                with Pane(id="findings-box"):
+                    yield Static(findings(None), id="findings")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -108,8 +114,9 @@ class BrowseApp(App[int]):
         self._drain_timer = self.set_interval(0.1, self._drain)
         self._load()
 
-    def on_resize(self) -> None:
-        self._layout(self.size.width)
+    def on_resize(self, event: Resize) -> None:
+        # the event's size: ``self.size`` is still the old one when it comes
+        self._layout(event.size.width)
 
     def _layout(self, width: int) -> None:
         self.query_one("#main").set_class(width >= WIDE, "-wide")
@@ -134,8 +141,12 @@ class BrowseApp(App[int]):
         same = sent == [t.key for t in ckpt.tensors]
         index = None if same else Index(ckpt.tensors)
         self.call_from_thread(self._loaded, ckpt, index)
-        # the one slow sort (natural order of names), ready before it is asked
-        self.index.sorted_tensors("name")
+        # made before they are asked for: the one slow sort (natural order of
+        # names), and what a filter keystroke in the tree needs
+        ready = self.index
+        ready.sorted_tensors("name")
+        ready.layout("file")
+        ready.lookup("")
 
     def _drain(self) -> None:
         """Show the batches the reader has passed on so far."""
@@ -160,7 +171,7 @@ class BrowseApp(App[int]):
     def _open_defaults(self) -> None:
         if not self._opened_defaults and len(self.index):
             self._opened_defaults = True
-            self.expanded = self.index.default_expanded(max(20, self.size.height - 8))
+            self.view.expanded = self.index.default_expanded(max(20, self.size.height - 8))
 
     def _loaded(self, ckpt: Checkpoint, index: Index | None) -> None:
         self._drain()
@@ -170,8 +181,6 @@ class BrowseApp(App[int]):
             self.index = index
         self._open_defaults()
         self.query_one("#summary", Static).update(panes.summary(ckpt))
-        table = self.query_one(TensorTable)
-        table.empty_text = "no tensors in this file" if not len(self.index) else ""
         self._refresh_rows()
         self.loaded.set()
         # the index and checkpoint live as long as the app: keep the cyclic
@@ -205,52 +214,34 @@ class BrowseApp(App[int]):
 
     def _diagnosed(self, result: Diagnosis | None, error: str | None) -> None:
         self.diagnosis, self.findings_error = result, error
-        self.query_one("#findings", Static).update(panes.findings(result, error))
+        self.query_one("#findings", Static).update(findings(result, error))
         box = self.query_one("#findings-box")
         box.border_title = (f"findings ({len(result.findings)})" if result is not None
                             else "findings")
-        self._status(len(self.query_one(TensorTable).rows))
+        self._status()
         self._show_detail()
 
     # -- rows --------------------------------------------------------------------
-    def _rows(self) -> Rows:
-        if self.tree_view:
-            return self.index.tree(self.expanded, self.sort, self.filter)
-        return self.index.flat(self.sort, self.filter)
-
     def _refresh_rows(self, keep: str | None = None) -> None:
         table = self.query_one(TensorTable)
         if keep is None:
             keep = _key_of(table.current)
-        rows = self._rows()
-        table.set_rows(rows, self.index, self.tree_view, self.expanded, keep)
-        self._status(len(rows))
+        rows = self.view.rows(self.index)
+        table.empty_text = self.view.empty_text(self.index, rows, self.ckpt is not None)
+        table.set_rows(rows, self.index, self.view.tree, self.view.opened(rows), keep)
+        self._status()
 
-    def _status(self, shown: int) -> None:
-        view = "tree" if self.tree_view else "flat"
-        parts = [f"{view} · sorted by {self.sort}", f"{len(self.index):,} tensors"]
-        if self.filter:
-            matched = "rows" if self.tree_view else "match"
-            parts.append(f"filter {self.filter.pattern!r}: {shown:,} {matched}")
-        if self.ckpt is None:
-            parts.append("reading…")
-        elif self.diagnosis is not None and self.diagnosis.findings:
-            n = len(self.diagnosis.findings)
-            parts.append(f"{n} finding{'s' if n != 1 else ''} (f)")
-        self.query_one("#status", Static).update(Text(" · ".join(parts), style="dim"))
+    def _status(self) -> None:
+        findings = len(self.diagnosis.findings) if self.diagnosis is not None else None
+        self.query_one("#status", Static).update(Text(self.view.status(
+            self.index, self.query_one(TensorTable).rows, self.ckpt is not None, findings),
+            style="dim"))
 
     @on(TensorTable.Toggle)
     def toggled(self, event: TensorTable.Toggle) -> None:
-        path = event.node.path
-        is_open = path in self.expanded
-        want = (not is_open) if event.open is None else event.open
-        if want == is_open or self.filter:
-            return
-        if want:
-            self.expanded.add(path)
-        else:
-            self.expanded.discard(path)
-        self._refresh_rows(keep=path)
+        is_open = self.query_one(TensorTable).opened(event.node)
+        if self.view.toggle(event.node, is_open, event.open):
+            self._refresh_rows(keep=event.node.path)
 
     @on(TensorTable.Highlighted)
     def highlighted(self) -> None:
@@ -266,18 +257,23 @@ class BrowseApp(App[int]):
         else:
             loads = ({t.location: t for t in self.diagnosis.tags}
                      if self.diagnosis is not None else None)
-            detail.update(panes.tensor_detail(self.ckpt, item, loads, self.stats.get(item.key)))
+            stats = "computing…" if item.key in self.computing else self.stats.get(item.key)
+            detail.update(panes.tensor_detail(self.ckpt, item, loads, stats))
 
     # -- filter --------------------------------------------------------------------
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.display = True
         box.focus()
+        # while typing, the cursor goes back to this row whenever it shows:
+        # a pattern that hides it for a keystroke ("*." on the way to "*.bias")
+        # does not lose it
+        self._anchor = _key_of(self.query_one(TensorTable).current)
 
     @on(Input.Changed, "#filter")
     def filter_changed(self, event: Input.Changed) -> None:
-        self.filter = Filter(event.value)
-        self._refresh_rows()
+        self.view.set_filter(event.value)
+        self._refresh_rows(keep=self._anchor)
 
     @on(Input.Submitted, "#filter")
     def filter_done(self) -> None:
@@ -291,24 +287,28 @@ class BrowseApp(App[int]):
             event.stop()
             box.value = ""
             box.display = False
-            self.filter = Filter("")
+            self.view.set_filter("")
             self.query_one(TensorTable).focus()
             self._refresh_rows()
 
     # -- actions -------------------------------------------------------------------
     def action_sort(self) -> None:
-        self.sort = SORTS[(SORTS.index(self.sort) + 1) % len(SORTS)]
+        self.view.next_sort()
         self._refresh_rows()
 
     def action_toggle_view(self) -> None:
-        self.tree_view = not self.tree_view
+        self.view.tree = not self.view.tree
         self._refresh_rows()
 
     def action_copy(self) -> None:
+        """OSC 52 asks the terminal to take the text: there is no telling
+        whether it did (tmux needs ``set-clipboard on``), so the text is
+        shown too, to select by hand."""
         key = _key_of(self.query_one(TensorTable).current)
         if key:
             self.copy_to_clipboard(key)
-            self.notify(key, title="copied")
+            self.notify(f"{key}\n(sent to the terminal's clipboard by OSC 52; if it does "
+                        "not paste, select it here)", title="copy", timeout=8)
 
     def action_jump(self) -> None:
         def jump(key: str | None) -> None:
@@ -321,14 +321,14 @@ class BrowseApp(App[int]):
         """Put the cursor on ``key``: clear a filter that hides it and open
         the modules above it."""
         table = self.query_one(TensorTable)
-        if self.filter:
+        if self.view.filter:
             box = self.query_one("#filter", Input)
             with box.prevent(Input.Changed):
                 box.value = ""
             box.display = False
-            self.filter = Filter("")
-        if self.tree_view:
-            self.expanded.update(self.index.ancestors(key))
+            self.view.set_filter("")
+        if self.view.tree:
+            self.view.expanded.update(self.index.ancestors(key))
         self._refresh_rows(keep=key)
         table.select(key)
         table.focus()
@@ -341,9 +341,10 @@ class BrowseApp(App[int]):
         if self.ckpt is None:
             self.notify("statistics need the full read: a moment", severity="warning")
             return
-        if item.key in self.stats and self.stats[item.key] != "computing…":
-            return
-        self.stats[item.key] = "computing…"
+        if item.key in self.computing or isinstance(self.stats.get(item.key), TensorStats):
+            return  # under way, or done; an error is tried again
+        self.stats.pop(item.key, None)
+        self.computing.add(item.key)
         self._show_detail()
         self._compute_stats(self.ckpt, item)
 
@@ -366,6 +367,7 @@ class BrowseApp(App[int]):
         self.call_from_thread(self._stats_done, tensor.key, result)
 
     def _stats_done(self, key: str, result: TensorStats | str) -> None:
+        self.computing.discard(key)
         self.stats[key] = result
         self._show_detail()
 
@@ -387,28 +389,17 @@ class BrowseApp(App[int]):
         if self.ckpt is None:
             self.notify("a fix needs the full read: a moment", severity="warning")
             return
-        self.push_screen(FixScreen(self.path, self.fix_defaults()))
+        if self.previewer is None:  # kept: what it learns of the file serves every preview
+            self.previewer = Previewer(self.ckpt)
+        self.push_screen(FixScreen(self.previewer, self.fix_defaults()))
 
     def fix_defaults(self) -> FixDefaults:
-        """The diagnosis's fix when it has one, else the file's own prefix."""
         assert self.ckpt is not None
-        sd = self.ckpt.main_state_dict
-        prefix = sd.prefix if sd is not None else ""
-        opts = self.diagnosis.fix_options if self.diagnosis is not None else None
-        if opts is None:
-            return FixDefaults(bool(prefix), prefix, False, "cpu", False)
-        device = opts.to or (opts.maps[0][1] if opts.maps else "cpu")
-        strip = bool(opts.strip_module or opts.strip_prefixes)
-        if opts.strip_prefixes:
-            prefix = opts.strip_prefixes[0]
-        return FixDefaults(strip, prefix, bool(opts.to or opts.maps), device,
-                           opts.extract is not None)
+        return FixDefaults.suggested(self.ckpt, self.diagnosis)
 
 
 def _key_of(item: Node | TensorInfo | None) -> str | None:
-    if item is None:
-        return None
-    return item.path if isinstance(item, Node) else item.key
+    return None if item is None else key_of(item)
 
 
 def make_app(path: str | os.PathLike[str], *, machine: Machine | None = None,

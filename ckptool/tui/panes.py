@@ -1,6 +1,6 @@
-"""What the browser's text panes say: the summary header, the detail of the
-selected tensor or module, and the findings. Functions from core objects to
-rich ``Text``; the app only places them."""
+"""What the browser's text panes say: the summary header and the detail of
+the selected tensor or module (the findings: ``ckptool.tui.findings``).
+Functions from core objects to rich ``Text``; the app only places them."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ import os
 from rich.text import Text
 
 from ckptool.describe import human_bytes, human_count
-from ckptool.diagnosis import Diagnosis
 from ckptool.loadcheck import TagLoad
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 from ckptool.stats import TensorStats
@@ -28,21 +27,30 @@ def _tally(tally: dict[str, int], most: int = 3) -> str:
 
 def summary_loading(path: str, tensors_so_far: int) -> Text:
     size = os.path.getsize(path) if os.path.exists(path) else 0
-    text = Text()
+    text = Text(no_wrap=True, overflow="ellipsis")
     text.append(os.path.basename(path), style="bold")
     text.append(f" · {human_bytes(size)}\n")
     so_far = f"{tensors_so_far:,} tensors so far" if tensors_so_far else "starting"
-    text.append(f"reading… {so_far}\n", style="italic")
+    text.append(f"reading… {so_far}", style="italic")
+    text.append("\n ")  # three lines, as the header of the file read
     return text
 
 
 def summary(ckpt: Checkpoint) -> Text:
-    """Three lines: the file; bytes by dtype and by saved device; the state dict."""
-    params = sum(t.numel for t in ckpt.tensors if t.is_floating)
-    text = Text()
+    """The header, one line each (cut, never wrapped): a warning naming the
+    unsafe globals when there are any, always first so no width hides it;
+    the file; bytes by dtype and by saved device; the main state dict."""
+    text = Text(no_wrap=True, overflow="ellipsis")
+    unsafe = ckpt.unsafe_globals
+    if unsafe:
+        names = "s" if len(unsafe) != 1 else ""
+        text.append(f"⚠ {len(unsafe)} unsafe global{names}: {', '.join(unsafe)}",
+                    style="bold red")
+        text.append(" · torch.load(weights_only=False) would run code from this file\n",
+                    style="red")
     text.append(os.path.basename(ckpt.path), style="bold")
     text.append(f" · {ckpt.format} · {human_bytes(ckpt.file_size)} · "
-                f"{len(ckpt.tensors):,} tensors · {human_count(params)} params\n")
+                f"{len(ckpt.tensors):,} tensors in the file\n")
     text.append("dtypes ", style="bold")
     text.append(_tally(ckpt.bytes_by_dtype))
     text.append("  saved on ", style="bold")
@@ -55,14 +63,12 @@ def summary(ckpt: Checkpoint) -> Text:
         where = f"'{sd.path}'" if sd.path else "the whole file"
         if sd.kind == "module":
             where += " (a whole module)"
-        text.append(f"{where} · {sd.num_tensors:,} tensors")
-        if sd.prefix:
+        text.append(where)
+        if sd.prefix:  # before the counts: a narrow header cuts those first
             text.append(" · prefix ")
             text.append(sd.prefix, style="bold yellow")
-    unsafe = ckpt.unsafe_globals
-    if unsafe:
-        more = f" +{len(unsafe) - 2}" if len(unsafe) > 2 else ""
-        text.append("  ⚠ unsafe globals: " + ", ".join(unsafe[:2]) + more, style="bold red")
+        # the model's parameters: the optimizer's moments are no parameters
+        text.append(f" · {sd.num_tensors:,} tensors · {human_count(sd.num_parameters)} params")
     return text
 
 
@@ -91,8 +97,8 @@ def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...] | None) -> bool:
 def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLoad] | None,
                   stats: TensorStats | str | None) -> Text:
     """Everything about one tensor, densest first so that 80x24 shows it:
-    shape and dtype, layout, storage and sharing, where it was saved and
-    where it lands here, and its statistics once asked for."""
+    shape and dtype, its statistics once asked for, layout, storage and
+    sharing, where it was saved and where it lands here."""
     text = Text()
     text.append(t.key + "\n", style="bold")
     kind = [shape_text(t.shape), t.dtype, f"{t.numel:,} elements", human_bytes(t.nbytes)]
@@ -105,6 +111,7 @@ def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLo
     if t.subclass:
         kind.append(t.subclass)
     _row(text, "tensor", " · ".join(kind))
+    _stats(text, stats)  # high up: at 80x24 the pane shows 8 lines
     stride = "unrecorded" if t.stride is None else str(tuple(t.stride))
     layout = "contiguous" if _contiguous(t.shape, t.stride) else "not contiguous"
     _row(text, "stride", f"{stride} · offset {t.storage_offset} · {layout}")
@@ -113,7 +120,6 @@ def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLo
     landing = Text(f"{loc} → ")
     landing.append_text(_landing(t, loads))
     _row(text, "saved on", landing)
-    _stats(text, stats)
     return text
 
 
@@ -155,6 +161,7 @@ def _landing(t: TensorInfo, loads: dict[str, TagLoad] | None) -> Text:
 
 
 def _stats(text: Text, stats: TensorStats | str | None) -> None:
+    """Two lines once computed: the values, then the counts."""
     if stats is None:
         _row(text, "stats", "press s to compute (reads this tensor only)", "italic")
         return
@@ -164,9 +171,9 @@ def _stats(text: Text, stats: TensorStats | str | None) -> None:
     if stats.min is None:
         _row(text, "stats", "no finite value")
     else:
-        _row(text, "min/max", f"{stats.min:.6g} / {stats.max:.6g}")
-        _row(text, "mean/std", f"{stats.mean:.6g} / {stats.std:.6g}" if stats.std is not None
-             else f"{stats.mean:.6g} / -")
+        std = f"{stats.std:.6g}" if stats.std is not None else "-"
+        _row(text, "stats", f"min {stats.min:.6g} · max {stats.max:.6g} · "
+             f"mean {stats.mean:.6g} · std {std}")
     bad = f"{stats.nan:,} NaN · {stats.inf:,} Inf · {stats.zeros:,} zeros"
     _row(text, "counts", bad, "red" if stats.nan or stats.inf else "")
     if stats.note:
@@ -185,34 +192,4 @@ def node_detail(n: Node) -> Text:
     kids, here = len(n.children), len(n.tensors)
     _row(text, "children", f"{kids:,} module{'s' if kids != 1 else ''} · "
          f"{here:,} tensor{'s' if here != 1 else ''} here")
-    return text
-
-
-# -- findings -----------------------------------------------------------------
-
-def findings(diag: Diagnosis | None, error: str | None = None) -> Text:
-    text = Text()
-    if error is not None:
-        text.append(error, style="bold red")
-        return text
-    if diag is None:
-        text.append("diagnosing…", style="italic")
-        return text
-    if not diag.findings:
-        text.append("✓ no findings: ", style="bold green")
-        text.append("a plain torch.load works on this machine\n")
-        return text
-    for f in diag.findings:
-        mark, style = ("✗", "bold red") if f.severity == "error" else ("!", "bold yellow")
-        text.append(f"{mark} {f.code}", style=style)
-        text.append(f"  {f.message}\n")
-        if f.fix:
-            text.append("  fix: ", style="bold")
-            text.append(f.fix + "\n", style="cyan")
-    if diag.fix_command:
-        text.append("\nfix everything: ", style="bold")
-        text.append(diag.fix_command, style="bold cyan")
-        text.append("\npress x to preview it and write it from here\n", style="italic")
-    elif diag.fix_refused:
-        text.append(f"\nno fix command: {diag.fix_refused}\n", style="yellow")
     return text

@@ -1,4 +1,5 @@
-"""The tensor list: a virtual table that draws only the rows on screen.
+"""The tensor list: a virtual table that draws only the rows on screen;
+and ``Pane``, the scrolling text panes beside it (details, findings).
 
 Textual's DataTable and Tree build a widget row per entry; at 100,000
 tensors that alone takes seconds. This widget holds a sequence of rows
@@ -8,12 +9,14 @@ replacing the rows on a filter keystroke costs nothing here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from rich.segment import Segment
 from rich.style import Style
 from textual import events
 from textual.binding import Binding
+from textual.containers import VerticalScroll
 from textual.geometry import Size
 from textual.message import Message
 from textual.scroll_view import ScrollView
@@ -22,6 +25,7 @@ from textual.strip import Strip
 from ckptool.describe import human_bytes, human_count
 from ckptool.model import NO_LOCATION, TensorInfo
 from ckptool.tui.index import Index, Node, Rows, leaf_name
+from ckptool.tui.rows import position
 from ckptool.values import shape_text
 
 SHAPE_W, DTYPE_W, DEVICE_W, SIZE_W = 14, 11, 7, 9
@@ -52,18 +56,29 @@ def _cell(text: str, width: int, right: bool = False, keep_end: bool = False) ->
     return text.rjust(width) if right else text.ljust(width)
 
 
+def _device(location: str | None) -> str:
+    # safetensors record no device: a dash, not a word cut to "unreco…"
+    return "-" if location in (None, "", NO_LOCATION) else location
+
+
+def _fitting(width: int, *choices: str) -> str:
+    """The first of ``choices`` that fits ``width`` (the last one otherwise)."""
+    return next((c for c in choices if len(c) <= width), choices[-1])
+
+
 def tensor_cells(t: TensorInfo) -> tuple[str, str, str, str]:
-    return (shape_text(t.shape), t.dtype, t.location or NO_LOCATION, human_bytes(t.nbytes))
+    return (shape_text(t.shape), t.dtype, _device(t.location), human_bytes(t.nbytes))
 
 
 def node_cells(n: Node, cols: Columns) -> tuple[str, str, str, str]:
-    count = f"{n.count:,}" if n.count < 100_000 else human_count(n.count)
-    where = n.main_location + ("+" if len(n.locations) > 1 else "")
+    full, short = f"{n.count:,}", human_count(n.count)
+    plural = "s" if n.count != 1 else ""
+    count = _fitting(cols.shape, f"{full} tensor{plural}", f"{short} tensor{plural}",
+                     f"{short} tens.", short)
+    where = _device(n.main_location) + ("+" if len(n.locations) > 1 else "")
     params = human_count(n.params)
-    params = next((p for p in (f"{params} params", f"{params} par.") if len(p) <= cols.dtype),
-                  params)
-    return (f"{count} tensor{'s' if n.count != 1 else ''}", params, where,
-            human_bytes(n.nbytes))
+    params = _fitting(cols.dtype, f"{params} params", f"{params} par.", params)
+    return (count, params, where, human_bytes(n.nbytes))
 
 
 class TensorTable(ScrollView, can_focus=True):
@@ -116,18 +131,19 @@ class TensorTable(ScrollView, can_focus=True):
         self.rows: Rows = []
         self.index: Index | None = None
         self.tree_mode = True
-        self.expanded: set[str] = set()
+        self.opened: Callable[[Node], bool] = lambda node: False
         self.cursor = 0
         self.empty_text = ""
 
     # -- data ------------------------------------------------------------------
-    def set_rows(self, rows: Rows, index: Index, tree: bool, expanded: set[str],
+    def set_rows(self, rows: Rows, index: Index, tree: bool, opened: Callable[[Node], bool],
                  keep: str | None = None) -> None:
-        """Show ``rows``; put the cursor back on the key or path ``keep``."""
-        self.rows, self.index, self.tree_mode, self.expanded = rows, index, tree, expanded
+        """Show ``rows``, where ``opened`` says which modules are open; put
+        the cursor back on the key or path ``keep``."""
+        self.rows, self.index, self.tree_mode, self.opened = rows, index, tree, opened
         cursor = 0
         if keep is not None and len(rows):
-            found = _find(rows, keep)
+            found = position(rows, keep)
             cursor = found if found is not None else min(self.cursor, len(rows) - 1)
         self.virtual_size = Size(self.size.width, len(rows) + 1)
         self._move_to(cursor, force=True)
@@ -140,7 +156,7 @@ class TensorTable(ScrollView, can_focus=True):
         return None
 
     def select(self, key: str) -> bool:
-        found = _find(self.rows, key)
+        found = position(self.rows, key)
         if found is None:
             return False
         self._move_to(found, force=True, center=True)
@@ -184,7 +200,7 @@ class TensorTable(ScrollView, can_focus=True):
 
     def action_open(self) -> None:
         item = self.current
-        if isinstance(item, Node) and self.tree_mode and item.path not in self.expanded:
+        if isinstance(item, Node) and self.tree_mode and not self.opened(item):
             self.post_message(self.Toggle(item, True))
         elif self.tree_mode:
             self.action_move(1)
@@ -193,7 +209,7 @@ class TensorTable(ScrollView, can_focus=True):
         item = self.current
         if not self.tree_mode:
             return
-        if isinstance(item, Node) and item.path in self.expanded:
+        if isinstance(item, Node) and self.opened(item):
             self.post_message(self.Toggle(item, False))
             return
         parent = item.parent if isinstance(item, Node) else (
@@ -221,7 +237,7 @@ class TensorTable(ScrollView, can_focus=True):
         base = self.rich_style
         if y == 0:
             text = " ".join((
-                _cell("module / key" if self.tree_mode else "key", cols.name + 1),
+                _cell("module / key" if self.tree_mode else "key", cols.name),
                 _cell("shape", cols.shape), _cell("dtype", cols.dtype),
                 _cell("device", cols.device), _cell("size", cols.size, right=True)))
             style = base + self.get_component_rich_style("tensor-table--header")
@@ -236,14 +252,16 @@ class TensorTable(ScrollView, can_focus=True):
         if row == self.cursor:
             cursor = self.get_component_rich_style("tensor-table--cursor")
             segments = [Segment(s.text, (s.style or base) + cursor) for s in segments]
-        return Strip(segments, width).crop_extend(0, width, base)
+        # the cells add up to one column less than the width: pad to it, so
+        # that what is beside the list (the wide layout) lines up
+        return Strip(segments).adjust_cell_length(width, base)
 
     def _row_segments(self, item: Node | TensorInfo, cols: Columns, base: Style
                       ) -> list[Segment]:
         dim = base + self.get_component_rich_style("tensor-table--dim")
         if isinstance(item, Node):
             depth = item.depth if self.tree_mode else 0
-            mark = "▾ " if item.path in self.expanded else "▸ "
+            mark = "▾ " if self.opened(item) else "▸ "
             name = "  " * depth + mark + item.name
             cells = node_cells(item, cols)
             style = base + self.get_component_rich_style("tensor-table--node")
@@ -264,8 +282,23 @@ class TensorTable(ScrollView, can_focus=True):
         ]
 
 
-def _find(rows: Rows, key: str) -> int | None:
-    for i, item in enumerate(rows):
-        if (item.path if isinstance(item, Node) else item.key) == key:
-            return i
-    return None
+
+class Pane(VerticalScroll, can_focus=True):
+    """A text pane that ↑ ↓ (j k) scroll by a line and PgUp PgDn by a page,
+    at once: held down, an animated scroll would lag behind the keys."""
+
+    BINDINGS = [
+        Binding("up,k", "lines(-1)", "Up", show=False),
+        Binding("down,j", "lines(1)", "Down", show=False),
+        Binding("pageup", "lines(-0.5)", "Page up", show=False),
+        Binding("pagedown", "lines(0.5)", "Page down", show=False),
+        Binding("home", "lines(-1e9)", "Top", show=False),
+        Binding("end", "lines(1e9)", "Bottom", show=False),
+    ]
+
+    def action_lines(self, step: float) -> None:
+        """Scroll ``step`` lines; a fraction is that many pages (±0.5: one)."""
+        page = max(1, self.scrollable_content_region.height - 1)
+        lines = step if abs(step) >= 1 else (page if step > 0 else -page)
+        y = max(0, min(self.max_scroll_y, int(self.scroll_y + lines)))
+        self.scroll_to(y=y, animate=False, immediate=True)

@@ -1,0 +1,106 @@
+"""The browser's findings pane: what ``ckptool diagnose`` reports
+(``ckptool.render_diagnose``), as rich ``Text`` for a narrow pane.
+
+Most telling first, since the pane is small: how the keys compare with the
+model (given ``--model`` or ``--reference``), each finding with its fix and
+its Python alternative, the one command that fixes everything and what it
+leaves to resolve by hand; then the machine it was judged for, what a plain
+``torch.load`` does there, and where each saved device lands.
+"""
+
+from __future__ import annotations
+
+from rich.text import Text
+
+from ckptool.describe import human_bytes
+from ckptool.diagnosis import ERROR, Diagnosis, describe_machine
+
+_LABEL = 11  # width of the labels of the last section
+
+
+def findings(diag: Diagnosis | None, error: str | None = None) -> Text:
+    text = Text()
+    if error is not None:
+        text.append(error, style="bold red")
+        return text
+    if diag is None:
+        text.append("diagnosing…", style="italic")
+        return text
+    _keys(text, diag)
+    if not diag.findings:
+        text.append("✓ no findings: ", style="bold green")
+        text.append("plain torch.load and load_state_dict will take this file\n")
+    for f in diag.findings:
+        mark, style = ("✗", "bold red") if f.severity == ERROR else ("!", "bold yellow")
+        text.append(f"{mark} {f.code}", style=style)
+        text.append(f"  {f.message}\n")
+        if f.fix:
+            text.append("  fix: ", style="bold")
+            text.append(f.fix + "\n", style="cyan")
+        if f.snippet:
+            text.append("  or:  " if f.fix else "  try: ", style="bold")
+            text.append(f.snippet + "\n", style="cyan")
+    if diag.fix_command:
+        text.append("\nfix everything: ", style="bold")
+        text.append(diag.fix_command, style="bold cyan")
+        if diag.fix_output:
+            text.append(f"\n  writes {diag.fix_output}; press x to preview it and write "
+                        "it from here", style="italic")
+        if diag.remaining:
+            text.append("\nstill to resolve by hand: ", style="bold yellow")
+            text.append(", ".join(diag.remaining), style="yellow")
+        text.append("\n")
+    elif diag.fix_refused:
+        text.append(f"\nno ckptool fix command: {diag.fix_refused}\n", style="yellow")
+    _machine(text, diag)
+    return text
+
+
+def _keys(text: Text, d: Diagnosis) -> None:
+    """The key comparison with the model, as ``diagnose`` sums it up."""
+    if d.keys is None or d.model is None:
+        return
+    k = d.keys
+    after = len(k.matched) + len(k.mismatched)
+    line = f"{d.model.source}: {k.expected} expected · {k.before} match as saved"
+    if not k.rewrite.empty:
+        line += f" · {after} after the rewrite"
+    line += (f" · {len(k.missing)} missing · {len(k.unexpected)} unexpected · "
+             f"{len(k.mismatched)} shape")
+    text.append("keys ", style="bold")
+    text.append(line + "\n\n")
+
+
+def _row(text: Text, label: str, value: str | Text) -> None:
+    text.append(f"{label:<{_LABEL}}", style="bold")
+    text.append_text(value if isinstance(value, Text) else Text(value))
+    text.append("\n")
+
+
+def _machine(text: Text, d: Diagnosis) -> None:
+    """The target machine, what plain torch.load does there, and per device."""
+    text.append("\n")
+    machine = d.machine
+    target = describe_machine(machine)
+    if machine.note and machine.source != "assumed":
+        target += f"; {machine.note}"
+    _row(text, "target", target)
+    errors = d.load_errors()
+    _row(text, "torch.load", Text("fails: " + errors[0], style="red") if errors
+         else Text("loads", style="green"))
+    for more in errors[1:]:
+        _row(text, "", Text("and: " + more, style="red"))
+    for i, t in enumerate(d.tags):
+        if t.error:
+            lands = Text("torch.load fails here", style="red")
+        elif t.lands and t.lands.startswith("cuda:"):
+            gpu = machine.gpus[int(t.lands[5:])]
+            extra = f" (physical GPU {t.physical})" if t.physical is not None else ""
+            free = f" · {human_bytes(gpu.free_bytes)} free" if gpu.free_bytes is not None else ""
+            lands = Text(f"lands on {t.lands}{extra}{free}")
+        else:
+            lands = Text(f"lands on {t.lands}" if t.lands else "-")
+        line = Text(f"{t.location}: {t.tensors:,} tensor{'s' if t.tensors != 1 else ''} · "
+                    f"{human_bytes(t.nbytes)} · ")
+        line.append_text(lands)
+        _row(text, "" if i else "saved on", line)
