@@ -381,7 +381,8 @@ def _plan_command(result: Diagnosis, opts: FixOptions) -> None:
     """Turn the options the findings asked for into one checked command."""
     if opts == FixOptions():
         return
-    from ckptool.rewrite import default_output, fix
+    from ckptool.preview import preview
+    from ckptool.rewrite import default_output
 
     ckpt = result.checkpoint
     output = default_output(ckpt.path)
@@ -390,7 +391,10 @@ def _plan_command(result: Diagnosis, opts: FixOptions) -> None:
     while os.path.lexists(output):  # one new file: never one fix would refuse to replace
         output, n = f"{stem}{n}{ext}", n + 1
     try:
-        fix(ckpt.path, opts, output, dry_run=True)
+        # fix's own dry run, planned from the checkpoint already read rather
+        # than from a second read of the file (tests/test_preview.py holds
+        # the two to the same plan)
+        preview(ckpt, opts)
     except CkptoolError as exc:
         result.fix_refused = f"{exc.message} ({exc.hint})" if exc.hint else exc.message
         # a finding never offers a command that fix would refuse

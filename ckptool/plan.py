@@ -246,8 +246,10 @@ def reachable(root: Any) -> Iterator[Any]:
         seen.add(id(obj))
         yield obj
         if isinstance(obj, (TensorRecord, CompositeTensor)):
-            if isinstance(obj, TensorRecord) and obj.storage is not None:
-                stack.append(obj.storage)
+            if isinstance(obj, TensorRecord):
+                if obj.storage is not None:
+                    stack.append(obj.storage)
+                stack.extend(obj.extra.values())  # its attributes, in either read
             if obj.origin is not None:
                 stack.extend(obj.origin[1])
         elif isinstance(obj, dict):

@@ -163,7 +163,16 @@ def rebuild_parameter(data: Any, requires_grad: Any = True, backward_hooks: Any 
     if isinstance(data, TensorRecord):
         data.is_parameter = True
         data.requires_grad = bool(requires_grad)
+        _keep_state(data, state)
     return data
+
+
+def _keep_state(rec: TensorRecord, state: Any) -> None:
+    """A tensor's pickled attributes (``t.foo = ...``) stay with its record:
+    what they name (an unsafe global, say) is part of what writing it back
+    would write, whichever way the file was read."""
+    if state:
+        rec.extra["state"] = state
 
 
 def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
@@ -171,6 +180,8 @@ def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any = None)
     if not known or not isinstance(args, tuple):
         raise CorruptCheckpointError("tensor rebuilt by an unknown function")
     result = func(*args)
+    if isinstance(result, TensorRecord):
+        _keep_state(result, state)
     if isinstance(result, TensorRecord) and isinstance(new_type, type) and issubclass(
         new_type, StandIn
     ):

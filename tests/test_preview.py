@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import SAMPLES, saved_on
 
 import ckptool
 from ckptool.errors import CkptoolError
@@ -19,7 +20,6 @@ from ckptool.plan import FixOptions
 from ckptool.preview import Previewer, preview
 from ckptool.rewrite import fix
 from ckptool.walk import walk
-from tests.helpers import SAMPLES, saved_on
 
 OPTIONS = {
     "nothing": FixOptions(),
@@ -171,3 +171,26 @@ def test_safetensors_and_torchscript_refuse_as_the_fix_does() -> None:
     assert preview(st, FixOptions(add_prefix="m.")).renamed == len(st.tensors)
     with pytest.raises(CkptoolError, match="this is torchscript"):
         preview(ckptool.open(SAMPLES / "tinynet_script.pt"), FixOptions())
+
+
+def test_an_unsafe_global_in_a_tensors_attributes_refuses_as_the_fix_does(
+        tmp_path: Path) -> None:
+    """``t.note = X`` pickles X with the tensor: the plan keeps X wherever the
+    tensor goes, and neither the dry run nor the preview offers to write it."""
+    import os
+
+    canary = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self) -> tuple[Any, tuple[str]]:
+            return (os.system, (f"touch {canary}",))
+
+    w = torch.ones(2, 3)
+    w.note = Evil()  # type: ignore[attr-defined]
+    path = tmp_path / "evil.pth"
+    torch.save({"state_dict": {"module.w": w, "module.b": torch.zeros(3)}, "epoch": 1}, path)
+    options = {name: OPTIONS[name] for name in ("nothing", "strip", "extract", "to", "drop")}
+    check(path, options)
+    with pytest.raises(CkptoolError, match=r"unsafe globals: posix\.system"):
+        preview(ckptool.open(path), FixOptions(extract="auto"))
+    assert not canary.exists()
