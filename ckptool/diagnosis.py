@@ -433,6 +433,18 @@ def describe_machine(machine: Machine) -> str:
     return f"this machine ({n} visible CUDA GPU{'s' if n != 1 else ''})"
 
 
+def describe_keys(d: Diagnosis) -> str | None:
+    """The key comparison with the model in one line, or None without a model."""
+    if d.keys is None or d.model is None:
+        return None
+    k = d.keys
+    line = f"{d.model.source}: {k.expected} expected · {k.before} match as saved"
+    if not k.rewrite.empty:
+        line += f" · {len(k.matched) + len(k.mismatched)} after the rewrite"
+    return line + (f" · {len(k.missing)} missing · {len(k.unexpected)} unexpected · "
+                   f"{len(k.mismatched)} shape")
+
+
 def shell_name(path: str) -> str:
     """``path``'s file name as a shell word that no command takes for an option."""
     name = os.path.basename(path)

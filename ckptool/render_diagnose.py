@@ -12,7 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.describe import human_bytes
-from ckptool.diagnosis import ERROR, WARNING, Diagnosis, describe_machine
+from ckptool.diagnosis import ERROR, WARNING, Diagnosis, describe_keys, describe_machine
 
 _STYLE = {ERROR: "bold red", WARNING: "yellow"}
 
@@ -37,15 +37,9 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
         where = f"'{sd.path}'" if sd.path else "the file itself"
         prefix = f" · prefix {sd.prefix!r}" if sd.prefix else ""
         grid.add_row("state dict", f"{where} · {sd.num_tensors} tensors{prefix}")
-    if d.keys is not None and d.model is not None:
-        k = d.keys
-        after = len(k.matched) + len(k.mismatched)
-        line = f"{d.model.source}: {k.expected} expected · {k.before} match as saved"
-        if not k.rewrite.empty:
-            line += f" · {after} after the rewrite"
-        line += (f" · {len(k.missing)} missing · {len(k.unexpected)} unexpected · "
-                 f"{len(k.mismatched)} shape")
-        grid.add_row("keys", line)
+    keys = describe_keys(d)
+    if keys is not None:
+        grid.add_row("keys", keys)
     console.print(grid)
     _devices(console, d)
     console.print()

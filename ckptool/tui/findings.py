@@ -13,7 +13,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ckptool.describe import human_bytes
-from ckptool.diagnosis import ERROR, Diagnosis, describe_machine
+from ckptool.diagnosis import ERROR, Diagnosis, describe_keys, describe_machine
 
 _LABEL = 11  # width of the labels of the last section
 
@@ -58,15 +58,9 @@ def findings(diag: Diagnosis | None, error: str | None = None) -> Text:
 
 def _keys(text: Text, d: Diagnosis) -> None:
     """The key comparison with the model, as ``diagnose`` sums it up."""
-    if d.keys is None or d.model is None:
+    line = describe_keys(d)
+    if line is None:
         return
-    k = d.keys
-    after = len(k.matched) + len(k.mismatched)
-    line = f"{d.model.source}: {k.expected} expected · {k.before} match as saved"
-    if not k.rewrite.empty:
-        line += f" · {after} after the rewrite"
-    line += (f" · {len(k.missing)} missing · {len(k.unexpected)} unexpected · "
-             f"{len(k.mismatched)} shape")
     text.append("keys ", style="bold")
     text.append(line + "\n\n")
 
