@@ -16,6 +16,7 @@ import ctypes
 import queue
 import threading
 from collections.abc import Callable
+from types import TracebackType
 
 from ckptool.fastcrc import crc_file_ranges
 
@@ -41,18 +42,34 @@ Check = tuple[str, int, int, int]  # (name, offset, size, expected CRC)
 
 class ByteChecker:
     """``check(name, offset, size, crc)`` or ``check_many([...])`` as ranges
-    are written; ``finish()`` returns the names whose bytes did not match."""
+    are written; ``finish()`` returns the names whose bytes did not match.
+
+    Use as a context manager: leaving the block by an exception cancels
+    what is still queued (a failed run must not re-read the rest of the
+    file first) and ends the thread."""
 
     def __init__(self, fd: int, durable: bool = False) -> None:
         self.fd = fd
         self.failed: list[str] = []
+        self.problem: str | None = None  # why a range could not be read, if one could not
         self.checked = 0
+        self._cancelled = False
         self._queue: queue.Queue[list[Check] | None] = queue.Queue()
         # writing back early only pays when an fsync will wait for it; else it
         # makes this run wait for the disk, which cp and torch.save never do
         self._writeback = _writeback_starter() if durable else None
         self._thread = threading.Thread(target=self._run, name="ckptool-check", daemon=True)
         self._thread.start()
+
+    def __enter__(self) -> ByteChecker:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if kind is not None:
+            self.cancel()
+        else:
+            self.finish()
 
     def check(self, name: str, offset: int, size: int, crc: int) -> None:
         self._queue.put([(name, offset, size, crc)])
@@ -65,6 +82,8 @@ class ByteChecker:
 
     def _run(self) -> None:
         while (batch := self._queue.get()) is not None:
+            if self._cancelled:
+                continue  # drained, unread
             try:
                 crcs = crc_file_ranges(self.fd, [(offset, size) for _, offset, size, _ in batch])
                 self.failed += [name for (name, _, _, crc), got in zip(batch, crcs, strict=True)
@@ -72,11 +91,20 @@ class ByteChecker:
                 if self._writeback is not None:
                     start = batch[0][1]
                     self._writeback(self.fd, start, batch[-1][1] + batch[-1][2] - start)
-            except OSError:  # unreadable counts as not matching
+            except Exception as exc:
+                # unreadable counts as not matching; and no exception may end
+                # this thread, or later checks would pass unread
+                self.problem = self.problem or f"{type(exc).__name__}: {exc}"
                 self.failed += [name for name, *_ in batch]
             self.checked += len(batch)
 
     def finish(self) -> list[str]:
+        """Wait for every queued check; the names that failed."""
         self._queue.put(None)
         self._thread.join()
         return self.failed
+
+    def cancel(self) -> None:
+        """Drop what is queued and end the thread (a run that failed)."""
+        self._cancelled = True
+        self.finish()

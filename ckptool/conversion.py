@@ -38,6 +38,7 @@ from ckptool.fastcrc import crc_file_range
 from ckptool.formats.safetensors_fmt import SAFETENSORS
 from ckptool.gather import copy_pieces
 from ckptool.model import Checkpoint, TensorInfo
+from ckptool.outputcheck import check_bytes
 from ckptool.reader import open_checkpoint
 from ckptool.tensor_data import TensorData
 from ckptool.tensors import StorageRef, StorageType, TensorRecord
@@ -178,11 +179,13 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
                       reader: TensorData, progress: Progress | None = None,
                       durable: bool = False) -> Expected:
     """Write (name, tensor, dtype to write it as) to ``f``; returns where each
-    tensor's bytes went and the CRC they must have.
+    tensor's bytes went and the CRC they must have, every one of them re-read
+    and checked before this returns.
 
-    A tensor kept as it is and laid out densely in its storage is copied by
-    the kernel; its CRC comes from the zip directory when it fills its record,
-    else from reading the source. Casts and strided views go through torch."""
+    A tensor kept as it is and laid out densely in its storage is copied
+    with a read-ahead thread (``gather``); its CRC comes from the zip
+    directory when it fills its record, else from reading the source. Casts
+    and strided views go through torch."""
     header: dict[str, Any] = {}
     offset = 0
     for name, t, dtype in items:
@@ -196,22 +199,29 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
     f.write(len(raw).to_bytes(8, "little") + raw)
     f.flush()
     base = 8 + len(raw)
+    with ByteChecker(f.fileno(), durable) as checker:  # an error drops what is queued
+        expected = _write_tensors(f.fileno(), items, {n: base + h["data_offsets"][0]
+                                                      for n, h in header.items()
+                                                      if n != "__metadata__"},
+                                  offset, reader, checker, progress)
+        check_bytes(checker)
+    f.seek(base + offset)
+    return expected
+
+
+def _write_tensors(fd: int, items: list[tuple[str, TensorInfo, str]], starts: dict[str, int],
+                   total: int, reader: TensorData, checker: ByteChecker,
+                   progress: Progress | None) -> Expected:
     expected: Expected = {}
     done = 0
-    checker = ByteChecker(f.fileno(), durable)
-
-    def step(n: int) -> None:
-        nonlocal done
-        done += n
-        if progress is not None:
-            progress(done, offset)
-
     batch: list[tuple[str, int, int, int]] = []  # checks handed over together
 
     def written(name: str, start: int, size: int, crc: int) -> None:
-        nonlocal batch
+        nonlocal batch, done
         expected[name] = (start, size, crc)
-        step(size)
+        done += size
+        if progress is not None:
+            progress(done, total)
         batch.append((name, start, size, crc))
         if start + size - batch[0][1] >= CHECK_BATCH:
             checker.check_many(batch)
@@ -219,8 +229,7 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
 
     copies: list[tuple[str, int, int, int, int]] = []  # name, source, size, dest, crc
     for name, t, dtype in items:
-        start = base + header[name]["data_offsets"][0]
-        size = t.numel * dtypes.itemsize(dtype)
+        start, size = starts[name], t.numel * dtypes.itemsize(dtype)
         if dtype == t.dtype and t.storage is not None and _is_dense(t):
             src = reader.storage_offset(t.storage) + t.storage_offset * dtypes.itemsize(t.dtype)
             whole = t.storage_offset == 0 and size == reader.storage(t.storage).nbytes
@@ -232,25 +241,17 @@ def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: di
             data = b"".join(_tensor_chunks(reader, t))
             if dtype != t.dtype:
                 data = cast_bytes(data, t.dtype, dtype)
-            os.pwrite(f.fileno(), data, start)
+            os.pwrite(fd, data, start)
             written(name, start, len(data), zlib.crc32(data))
+
     def copied(i: int) -> None:
         name, _, size, start, crc = copies[i]
         written(name, start, size, crc)
 
     # dense tensors: read ahead on a thread while this one writes (gather.py)
-    copy_pieces(reader.fileno(), f.fileno(), [(s, n, d) for _, s, n, d, _ in copies], copied)
+    copy_pieces(reader.fileno(), fd, [(s, n, d) for _, s, n, d, _ in copies], copied)
     checker.check_many(batch)
-    f.seek(base + offset)
-    _finish(checker)
     return expected
-
-
-def _finish(checker: ByteChecker) -> None:
-    failed = checker.finish()
-    if failed:
-        raise CorruptCheckpointError(f"the converted {failed[0]} does not match its bytes",
-                                     "the input may be damaged; nothing was written")
 
 
 def cast_bytes(data: bytes | bytearray, src: str, dst: str) -> bytes:
@@ -300,19 +301,22 @@ def _to_torch(source: Checkpoint, dst: str, output: AtomicOutput,
             writer.write_bytes(f"{root}/{name}", value)
         total = sum(t.nbytes for t in records.values())
         done = 0
-        checker = ByteChecker(out.file.fileno(), out.durable)
-        for key, t in records.items():
-            written = writer.write_record(f"{root}/data/{key}", _tensor_chunks(reader, t))
-            spans[t.key] = (written.data_offset, written.size, written.crc)
+        with ByteChecker(out.file.fileno(), out.durable) as checker:
+            for key, t in records.items():
+                written = writer.write_record(f"{root}/data/{key}", _tensor_chunks(reader, t))
+                spans[t.key] = (written.data_offset, written.size, written.crc)
+                out.file.flush()
+                checker.check(t.key, *spans[t.key])
+                done += t.nbytes
+                if progress is not None:
+                    progress(done, total)
+            writer.write_bytes(f"{root}/version", b"3\n")
+            writer.close()
             out.file.flush()
-            checker.check(t.key, *spans[t.key])
-            done += t.nbytes
-            if progress is not None:
-                progress(done, total)
-        writer.write_bytes(f"{root}/version", b"3\n")
-        writer.close()
-        _finish(checker)
-        out.file.flush()
+            # the pickle and the small records are re-read too
+            checker.check_many([(r.name, r.data_offset, r.size, r.crc) for r in writer.records
+                                if not r.name.startswith(f"{root}/data/")])
+            check_bytes(checker)
         result.bytes_written = out.file.tell()
         expect = {t.key: (t.shape, t.dtype) for t in source.tensors}
         expect.update({a: expect[k] for a, k in aliases.items() if k in expect})

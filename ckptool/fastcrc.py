@@ -67,10 +67,13 @@ def crc_file_ranges(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
     range (mmap would otherwise fault past its end)."""
     if ranges and max(o + n for o, n in ranges) > os.fstat(fd).st_size:
         raise OSError("file ends before the last range to check")
-    crcs = [0] * len(ranges)
+    crcs = [0] * len(ranges)  # an empty range's CRC, mapped or not
     i = 0
     while i < len(ranges):
         offset, size = ranges[i]
+        if size == 0:  # nothing to map (an empty tensor at the very end, say)
+            i += 1
+            continue
         start = offset - offset % _GRANULE
         if offset + size > start + WINDOW:  # longer than a window: a window at a time
             crcs[i] = _crc_long(fd, offset, size)
@@ -80,6 +83,8 @@ def crc_file_ranges(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
         j = i + 1
         while j < len(ranges) and ranges[j][0] >= start and sum(ranges[j]) <= start + WINDOW:
             j += 1
+        while ranges[j - 1][1] == 0:  # empty ranges at the end need no mapping
+            j -= 1
         window = mmap.mmap(fd, max(sum(r) for r in ranges[i:j]) - start,
                            access=mmap.ACCESS_COPY, offset=start)
         try:

@@ -27,10 +27,11 @@ def check_bytes(checker: ByteChecker) -> None:
     """Wait for the checker; any range whose bytes differ is an error."""
     failed = checker.finish()
     if failed:
+        why = f" (it could not be read back: {checker.problem})" if checker.problem else ""
         raise CorruptCheckpointError(
-            f"storage {failed[0]} of the output does not match the input's bytes",
-            "the input may be damaged (its checksum fails), or the disk is; "
-            "nothing was written")
+            f"the output's {failed[0]} does not match what was written{why}",
+            "the input may be damaged (a record that fails its own checksum), or the "
+            "disk is; nothing was written")
 
 
 def check_file(path: str, plan: Plan, expected: Expected) -> int:

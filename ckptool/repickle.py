@@ -14,6 +14,7 @@ from __future__ import annotations
 import _compat_pickle
 import io
 import pickle
+import types
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -107,6 +108,10 @@ def _save_global_object(pickler: Repickler, obj: Any) -> None:
 
 
 Repickler.dispatch[_Global] = _save_global_object
+# a rebuild function passed as an argument (``_rebuild_from_type_v2(func, ...)``,
+# how torch saves a tensor with Python attributes): by the name it carries,
+# never by the stdlib's save_global, which imports it
+Repickler.dispatch[types.FunctionType] = _save_global_object
 
 
 def _global_name(obj: Any) -> str:

@@ -7,9 +7,11 @@ thread of their own, cast where ``--dtype`` asks, the pickle written anew
 after them), a legacy file as its five pickles and storage records,
 safetensors as a new header and the bytes streamed. The output goes to a
 temporary file beside the target (``ckptool.atomic``), is read back and
-checked against the plan (``ckptool.outputcheck``: every tensor's metadata,
-every byte by CRC), and only then put in place. The input is never
-modified, except by ``in_place``, which replaces it atomically.
+checked against the plan (``ckptool.outputcheck``: every tensor's metadata;
+by CRC every storage's bytes, and in a zip every other byte too), and only
+then put in place. The input is never modified, except by ``in_place``,
+which replaces it atomically; an input that changes while it is read (a
+re-save by rename) stops the rewrite.
 """
 
 from __future__ import annotations
@@ -27,14 +29,14 @@ from ckptool import formats, inplace, outputcheck, repickle, safe_pickle, zipfix
 from ckptool.atomic import AtomicOutput
 from ckptool.bytecheck import ByteChecker
 from ckptool.conversion import cast_bytes, verify, write_safetensors
-from ckptool.errors import UnsupportedCheckpointError, UsageError
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptool.formats.safetensors_fmt import SAFETENSORS
 from ckptool.formats.torch_zip import TORCH_ZIP
 from ckptool.model import Checkpoint
 from ckptool.plan import FixOptions, Plan, check_rewritable, make_plan, new_pid, refuse_unsafe
 from ckptool.reader import assemble
 from ckptool.resolve import faithful
-from ckptool.tensor_data import TensorData
+from ckptool.tensor_data import Identity, TensorData, check_unchanged, file_identity
 from ckptool.tensors import StorageRef
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -65,12 +67,26 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
     target = src if in_place else (output or default_output(src))
+    try:  # the version of the file that is read; every later open must be it
+        identity: Identity | None = file_identity(os.stat(src))
+    except OSError:
+        identity = None  # the read says what is wrong with the path
     with contextlib.ExitStack() as stack:
         early = None
         if not (dry_run or in_place):
-            early = zipfix.copy_early(src, target, opts, force, fsync, progress, stack)
+            early = zipfix.copy_early(src, target, opts, force, fsync, progress, stack,
+                                      identity)
         with faithful():
             raw = formats.read(src)
+        try:
+            if identity is not None and file_identity(os.stat(src)) != identity:
+                raise CorruptCheckpointError(
+                    f"{src} changed while ckptool was reading it",
+                    "run the command again once nothing is writing the file; "
+                    "nothing was written")
+        except OSError as exc:
+            raise CorruptCheckpointError(f"{src} disappeared while ckptool was reading it",
+                                         "check the path and try again") from exc
         check_rewritable(raw.format, opts)
         source = assemble(src, raw)
         plan = make_plan(source, opts)
@@ -97,11 +113,11 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             return result
         if raw.format == TORCH_ZIP:
             result.verified_storages = zipfix.write_zip(src, source, plan, out, progress,
-                                                        early, stack)
+                                                        early, stack, identity)
             result.bytes_written = out.file.tell()
             out.sync_in_background()
         else:
-            expected = _write_legacy(src, source, plan, out, progress)
+            expected = _write_legacy(src, source, plan, out, progress, identity)
             result.bytes_written = out.file.tell()
             out.sync_in_background()
             result.verified_storages = outputcheck.check_file(out.read_path, plan, expected)
@@ -143,7 +159,7 @@ def _legacy_header_end(f: IO[bytes]) -> int:
 
 
 def _write_legacy(src: str, source: Checkpoint, plan: Plan, output: AtomicOutput,
-                  progress: Progress | None) -> outputcheck.Expected:
+                  progress: Progress | None, identity: Identity | None) -> outputcheck.Expected:
     used = plan.storages
     if any((r.pid or (None,) * 6)[5] is not None for r in used.values()):
         raise UnsupportedCheckpointError("storage views of torch < 0.4 files cannot be rewritten",
@@ -155,25 +171,27 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, output: AtomicOutput
     expected: outputcheck.Expected = {}
     out = output.file
     with TensorData(source) as reader, open(src, "rb") as f:
+        check_unchanged(src, f.fileno(), identity)
+        check_unchanged(src, reader.fileno(), identity)
         header_end = _legacy_header_end(f)
         out.write(os.pread(f.fileno(), header_end, 0))
         out.write(pickled)
         out.write(repickle.dumps(keys, lambda ref: ()))
-        checker = ByteChecker(out.fileno(), output.durable)
-        for key in keys:
-            ref = used[key]
-            data = bytes(_storage_bytes(reader, key))
-            if key in plan.casts:
-                data = cast_bytes(data, *plan.casts[key])
-            out.write(struct.pack("<q", ref.numel))
-            expected[key] = (out.tell(), len(data), zlib.crc32(data))
-            out.write(data)
-            out.flush()
-            checker.check(key, *expected[key])
-            done += ref.nbytes
-            if progress is not None:
-                progress(done, total)
-        outputcheck.check_bytes(checker)
+        with ByteChecker(out.fileno(), output.durable) as checker:
+            for key in keys:
+                ref = used[key]
+                data = bytes(_storage_bytes(reader, key))
+                if key in plan.casts:
+                    data = cast_bytes(data, *plan.casts[key])
+                out.write(struct.pack("<q", ref.numel))
+                expected[key] = (out.tell(), len(data), zlib.crc32(data))
+                out.write(data)
+                out.flush()
+                checker.check(f"storage {key}", *expected[key])
+                done += ref.nbytes
+                if progress is not None:
+                    progress(done, total)
+            outputcheck.check_bytes(checker)
     return expected
 
 

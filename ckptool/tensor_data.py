@@ -183,6 +183,26 @@ class TensorData:
                 _HINT) from exc
 
 
+Identity = tuple[int, int, int, int]
+
+
+def file_identity(stat: os.stat_result) -> Identity:
+    """What tells one version of a file from another: device, inode, size and
+    modification time (a re-save by rename changes the inode, in place the
+    size or time)."""
+    return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
+
+
+def check_unchanged(path: str, fd: int, identity: Identity | None) -> None:
+    """A rewrite opens its input more than once: every open must be the file
+    the rewrite was planned from, or bytes of one version would be written
+    under the pickle of another."""
+    if identity is not None and file_identity(os.fstat(fd)) != identity:
+        raise CorruptCheckpointError(
+            f"{path} changed while ckptool was reading it",
+            "run the command again once nothing is writing the file; nothing was written")
+
+
 def _check_readable(tensor: TensorInfo) -> None:
     if tensor.layout not in _READABLE_LAYOUTS:
         raise UnsupportedCheckpointError(

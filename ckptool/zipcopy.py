@@ -22,6 +22,7 @@ and re-pickles, handing each finished record to a ``ByteChecker``.
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import zlib
 from collections import deque
@@ -116,20 +117,22 @@ def plan_layout(fd: int, archive: ZipArchive, members: dict[str, Member],
         size = casts[key] if cast else member.size
         first = Piece(key, member.name, pos, pos + len(header), size, member.crc, 0x0808)
         run = Run(header, [first], src, src + member.size, cast)
-        run.checks.append((f"{key} (header)", pos, len(header), zlib.crc32(header)))
+        run.checks.append((f"storage {key}'s local header", pos, len(header),
+                           zlib.crc32(header)))
         delta = first.data - src
         for key, member, src, gap in rest:
             # the bytes between two records (a descriptor, then the next local
             # header) are copied as they are, and re-read like the rest
-            run.checks += [(run.pieces[-1].key, run.pieces[-1].data, run.pieces[-1].size,
-                            run.pieces[-1].crc),
-                           (f"{key} (header)", run.src_end + delta, len(gap), zlib.crc32(gap))]
+            run.checks += [(f"storage {run.pieces[-1].key}", run.pieces[-1].data,
+                            run.pieces[-1].size, run.pieces[-1].crc),
+                           (f"storage {key}'s local header", run.src_end + delta, len(gap),
+                            zlib.crc32(gap))]
             run.pieces.append(Piece(key, member.name, member.header_offset + delta, src + delta,
                                     member.size, member.crc, member.flags))
             run.src_end = src + member.size
         if not cast:
             last = run.pieces[-1]
-            run.checks.append((last.key, last.data, last.size, last.crc))
+            run.checks.append((f"storage {last.key}", last.data, last.size, last.crc))
         runs.append(run)
         pos = _close(run)
     total = sum(r.pieces[0].size if r.cast else r.src_end - r.src_start for r in runs)
@@ -170,34 +173,39 @@ def _close(run: Run) -> int:
     is written); returns the offset after it."""
     if not run.cast:
         trailer = run.trailer
-        run.checks.append((f"{run.pieces[-1].key} (descriptor)", run.trailer_at, len(trailer),
-                           zlib.crc32(trailer)))
+        run.checks.append((f"storage {run.pieces[-1].key}'s data descriptor", run.trailer_at,
+                           len(trailer), zlib.crc32(trailer)))
     return run.trailer_at + len(run.trailer)
 
 
 def _gap_after(fd: int, prev: Member, prev_src: int, member: Member, src: int) -> bytes | None:
     """The source bytes between ``prev``'s data and ``member``'s when ``member``
-    can follow it in one copy: right after it, separated only by the data
-    descriptor this module would write for ``prev`` and ``member``'s local
-    header."""
+    can follow it in one copy: right after it, separated only by ``prev``'s
+    data descriptor (either size form) and ``member``'s local header."""
     if not member.flags & 0x08:
         return None
     if not (member.flags & 0x800 or member.name.isascii()):
         return None  # the central directory writes names as UTF-8
     prev_end = prev_src + prev.size
-    desc = descriptor(prev.crc, prev.size)
-    if member.header_offset != prev_end + len(desc) or src - prev_end > 1 << 18:
+    if src - prev_end > 1 << 18:
         return None
-    gap = os.pread(fd, src - prev_end, prev_end)
-    return gap if gap[:len(desc)] == desc else None
+    # torch writes the 8-byte-size (ZIP64) form for every record past 4 GiB
+    forms = {descriptor(prev.crc, prev.size),
+             struct.pack("<IIQQ", 0x08074B50, prev.crc, prev.size, prev.size)}
+    for desc in forms:
+        if member.header_offset == prev_end + len(desc):
+            gap = os.pread(fd, src - prev_end, prev_end)
+            if gap[:len(desc)] == desc:
+                return gap
+    return None
 
 
 class Copier:
     """Writes a layout's storage records on a thread of its own.
 
     ``start()``, then ``finish()`` (re-raises what went wrong in the thread);
-    ``cancel()`` stops it between chunks. Each record goes to ``checker`` as
-    soon as its bytes are in the output."""
+    ``cancel()`` stops it after the chunk it is copying and writes nothing
+    more. Each byte range goes to ``checker`` as soon as it is in the output."""
 
     def __init__(self, src_fd: int, dst_fd: int, layout: Layout, checker: ByteChecker,
                  progress: Progress | None = None, cast: CastBytes | None = None) -> None:
@@ -237,6 +245,8 @@ class Copier:
                 pending = deque(run.checks)
                 if not run.cast:
                     self._copy_span(run, pending)
+                if self._stop.is_set():
+                    return  # cancelled mid-span: nothing more is written or checked
                 self._write(run.trailer, run.trailer_at)
                 self.checker.check_many(list(pending))  # the last descriptor, a cast's checks
         except BaseException as exc:  # re-raised on the caller's thread by finish()
@@ -259,8 +269,8 @@ class Copier:
         self._write(data, piece.data)
         self._advance(piece.size)
         trailer = run.trailer
-        run.checks += [(piece.key, piece.data, piece.size, piece.crc),
-                       (f"{piece.key} (descriptor)", run.trailer_at, len(trailer),
+        run.checks += [(f"storage {piece.key}", piece.data, piece.size, piece.crc),
+                       (f"storage {piece.key}'s data descriptor", run.trailer_at, len(trailer),
                         zlib.crc32(trailer))]
 
     def _copy_span(self, run: Run, pending: deque[Check]) -> None:

@@ -26,7 +26,7 @@ from ckptool.formats import torch_zip
 from ckptool.formats.torch_zip import open_archive
 from ckptool.model import Checkpoint
 from ckptool.plan import FixOptions, Plan, new_pid
-from ckptool.tensor_data import TensorData
+from ckptool.tensor_data import Identity, TensorData, check_unchanged, file_identity
 from ckptool.ziparchive import Member, ZipArchive, ZipError
 from ckptool.zipwriter import Written, ZipWriter
 
@@ -45,13 +45,15 @@ class ZipCopy:
                                      progress, cast).start()
 
     def stop(self) -> None:
-        """Stop the threads (on any way out: a no-op once they are done)."""
+        """Stop the threads (on any way out: a no-op once they are done); what
+        is still queued is dropped, not read."""
         self.copier.cancel()
-        self.checker.finish()
+        self.checker.cancel()
 
 
 def copy_early(src: str, target: str, opts: FixOptions, force: bool, fsync: bool,
-               progress: Progress | None, stack: contextlib.ExitStack) -> ZipCopy | None:
+               progress: Progress | None, stack: contextlib.ExitStack,
+               identity: Identity | None = None) -> ZipCopy | None:
     """Start copying every storage record of a torch zip before it is read,
     when no option can drop or cast one. None where that does not apply; the
     ordinary path then reports whatever is wrong, in its usual order."""
@@ -63,7 +65,7 @@ def copy_early(src: str, target: str, opts: FixOptions, force: bool, fsync: bool
         return None
     try:
         f = stack.enter_context(open(src, "rb"))  # noqa: SIM115 -- the stack closes it
-        if f.read(4) != b"PK\x03\x04":
+        if f.read(4) != b"PK\x03\x04" or file_identity(os.fstat(f.fileno())) != identity:
             return None
         archive = ZipArchive(f, os.fstat(f.fileno()).st_size)
     except (OSError, ZipError):
@@ -86,7 +88,7 @@ def copy_early(src: str, target: str, opts: FixOptions, force: bool, fsync: bool
 
 def write_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
               progress: Progress | None, job: ZipCopy | None,
-              stack: contextlib.ExitStack) -> int:
+              stack: contextlib.ExitStack, identity: Identity | None = None) -> int:
     """Write the zip and verify it; returns the number of storages verified.
 
     Storage records (copied on a thread, or cast) come first, then the new
@@ -100,14 +102,21 @@ def write_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
     prefix = f"{root}/" if root else ""
     if job is None:
         f = stack.enter_context(open(src, "rb"))  # noqa: SIM115 -- the stack closes it
+        check_unchanged(src, f.fileno(), identity)
         archive = open_archive(f)
         members = zipcopy.storage_members(archive, prefix)
         reader = stack.enter_context(TensorData(source))
+        check_unchanged(src, reader.fileno(), identity)
         casts = {key: used[key].numel * dtypes.itemsize(plan.casts[key][1])
                  for key in plan.casts if key in used}
 
         def cast(key: str) -> bytes:
             data = reader.read_range(key, 0, reader.storage(key).nbytes)
+            crc = reader.record_crc(key)  # a copy is checked against it; a cast too
+            if crc is not None and zlib.crc32(data) != crc:
+                raise CorruptCheckpointError(
+                    f"storage {key} of the input does not match its own checksum",
+                    "the file is damaged: fetch or copy it again; nothing was written")
             return cast_bytes(data, *plan.casts[key])
 
         layout = zipcopy.plan_layout(f.fileno(), archive, {k: members[k] for k in used}, casts)
@@ -129,7 +138,8 @@ def write_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
     job.copier.finish()
     archive = job.archive
     out.file.seek(job.layout.end)
-    writer = ZipWriter(out.file, start=job.layout.end)
+    tail = _Tee(out.file)  # everything after the storages: re-read as one range
+    writer = ZipWriter(tail, start=job.layout.end)
     for piece in job.layout.pieces():
         writer.add_existing(piece.name, piece.header, piece.size, piece.crc, piece.flags,
                             piece.data)
@@ -137,10 +147,9 @@ def write_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
     others = sorted((m for m in archive.members.values()
                      if m.name not in storage_names and not m.name.startswith(f"{prefix}data/")),
                     key=lambda m: m.header_offset)
-    pickle_rec = None
     for member in others:
         if member.name == f"{prefix}data.pkl":
-            pickle_rec = writer.write_bytes(member.name, pickled)
+            writer.write_bytes(member.name, pickled)
         else:
             try:
                 writer.write_bytes(member.name, archive.read(member.name, 1 << 20))
@@ -153,12 +162,24 @@ def write_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
     writer.records.sort(key=lambda r: rank[r.name])
     writer.close()
     out.file.flush()
-    if pickle_rec is not None:  # the pickle's bytes are re-read like the storages'
-        job.checker.check(pickle_rec.name, pickle_rec.data_offset, pickle_rec.size,
-                          pickle_rec.crc)
+    # the pickle, the small records, their headers, the central directory
+    job.checker.check("records after the storages", job.layout.end, tail.size, tail.crc)
     outputcheck.check_bytes(job.checker)
     _check_directory(out, writer.records)
     return len(used)
+
+
+class _Tee:
+    """Writes through to ``f`` and keeps the CRC of what went through."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.crc = self.size = 0
+
+    def write(self, data: bytes) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        self.size += len(data)
+        return self.f.write(data)
 
 
 class _PlannedArchive:

@@ -14,7 +14,7 @@ import struct
 import zlib
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import IO
+from typing import Protocol
 
 ALIGNMENT = 64
 PAGE = 4096  # what ckptool.zipcopy keeps copied records congruent to
@@ -38,10 +38,14 @@ class Written:
     data_offset: int = 0  # of the first data byte
 
 
+class Writable(Protocol):
+    def write(self, data: bytes, /) -> int: ...
+
+
 class ZipWriter:
     """Write records one by one to ``f``; ``close()`` writes the central directory."""
 
-    def __init__(self, f: IO[bytes], start: int = 0) -> None:
+    def __init__(self, f: Writable, start: int = 0) -> None:
         self.f = f
         self.pos = start
         self.records: list[Written] = []

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -121,3 +122,28 @@ def test_existing_output_needs_force(tmp_path: Path) -> None:
     assert main(["convert", str(SAMPLES / "lightning.ckpt"), str(out)]) == 2
     assert out.read_bytes() == b"mine"
     assert main(["convert", str(SAMPLES / "lightning.ckpt"), str(out), "--force", "-q"]) == 0
+
+
+def test_a_failed_conversion_leaves_no_threads(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """The browser stays running after a failed write: no checker or reader
+    thread may outlive the run."""
+    import threading
+
+    from ckptool import conversion
+
+    src = tmp_path / "m.pth"
+    torch.save({"a": torch.randn(100, 100), "b": torch.randn(50)}, src)
+
+    def full(*args: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(conversion, "copy_pieces", full)
+    before = {t.name for t in threading.enumerate()}
+    for _ in range(3):
+        with pytest.raises(OSError):
+            conversion.convert(str(src), str(tmp_path / "o.safetensors"))
+    leftover = [t.name for t in threading.enumerate() if t.name.startswith("ckptool-")]
+    assert not leftover, leftover
+    assert {t.name for t in threading.enumerate()} <= before | {"MainThread"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]

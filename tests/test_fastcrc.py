@@ -7,6 +7,7 @@ import ctypes
 import itertools
 import os
 import random
+import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,3 +106,60 @@ def test_checker_starts_writeback_only_for_durable_outputs(tmp_path: Path) -> No
             assert checker.finish() == []
     finally:
         os.close(fd)
+
+
+def test_an_empty_range_at_a_page_aligned_end_needs_no_mapping(tmp_path: Path) -> None:
+    path = tmp_path / "page.bin"
+    path.write_bytes(b"z" * 8192)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert fastcrc.crc_file_ranges(fd, [(8192, 0)]) == [0]
+        assert fastcrc.crc_file_ranges(fd, [(0, 8192), (8192, 0)]) == [
+            zlib.crc32(b"z" * 8192), 0]
+    finally:
+        os.close(fd)
+
+
+def test_any_error_fails_its_batch_and_the_checker_goes_on(
+        data_file: tuple[bytes, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool import bytecheck
+
+    data, fd = data_file
+    real = bytecheck.crc_file_ranges
+    calls: list[int] = []
+
+    def once_broken(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
+        calls.append(len(ranges))
+        if len(calls) == 1:
+            raise ValueError("mmap offset is greater than file size")
+        return real(fd, ranges)
+
+    monkeypatch.setattr(bytecheck, "crc_file_ranges", once_broken)
+    checker = ByteChecker(fd)
+    checker.check("first", 0, 10, zlib.crc32(data[:10]))
+    checker.check("second", 10, 10, zlib.crc32(data[10:20]) ^ 1)  # still checked
+    assert checker.finish() == ["first", "second"]
+    assert checker.problem == "ValueError: mmap offset is greater than file size"
+
+
+def test_cancel_drops_what_is_queued(data_file: tuple[bytes, int],
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool import bytecheck
+
+    _, fd = data_file
+    gate = threading.Event()
+    read: list[int] = []
+    real = bytecheck.crc_file_ranges
+
+    def waiting(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
+        gate.wait(5)
+        read.append(len(ranges))
+        return real(fd, ranges)
+
+    monkeypatch.setattr(bytecheck, "crc_file_ranges", waiting)
+    checker = ByteChecker(fd)
+    for i in range(20):
+        checker.check(f"r{i}", i * 100, 100, 0)
+    threading.Timer(0.2, gate.set).start()
+    checker.cancel()
+    assert len(read) <= 1  # at most the batch it had started on

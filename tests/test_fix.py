@@ -318,3 +318,26 @@ def test_disk_full_is_one_clean_error_and_leaves_nothing(
         "ckptool: error: No space left on device",
         "hint: check free space and permissions; nothing was left half-written"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]
+
+
+def test_an_input_replaced_while_it_is_read_is_refused(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A trainer re-saving the file (by rename) while fix reads it: the bytes of
+    one version must not be written under the pickle of another."""
+    from ckptool import rewrite
+
+    src, newer = tmp_path / "m.pth", tmp_path / "newer.pth"
+    dp_checkpoint(src)
+    dp_checkpoint(newer, tag="cuda:1")
+    real = rewrite.formats.read
+
+    def read_then_replace(path: str) -> Any:
+        raw = real(path)
+        newer.replace(src)  # the new version lands after the read
+        return raw
+
+    monkeypatch.setattr(rewrite.formats, "read", read_then_replace)
+    with pytest.raises(ckptool.CkptoolError, match="changed while ckptool was reading it"):
+        rewrite.fix(str(src), ckptool.FixOptions(strip_module=True, to="cpu"),
+                    str(tmp_path / "o.pth"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]

@@ -226,3 +226,137 @@ def test_refused_input_after_the_copy_started_leaves_nothing(tmp_path: Path) -> 
         rewrite.fix(str(tmp_path / "in.pth"), FixOptions(strip_module=True),
                     str(tmp_path / "o.pth"))
     assert os.listdir(tmp_path) == ["in.pth"]
+
+
+def test_damage_after_the_storages_is_caught(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pickle, the small records and the directory are re-read too: a
+    byte that reaches the disk wrong in ``byteorder`` fails the run."""
+    from ckptool import zipfix
+
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    training_file(src, big=False)
+    real = zipfix._Tee.write
+
+    def flipping(self: Any, data: bytes) -> int:
+        if data == b"little":  # what the CRC sees, then what the disk gets
+            self.crc = zipfix.zlib.crc32(data, self.crc)
+            self.size += len(data)
+            return int(self.f.write(b"big!!!"))
+        return real(self, data)
+
+    monkeypatch.setattr(zipfix._Tee, "write", flipping)
+    with pytest.raises(CorruptCheckpointError, match="records after the storages"):
+        rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+    assert os.listdir(tmp_path) == ["m.pth"]
+
+
+def test_a_refusal_stops_the_copy_without_reading_the_rest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused after the early copy started: nothing more is written or re-read
+    than what was copied when the refusal came."""
+    from ckptool import bytecheck
+
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    gen = torch.Generator().manual_seed(0)
+    torch.save({"state_dict": {f"module.w{i}": torch.randn(64 * 1024, generator=gen)
+                               for i in range(40)}}, src)
+    monkeypatch.setattr(zipcopy, "SPAN_CHUNK", 256 << 10)
+    copied: list[int] = []
+    real_copy = zipcopy.Copier._copy
+
+    def slow(self: zipcopy.Copier, src_at: int, size: int, dst_at: int) -> int:
+        import time
+
+        time.sleep(0.02)  # the read and the refusal come while the copy is at work
+        n = real_copy(self, src_at, size, dst_at)
+        copied.append(n)
+        return n
+
+    monkeypatch.setattr(zipcopy.Copier, "_copy", slow)
+    read: list[int] = []
+    real_crc = bytecheck.crc_file_ranges
+
+    def counting(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
+        read.append(sum(n for _, n in ranges))
+        return real_crc(fd, ranges)
+
+    monkeypatch.setattr(bytecheck, "crc_file_ranges", counting)
+    monkeypatch.setattr(rewrite, "refuse_unsafe", _refuse)
+    with pytest.raises(UnsupportedCheckpointError, match="refused"):
+        rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+    assert sum(copied) < os.path.getsize(src) // 2  # the copy was stopped early...
+    assert sum(read) <= sum(copied) + 4096  # ...and nothing unwritten was re-read
+    assert os.listdir(tmp_path) == ["m.pth"]
+
+
+def _refuse(names: list[str]) -> None:
+    raise UnsupportedCheckpointError("refused", "for the test")
+
+
+def test_records_with_zip64_descriptors_still_copy_as_one_run(tmp_path: Path) -> None:
+    """torch writes 8-byte-size descriptors for records past 4 GiB, whatever
+    their size: those runs must still copy in one piece."""
+    import struct
+    import zlib
+
+    from ckptool.bytecheck import ByteChecker
+    from ckptool.zipwriter import ZipWriter, local_header
+
+    path = tmp_path / "z.zip"
+    blobs = [os.urandom(5000 + i) for i in range(3)]
+    with open(path, "wb") as f:
+        writer = ZipWriter(f)
+        for i, blob in enumerate(blobs):
+            name = f"z/data/{i}"
+            header = local_header(name.encode(), writer.pos)
+            offset = writer.pos
+            crc = zlib.crc32(blob)
+            f.write(header + blob + struct.pack("<IIQQ", 0x08074B50, crc, len(blob), len(blob)))
+            writer.add_existing(name, offset, len(blob), crc, 0x0808,
+                                offset + len(header))
+            writer.pos = f.tell()
+        writer.close()
+    with open(path, "rb") as f:
+        archive = ZipArchive(f, os.path.getsize(path))
+        layout = zipcopy.plan_layout(f.fileno(), archive, zipcopy.storage_members(archive, "z/"),
+                                     {})
+        assert [len(r.pieces) for r in layout.runs] == [3]
+        out = os.open(tmp_path / "o.bin", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            with ByteChecker(out) as checker:
+                zipcopy.Copier(f.fileno(), out, layout, checker).start().finish()
+                assert checker.finish() == []
+            for piece, blob in zip(layout.pieces(), blobs, strict=True):
+                assert os.pread(out, piece.size, piece.data) == blob
+        finally:
+            os.close(out)
+
+
+def test_a_damaged_storage_is_refused_when_cast_too(tmp_path: Path) -> None:
+    """A copy is checked against the input's own CRCs; a cast must be as well."""
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    training_file(src, big=False)
+    with open(src, "rb") as f:
+        archive = ZipArchive(f, os.path.getsize(src))
+        at = archive.data_offset(archive.members["m/data/0"]) + 10
+    with open(src, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptCheckpointError, match="its own checksum"):
+        rewrite.fix(str(src), FixOptions(dtype="bfloat16"), str(out))
+    assert os.listdir(tmp_path) == ["m.pth"]
+
+
+def test_a_tensor_with_python_attributes_is_written_back(tmp_path: Path) -> None:
+    """torch saves ``t.tag = 7`` through _rebuild_from_type_v2(func, ...): the
+    function is an argument, written by its name."""
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    t = torch.arange(6.0)
+    t.tag = 7  # type: ignore[attr-defined]
+    torch.save({"module.t": t}, src)
+    rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+    got = torch.load(out)  # weights_only: the attribute is plain data
+    assert torch.equal(got["t"], t) and got["t"].tag == 7
