@@ -38,6 +38,7 @@ Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 # bytes per kernel copy call: the copier takes the GIL between calls, and a
 # busy main thread can make it wait for it each time
 SPAN_CHUNK = 256 << 20
+TAIL_CHUNK = 16 << 20
 CONGRUENT_MIN = 1 << 20  # smaller runs keep torch's 64-byte alignment, no page padding
 CastBytes = Callable[[str], bytes]  # storage key -> its bytes, cast
 
@@ -279,7 +280,10 @@ class Copier:
         while at < end:
             if self._stop.is_set():
                 return
-            n = self._copy(at, min(SPAN_CHUNK - (at + delta) % SPAN_CHUNK, end - at), at + delta)
+            # big chunks, smaller towards the end: the checker re-reads each
+            # one after it lands, and only the last one's re-read is not overlapped
+            want = min(SPAN_CHUNK, max(TAIL_CHUNK, (end - at) // 4), end - at)
+            n = self._copy(at, want, at + delta)
             if n <= 0:
                 raise CorruptCheckpointError(
                     f"the input ends {end - at} bytes early, inside its storage records",

@@ -167,6 +167,52 @@ def test_unchanged_plan_reproduces_the_pickle_byte_for_byte(tmp_path: Path) -> N
         assert repickle.dumps(raw.root, lambda ref: tuple([*ref.pid])) == original, sample
 
 
+def test_the_plain_value_shortcut_writes_the_same_bytes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Repickler.save dispatches plain values at once; the generic path must
+    give the same bytes, memo and batching included, for every sample and a
+    tree with every plain kind."""
+    shared = ("shared", 1)
+    odd = {"ints": [0, 1, 255, 256, 65535, 65536, -1, 2**31, -(2**31) - 1, 2**64, -(2**70)],
+           "floats": [0.0, -1.5, float("inf"), 1e-300], "text": ["", "é", "\u2603", "x" * 300],
+           "bytes": [b"", b"\x00\xff" * 200], "flags": [True, False, None],
+           "big": list(range(2500)), "wide": {f"k{i}": i for i in range(2500)},
+           "nested": ((), (1,), (1, 2), (1, 2, 3), (1, 2, 3, 4), [[[]]], {}),
+           "again": [shared, shared, [shared]], "w": torch.ones(3)}
+    path = tmp_path / "odd.pth"
+    torch.save(odd, path)
+    files = [path, *(SAMPLES / s for s in ("dataparallel_cuda2.pth", "lightning.ckpt",
+                                            "whole_model_cuda1.pth", "hostile_runs_code.pth"))]
+    for file in files:
+        with faithful():
+            raw = formats.read(str(file))
+        fast = repickle.dumps(raw.root, lambda ref: tuple([*ref.pid]))
+        monkeypatch.setattr(repickle.Repickler, "plain_shortcut", False)
+        slow = repickle.dumps(raw.root, lambda ref: tuple([*ref.pid]))
+        monkeypatch.setattr(repickle.Repickler, "plain_shortcut", True)
+        assert fast == slow, file.name
+    with zipfile.ZipFile(path) as zf:
+        assert fast != b"" and zf.read("odd/data.pkl") == repickle.dumps(
+            formats_read_faithful(path).root, lambda ref: tuple([*ref.pid]))
+
+
+def formats_read_faithful(path: Path) -> Any:
+    with faithful():
+        return formats.read(str(path))
+
+
+def test_bytes_and_other_plain_values_survive_a_fix(tmp_path: Path) -> None:
+    """At protocol 2 torch writes bytes as codecs.encode(...): the faithful read
+    keeps that call (a stand-in), and the rewrite writes it back."""
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    entries = {"blob": b"\x00\x01binary", "big": 2**70, "pi": 3.25, "name": "é", "none": None}
+    torch.save({"state_dict": {"module.w": torch.ones(2)}, **entries}, src)
+    assert main(["fix", str(src), "--strip-module", "-o", str(out), "-q"]) == 0
+    got = torch.load(out, weights_only=False)
+    assert {k: got[k] for k in entries} == entries
+    assert torch.equal(got["state_dict"]["w"], torch.ones(2))
+
+
 def test_output_loads_with_weights_only_and_mmap(tmp_path: Path) -> None:
     src = tmp_path / "m.pth"
     dp_checkpoint(src, tag="cuda:3")
