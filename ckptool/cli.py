@@ -22,6 +22,7 @@ from ckptool.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_USAGE, Ckptool
 FSYNC_HELP = ("Return only once OUT is on disk, safe from a power cut (as cp + sync). "
               "Replacing a file (--force, --in-place) always waits.")
 
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="ckptool")
 @click.option("--traceback", "show_traceback", is_flag=True, hidden=False,

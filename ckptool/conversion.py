@@ -38,7 +38,7 @@ from ckptool.fastcrc import crc_file_range
 from ckptool.formats.safetensors_fmt import SAFETENSORS
 from ckptool.gather import copy_pieces
 from ckptool.model import Checkpoint, TensorInfo
-from ckptool.outputcheck import check_bytes
+from ckptool.outputcheck import Expected, check_bytes
 from ckptool.reader import open_checkpoint
 from ckptool.tensor_data import TensorData
 from ckptool.tensors import StorageRef, StorageType, TensorRecord
@@ -172,7 +172,6 @@ def _to_safetensors(source: Checkpoint, dst: str, output: AtomicOutput,
     return result
 
 
-Expected = dict[str, tuple[int, int, int]]  # name -> (offset, size, crc) in the output
 
 
 def write_safetensors(f: Any, items: list[tuple[str, TensorInfo, str]], meta: dict[str, str],

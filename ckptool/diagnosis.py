@@ -403,8 +403,14 @@ def _plan_command(result: Diagnosis, opts: FixOptions) -> None:
         return
     result.fix_output = os.path.basename(output)
     result.fix_options = opts
-    result.fix_command = " ".join(["ckptool", "fix", shell_name(ckpt.path),
-                                   *command_flags(opts), "-o", shell_name(output)])
+    result.fix_command = fix_command_line(ckpt.path, opts, output)
+
+
+def fix_command_line(path: str, opts: FixOptions, output: str) -> str:
+    """The ``ckptool fix`` command that writes ``opts``' fix of ``path`` to
+    ``output``, run from ``path``'s folder."""
+    return " ".join(["ckptool", "fix", shell_name(path), *command_flags(opts),
+                     "-o", shell_name(output)])
 
 
 def command_flags(opts: FixOptions) -> list[str]:
@@ -431,6 +437,26 @@ def describe_machine(machine: Machine) -> str:
         return "this machine (no usable CUDA GPU)"
     n = machine.device_count
     return f"this machine ({n} visible CUDA GPU{'s' if n != 1 else ''})"
+
+
+def describe_target(machine: Machine) -> str:
+    """The machine a diagnosis was made for, with what was noticed about it."""
+    target = describe_machine(machine)
+    if machine.note and machine.source != "assumed":
+        target += f"; {machine.note}"
+    return target
+
+
+def describe_landing(machine: Machine, tag: TagLoad) -> str:
+    """Where plain ``torch.load`` puts a saved device's tensors (a GPU with its
+    physical number and free memory), or "-" (a tag whose load fails has its
+    error instead: callers say so)."""
+    if tag.lands and tag.lands.startswith("cuda:"):
+        gpu = machine.gpus[int(tag.lands[5:])]
+        extra = f" (physical GPU {tag.physical})" if tag.physical is not None else ""
+        free = f" · {human_bytes(gpu.free_bytes)} free" if gpu.free_bytes is not None else ""
+        return f"{tag.lands}{extra}{free}"
+    return tag.lands or "-"
 
 
 def describe_keys(d: Diagnosis) -> str | None:

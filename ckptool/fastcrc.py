@@ -28,8 +28,6 @@ _GRANULE = mmap.ALLOCATIONGRANULARITY
 _LIBRARIES = ("libdeflate.so.0", "libdeflate.so", "libdeflate.0.dylib", "libdeflate.dylib")
 _CHECK = (b"123456789", 0xCBF43926)  # the CRC-32 catalogue's check value
 
-Crc = Callable[[int, int, int], int]  # (fd, offset, size) -> crc
-
 
 @cache
 def _libdeflate() -> Callable[..., int] | None:

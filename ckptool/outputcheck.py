@@ -18,8 +18,8 @@ from ckptool.reader import open_checkpoint, tensor_info
 from ckptool.tensor_data import TensorData
 from ckptool.walk import walk
 
-# where each output storage's bytes are, and the CRC they must have
-Expected = dict[str, tuple[int, int, int]]  # storage id -> (offset, size, crc)
+# where each output storage's (or tensor's) bytes are, and the CRC they must have
+Expected = dict[str, tuple[int, int, int]]  # storage id or name -> (offset, size, crc)
 _BUG = "nothing was written; report this as a bug"
 
 

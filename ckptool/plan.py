@@ -111,13 +111,13 @@ def parse_pair(text: str, what: str) -> tuple[str, str]:
     return left, right
 
 
-def find_entry(root: Any, path: str) -> tuple[Any, Any, Any]:
+def _find(root: Any, path: str) -> tuple[Any, Any, Any]:
     """(parent container, key in it, object) at a '/'-joined container path."""
     parent: Any = None
     key: Any = None
     obj = root
     for part in path.split("/") if path else []:
-        for raw_key, name, child in keyed_children(obj):
+        for raw_key, name, child in _keyed_children(obj):
             if name == part:
                 parent, key, obj = obj, raw_key, child
                 break
@@ -127,7 +127,7 @@ def find_entry(root: Any, path: str) -> tuple[Any, Any, Any]:
     return parent, key, obj
 
 
-def keyed_children(obj: Any) -> list[tuple[Any, str, Any]]:
+def _keyed_children(obj: Any) -> list[tuple[Any, str, Any]]:
     if isinstance(obj, dict):
         return [(k, name, v) for (name, v), k in zip(children(obj), obj, strict=True)]
     if isinstance(obj, list):
@@ -135,7 +135,7 @@ def keyed_children(obj: Any) -> list[tuple[Any, str, Any]]:
     return [(None, name, v) for name, v in children(obj)]
 
 
-def replace_child(root: Any, parent: Any, key: Any, new: Any) -> Any:
+def _replace(root: Any, parent: Any, key: Any, new: Any) -> Any:
     if parent is None:
         return new
     if isinstance(parent, (dict, list)):
@@ -145,14 +145,14 @@ def replace_child(root: Any, parent: Any, key: Any, new: Any) -> Any:
                      "extract or drop the container that holds it instead")
 
 
-def state_dict_of(obj: Any) -> Any:
+def _state_dict_of(obj: Any) -> Any:
     """A module (pickled nn.Module, TorchScript) as an OrderedDict of its tensors."""
     if module_kind(obj) is None:
         return obj
     return OrderedDict(module_tensors(obj))
 
 
-def rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
+def _rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
     """A copy of ``sd`` with keys through ``rename``; ``_metadata`` follows."""
     new: Any = type(sd)() if isinstance(sd, OrderedDict) else {}
     changes = []
@@ -176,7 +176,7 @@ def rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
     return new, changes
 
 
-def key_function(opts: FixOptions, wrapper: str) -> Any:
+def _key_function(opts: FixOptions, wrapper: str) -> Any:
     patterns = []
     for regex, repl in opts.renames:
         try:
@@ -201,7 +201,7 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
     """Apply ``opts`` to ``ckpt.root`` (read faithfully); ``ckpt`` is its analysis."""
     plan = Plan(ckpt.root)
     for drop in opts.drop:
-        parent, key, _ = find_entry(plan.root, drop)
+        parent, key, _ = _find(plan.root, drop)
         if parent is None or not isinstance(parent, (dict, list)):
             raise UsageError(f"cannot drop {drop!r}", "drop an entry of a dict or list")
         del parent[key]
@@ -213,28 +213,28 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
         if path is None:
             raise UsageError("no state dict found to extract",
                              "name one: --extract PATH (see `ckptool inspect`)")
-        _, _, obj = find_entry(plan.root, path)
-        plan.root = state_dict_of(obj)
+        _, _, obj = _find(plan.root, path)
+        plan.root = _state_dict_of(obj)
         plan.extracted = path
         sd_path = "" if path == sd_path else None
     if opts.changes_keys():
         if sd_path is None or sd_info is None:
             raise UsageError("no state dict to rename keys in",
                              "extract one first: --extract PATH")
-        parent, key, sd = find_entry(plan.root, sd_path)
+        parent, key, sd = _find(plan.root, sd_path)
         if not isinstance(sd, dict):
             raise UsageError(
                 f"'{sd_info.path or 'the file'}' is a whole pickled module, not a state dict",
                 "add --extract to turn it into a state dict first")
-        new_sd, plan.renames = rename_all(sd, key_function(opts, sd_info.prefix))
-        plan.root = replace_child(plan.root, parent, key, new_sd)
+        new_sd, plan.renames = _rename_all(sd, _key_function(opts, sd_info.prefix))
+        plan.root = _replace(plan.root, parent, key, new_sd)
         if opts.strip_module and not sd_info.prefix:
             plan.notes.append("--strip-module: no module./_orig_mod./model. prefix found")
-    plan_storages(plan, opts)
+    _plan_storages(plan, opts)
     return plan
 
 
-def reachable(root: Any) -> Iterator[Any]:
+def _reachable(root: Any) -> Iterator[Any]:
     """Every object that writing ``root`` back would write, each once: what
     the output carries (storages) and what it would name (stand-in globals)."""
     seen: set[int] = set()
@@ -261,20 +261,11 @@ def reachable(root: Any) -> Iterator[Any]:
                           *obj.dictitems, *obj.dictitems.values()])
 
 
-def used_storages(root: Any) -> dict[str, StorageRef]:
-    """Storages reachable from ``root`` (what the output must carry)."""
-    return _survey(root)[0]
-
-
-def unsafe_in(root: Any) -> list[str]:
-    """Dotted names of unsafe globals the tree would write back."""
-    return _survey(root)[1]
-
-
 def _survey(root: Any) -> tuple[dict[str, StorageRef], list[str]]:
+    """The storages ``root`` carries, and the unsafe globals it names."""
     storages: dict[str, StorageRef] = {}
     unsafe = set()
-    for obj in reachable(root):
+    for obj in _reachable(root):
         if isinstance(obj, StorageRef):
             storages.setdefault(obj.key, obj)
             continue
@@ -284,7 +275,7 @@ def _survey(root: Any) -> tuple[dict[str, StorageRef], list[str]]:
     return storages, sorted(unsafe)
 
 
-def plan_storages(plan: Plan, opts: FixOptions) -> None:
+def _plan_storages(plan: Plan, opts: FixOptions) -> None:
     maps = dict(opts.maps)
     plan.storages, plan.unsafe = _survey(plan.root)
     used = plan.storages

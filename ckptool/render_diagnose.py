@@ -12,7 +12,14 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.describe import human_bytes
-from ckptool.diagnosis import ERROR, WARNING, Diagnosis, describe_keys, describe_machine
+from ckptool.diagnosis import (
+    ERROR,
+    WARNING,
+    Diagnosis,
+    describe_keys,
+    describe_landing,
+    describe_target,
+)
 
 _STYLE = {ERROR: "bold red", WARNING: "yellow"}
 
@@ -23,10 +30,7 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
     grid.add_column(style="bold")
     grid.add_column(overflow="fold")
     grid.add_row("file", f"{ckpt.path} · {ckpt.format} · {human_bytes(ckpt.file_size)}")
-    target = describe_machine(machine)
-    if machine.note and machine.source != "assumed":
-        target += f"; {machine.note}"
-    grid.add_row("target", target)
+    grid.add_row("target", describe_target(machine))
     errors = d.load_errors()
     grid.add_row("torch.load", Text("fails: " + errors[0], style="red") if errors
                  else Text("loads", style="green"))
@@ -82,15 +86,8 @@ def _devices(console: Console, d: Diagnosis) -> None:
     table.add_column("bytes", justify="right")
     table.add_column("plain torch.load here")
     for t in d.tags:
-        if t.error:
-            lands = Text("fails", style="red")
-        elif t.lands and t.lands.startswith("cuda:"):
-            gpu = d.machine.gpus[int(t.lands[5:])]
-            extra = f" (physical GPU {t.physical})" if t.physical is not None else ""
-            free = f" · {human_bytes(gpu.free_bytes)} free" if gpu.free_bytes is not None else ""
-            lands = Text(f"{t.lands}{extra}{free}")
-        else:
-            lands = Text(t.lands or "-")
+        lands = (Text("fails", style="red") if t.error
+                 else Text(describe_landing(d.machine, t)))
         table.add_row(t.location, str(t.tensors), human_bytes(t.nbytes), lands)
     console.print()
     console.print(table)

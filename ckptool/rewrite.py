@@ -29,7 +29,7 @@ from ckptool import formats, inplace, outputcheck, repickle, safe_pickle, zipfix
 from ckptool.atomic import AtomicOutput
 from ckptool.bytecheck import ByteChecker
 from ckptool.conversion import cast_bytes, verify, write_safetensors
-from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from ckptool.errors import UnsupportedCheckpointError, UsageError
 from ckptool.formats.safetensors_fmt import SAFETENSORS
 from ckptool.formats.torch_zip import TORCH_ZIP
 from ckptool.model import Checkpoint
@@ -77,16 +77,9 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             early = zipfix.copy_early(src, target, opts, force, fsync, progress, stack,
                                       identity)
         with faithful():
-            raw = formats.read(src)
-        try:
-            if identity is not None and file_identity(os.stat(src)) != identity:
-                raise CorruptCheckpointError(
-                    f"{src} changed while ckptool was reading it",
-                    "run the command again once nothing is writing the file; "
-                    "nothing was written")
-        except OSError as exc:
-            raise CorruptCheckpointError(f"{src} disappeared while ckptool was reading it",
-                                         "check the path and try again") from exc
+            # the early copy's own open file, when there is one: one version
+            raw = formats.read_zip(src, early.archive) if early else formats.read(src)
+        check_unchanged(src, identity)
         check_rewritable(raw.format, opts)
         source = assemble(src, raw)
         plan = make_plan(source, opts)
@@ -130,11 +123,6 @@ def _total(refs: dict[str, StorageRef]) -> int:
     return sum(r.nbytes for r in refs.values())
 
 
-def _storage_bytes(reader: TensorData, sid: str) -> bytearray:
-    info = reader.storage(sid)
-    return reader.read_range(sid, 0, info.nbytes)
-
-
 def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
                        progress: Progress | None) -> None:
     """Renamed, dropped or cast safetensors: a new header, the bytes streamed."""
@@ -171,8 +159,8 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, output: AtomicOutput
     expected: outputcheck.Expected = {}
     out = output.file
     with TensorData(source) as reader, open(src, "rb") as f:
-        check_unchanged(src, f.fileno(), identity)
-        check_unchanged(src, reader.fileno(), identity)
+        check_unchanged(src, identity, f.fileno())
+        check_unchanged(src, identity, reader.fileno())
         header_end = _legacy_header_end(f)
         out.write(os.pread(f.fileno(), header_end, 0))
         out.write(pickled)
@@ -180,7 +168,7 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, output: AtomicOutput
         with ByteChecker(out.fileno(), output.durable) as checker:
             for key in keys:
                 ref = used[key]
-                data = bytes(_storage_bytes(reader, key))
+                data = bytes(reader.storage_bytes(key))
                 if key in plan.casts:
                     data = cast_bytes(data, *plan.casts[key])
                 out.write(struct.pack("<q", ref.numel))

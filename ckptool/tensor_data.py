@@ -125,6 +125,10 @@ class TensorData:
         except ZipError as exc:
             raise CorruptCheckpointError(f"cannot locate {record}: {exc}") from exc
 
+    def storage_bytes(self, storage_id: str) -> bytearray:
+        """All of a storage's bytes."""
+        return self.read_range(storage_id, 0, self.storage(storage_id).nbytes)
+
     def read_range(self, storage_id: str, start: int, length: int) -> bytearray:
         """``length`` bytes of a storage from byte ``start`` (within the storage)."""
         info = self.storage(storage_id)
@@ -193,11 +197,18 @@ def file_identity(stat: os.stat_result) -> Identity:
     return (stat.st_dev, stat.st_ino, stat.st_size, stat.st_mtime_ns)
 
 
-def check_unchanged(path: str, fd: int, identity: Identity | None) -> None:
-    """A rewrite opens its input more than once: every open must be the file
-    the rewrite was planned from, or bytes of one version would be written
-    under the pickle of another."""
-    if identity is not None and file_identity(os.fstat(fd)) != identity:
+def check_unchanged(path: str, identity: Identity | None, fd: int | None = None) -> None:
+    """A rewrite opens its input more than once: every open (``fd``), and the
+    path itself after a read, must be the file the rewrite was planned from,
+    or bytes of one version would be written under the pickle of another."""
+    if identity is None:
+        return
+    try:
+        now = file_identity(os.fstat(fd) if fd is not None else os.stat(path))
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{path} disappeared while ckptool was reading it",
+                                     "check the path and try again") from exc
+    if now != identity:
         raise CorruptCheckpointError(
             f"{path} changed while ckptool was reading it",
             "run the command again once nothing is writing the file; nothing was written")
@@ -251,8 +262,7 @@ def iter_storage_chunks(path: str | os.PathLike[str], ckpt: Checkpoint, storage_
 def read_storage(path: str | os.PathLike[str], ckpt: Checkpoint, storage_id: str) -> bytes:
     """All bytes of storage ``storage_id``, as saved."""
     with TensorData(_at(ckpt, path)) as data:
-        info = data.storage(storage_id)
-        return bytes(data.read_range(storage_id, 0, info.nbytes))
+        return bytes(data.storage_bytes(storage_id))
 
 
 def tensor_values(path: str | os.PathLike[str], ckpt: Checkpoint,

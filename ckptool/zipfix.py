@@ -39,7 +39,7 @@ class ZipCopy:
     def __init__(self, f: IO[bytes], archive: ZipArchive, layout: zipcopy.Layout,
                  out: AtomicOutput, progress: Progress | None,
                  cast: zipcopy.CastBytes | None = None) -> None:
-        self.f, self.archive, self.layout, self.out = f, archive, layout, out
+        self.archive, self.layout, self.out = archive, layout, out
         self.checker = ByteChecker(out.file.fileno(), out.durable)
         self.copier = zipcopy.Copier(f.fileno(), out.file.fileno(), self.layout, self.checker,
                                      progress, cast).start()
@@ -70,8 +70,7 @@ def copy_early(src: str, target: str, opts: FixOptions, force: bool, fsync: bool
         archive = ZipArchive(f, os.fstat(f.fileno()).st_size)
     except (OSError, ZipError):
         return None
-    names = list(archive.members)
-    root = names[0].split("/", 1)[0] if names and "/" in names[0] else ""
+    root = torch_zip.root_of(list(archive.members)) if archive.members else ""
     prefix = f"{root}/" if root else ""
     if f"{prefix}data.pkl" not in archive.members or f"{prefix}constants.pkl" in archive.members:
         return None  # not a torch.save zip (the read says what it is)
@@ -102,16 +101,16 @@ def write_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
     prefix = f"{root}/" if root else ""
     if job is None:
         f = stack.enter_context(open(src, "rb"))  # noqa: SIM115 -- the stack closes it
-        check_unchanged(src, f.fileno(), identity)
+        check_unchanged(src, identity, f.fileno())
         archive = open_archive(f)
         members = zipcopy.storage_members(archive, prefix)
         reader = stack.enter_context(TensorData(source))
-        check_unchanged(src, reader.fileno(), identity)
+        check_unchanged(src, identity, reader.fileno())
         casts = {key: used[key].numel * dtypes.itemsize(plan.casts[key][1])
                  for key in plan.casts if key in used}
 
         def cast(key: str) -> bytes:
-            data = reader.read_range(key, 0, reader.storage(key).nbytes)
+            data = reader.storage_bytes(key)
             crc = reader.record_crc(key)  # a copy is checked against it; a cast too
             if crc is not None and zlib.crc32(data) != crc:
                 raise CorruptCheckpointError(
@@ -122,10 +121,6 @@ def write_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
         layout = zipcopy.plan_layout(f.fileno(), archive, {k: members[k] for k in used}, casts)
         job = ZipCopy(f, archive, layout, out, progress, cast)
         stack.callback(job.stop)
-    missing = set(used) - {p.key for p in job.layout.pieces()}
-    if missing:
-        raise CorruptCheckpointError(f"storage record {sorted(missing)[0]} is not in the archive",
-                                     "the file is damaged; nothing was written")
     shared: dict[str, Any] = {}
     pickled = repickle.dumps(plan.root, lambda ref: new_pid(ref, plan, shared))
     planned = _PlannedArchive(job.archive, prefix, pickled, job.layout.pieces())

@@ -371,18 +371,20 @@ def test_an_input_replaced_while_it_is_read_is_refused(tmp_path: Path,
     """A trainer re-saving the file (by rename) while fix reads it: the bytes of
     one version must not be written under the pickle of another."""
     from ckptool import rewrite
+    from ckptool.formats import torch_zip
 
     src, newer = tmp_path / "m.pth", tmp_path / "newer.pth"
     dp_checkpoint(src)
     dp_checkpoint(newer, tag="cuda:1")
-    real = rewrite.formats.read
+    real = torch_zip.read_archive
 
-    def read_then_replace(path: str) -> Any:
-        raw = real(path)
-        newer.replace(src)  # the new version lands after the read
+    def read_then_replace(archive: Any) -> Any:
+        raw = real(archive)
+        if newer.exists():
+            newer.replace(src)  # the new version lands after the read
         return raw
 
-    monkeypatch.setattr(rewrite.formats, "read", read_then_replace)
+    monkeypatch.setattr(torch_zip, "read_archive", read_then_replace)
     with pytest.raises(ckptool.CkptoolError, match="changed while ckptool was reading it"):
         rewrite.fix(str(src), ckptool.FixOptions(strip_module=True, to="cpu"),
                     str(tmp_path / "o.pth"))

@@ -67,7 +67,7 @@ def check(path: Path, options: dict[str, FixOptions] = OPTIONS) -> None:
     ckpt = ckptool.open(path)
     tensors_before = [(t.key, t.location) for t in ckpt.tensors]
     root_before = _snapshot(ckpt.root)
-    one = Previewer(ckpt)  # one previewer for all: what it keeps between options is right
+    one = Previewer(ckpt)  # one previewer for all, as the browser keeps it
     for name, opts in options.items():
         want = expected(path, opts)
         assert previewed(one, opts) == want, f"{path.name}: {name}"
@@ -127,7 +127,7 @@ def test_lightning_style_checkpoint(tmp_path: Path) -> None:
                  "extract-other": FixOptions(extract="optimizer_states/0/state/0")})
 
 
-def test_trees_that_take_the_general_path(tmp_path: Path) -> None:
+def test_aliased_and_nested_trees(tmp_path: Path) -> None:
     """A state dict seen twice, nested in a tuple, and with a non-tensor entry."""
     sd = {"module.a": torch.zeros(2), "module.b": torch.ones(3)}
     shared = tmp_path / "shared.pth"

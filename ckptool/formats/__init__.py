@@ -57,6 +57,13 @@ def read(path: str) -> RawRead:
         return _reader_for(path)(path)
 
 
+def read_zip(path: str, archive: torch_zip.Archive) -> RawRead:
+    """``read`` of a torch zip whose directory is already open (``fix`` opens
+    it first to start copying): the pickle from that same file."""
+    with _explained(path):
+        return torch_zip.read_archive(archive)
+
+
 def check(path: str) -> None:
     """Raise what ``read`` would for a file that is missing, empty or not a
     checkpoint at all, reading only its first and last bytes."""

@@ -34,7 +34,8 @@ def sniff(head: bytes) -> bool:
     return head[:4] in (b"PK\x03\x04", b"PK\x05\x06")
 
 
-def _root_of(names: list[str]) -> str:
+def root_of(names: list[str]) -> str:
+    """The archive's root folder: its first entry's, as torch takes it."""
     first = names[0]
     return first.split("/", 1)[0] if "/" in first else ""
 
@@ -70,7 +71,7 @@ def read_archive(zf: Archive) -> RawRead:
     if not names:
         raise NotACheckpointError("empty zip archive, not a checkpoint",
                                   "the file holds no records; fetch it again")
-    root = _root_of(names)
+    root = root_of(names)
     prefix = f"{root}/" if root else ""
     if f"{prefix}data.pkl" not in infos:
         _explain_other_zip(names)

@@ -13,7 +13,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ckptool.describe import human_bytes
-from ckptool.diagnosis import ERROR, Diagnosis, describe_keys, describe_machine
+from ckptool.diagnosis import ERROR, Diagnosis, describe_keys, describe_landing, describe_target
 
 _LABEL = 11  # width of the labels of the last section
 
@@ -74,11 +74,7 @@ def _row(text: Text, label: str, value: str | Text) -> None:
 def _machine(text: Text, d: Diagnosis) -> None:
     """The target machine, what plain torch.load does there, and per device."""
     text.append("\n")
-    machine = d.machine
-    target = describe_machine(machine)
-    if machine.note and machine.source != "assumed":
-        target += f"; {machine.note}"
-    _row(text, "target", target)
+    _row(text, "target", describe_target(d.machine))
     errors = d.load_errors()
     _row(text, "torch.load", Text("fails: " + errors[0], style="red") if errors
          else Text("loads", style="green"))
@@ -87,13 +83,9 @@ def _machine(text: Text, d: Diagnosis) -> None:
     for i, t in enumerate(d.tags):
         if t.error:
             lands = Text("torch.load fails here", style="red")
-        elif t.lands and t.lands.startswith("cuda:"):
-            gpu = machine.gpus[int(t.lands[5:])]
-            extra = f" (physical GPU {t.physical})" if t.physical is not None else ""
-            free = f" · {human_bytes(gpu.free_bytes)} free" if gpu.free_bytes is not None else ""
-            lands = Text(f"lands on {t.lands}{extra}{free}")
         else:
-            lands = Text(f"lands on {t.lands}" if t.lands else "-")
+            where = describe_landing(d.machine, t)
+            lands = Text("-" if where == "-" else f"lands on {where}")
         line = Text(f"{t.location}: {t.tensors:,} tensor{'s' if t.tensors != 1 else ''} · "
                     f"{human_bytes(t.nbytes)} · ")
         line.append_text(lands)

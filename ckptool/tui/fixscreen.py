@@ -27,7 +27,7 @@ from textual.timer import Timer
 from textual.widgets import Button, Checkbox, Input, Label, Log, ProgressBar, Static
 
 from ckptool.describe import human_bytes
-from ckptool.diagnosis import Diagnosis, command_flags, shell_name
+from ckptool.diagnosis import Diagnosis, fix_command_line
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
 from ckptool.plan import FixOptions, parse_device
@@ -243,8 +243,7 @@ class FixScreen(ModalScreen[str | None]):
         self.query_one("#fix-preview", Log).clear()
 
     def command(self, opts: FixOptions, out: str) -> str:
-        return " ".join(["ckptool", "fix", shell_name(self.path), *command_flags(opts),
-                         "-o", shell_name(out)])
+        return fix_command_line(self.path, opts, out)
 
     # -- writing -------------------------------------------------------------
     @on(Button.Pressed, "#fix-write")
