@@ -79,7 +79,7 @@ def ensure(tensors: int) -> Path:
 
 
 def full_read(path: Path) -> float:
-    from ckptool.reader import open_checkpoint
+    from ckptool.read.reader import open_checkpoint
 
     t0 = time.perf_counter()
     open_checkpoint(path)
@@ -89,7 +89,7 @@ def full_read(path: Path) -> float:
 async def first_screen(path: Path) -> tuple[float, float, float]:
     """(first paint, first screenful of rows, read shown in full), seconds
     from the app's start."""
-    from ckptool import gpus
+    from ckptool.check import gpus
     from ckptool.tui import make_app
     from ckptool.tui.table import TensorTable
 
@@ -128,7 +128,7 @@ async def keystrokes(path: Path, tree: bool, deep: str | None = None
                      ) -> tuple[list[float], list[float]]:
     """(ms per filter keystroke, ms per cursor keystroke) on a loaded app;
     with ``deep``, the cursor is put on that key first (``g``)."""
-    from ckptool import gpus
+    from ckptool.check import gpus
     from ckptool.tui import make_app
     from ckptool.tui.table import TensorTable
 

@@ -11,7 +11,7 @@ from typing import Any
 
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.reader import open_checkpoint as open
+from ckptool.read.reader import open_checkpoint as open
 
 __version__ = "0.1.0"
 __all__ = [
@@ -21,11 +21,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "diagnose": ("ckptool.diagnosis", "diagnose"),
-    "fix": ("ckptool.rewrite", "fix"),
-    "FixOptions": ("ckptool.plan", "FixOptions"),
-    "convert": ("ckptool.conversion", "convert"),
-    "diff_checkpoints": ("ckptool.diff", "diff_checkpoints"),
+    "diagnose": ("ckptool.check.diagnosis", "diagnose"),
+    "fix": ("ckptool.write.rewrite", "fix"),
+    "FixOptions": ("ckptool.write.plan", "FixOptions"),
+    "convert": ("ckptool.write.conversion", "convert"),
+    "diff_checkpoints": ("ckptool.check.diff", "diff_checkpoints"),
 }
 
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptool.constructors import NDArray
-from ckptool.tensors import CompositeTensor, StorageRef, TensorRecord
-from ckptool.values import StandIn, shape_text
+from ckptool.read.constructors import NDArray
+from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
+from ckptool.read.values import StandIn, shape_text
 
 MAX_ITEMS = 8
 MAX_DEPTH = 4

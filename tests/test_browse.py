@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from ckptool import gpus
+from ckptool.check import gpus
 from ckptool.cli import main
 from ckptool.model import TensorInfo
 from ckptool.tui import make_app
@@ -318,7 +318,7 @@ def test_unreadable_file_stops_the_app_with_exit_3(tmp_path: Path) -> None:
 
 def test_a_read_the_system_refuses_stops_the_app_with_exit_3(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptool.reader as reader
+    import ckptool.read.reader as reader
 
     def refused(path: str, on_tensors: Any = None) -> Any:
         raise OSError(5, "Input/output error")
@@ -334,7 +334,7 @@ def test_a_read_the_system_refuses_stops_the_app_with_exit_3(
 
 
 def test_findings_say_why_they_are_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptool.diagnosis as diagnosis
+    import ckptool.check.diagnosis as diagnosis
 
     def gone(*args: Any, **kwargs: Any) -> Any:
         raise FileNotFoundError(2, "No such file or directory")
@@ -349,7 +349,7 @@ def test_findings_say_why_they_are_missing(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_model_findings_and_model_errors(tmp_path: Path) -> None:
-    from ckptool import modelspec
+    from ckptool.check import modelspec
 
     spec = f"{SAMPLES / 'make_samples.py'}:TinyNet"
 
@@ -374,7 +374,7 @@ def test_model_findings_and_model_errors(tmp_path: Path) -> None:
 
 def test_partial_rows_show_before_the_read_ends(monkeypatch: pytest.MonkeyPatch) -> None:
     """The reader hands over batches while it reads: they are listed at once."""
-    import ckptool.reader as reader
+    import ckptool.read.reader as reader
 
     real = reader.open_checkpoint
     release = threading.Event()
@@ -605,8 +605,8 @@ def test_fix_preview_uses_the_read_checkpoint_and_plans_one_at_a_time(
     """No preview reads the file again (no dry run); edits in a burst make one
     preview, never two at once; renaming the output makes none; the write
     still goes through rewrite.fix."""
-    import ckptool.rewrite as rewrite
-    from ckptool.preview import Previewer
+    import ckptool.write.rewrite as rewrite
+    from ckptool.write.preview import Previewer
 
     src = tmp_path / "dp.pth"
     shutil.copy(DP, src)
@@ -672,7 +672,7 @@ def test_write_says_what_it_waits_for_and_takes_progress_from_any_thread(
     """Before its bytes are copied, a write reads the file again (no progress
     to show): the dialog says so and counts the seconds. The core may report
     progress from a thread of its own."""
-    import ckptool.rewrite as rewrite
+    import ckptool.write.rewrite as rewrite
 
     src = tmp_path / "dp.pth"
     shutil.copy(DP, src)
@@ -715,7 +715,7 @@ def test_write_says_what_it_waits_for_and_takes_progress_from_any_thread(
 
 
 def test_closing_the_fix_dialog_while_it_plans(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool.preview import Previewer
+    from ckptool.write.preview import Previewer
 
     real = Previewer.preview
 
@@ -767,7 +767,7 @@ def test_tab_completes_in_the_jump_dialog_and_candidates_show() -> None:
 def test_findings_pane_shows_what_diagnose_shows() -> None:
     """Python alternatives, the key comparison with the model, what the fix
     leaves to do by hand, and the machine judged for."""
-    from ckptool.modelspec import ModelKeys
+    from ckptool.check.modelspec import ModelKeys
 
     def model(ckpt: Any) -> ModelKeys:
         shapes = {k.removeprefix("module."): t.shape for k, t in ckpt.state_dict().items()}
@@ -894,7 +894,7 @@ def test_narrow_cells_say_what_they_can() -> None:
 
 def test_statistics_errors_are_tried_again_and_never_computed_twice(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import ckptool.stats as stats
+    import ckptool.check.stats as stats
     from ckptool.errors import CkptoolError
 
     real = stats.tensor_stats

@@ -6,7 +6,7 @@ import os
 import zlib
 from pathlib import Path
 
-from ckptool.bytecheck import ByteChecker
+from ckptool.write.bytecheck import ByteChecker
 
 
 def test_reports_exactly_the_ranges_that_differ(tmp_path: Path) -> None:

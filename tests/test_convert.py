@@ -130,7 +130,7 @@ def test_a_failed_conversion_leaves_no_threads(tmp_path: Path,
     thread may outlive the run."""
     import threading
 
-    from ckptool import conversion
+    from ckptool.write import conversion
 
     src = tmp_path / "m.pth"
     torch.save({"a": torch.randn(100, 100), "b": torch.randn(50)}, src)

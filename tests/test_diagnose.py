@@ -20,11 +20,11 @@ from helpers import SAMPLES, saved_on
 from nets import Net, TiedLM
 
 import ckptool
-from ckptool import gpus, loadcheck
+from ckptool.check import gpus, loadcheck
+from ckptool.check.diagnosis import Diagnosis, diagnose
+from ckptool.check.gpus import Gpu, Machine
+from ckptool.check.modelspec import build_model, reference_keys
 from ckptool.cli import main
-from ckptool.diagnosis import Diagnosis, diagnose
-from ckptool.gpus import Gpu, Machine
-from ckptool.modelspec import build_model, reference_keys
 
 NETS = Path(__file__).resolve().parent / "nets.py"
 ROOT = NETS.parent.parent
@@ -491,7 +491,7 @@ def test_constructor_hint_offers_saved_settings(tmp_path: Path,
 
 
 def test_model_arg_values_are_json_else_strings() -> None:
-    from ckptool.modelspec import parse_arguments
+    from ckptool.check.modelspec import parse_arguments
 
     assert parse_arguments(["a=12", "b=true", "c=[1, 2]", "d=relu", "e=", 'f="x"']) == \
         {"a": 12, "b": True, "c": [1, 2], "d": "relu", "e": "", "f": "x"}

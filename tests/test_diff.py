@@ -16,8 +16,8 @@ import torch
 from helpers import saved_on
 
 import ckptool
-from ckptool.diff import DiffReport, diff_checkpoints
-from ckptool.tensor_compare import compare_values
+from ckptool.check.diff import DiffReport, diff_checkpoints
+from ckptool.check.tensor_compare import compare_values
 
 CliRun = Callable[..., tuple[int, str, str]]
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 from helpers import saved_on
 
-from ckptool import atomic
 from ckptool.cli import main
+from ckptool.write import atomic
 
 
 @pytest.fixture

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from ckptool import fastcrc
-from ckptool.bytecheck import ByteChecker
+from ckptool.write import fastcrc
+from ckptool.write.bytecheck import ByteChecker
 
 
 @pytest.fixture(params=["libdeflate", "zlib"])
@@ -122,7 +122,7 @@ def test_an_empty_range_at_a_page_aligned_end_needs_no_mapping(tmp_path: Path) -
 
 def test_any_error_fails_its_batch_and_the_checker_goes_on(
         data_file: tuple[bytes, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool import bytecheck
+    from ckptool.write import bytecheck
 
     data, fd = data_file
     real = bytecheck.crc_file_ranges
@@ -144,7 +144,7 @@ def test_any_error_fails_its_batch_and_the_checker_goes_on(
 
 def test_cancel_drops_what_is_queued(data_file: tuple[bytes, int],
                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool import bytecheck
+    from ckptool.write import bytecheck
 
     _, fd = data_file
     gate = threading.Event()

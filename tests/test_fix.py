@@ -16,9 +16,10 @@ import torch
 from helpers import make_samples, saved_on
 
 import ckptool
-from ckptool import formats, repickle
 from ckptool.cli import main
-from ckptool.resolve import faithful
+from ckptool.read import formats
+from ckptool.read.resolve import faithful
+from ckptool.write import repickle
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
@@ -345,7 +346,7 @@ def test_safetensors_has_no_device_to_retarget(tmp_path: Path,
 def test_disk_full_is_one_clean_error_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], where: str) -> None:
-    from ckptool import zipcopy, zipfix
+    from ckptool.write import zipcopy, zipfix
 
     src = tmp_path / "m.pth"
     dp_checkpoint(src)
@@ -370,8 +371,8 @@ def test_an_input_replaced_while_it_is_read_is_refused(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A trainer re-saving the file (by rename) while fix reads it: the bytes of
     one version must not be written under the pickle of another."""
-    from ckptool import rewrite
-    from ckptool.formats import torch_zip
+    from ckptool.read.formats import torch_zip
+    from ckptool.write import rewrite
 
     src, newer = tmp_path / "m.pth", tmp_path / "newer.pth"
     dp_checkpoint(src)

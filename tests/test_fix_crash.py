@@ -43,9 +43,9 @@ import torch
 from helpers import saved_on
 
 import ckptool
-from ckptool import outputcheck, rewrite
 from ckptool.errors import CorruptCheckpointError
-from ckptool.plan import FixOptions
+from ckptool.write import outputcheck, rewrite
+from ckptool.write.plan import FixOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
@@ -509,7 +509,7 @@ def test_in_place_random_kill_9(many: tuple[Path, dict[str, torch.Tensor]],
 def test_in_place_verification_failure_restores_the_old_file(
         many: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool import inplace
+    from ckptool.write import inplace
 
     src, expected = many
     path = tmp_path / "model.pth"
@@ -647,7 +647,7 @@ def test_verification_failure(small: tuple[Path, Path], temp_mode: str,
 def test_a_corrupted_write_is_caught_by_verification(
         small: tuple[Path, Path], temp_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real verifier (no stand-in): a byte flipped in the copied tensor data."""
-    from ckptool import zipcopy
+    from ckptool.write import zipcopy
 
     src, outdir = small
     digest = sha256(src)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from ckptool import gather
+from ckptool.write import gather
 
 
 @pytest.fixture

@@ -24,9 +24,9 @@ import torch
 from helpers import SAMPLES, saved_on
 from nets import Net
 
-from ckptool import safe_pickle
 from ckptool.model import Checkpoint, TensorInfo
-from ckptool.reader import open_checkpoint
+from ckptool.read import safe_pickle
+from ckptool.read.reader import open_checkpoint
 
 SAMPLE_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix != ".py")
 # samples whose main state dict is a dict the stack places: their partial batches cover it
@@ -260,7 +260,7 @@ def test_an_observer_error_propagates_as_is(saved: dict[str, Path]) -> None:
 
 
 def test_legacy_header_pickles_are_not_observed(saved: dict[str, Path]) -> None:
-    from ckptool import formats
+    from ckptool.read import formats
 
     seen: list[tuple[tuple[str, ...], list[Any]]] = []
     with safe_pickle.observe(lambda path, pairs: seen.append((path, [k for k, _ in pairs]))):

@@ -1,4 +1,4 @@
-"""``ckptool.preview``: a fix planned from the checkpoint already read is the
+"""``ckptool.write.preview``: a fix planned from the checkpoint already read is the
 plan ``rewrite.fix(..., dry_run=True)`` makes from a faithful read of the
 file: the same renames, drops, extraction, device moves (and casts, notes,
 errors), and every input tensor's key in the output."""
@@ -16,10 +16,10 @@ from helpers import SAMPLES, saved_on
 
 import ckptool
 from ckptool.errors import CkptoolError
-from ckptool.plan import FixOptions
-from ckptool.preview import Previewer, preview
-from ckptool.rewrite import fix
-from ckptool.walk import walk
+from ckptool.read.walk import walk
+from ckptool.write.plan import FixOptions
+from ckptool.write.preview import Previewer, preview
+from ckptool.write.rewrite import fix
 
 OPTIONS = {
     "nothing": FixOptions(),

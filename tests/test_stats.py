@@ -1,7 +1,7 @@
 """tensor_stats equals torch's own statistics of the loaded tensor, for every
 dtype kind, NaN/Inf, views with offsets, 0-d, empty, expanded, and tensors
 many chunks long; pieces stay bounded; cancelling stops it; unreadable
-tensors are clear errors; importing ckptool.stats imports no torch."""
+tensors are clear errors; importing ckptool.check.stats imports no torch."""
 
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from helpers import flatten
 from safetensors.torch import save_file
 
 import ckptool
+from ckptool.check.stats import StatsCancelled, TensorStats, tensor_stats
 from ckptool.errors import UnsupportedCheckpointError
 from ckptool.model import TensorInfo
-from ckptool.stats import StatsCancelled, TensorStats, tensor_stats
-from ckptool.tensor_data import TensorData
+from ckptool.read.tensor_data import TensorData
 
 NAN, INF = float("nan"), float("inf")
 # dtypes the legacy (non-zip) format cannot save
@@ -269,7 +269,7 @@ def test_chunk_elems_must_be_positive(tmp_path: Path) -> None:
 
 
 def test_importing_stats_does_not_import_torch() -> None:
-    code = ("import json, sys\nimport ckptool.stats\n"
+    code = ("import json, sys\nimport ckptool.check.stats\n"
             "print(json.dumps('torch' in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout

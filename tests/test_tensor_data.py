@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 import ckptool
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.tensor_data import TensorData, iter_storage_chunks, read_storage, tensor_values
+from ckptool.read.tensor_data import TensorData, iter_storage_chunks, read_storage, tensor_values
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 

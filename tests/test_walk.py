@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import tracemalloc
 
-from ckptool import describe, walk
-from ckptool.tensors import StorageRef, TensorRecord
+from ckptool import describe
+from ckptool.read import walk
+from ckptool.read.tensors import StorageRef, TensorRecord
 
 
 def tensor() -> TensorRecord:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptool import zipwriter
-from ckptool.ziparchive import ZipArchive, ZipError
+from ckptool.read.ziparchive import ZipArchive, ZipError
+from ckptool.write import zipwriter
 
 
 def rewrite(src: Path, dst: Path) -> None:

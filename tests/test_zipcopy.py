@@ -1,4 +1,4 @@
-"""The rewritten zip's layout (ckptool.zipcopy): storage records first, each
+"""The rewritten zip's layout (ckptool.write.zipcopy): storage records first, each
 run copied page-congruent, the pickle and small records after them, the
 central directory in the source's order; every byte of it re-read."""
 
@@ -15,11 +15,11 @@ import torch
 from helpers import saved_on
 
 import ckptool
-from ckptool import rewrite, zipcopy
 from ckptool.cli import main
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.plan import FixOptions
-from ckptool.ziparchive import ZipArchive
+from ckptool.read.ziparchive import ZipArchive
+from ckptool.write import rewrite, zipcopy
+from ckptool.write.plan import FixOptions
 
 
 def training_file(path: Path, tag: str = "cuda:2", big: bool = True) -> dict[str, torch.Tensor]:
@@ -232,7 +232,7 @@ def test_damage_after_the_storages_is_caught(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The pickle, the small records and the directory are re-read too: a
     byte that reaches the disk wrong in ``byteorder`` fails the run."""
-    from ckptool import zipfix
+    from ckptool.write import zipfix
 
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     training_file(src, big=False)
@@ -255,7 +255,7 @@ def test_a_refusal_stops_the_copy_without_reading_the_rest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Refused after the early copy started: nothing more is written or re-read
     than what was copied when the refusal came."""
-    from ckptool import bytecheck
+    from ckptool.write import bytecheck
 
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     gen = torch.Generator().manual_seed(0)
@@ -300,8 +300,8 @@ def test_records_with_zip64_descriptors_still_copy_as_one_run(tmp_path: Path) ->
     import struct
     import zlib
 
-    from ckptool.bytecheck import ByteChecker
-    from ckptool.zipwriter import ZipWriter, local_header
+    from ckptool.write.bytecheck import ByteChecker
+    from ckptool.write.zipwriter import ZipWriter, local_header
 
     path = tmp_path / "z.zip"
     blobs = [os.urandom(5000 + i) for i in range(3)]

@@ -3,7 +3,7 @@
 The app paints at once and reads the file on a worker thread. While the
 pickle is read, tensors arrive in batches (``open_checkpoint(on_tensors=)``)
 and are listed as they come; when the read ends, the full ``Checkpoint``
-replaces them and a second worker diagnoses it (``ckptool.diagnosis``).
+replaces them and a second worker diagnoses it (``ckptool.check.diagnosis``).
 Statistics, fix planning and writing run on workers too. Everything shown
 comes from the core; the app only keeps view state (cursor, open modules,
 filter, sort).
@@ -26,13 +26,12 @@ from textual.events import Resize
 from textual.widgets import Footer, Input, Static
 from textual.worker import get_current_worker
 
-from ckptool.diagnosis import Diagnosis
+from ckptool.check.diagnosis import Diagnosis
+from ckptool.check.gpus import Machine
+from ckptool.check.modelspec import ModelKeys
+from ckptool.check.stats import TensorStats
 from ckptool.errors import CkptoolError, InputError
-from ckptool.gpus import Machine
 from ckptool.model import Checkpoint, TensorInfo
-from ckptool.modelspec import ModelKeys
-from ckptool.preview import Previewer
-from ckptool.stats import TensorStats
 from ckptool.tui import panes
 from ckptool.tui.findings import findings
 from ckptool.tui.fixscreen import FixDefaults, FixScreen
@@ -41,6 +40,7 @@ from ckptool.tui.rows import key_of
 from ckptool.tui.screens import HelpScreen, JumpScreen
 from ckptool.tui.table import Pane, TensorTable
 from ckptool.tui.view import ViewState
+from ckptool.write.preview import Previewer
 
 WIDE = 120  # columns from which the details sit beside the list
 ModelLoader = Callable[[Checkpoint], ModelKeys | None]
@@ -124,7 +124,7 @@ class BrowseApp(App[int]):
     # -- loading -----------------------------------------------------------------
     @work(thread=True, exclusive=True, group="load")
     def _load(self) -> None:
-        from ckptool.reader import open_checkpoint
+        from ckptool.read.reader import open_checkpoint
 
         try:
             ckpt = open_checkpoint(self.path, on_tensors=self._partial.append)
@@ -195,8 +195,8 @@ class BrowseApp(App[int]):
 
     @work(thread=True, exclusive=True, group="diagnose")
     def _diagnose(self, ckpt: Checkpoint) -> None:
-        from ckptool.diagnosis import diagnose
-        from ckptool.gpus import probe
+        from ckptool.check.diagnosis import diagnose
+        from ckptool.check.gpus import probe
 
         try:
             machine = self.machine or probe()
@@ -350,8 +350,8 @@ class BrowseApp(App[int]):
 
     @work(thread=True, group="stats")
     def _compute_stats(self, ckpt: Checkpoint, tensor: TensorInfo) -> None:
-        from ckptool.stats import StatsCancelled, tensor_stats
-        from ckptool.tensor_data import TensorData
+        from ckptool.check.stats import StatsCancelled, tensor_stats
+        from ckptool.read.tensor_data import TensorData
 
         worker = get_current_worker()
         result: TensorStats | str

@@ -1,5 +1,5 @@
 """The browser's findings pane: what ``ckptool diagnose`` reports
-(``ckptool.render_diagnose``), as rich ``Text`` for a narrow pane.
+(``ckptool.cli.render_diagnose``), as rich ``Text`` for a narrow pane.
 
 Most telling first, since the pane is small: how the keys compare with the
 model (given ``--model`` or ``--reference``), each finding with its fix and
@@ -12,8 +12,14 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from ckptool.check.diagnosis import (
+    ERROR,
+    Diagnosis,
+    describe_keys,
+    describe_landing,
+    describe_target,
+)
 from ckptool.describe import human_bytes
-from ckptool.diagnosis import ERROR, Diagnosis, describe_keys, describe_landing, describe_target
 
 _LABEL = 11  # width of the labels of the last section
 

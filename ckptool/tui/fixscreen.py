@@ -2,11 +2,11 @@
 it through the same core as ``ckptool fix``.
 
 The preview comes from the checkpoint the browser has read
-(``ckptool.preview``): no second read of the file. Edits to the prefix and
+(``ckptool.write.preview``): no second read of the file. Edits to the prefix and
 device fields are planned ~250 ms after the last keystroke, one preview at
 a time (a newer request waits for the running one, and only the latest is
 made); the output name only changes the command shown. Writing calls
-``ckptool.rewrite.fix`` on a worker, as ``ckptool fix`` does: it reads the
+``ckptool.write.rewrite.fix`` on a worker, as ``ckptool fix`` does: it reads the
 file again, faithfully, then copies the bytes with a progress bar.
 """
 
@@ -26,14 +26,14 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Button, Checkbox, Input, Label, Log, ProgressBar, Static
 
+from ckptool.check.diagnosis import Diagnosis, fix_command_line
 from ckptool.describe import human_bytes
-from ckptool.diagnosis import Diagnosis, fix_command_line
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
-from ckptool.plan import FixOptions, parse_device
-from ckptool.preview import FixPreview, Previewer
-from ckptool.rewrite import FixResult, default_output
 from ckptool.tui.screens import ConfirmScreen
+from ckptool.write.plan import FixOptions, parse_device
+from ckptool.write.preview import FixPreview, Previewer
+from ckptool.write.rewrite import FixResult, default_output
 
 DEBOUNCE_S = 0.25
 SHORT = 20  # rows below which the dialog drops its title and shortens its summary
@@ -298,7 +298,7 @@ class FixScreen(ModalScreen[str | None]):
 
     @work(thread=True, exclusive=True, group="write")
     def _write(self, opts: FixOptions, out: str, force: bool) -> None:
-        from ckptool.rewrite import fix
+        from ckptool.write.rewrite import fix
 
         last = [-1.0]
 

@@ -8,12 +8,12 @@ import os
 
 from rich.text import Text
 
+from ckptool.check.loadcheck import TagLoad
+from ckptool.check.stats import TensorStats
 from ckptool.describe import human_bytes, human_count
-from ckptool.loadcheck import TagLoad
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
-from ckptool.stats import TensorStats
+from ckptool.read.values import shape_text
 from ckptool.tui.index import Node
-from ckptool.values import shape_text
 
 SHOWN_SHARERS = 6
 

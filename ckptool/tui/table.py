@@ -24,9 +24,9 @@ from textual.strip import Strip
 
 from ckptool.describe import human_bytes, human_count
 from ckptool.model import NO_LOCATION, TensorInfo
+from ckptool.read.values import shape_text
 from ckptool.tui.index import Index, Node, Rows, leaf_name
 from ckptool.tui.rows import position
-from ckptool.values import shape_text
 
 SHAPE_W, DTYPE_W, DEVICE_W, SIZE_W = 14, 11, 7, 9
 

@@ -1,0 +1,184 @@
+"""Comparing two checkpoints: ``diff_checkpoints(a, b) -> DiffReport``.
+
+By default the main state dicts are compared, name by name, after each
+side's wrapper prefix (``module.``, ``model.``, ``_orig_mod.``...) is taken
+off, so that a DataParallel save and a Lightning save of one model line up.
+``all_tensors`` compares every tensor by its full key instead. For each
+matched pair the report says what changed (shape, dtype, saved location,
+layout) and, when values are compared, whether the values differ
+(``ckptool.check.tensor_compare``). Values are read one pair at a time from one
+open file per side, so memory follows the largest tensor, not the files.
+
+The report owns the exit-code policy: 1 when anything differs, else 0.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ckptool.check.tensor_compare import DIFFERENT, NOT_COMPARED, ValueDiff, not_compared
+from ckptool.errors import EXIT_FINDINGS, EXIT_OK, UnsupportedCheckpointError, UsageError
+from ckptool.model import Checkpoint, StateDictInfo, TensorInfo
+from ckptool.read.tensor_data import TensorData
+
+if TYPE_CHECKING:
+    import torch
+
+STATE_DICT, ALL = "state_dict", "all"
+
+
+@dataclass(frozen=True)
+class Side:
+    """What was compared on one side."""
+
+    path: str
+    format: str
+    state_dict: str | None  # container path of the state dict; None with all_tensors
+    prefix: str  # the wrapper prefix taken off its names ("" if none)
+
+
+@dataclass(frozen=True)
+class Change:
+    """A name present on both sides whose tensors differ."""
+
+    name: str
+    a: TensorInfo
+    b: TensorInfo
+    changes: tuple[str, ...]  # among shape, dtype, location, layout, values
+    values: ValueDiff | None  # None when values were not read (or shapes differ)
+
+
+@dataclass
+class DiffReport:
+    a: Side
+    b: Side
+    mode: str  # state_dict or all
+    values_compared: bool
+    num_matched: int = 0
+    num_identical: int = 0
+    only_in_a: list[tuple[str, TensorInfo]] = field(default_factory=list)
+    only_in_b: list[tuple[str, TensorInfo]] = field(default_factory=list)
+    changed: list[Change] = field(default_factory=list)
+    # matched names with equal metadata whose values could not be read
+    not_compared: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def has_differences(self) -> bool:
+        return bool(self.only_in_a or self.only_in_b or self.changed)
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_FINDINGS if self.has_differences else EXIT_OK
+
+
+def diff_checkpoints(a: Checkpoint, b: Checkpoint, compare_values: bool = True,
+                     all_tensors: bool = False) -> DiffReport:
+    """Compare ``a`` with ``b``; values are read from ``a.path`` and ``b.path``."""
+    if all_tensors:
+        names_a = {t.key: t for t in a.tensors}
+        names_b = {t.key: t for t in b.tensors}
+        side_a, side_b = _side(a, None, ""), _side(b, None, "")
+    else:
+        sd_a, sd_b = _state_dict(a, "A"), _state_dict(b, "B")
+        pa, pb = _pick_prefixes(a, b, sd_a, sd_b)
+        names_a, names_b = _strip(sd_a, pa), _strip(sd_b, pb)
+        side_a, side_b = _side(a, a.main_state_dict, pa), _side(b, b.main_state_dict, pb)
+    report = DiffReport(side_a, side_b, ALL if all_tensors else STATE_DICT, compare_values)
+    report.only_in_a = [(n, t) for n, t in names_a.items() if n not in names_b]
+    report.only_in_b = [(n, t) for n, t in names_b.items() if n not in names_a]
+    pairs = [(n, t, names_b[n]) for n, t in names_a.items() if n in names_b]
+    report.num_matched = len(pairs)
+    with ExitStack() as stack:
+        readers: list[_Values] = []
+        if compare_values and pairs:
+            readers = [stack.enter_context(_Values(c)) for c in (a, b)]
+        for name, ta, tb in pairs:
+            _compare_pair(report, name, ta, tb, readers)
+    return report
+
+
+def _compare_pair(report: DiffReport, name: str, ta: TensorInfo, tb: TensorInfo,
+                  readers: list[_Values]) -> None:
+    changes = [what for what, x, y in (
+        ("shape", ta.shape, tb.shape), ("dtype", ta.dtype, tb.dtype),
+        ("location", ta.location, tb.location), ("layout", ta.layout, tb.layout),
+    ) if x != y and not (what == "location" and (x is None or y is None))]
+    values = None
+    if readers and ta.shape == tb.shape:
+        values = _compare_values(readers[0], readers[1], ta, tb)
+        if values.status == DIFFERENT:
+            changes.append("values")
+    if changes:
+        report.changed.append(Change(name, ta, tb, tuple(changes), values))
+    elif values is not None and values.status == NOT_COMPARED:
+        report.not_compared.append((name, values.reason or ""))
+    else:
+        report.num_identical += 1
+
+
+def _compare_values(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) -> ValueDiff:
+    from ckptool.check.tensor_compare import compare_values
+
+    try:
+        va = ra.values(ta)
+        vb = rb.values(tb)
+    except UnsupportedCheckpointError as exc:
+        return not_compared(exc.message)
+    return compare_values(va, vb, ta.dtype, tb.dtype)
+
+
+class _Values:
+    """A side's ``TensorData``, opened on first use; a file whose values cannot
+    be read at all (a plain pickle) gives every tensor the same reason."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self.data: TensorData | None = None
+        self.error: UnsupportedCheckpointError | None = None
+
+    def __enter__(self) -> _Values:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.data is not None:
+            self.data.close()
+
+    def values(self, t: TensorInfo) -> torch.Tensor:
+        if self.error is not None:
+            raise self.error
+        if self.data is None:
+            try:
+                self.data = TensorData(self.ckpt)
+            except UnsupportedCheckpointError as exc:
+                self.error = exc
+                raise
+        return self.data.values(t)
+
+
+def _state_dict(ckpt: Checkpoint, label: str) -> dict[str, TensorInfo]:
+    if ckpt.main_state_dict is None:
+        raise UsageError(f"{label} ({ckpt.path}) has no state dict ckptool can find",
+                         "compare every tensor by its key with --all")
+    return ckpt.state_dict()
+
+
+def _pick_prefixes(a: Checkpoint, b: Checkpoint, sd_a: dict[str, TensorInfo],
+                   sd_b: dict[str, TensorInfo]) -> tuple[str, str]:
+    """Which wrapper prefixes to take off: both, by default; fewer where that
+    matches more names (a real submodule called ``model`` on one side only)."""
+    assert a.main_state_dict is not None and b.main_state_dict is not None
+    pa, pb = a.main_state_dict.prefix, b.main_state_dict.prefix
+    options = dict.fromkeys([(pa, pb), (pa, ""), ("", pb), ("", "")])
+    return max(options, key=lambda p: len(_strip(sd_a, p[0]).keys() & _strip(sd_b, p[1])))
+
+
+def _strip(names: dict[str, TensorInfo], prefix: str) -> dict[str, TensorInfo]:
+    if not prefix:
+        return names
+    return {n[len(prefix):] if n.startswith(prefix) else n: t for n, t in names.items()}
+
+
+def _side(ckpt: Checkpoint, sd: StateDictInfo | None, prefix: str) -> Side:
+    return Side(ckpt.path, ckpt.format, sd.path if sd is not None else None, prefix)

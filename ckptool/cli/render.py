@@ -1,0 +1,217 @@
+"""Human output of ``ckptool inspect``: a summary and a tensor table (rich).
+
+Only the CLI imports this; it owns every colour and column choice. Rich
+honours ``NO_COLOR`` and the terminal width by itself.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptool.cli.report import matches
+from ckptool.describe import human_bytes, human_count
+from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
+from ckptool.read.values import shape_text
+
+_SEP = re.compile(r"[/.]")
+
+
+def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:
+    parts = []
+    for name, nbytes in tally.items():
+        extra = f" ({counts[name]} tensors)" if counts and name in counts else ""
+        parts.append(f"{name} {human_bytes(nbytes)}{extra}")
+    return " · ".join(parts) or "none"
+
+
+def render_summary(console: Console, ckpt: Checkpoint) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    root = ckpt.metadata.get("archive_root")
+    fmt = ckpt.format + (f" (archive root '{root}')" if root else "")
+    grid.add_row("file", f"{ckpt.path} · {human_bytes(ckpt.file_size)}")
+    grid.add_row("format", fmt)
+    grid.add_row("tensors", f"{len(ckpt.tensors)} in {len(ckpt.storages)} storages · "
+                 f"{human_bytes(ckpt.total_bytes)}")
+    sd = ckpt.main_state_dict
+    if sd is None:
+        grid.add_row("state dict", Text("none found", style="yellow"))
+    else:
+        where = f"'{sd.path}'" if sd.path else "the whole file"
+        if sd.kind == "module":
+            where += (", a TorchScript module" if ckpt.format == "torchscript"
+                      else ", a pickled nn.Module")
+        prefix = f" · prefix '{sd.prefix}'" if sd.prefix else ""
+        grid.add_row("state dict", f"{where} · {sd.num_tensors} tensors · "
+                     f"{human_count(sd.num_parameters)} parameters{prefix}")
+    grid.add_row("by dtype", _tally_line(ckpt.bytes_by_dtype))
+    by_loc = _tally_line(ckpt.bytes_by_location, ckpt.tensors_by_location)
+    if set(ckpt.bytes_by_location) == {NO_LOCATION}:
+        by_loc = "not recorded by this format (loads where you ask)"
+    grid.add_row("by device", by_loc)
+    for i, entry in enumerate(ckpt.entries[:12]):
+        grid.add_row("entries" if i == 0 else "", f"{entry.key or '(root)'} = {entry.summary}")
+    if len(ckpt.entries) > 12:
+        grid.add_row("", f"… {len(ckpt.entries) - 12} more (see --json)")
+    unsafe = ckpt.unsafe_globals
+    if unsafe:
+        grid.add_row(Text("UNSAFE", style="bold red"), Text(
+            f"{', '.join(unsafe)}: torch.load(weights_only=False) would call "
+            f"{'these' if len(unsafe) > 1 else 'this'}; do not load it with torch",
+            style="red"))
+    custom = [g.name for g in ckpt.globals if g.category == "custom"]
+    if custom:
+        shown = ", ".join(custom[:6]) + (f", … +{len(custom) - 6}" if len(custom) > 6 else "")
+        grid.add_row("classes", Text(f"{shown} (torch imports these to load the file)",
+                                     style="yellow"))
+    if not unsafe and not custom:
+        grid.add_row("globals", Text("only tensor and plain-data types", style="green"))
+    console.print(grid)
+
+
+def sharing_labels(tensors: Iterable[TensorInfo]) -> dict[str, str]:
+    """'#1', '#2'... for storages viewed by more than one tensor, in key order.
+
+    Storage ids are file-internal (legacy files use pointer values), so the
+    table numbers the shared groups instead of printing ids."""
+    counts: dict[str, int] = {}
+    for t in tensors:
+        if t.storage is not None:
+            counts[t.storage] = counts.get(t.storage, 0) + 1
+    labels: dict[str, str] = {}
+    for sid, n in counts.items():
+        if n > 1:
+            labels[sid] = f"#{len(labels) + 1}"
+    return labels
+
+
+def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int) -> None:
+    rows = list(tensors)
+    labels = sharing_labels(rows)
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("key", overflow="fold", ratio=1)
+    table.add_column("shape", no_wrap=True)
+    table.add_column("dtype", no_wrap=True)
+    table.add_column("device", no_wrap=True)
+    table.add_column("size", justify="right", no_wrap=True)
+    table.add_column("shares", no_wrap=True)
+    shown = rows if limit <= 0 else rows[:limit]
+    for t in shown:
+        shares = labels.get(t.storage or "", "")
+        if shares and t.storage_offset:
+            shares += f" @{t.storage_offset}"
+        table.add_row(t.key, shape_text(t.shape), t.dtype,
+                      t.location or "-", human_bytes(t.nbytes), shares)
+    console.print(table)
+    if len(shown) < len(rows):
+        console.print(f"… {len(rows) - len(shown)} more tensors "
+                      "(--limit 0 shows all; --filter or --depth narrows)", style="dim")
+
+
+def render_groups(console: Console, tensors: Iterable[TensorInfo], depth: int) -> None:
+    groups: dict[str, list[TensorInfo]] = {}
+    for t in tensors:
+        cuts = [m.start() for m in _SEP.finditer(t.key)]
+        name = t.key[: cuts[depth - 1]] if len(cuts) >= depth else t.key
+        groups.setdefault(name, []).append(t)
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("prefix", overflow="fold", ratio=1)
+    table.add_column("tensors", justify="right")
+    table.add_column("elements", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("dtypes")
+    table.add_column("devices")
+    for name, ts in groups.items():
+        table.add_row(
+            name, str(len(ts)), human_count(sum(t.numel for t in ts)),
+            human_bytes(sum(t.nbytes for t in ts)),
+            ",".join(sorted({t.dtype for t in ts})),
+            ",".join(sorted({t.location or "-" for t in ts})),
+        )
+    console.print(table)
+
+
+def render_inspect(console: Console, ckpt: Checkpoint, pattern: str | None,
+                   depth: int | None, limit: int) -> None:
+    render_summary(console, ckpt)
+    tensors = [t for t in ckpt.tensors if matches(t.key, pattern)]
+    if not tensors:
+        console.print()
+        console.print("no tensors" + (f" match '{pattern}'" if pattern else ""), style="yellow")
+        return
+    console.print()
+    if depth:
+        render_groups(console, tensors, depth)
+    else:
+        render_tensors(console, tensors, limit)
+
+
+def render_fix(console: Console, result: Any, shown: int = 20) -> None:
+    """What ``ckptool fix`` did (or, for a dry run, would do)."""
+    from ckptool.cli.report import fix_groups
+
+    plan = result.plan
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    if result.output is None:
+        grid.add_row("plan", f"{result.source.path} (dry run: nothing written)")
+    elif result.metadata_only:
+        grid.add_row("rewrote", f"{result.output} in place · metadata only: "
+                     f"{human_bytes(result.bytes_written)} appended, tensor bytes untouched")
+    else:
+        grid.add_row("wrote", f"{result.output} · {result.source.format} · "
+                     f"{human_bytes(result.bytes_written)} · "
+                     f"{result.verified_storages} storages verified")
+    if plan.extracted is not None:
+        grid.add_row("extract", f"kept only '{plan.extracted or '(root)'}'")
+    for path in plan.dropped:
+        grid.add_row("drop", path)
+    if plan.renames:
+        grid.add_row("keys", f"{len(plan.renames)} renamed")
+        for old, new in plan.renames[:shown]:
+            grid.add_row("", f"{old} → {new}")
+        if len(plan.renames) > shown:
+            grid.add_row("", f"… {len(plan.renames) - shown} more (--json lists all)")
+    devices, casts = fix_groups(result)
+    for move in devices:
+        grid.add_row("devices", f"{move['storages']} storages {move['from']} → {move['to']}")
+    for cast in casts:
+        grid.add_row("dtype", f"{cast['storages']} storages {cast['from']} → {cast['to']}")
+    for note in plan.notes:
+        grid.add_row("note", Text(note, style="yellow"))
+    if plan.empty:
+        grid.add_row("", Text("nothing to change: the output is a verified copy", style="dim"))
+    if result.output is None:
+        grid.add_row("output", f"would write {result.target}")
+    console.print(grid)
+
+
+def render_convert(console: Console, result: Any) -> None:
+    """What ``ckptool convert`` wrote, and what it could not carry over."""
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    fmt = "safetensors" if result.direction == "safetensors" else "torch-zip"
+    grid.add_row("wrote", f"{result.output} · {fmt} · {human_bytes(result.bytes_written)} · "
+                 f"{result.tensors} tensors verified")
+    if result.aliases:
+        pairs = ", ".join(f"{a} = {k}" for a, k in list(result.aliases.items())[:6])
+        where = "kept in __metadata__" if fmt == "safetensors" else "restored as shared"
+        grid.add_row("tied", f"{pairs} ({where})")
+    if result.copied_views:
+        grid.add_row("copied", f"{', '.join(result.copied_views[:6])} (views of shared "
+                     "storage, written as their own tensors)")
+    if result.kept_entries:
+        grid.add_row("metadata", f"{', '.join(result.kept_entries[:8])} "
+                     "(in __metadata__ 'ckptool.entries')")
+    for item in result.left_out:
+        grid.add_row("left out", Text(item, style="yellow"))
+    console.print(grid)

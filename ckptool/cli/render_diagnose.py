@@ -1,0 +1,93 @@
+"""Human output of ``ckptool diagnose`` (rich): the target machine, what a
+plain ``torch.load`` does there, the device plan, the key comparison, the
+findings with their fixes, and the one command that fixes everything.
+"""
+
+from __future__ import annotations
+
+import os
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptool.check.diagnosis import (
+    ERROR,
+    WARNING,
+    Diagnosis,
+    describe_keys,
+    describe_landing,
+    describe_target,
+)
+from ckptool.describe import human_bytes
+
+_STYLE = {ERROR: "bold red", WARNING: "yellow"}
+
+
+def render_diagnose(console: Console, d: Diagnosis) -> None:
+    ckpt, machine = d.checkpoint, d.machine
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    grid.add_row("file", f"{ckpt.path} · {ckpt.format} · {human_bytes(ckpt.file_size)}")
+    grid.add_row("target", describe_target(machine))
+    errors = d.load_errors()
+    grid.add_row("torch.load", Text("fails: " + errors[0], style="red") if errors
+                 else Text("loads", style="green"))
+    for more in errors[1:]:
+        grid.add_row("", Text("and: " + more, style="red"))
+    sd = ckpt.main_state_dict
+    if sd is not None:
+        where = f"'{sd.path}'" if sd.path else "the file itself"
+        prefix = f" · prefix {sd.prefix!r}" if sd.prefix else ""
+        grid.add_row("state dict", f"{where} · {sd.num_tensors} tensors{prefix}")
+    keys = describe_keys(d)
+    if keys is not None:
+        grid.add_row("keys", keys)
+    console.print(grid)
+    _devices(console, d)
+    console.print()
+    if not d.findings:
+        console.print(Text("no problems found: plain torch.load and load_state_dict will "
+                           "take this file", style="green"))
+        return
+    findings = Table.grid(padding=(0, 1))
+    findings.add_column(no_wrap=True)
+    findings.add_column(overflow="fold")
+    for f in d.findings:
+        body = Text()
+        body.append(f.code, style="bold")
+        body.append(f"\n{f.message}")
+        if f.fix:
+            body.append(f"\nfix: {f.fix}", style="dim")
+        if f.snippet:
+            body.append(f"\n{'or:  ' if f.fix else 'try: '}{f.snippet}", style="dim")
+        findings.add_row(Text(f.severity, style=_STYLE.get(f.severity, "")), body)
+    console.print(findings)
+    console.print()
+    if d.fix_command:
+        folder = os.path.dirname(ckpt.path)
+        where = f"run in {folder}/" if folder else "run here"
+        console.print(f"fix everything fixable at once ({where}, writes {d.fix_output}):")
+        console.print(Text(f"  {d.fix_command}", style="bold"), soft_wrap=True)
+        if d.remaining:
+            console.print(Text(f"still to resolve by hand: {', '.join(d.remaining)}",
+                               style="yellow"))
+    elif d.fix_refused:
+        console.print(Text(f"no ckptool fix command: {d.fix_refused}", style="yellow"))
+
+
+def _devices(console: Console, d: Diagnosis) -> None:
+    if not d.tags:
+        return
+    table = Table(box=None, padding=(0, 2), show_edge=False)
+    table.add_column("saved on", style="bold")
+    table.add_column("tensors", justify="right")
+    table.add_column("bytes", justify="right")
+    table.add_column("plain torch.load here")
+    for t in d.tags:
+        lands = (Text("fails", style="red") if t.error
+                 else Text(describe_landing(d.machine, t)))
+        table.add_row(t.location, str(t.tensors), human_bytes(t.nbytes), lands)
+    console.print()
+    console.print(table)

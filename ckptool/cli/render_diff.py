@@ -1,0 +1,110 @@
+"""Human output of ``ckptool diff``: what was compared, a summary line, and
+a table of the differences (rich).
+
+Only the CLI imports this. Rich honours ``NO_COLOR`` and the terminal width.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from ckptool.check.diff import ALL, Change, DiffReport, Side
+from ckptool.check.tensor_compare import EQUAL, NOT_COMPARED
+from ckptool.model import TensorInfo
+from ckptool.read.values import shape_text
+
+
+def _what(side: Side, mode: str) -> str:
+    if mode == ALL:
+        return f"{side.path} · all tensors"
+    scope = f"state dict '{side.state_dict}'" if side.state_dict else "state dict: the whole file"
+    prefix = f", prefix '{side.prefix}'" if side.prefix else ""
+    return f"{side.path} · {scope}{prefix}"
+
+
+def _matched(report: DiffReport) -> str:
+    noun = "keys" if report.mode == ALL else "names"
+    stripped = [f"'{s.prefix}' ({label})" for s, label in ((report.a, "A"), (report.b, "B"))
+                if s.prefix]
+    how = f" after taking off {' and '.join(stripped)}" if stripped else ""
+    values = "values compared" if report.values_compared else "values not read (--no-values)"
+    return f"{report.num_matched} {noun}{how} · {values}"
+
+
+def render_summary(console: Console, report: DiffReport) -> None:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold")
+    grid.add_column(overflow="fold")
+    grid.add_row("A", _what(report.a, report.mode))
+    grid.add_row("B", _what(report.b, report.mode))
+    grid.add_row("matched", _matched(report))
+    counts = (f"{len(report.changed)} changed · {report.num_identical} identical · "
+              f"{len(report.only_in_a)} only in A · {len(report.only_in_b)} only in B")
+    if report.has_differences:
+        grid.add_row("result", Text(f"differences: {counts}", style="yellow"))
+    else:
+        grid.add_row("result", Text(f"no differences: {counts}", style="green"))
+    if report.not_compared:
+        name, reason = report.not_compared[0]
+        more = f" (and {len(report.not_compared) - 1} more)" if len(report.not_compared) > 1 else ""
+        grid.add_row("unread", Text(f"values of {name}{more} not compared: {reason}",
+                                    style="yellow"))
+    console.print(grid)
+
+
+def _brief(t: TensorInfo) -> str:
+    return f"{shape_text(t.shape)} {t.dtype}"
+
+
+def _changed(t: TensorInfo, changes: tuple[str, ...]) -> str:
+    shown = {"shape": shape_text(t.shape), "dtype": t.dtype,
+             "location": t.location or "-", "layout": t.layout}
+    return " ".join(shown[c] for c in changes if c in shown)
+
+
+def _values_cells(c: Change, report: DiffReport) -> tuple[str, str]:
+    """(values, max |Δ|) cells of a changed row."""
+    v = c.values
+    if v is None:
+        return ("" if "shape" in c.changes or report.values_compared else "not read"), ""
+    if v.status == EQUAL:
+        return "equal", ""
+    if v.status == NOT_COMPARED:
+        return "not compared", ""
+    text = f"{v.num_different}/{v.numel} differ"
+    if v.nan_mismatch:
+        text += f" ({v.nan_mismatch} NaN vs number)"
+    top = "" if v.max_abs_diff is None else f"{v.max_abs_diff:.3g}"
+    return text, top
+
+
+def render_table(console: Console, report: DiffReport, limit: int) -> None:
+    rows: list[tuple[str, ...]] = []
+    for c in report.changed:
+        # the change column names metadata changes; the values columns tell the rest
+        meta = [x for x in c.changes if x != "values"] or ["values"]
+        rows.append((c.name, ", ".join(meta), _changed(c.a, c.changes),
+                     _changed(c.b, c.changes), *_values_cells(c, report)))
+    rows += [(n, "only in A", _brief(t), "-", "", "") for n, t in report.only_in_a]
+    rows += [(n, "only in B", "-", _brief(t), "", "") for n, t in report.only_in_b]
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("name", overflow="fold", ratio=1)
+    for title in ("change", "A", "B", "values"):
+        table.add_column(title, overflow="fold")
+    table.add_column("max |Δ|", justify="right", no_wrap=True)
+    shown = rows if limit <= 0 else rows[:limit]
+    for row in shown:
+        table.add_row(*row)
+    console.print(table)
+    if len(shown) < len(rows):
+        console.print(f"… {len(rows) - len(shown)} more differences (--limit 0 shows all; "
+                      "--json lists every one)", style="dim")
+
+
+def render_diff(console: Console, report: DiffReport, limit: int) -> None:
+    render_summary(console, report)
+    if report.has_differences:
+        console.print()
+        render_table(console, report, limit)

@@ -1,0 +1,151 @@
+"""Recognise a checkpoint by its bytes and hand it to the right reader.
+
+Formats are sniffed from the first bytes of the file, never from its name.
+Each reader module offers ``sniff`` and ``read(path) -> RawRead``. Files that
+are not checkpoints get an error saying what they look like instead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+
+from ckptool.errors import (
+    CkptoolError,
+    CorruptCheckpointError,
+    InputError,
+    NotACheckpointError,
+    UnsupportedCheckpointError,
+)
+from ckptool.read.formats import pickle_fmt, safetensors_fmt, torch_legacy, torch_zip
+from ckptool.read.formats.base import RawRead
+
+__all__ = ["RawRead", "check", "read"]
+
+# magic bytes of files people mistake for checkpoints
+_LOOKALIKES = (
+    (b"\x89HDF\r\n\x1a\n", "an HDF5 file (Keras .h5?)", "load it with h5py or Keras"),
+    (b"GGUF", "a GGUF file (llama.cpp)", "use the gguf tools to inspect it"),
+    (b"\x93NUMPY", "a numpy .npy array", "load it with numpy.load"),
+    (b"\x1f\x8b", "a gzip-compressed file", "decompress it first (gunzip)"),
+    (b"BZh", "a bzip2-compressed file", "decompress it first (bunzip2)"),
+    (b"\xfd7zXZ", "an xz-compressed file", "decompress it first (unxz)"),
+    (b"\x28\xb5\x2f\xfd", "a zstd-compressed file", "decompress it first (unzstd)"),
+    (b"version https://git-lfs", "a Git LFS pointer, not the file itself",
+     "run `git lfs pull` to fetch the real file"),
+    (b"<", "an HTML or XML page (a failed download?)",
+     "download the file again; check the URL points at the raw file"),
+)
+
+
+# a hint for errors raised without one, most specific class first
+_HINTS = (
+    (CorruptCheckpointError, "the file is truncated, damaged, or not what its name says; "
+     "if it was downloaded or copied, fetch it again"),
+    (UnsupportedCheckpointError, "load it with the tool that wrote it and save it again "
+     "with torch.save"),
+    (NotACheckpointError, "ckptool reads torch.save files (zip and legacy), TorchScript "
+     "archives, safetensors and pickles"),
+    (CkptoolError, "check the path and the file"),
+)
+
+
+def read(path: str) -> RawRead:
+    """Read the checkpoint at ``path`` with the reader its bytes call for."""
+    with _explained(path):
+        return _reader_for(path)(path)
+
+
+def read_zip(path: str, archive: torch_zip.Archive) -> RawRead:
+    """``read`` of a torch zip whose directory is already open (``fix`` opens
+    it first to start copying): the pickle from that same file."""
+    with _explained(path):
+        return torch_zip.read_archive(archive)
+
+
+def check(path: str) -> None:
+    """Raise what ``read`` would for a file that is missing, empty or not a
+    checkpoint at all, reading only its first and last bytes."""
+    with _explained(path):
+        _reader_for(path)
+
+
+@contextlib.contextmanager
+def _explained(path: str) -> Iterator[None]:
+    try:
+        yield
+    except CkptoolError as exc:
+        if not exc.hint:
+            exc.hint = next(hint for cls, hint in _HINTS if isinstance(exc, cls))
+        if path not in exc.message:  # say which file: diff and convert read two
+            exc.message = f"{path}: {exc.message}"
+            exc.args = (exc.message,)
+        raise
+
+
+def _reader_for(path: str) -> Callable[[str], RawRead]:
+    head, tail, size = _peek(path)
+    if size == 0:
+        raise NotACheckpointError(f"{path} is empty (0 bytes)",
+                                  "the download or copy probably failed; fetch it again")
+    if torch_zip.sniff(head):
+        return torch_zip.read
+    if torch_legacy.sniff(head):
+        return torch_legacy.read
+    if safetensors_fmt.sniff(head):
+        return safetensors_fmt.read
+    if torch_legacy.sniff_tar(head):
+        _explain_tar(path)
+    if pickle_fmt.sniff(head, tail):
+        return pickle_fmt.read
+    for magic, what, hint in _LOOKALIKES:
+        if head.lstrip().startswith(magic):
+            raise NotACheckpointError(f"{path} is {what}, not a PyTorch checkpoint", hint)
+    raise NotACheckpointError(
+        f"{path} is not a checkpoint: no known format starts with {head[:8]!r}",
+        "ckptool reads torch.save files (zip and legacy), TorchScript archives, "
+        "safetensors and pickles",
+    )
+
+
+def _peek(path: str) -> tuple[bytes, bytes, int]:
+    if os.path.isdir(path):
+        if os.path.exists(os.path.join(path, ".metadata")):
+            raise UnsupportedCheckpointError(
+                f"{path} is a torch.distributed.checkpoint directory, not supported yet",
+                "consolidate it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save",
+            )
+        raise InputError(f"{path} is a directory, not a file",
+                         "point ckptool at a checkpoint file inside it")
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            head = f.read(512)
+            f.seek(max(0, size - 16))
+            tail = f.read(16)
+    except FileNotFoundError as exc:
+        raise InputError(f"{path}: no such file", "check the path and try again") from exc
+    except PermissionError as exc:
+        raise InputError(f"{path}: permission denied",
+                         "check the file's permissions") from exc
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})", "check the path") from exc
+    return head, tail, size
+
+
+def _explain_tar(path: str) -> None:
+    import tarfile  # rare; kept off the import path of every command
+
+    try:
+        with tarfile.open(path) as tf:
+            names = set(tf.getnames())
+    except (tarfile.TarError, OSError) as exc:
+        raise NotACheckpointError(f"{path} is a damaged tar archive: {exc}") from exc
+    if {"storages", "tensors", "pickle"} <= names:
+        raise UnsupportedCheckpointError(
+            f"{path} is a tar-format torch checkpoint (torch < 0.4), not supported",
+            "re-save it with an old torch: torch.save(torch.load(path), new_path)",
+        )
+    raise NotACheckpointError(f"{path} is a tar archive, not a PyTorch checkpoint",
+                              "extract it and point ckptool at the checkpoint inside")

@@ -1,0 +1,132 @@
+"""torch.save's legacy format (``_use_new_zipfile_serialization=False``, pre-1.6).
+
+Five protocol-2 pickles back to back (magic number, protocol version,
+sys_info, the object, the sorted storage keys), then each storage as an
+int64 element count followed by its bytes. Storage bytes are skipped with
+``seek``: their counts are checked against the pickle, never their contents.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import struct
+from typing import IO, Any
+
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.read import safe_pickle
+from ckptool.read.formats.base import RawRead, parse_storage_pid
+from ckptool.read.tensors import StorageRef
+from ckptool.read.values import brief
+
+TORCH_LEGACY = "torch-legacy"
+MAGIC = 0x1950A86A20F9469CFC6C
+PROTOCOL_VERSION = 1001
+# pickle.dumps(MAGIC, protocol=2): PROTO 2, LONG1 of 10 bytes, little-endian
+MAGIC_PICKLE = b"\x80\x02\x8a\x0a" + MAGIC.to_bytes(10, "little")
+TRUNCATED_HINT = "the file was probably cut short while copying or downloading"
+
+
+def sniff(head: bytes) -> bool:
+    # the shape of the magic pickle (a 10-byte long), not its value: a
+    # damaged magic number is then reported as such, not read as a pickle
+    return head.startswith(MAGIC_PICKLE[:4])
+
+
+def sniff_tar(head: bytes) -> bool:
+    return len(head) >= 262 and head[257:262] == b"ustar"
+
+
+def read(path: str) -> RawRead:
+    with open(path, "rb") as f:
+        return read_stream(f, os.fstat(f.fileno()).st_size)
+
+
+def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
+    seen = safe_pickle.GlobalsSeen()
+    if safe_pickle.load(f, None, seen) != MAGIC:
+        raise CorruptCheckpointError("legacy torch file with a bad magic number",
+                                     safe_pickle.HINT)
+    version = safe_pickle.load(f, None, seen)
+    if version != PROTOCOL_VERSION:
+        raise UnsupportedCheckpointError(
+            f"legacy torch file of protocol version {brief(version, 20)}, not {PROTOCOL_VERSION}",
+            "load it with the torch version that wrote it and save it again")
+    sys_info = safe_pickle.load(f, None, seen)
+    storages: dict[str, StorageRef] = {}
+    views: dict[tuple[str, int, int], StorageRef] = {}
+
+    def persistent(pid: tuple[Any, ...]) -> StorageRef:
+        stype, key, location, numel = parse_storage_pid(pid, 6)
+        sid = id_prefix + key
+        ref = storages.get(sid)
+        if ref is None:
+            ref = storages[sid] = StorageRef(sid, stype.dtype, location, numel, None, pid)
+        view = pid[5]
+        if view is None:
+            return ref
+        # very old files (torch < 0.4) pickle storage views: (key, offset, size)
+        if not (isinstance(view, tuple) and len(view) == 3
+                and all(isinstance(v, int) for v in view[1:])):
+            raise CorruptCheckpointError(f"malformed storage view: {brief(view)}",
+                                         safe_pickle.HINT)
+        _, offset, vsize = view
+        vkey = (sid, offset, vsize)
+        if vkey not in views:
+            views[vkey] = StorageRef(sid, stype.dtype, location, vsize, None)
+            views[vkey].record = f"@view:{offset}"
+        return views[vkey]
+
+    obj = safe_pickle.load(f, persistent, seen)
+    keys = safe_pickle.load(f, None, seen)
+    if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
+        raise CorruptCheckpointError("legacy torch file with a malformed storage key list",
+                                     safe_pickle.HINT)
+    _check_records(f, size, keys, storages, id_prefix)
+    meta = {"sys_info": _plain(sys_info)}
+    return RawRead(TORCH_LEGACY, obj, storages, seen, meta)
+
+
+def _check_records(f: IO[bytes], size: int, keys: list[str],
+                   storages: dict[str, StorageRef], id_prefix: str) -> None:
+    pos = f.tell()
+    for key in keys:
+        ref = storages.get(id_prefix + key)
+        if ref is None:
+            raise CorruptCheckpointError(f"storage {key} is listed but never used",
+                                         safe_pickle.HINT)
+        f.seek(pos)
+        head = f.read(8)
+        if len(head) < 8:
+            raise CorruptCheckpointError(
+                "legacy torch file is truncated (storage data ends early)", TRUNCATED_HINT)
+        (count,) = struct.unpack("<q", head)
+        if count != ref.numel:
+            raise CorruptCheckpointError(
+                f"storage {key} holds {count} elements, {ref.numel} expected", safe_pickle.HINT)
+        ref.record = f"@{pos + 8}"
+        pos += 8 + ref.nbytes
+        if pos > size:
+            raise CorruptCheckpointError(
+                "legacy torch file is truncated (storage data ends early)", TRUNCATED_HINT)
+    missing = set(storages) - {id_prefix + k for k in keys}
+    if missing:
+        raise CorruptCheckpointError(f"storage {sorted(missing)[0]} has no data record",
+                                     TRUNCATED_HINT)
+
+
+def _plain(value: Any, depth: int = 3) -> Any:
+    """``sys_info`` as JSON-ready data (a small dict of sizes and flags)."""
+    if value is None or isinstance(value, (bool, str, float)):
+        return value
+    if isinstance(value, int):
+        return value if value.bit_length() <= 64 else brief(value)
+    if isinstance(value, dict) and depth > 0:
+        return {brief(k) if not isinstance(k, str) else k: _plain(v, depth - 1)
+                for k, v in list(value.items())[:32]}
+    return brief(value)
+
+
+def read_bytes(data: bytes, id_prefix: str) -> RawRead:
+    """A legacy file held in memory (``torch.storage._load_from_bytes``)."""
+    return read_stream(io.BytesIO(data), len(data), id_prefix)

@@ -1,0 +1,150 @@
+"""torch.save's zip format (torch >= 1.6) and TorchScript archives.
+
+Only the central directory and the pickle records (``data.pkl``,
+``constants.pkl``) are read; storage records are checked for presence and
+size from the central directory and never opened. The archive's root folder
+is taken from its first entry: torch names it after the file's stem.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import IO, Any, Protocol
+
+from ckptool.errors import (
+    CorruptCheckpointError,
+    NotACheckpointError,
+    UnsupportedCheckpointError,
+)
+from ckptool.read import safe_pickle
+from ckptool.read.formats.base import RawRead, parse_storage_pid
+from ckptool.read.tensors import StorageRef
+from ckptool.read.ziparchive import Member, ZipArchive, ZipError
+
+TORCH_ZIP = "torch-zip"
+TORCHSCRIPT = "torchscript"
+TRUNCATED_HINT = ("the file was probably cut short while copying or downloading; "
+                  "compare its size with the original")
+# torch stores records uncompressed; a compressed pickle record is read whole,
+# so its claimed size is what reading it would cost
+MAX_INFLATED = 1 << 30
+
+
+def sniff(head: bytes) -> bool:
+    return head[:4] in (b"PK\x03\x04", b"PK\x05\x06")
+
+
+def root_of(names: list[str]) -> str:
+    """The archive's root folder: its first entry's, as torch takes it."""
+    first = names[0]
+    return first.split("/", 1)[0] if "/" in first else ""
+
+
+def open_archive(f: IO[bytes]) -> ZipArchive:
+    """The archive's directory, or a CorruptCheckpointError saying why not."""
+    try:
+        return ZipArchive(f, os.fstat(f.fileno()).st_size)
+    except ZipError as exc:
+        raise CorruptCheckpointError(f"zip archive is truncated or corrupt ({exc})",
+                                     TRUNCATED_HINT) from exc
+
+
+class Archive(Protocol):
+    """What ``read_archive`` needs: a ``ZipArchive``, or a stand-in for one
+    (``fix`` reads its output back before the directory is written)."""
+
+    members: dict[str, Member]
+
+    def read(self, name: str, max_size: int) -> bytes: ...
+
+
+def read(path: str) -> RawRead:
+    with open(path, "rb") as f:
+        return read_archive(open_archive(f))
+
+
+def read_archive(zf: Archive) -> RawRead:
+    """The pickles of an open archive; storage records are checked for
+    presence and size from its directory and never opened."""
+    infos = zf.members
+    names = list(infos)
+    if not names:
+        raise NotACheckpointError("empty zip archive, not a checkpoint",
+                                  "the file holds no records; fetch it again")
+    root = root_of(names)
+    prefix = f"{root}/" if root else ""
+    if f"{prefix}data.pkl" not in infos:
+        _explain_other_zip(names)
+    is_script = f"{prefix}constants.pkl" in infos or any(
+        n.startswith(f"{prefix}code/") for n in names
+    )
+    seen = safe_pickle.GlobalsSeen()
+    storages: dict[str, StorageRef] = {}
+
+    def loader(folder: str, id_prefix: str) -> safe_pickle.PersistentLoader:
+        def persistent(pid: tuple[Any, ...]) -> StorageRef:
+            stype, key, location, numel = parse_storage_pid(pid, 5)
+            sid = id_prefix + key
+            ref = storages.get(sid)
+            if ref is None:
+                record = f"{prefix}{folder}/{key}"
+                ref = StorageRef(sid, stype.dtype, location, numel, record, pid)
+                info = infos.get(record)
+                if info is None:
+                    raise CorruptCheckpointError(f"storage record {record} is missing",
+                                                 TRUNCATED_HINT)
+                if info.size < ref.nbytes:
+                    raise CorruptCheckpointError(
+                        f"storage record {record} holds {info.size} bytes, "
+                        f"{ref.nbytes} expected", TRUNCATED_HINT)
+                storages[sid] = ref
+            return ref
+        return persistent
+
+    data = _read_record(zf, f"{prefix}data.pkl")
+    obj = safe_pickle.load(data, loader("data", ""), seen)
+    extra: dict[str, Any] = {}
+    if is_script and f"{prefix}constants.pkl" in infos:
+        consts = safe_pickle.load(_read_record(zf, f"{prefix}constants.pkl"),
+                                  loader("constants", "constants/"), seen)
+        if consts:
+            extra["constants"] = consts
+    meta: dict[str, Any] = {"archive_root": root}
+    for name in ("version", ".format_version", "byteorder", ".storage_alignment"):
+        if f"{prefix}{name}" in infos and infos[f"{prefix}{name}"].size < 64:
+            meta[name.lstrip(".")] = _read_record(zf, f"{prefix}{name}").decode(
+                "ascii", "replace").strip()
+    fmt = TORCHSCRIPT if is_script else TORCH_ZIP
+    return RawRead(fmt, obj, storages, seen, meta, extra)
+
+
+def _read_record(zf: Archive, name: str) -> bytes:
+    info: Member = zf.members[name]
+    if info.method != 0 and info.size > MAX_INFLATED:
+        raise CorruptCheckpointError(
+            f"{name} is compressed and claims {info.size} bytes unpacked",
+            "torch.save never compresses records; this archive was rewritten, "
+            "maybe to exhaust memory")
+    try:
+        # a stored record's size is bounded by the file; a deflated one by MAX_INFLATED
+        return zf.read(name, max(MAX_INFLATED, info.compressed_size))
+    except (ZipError, OSError) as exc:
+        raise CorruptCheckpointError(f"cannot read {name} from the archive: {exc}",
+                                     TRUNCATED_HINT) from exc
+
+
+def _explain_other_zip(names: list[str]) -> None:
+    if any(n.endswith(".npy") for n in names):
+        raise NotACheckpointError(
+            "this is a numpy .npz archive, not a PyTorch checkpoint",
+            "load it with numpy.load",
+        )
+    if any(n.endswith("archive_format") or "/models/" in n for n in names):
+        raise UnsupportedCheckpointError(
+            "torch.export (.pt2) archives are not supported yet",
+            "load it with torch.export.load on a trusted file",
+        )
+    raise NotACheckpointError(
+        "zip archive without a data.pkl record: not a PyTorch checkpoint",
+        "ckptool reads torch.save files, TorchScript archives and safetensors",
+    )

@@ -1,0 +1,155 @@
+"""Read a checkpoint into the pure data model: ``ckptool.open(path)``.
+
+Sniffs and reads the file (``ckptool.read.formats``), walks its object tree
+(``ckptool.read.walk``), and assembles a ``Checkpoint``: tensors with their keys,
+storages with the tensors that view them, non-tensor entries, the globals
+the file names, and the main state dict with its key prefix.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from ckptool.describe import plain_value, summarize, type_name
+from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
+from ckptool.read import formats, prefixes, safe_pickle
+from ckptool.read.formats.base import RawRead
+from ckptool.read.policy import UNSAFE
+from ckptool.read.tensors import StorageRef, TensorRecord
+from ckptool.read.walk import Candidate, walk
+
+# names under which checkpoints keep their weights, most telling first
+PREFERRED_NAMES = (
+    "state_dict", "model_state_dict", "model", "net", "network", "module",
+    "weights", "params", "generator", "actor", "policy",
+)
+_CATEGORY_ORDER = {UNSAFE: 0, "custom": 1, "data": 2, "torch": 3}
+
+
+def open_checkpoint(path: str | os.PathLike[str],
+                    on_tensors: Callable[[list[TensorInfo]], None] | None = None) -> Checkpoint:
+    """Read ``path`` safely (no code from the file runs, no tensor bytes are read).
+
+    ``on_tensors``, if given, is called on the reading thread while the
+    pickle is read, with a batch of tensors each time a dict of them grows
+    (every 1000 entries of a state dict), keyed as ``Checkpoint.tensors``
+    will key them. Only tensors in dicts the pickle stack places are sent
+    (none from a pickled module, a list, or under int keys). They are a
+    preview: a state dict that ends up inside a tuple of at most 3 items
+    (``torch.save((sd, opt))``) is sent under the keys it would have outside
+    it (see ``safe_pickle.observe``). The returned Checkpoint is complete,
+    and the same as without ``on_tensors``.
+    """
+    path = os.fspath(path)
+    if on_tensors is None:
+        return assemble(path, formats.read(path))
+    with safe_pickle.observe(_partial_tensors(on_tensors), (TensorRecord, StorageRef)):
+        raw = formats.read(path)
+    return assemble(path, raw)
+
+
+def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> safe_pickle.Observer:
+    def added(path: tuple[str, ...], pairs: list[tuple[Any, Any]]) -> None:
+        # as walk.path_of: every name joined by "/" (walk.key_text of a str is itself)
+        prefix = "".join(f"{name}/" for name in path)
+        infos = [tensor_info(prefix + key, value) for key, value in pairs
+                 if type(key) is str and isinstance(value, (TensorRecord, StorageRef))]
+        if infos:
+            on_tensors(infos)
+    return added
+
+
+def assemble(path: str, raw: RawRead) -> Checkpoint:
+    """The Checkpoint of an already read file (rewrites read it faithfully first)."""
+    walked = walk(raw.root)
+    for name, extra in raw.extra_roots.items():
+        more = walk(extra, f"<{name}>")
+        walked.tensors += more.tensors
+        walked.entries += more.entries
+    tensors = [tensor_info(key, rec) for key, rec in walked.tensors]
+    entries = [Entry(key, type_name(v), summarize(v), plain_value(v))
+               for key, v in walked.entries]
+    entries += [Entry(key, "alias", f"same object as {same}") for key, same in walked.aliases]
+    globals_ = sorted(
+        (GlobalInfo(n, v.category, v.reason, raw.seen.counts[n])
+         for n, v in raw.seen.verdicts.items()),
+        key=lambda g: (_CATEGORY_ORDER.get(g.category, 9), g.name),
+    )
+    return Checkpoint(
+        path=path,
+        format=raw.format,
+        file_size=os.path.getsize(path),
+        tensors=tensors,
+        storages=_storages(raw.storages, tensors),
+        entries=entries,
+        globals=globals_,
+        main_state_dict=_main_state_dict(walked.candidates, tensors),
+        metadata=raw.metadata,
+        root=raw.root,
+    )
+
+
+def tensor_info(key: str, rec: Any) -> TensorInfo:
+    """The TensorInfo of a TensorRecord, or of a StorageRef saved on its own."""
+    if isinstance(rec, StorageRef):  # a storage saved on its own
+        return TensorInfo(key, (rec.numel,), rec.dtype, (1,), 0, rec.key, rec.location,
+                          rec.nbytes, layout="storage")
+    assert isinstance(rec, TensorRecord)
+    return TensorInfo(
+        key=key, shape=rec.shape, dtype=rec.dtype, stride=rec.stride,
+        storage_offset=rec.storage_offset,
+        storage=rec.storage.key if rec.storage else None,
+        location=rec.location, nbytes=rec.nbytes, requires_grad=rec.requires_grad,
+        is_parameter=rec.is_parameter, layout=rec.layout, subclass=rec.subclass,
+    )
+
+
+def _storages(refs: dict[str, StorageRef], tensors: list[TensorInfo]) -> dict[str, StorageInfo]:
+    viewers: dict[str, list[TensorInfo]] = {}
+    for t in tensors:
+        if t.storage is not None:
+            viewers.setdefault(t.storage, []).append(t)
+    out = {}
+    for sid, ref in refs.items():
+        views = viewers.get(sid, [])
+        # untyped storages count bytes: name them by the dtype viewing them
+        dtype = views[0].dtype if views and ref.dtype == "uint8" else ref.dtype
+        out[sid] = StorageInfo(sid, dtype, ref.location, ref.nbytes, ref.record,
+                               tuple(t.key for t in views))
+    return out
+
+
+def _rank(c: Candidate) -> int:
+    if c.path == "":
+        return 100
+    lowered = c.path.lower()
+    if "optim" in lowered or "scheduler" in lowered:
+        return -1  # optimizer state is dicts of tensors too, never the weights
+    last = c.path.rsplit("/", 1)[-1]
+    if last in PREFERRED_NAMES:
+        return 90 - PREFERRED_NAMES.index(last)
+    return 40 if "ema" in last.lower() else 10
+
+
+def _main_state_dict(cands: list[Candidate], tensors: list[TensorInfo]) -> StateDictInfo | None:
+    by_key = {t.key: t for t in tensors}
+
+    def members(c: Candidate) -> list[TensorInfo]:
+        keys = (f"{c.path}/{n}" if c.path else n for n in c.names)
+        return [by_key[k] for k in keys if k in by_key]
+
+    scored = [(c, members(c)) for c in cands if _rank(c) >= 0]
+    if not scored:
+        return None
+    best, ts = max(scored, key=lambda cm: (_rank(cm[0]), sum(t.numel for t in cm[1])))
+    common = prefixes.common_prefix(best.names)
+    return StateDictInfo(
+        path=best.path, kind=best.kind, keys=tuple(best.names),
+        prefix=prefixes.wrapper_prefix(best.names, common),
+        common_prefix=common,
+        num_tensors=len(ts),
+        num_parameters=sum(t.numel for t in ts if t.is_floating),
+        nbytes=sum(t.nbytes for t in ts),
+    )

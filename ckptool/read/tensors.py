@@ -1,0 +1,292 @@
+"""Tensor and storage records built while reading a pickle, and the safe
+replacements for torch's ``_rebuild_*`` functions that build them.
+
+A ``StorageRef`` is what a persistent id becomes: the storage's key, dtype,
+saved location tag and size. A ``TensorRecord`` is a tensor's metadata
+(shape, stride, offset, dtype, storage). Neither holds a tensor byte, and
+nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool import dtypes
+from ckptool.errors import CorruptCheckpointError
+from ckptool.read.values import StandIn, TorchDtype, brief, name_of
+
+
+@dataclass(frozen=True)
+class StorageType:
+    """A storage class named in a persistent id (``torch.FloatStorage``)."""
+
+    name: str
+    dtype: str
+
+
+@dataclass(slots=True)
+class StorageRef:
+    key: str
+    dtype: str  # element dtype of the storage (uint8 for untyped storages)
+    location: str | None  # saved device tag; None where the format records none
+    numel: int  # elements of ``dtype``
+    record: str | None = None  # where the bytes live (archive record name)
+    pid: tuple[Any, ...] | None = None  # the persistent id it was read from
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+
+@dataclass(slots=True)
+class TensorRecord:
+    shape: tuple[int, ...]
+    dtype: str
+    stride: tuple[int, ...] | None
+    storage_offset: int
+    storage: StorageRef | None
+    location: str | None
+    requires_grad: bool = False
+    is_parameter: bool = False
+    layout: str = "strided"
+    subclass: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+    # the rebuild call that made it, as (dotted name, args): kept only when
+    # reading for a rewrite (``resolve.faithful``), to write it back as is
+    origin: tuple[str, tuple[Any, ...]] | None = None
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * dtypes.itemsize(self.dtype)
+
+
+@dataclass
+class CompositeTensor:
+    """A tensor made of other tensors (sparse, nested): its parts are listed."""
+
+    layout: str
+    shape: tuple[int, ...]
+    parts: dict[str, Any]
+    origin: tuple[str, tuple[Any, ...]] | None = None  # as TensorRecord.origin
+
+
+MAX_INT64 = 2**63 - 1  # torch sizes, strides and offsets are int64
+
+
+def _ints(value: Any, what: str) -> tuple[int, ...]:
+    # hot path: runs twice per tensor, so type() checks rather than isinstance
+    if type(value) in (tuple, list) and all(type(v) is int for v in value) and (
+        not value or (min(value) >= 0 and max(value) <= MAX_INT64)
+    ):
+        return tuple(value)
+    raise CorruptCheckpointError(f"tensor {what} is not a tuple of sizes: {brief(value)}")
+
+
+def _shape(value: Any) -> tuple[int, ...]:
+    """A shape with no storage to check it against: its element count must fit int64."""
+    shape = _ints(value, "size")
+    if math.prod(shape) > MAX_INT64:
+        raise CorruptCheckpointError(f"tensor of shape {brief(shape)} has more elements "
+                                     "than torch can index")
+    return shape
+
+
+def _storage(value: Any) -> StorageRef:
+    if isinstance(value, StorageRef):
+        return value
+    raise CorruptCheckpointError(f"tensor rebuilt from a non-storage: {brief(value)}")
+
+
+def _strided(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None,
+             requires_grad: Any) -> TensorRecord:
+    ref = _storage(storage)
+    if type(offset) is not int or not 0 <= offset <= MAX_INT64:
+        raise CorruptCheckpointError(f"bad tensor storage offset: {brief(offset)}")
+    shape, strides = _ints(size, "size"), _ints(stride, "stride")
+    if len(shape) != len(strides):
+        raise CorruptCheckpointError("tensor size and stride differ in length")
+    dtype = dtype or ref.dtype
+    rec = TensorRecord(shape, dtype, strides, offset, ref, ref.location,
+                       requires_grad=bool(requires_grad))
+    numel = math.prod(shape)
+    if numel > MAX_INT64:  # zero strides let a tiny storage claim any shape
+        raise CorruptCheckpointError(f"tensor of shape {brief(shape)} has more elements "
+                                     "than torch can index")
+    if numel:
+        # last element the view touches, in bytes, must lie inside the storage
+        last = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+        if (last + 1) * dtypes.itemsize(dtype) > ref.nbytes:
+            raise CorruptCheckpointError(
+                f"tensor of shape {list(shape)} reaches past the end of storage {ref.key}"
+            )
+    return rec
+
+
+def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRecord:
+    return _strided(storage, storage_offset, size, stride, None, False)
+
+
+def rebuild_tensor_v2(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                      requires_grad: Any = False, backward_hooks: Any = None,
+                      metadata: Any = None) -> TensorRecord:
+    return _strided(storage, storage_offset, size, stride, None, requires_grad)
+
+
+def rebuild_tensor_v3(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                      requires_grad: Any, backward_hooks: Any, dtype: Any,
+                      metadata: Any = None) -> TensorRecord:
+    if not isinstance(dtype, TorchDtype):
+        raise CorruptCheckpointError(f"tensor dtype is not a torch dtype: {brief(dtype)}")
+    return _strided(storage, storage_offset, size, stride, str(dtype), requires_grad)
+
+
+def rebuild_qtensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
+                    quantizer_params: Any, requires_grad: Any = False,
+                    backward_hooks: Any = None) -> TensorRecord:
+    rec = _strided(storage, storage_offset, size, stride, None, requires_grad)
+    rec.layout = "quantized"
+    if isinstance(quantizer_params, tuple) and quantizer_params:
+        rec.extra["qscheme"] = name_of(quantizer_params[0])
+    return rec
+
+
+def rebuild_parameter(data: Any, requires_grad: Any = True, backward_hooks: Any = None,
+                      state: Any = None) -> Any:
+    if isinstance(data, TensorRecord):
+        data.is_parameter = True
+        data.requires_grad = bool(requires_grad)
+        _keep_state(data, state)
+    return data
+
+
+def _keep_state(rec: TensorRecord, state: Any) -> None:
+    """A tensor's pickled attributes (``t.foo = ...``) stay with its record:
+    what they name (an unsafe global, say) is part of what writing it back
+    would write, whichever way the file was read."""
+    if state:
+        rec.extra["state"] = state
+
+
+def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
+    known = func in REBUILDERS.values() or hasattr(func, "ckpt_global")
+    if not known or not isinstance(args, tuple):
+        raise CorruptCheckpointError("tensor rebuilt by an unknown function")
+    result = func(*args)
+    if isinstance(result, TensorRecord):
+        _keep_state(result, state)
+    if isinstance(result, TensorRecord) and isinstance(new_type, type) and issubclass(
+        new_type, StandIn
+    ):
+        result.subclass = new_type.qualname
+        if new_type.qualname == "torch.nn.parameter.Parameter":
+            result.is_parameter = True
+    return result
+
+
+def rebuild_from_type(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
+    return rebuild_from_type_v2(func, new_type, args, state)
+
+
+def rebuild_meta_tensor_no_storage(dtype: Any, size: Any, stride: Any,
+                                   requires_grad: Any = False) -> TensorRecord:
+    return TensorRecord(_shape(size), name_of(dtype), _ints(stride, "stride"), 0,
+                        None, "meta", requires_grad=bool(requires_grad))
+
+
+def rebuild_wrapper_subclass(cls: Any, dtype: Any, size: Any, stride: Any,
+                             storage_offset: Any, layout: Any, device: Any,
+                             requires_grad: Any = False) -> TensorRecord:
+    offset = storage_offset if type(storage_offset) is int else 0
+    rec = TensorRecord(_shape(size), name_of(dtype), _ints(stride, "stride"),
+                       offset, None, name_of(device), requires_grad=bool(requires_grad))
+    rec.subclass = cls.qualname if isinstance(cls, type) and issubclass(cls, StandIn) else None
+    return rec
+
+
+def rebuild_device_tensor_from_numpy(data: Any, dtype: Any, device: Any,
+                                     requires_grad: Any = False) -> TensorRecord:
+    shape = getattr(data, "shape", ())
+    return TensorRecord(_shape(shape), name_of(dtype), None, 0, None,
+                        device if isinstance(device, str) else None,
+                        requires_grad=bool(requires_grad))
+
+
+def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
+    names = {
+        "sparse_coo": ("indices", "values", "size"),
+        "sparse_csr": ("crow_indices", "col_indices", "values", "size"),
+        "sparse_csc": ("ccol_indices", "row_indices", "values", "size"),
+        "sparse_bsr": ("crow_indices", "col_indices", "values", "size"),
+        "sparse_bsc": ("ccol_indices", "row_indices", "values", "size"),
+    }.get(name_of(layout).removeprefix("torch."), ())
+    items = data if isinstance(data, tuple) else ()
+    parts = {n: v for n, v in zip(names, items, strict=False) if n != "size"}
+    size = next((v for n, v in zip(names, items, strict=False) if n == "size"), ())
+    shape = _shape(size) if isinstance(size, tuple) else ()
+    return CompositeTensor(name_of(layout).removeprefix("torch."), shape, parts)
+
+
+def rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, offsets: Any) -> CompositeTensor:
+    return CompositeTensor("nested", (), {"buffer": buffer, "sizes": sizes})
+
+
+REBUILDERS: dict[str, Callable[..., Any]] = {
+    "torch._utils._rebuild_tensor": rebuild_tensor,
+    "torch._utils._rebuild_tensor_v2": rebuild_tensor_v2,
+    "torch._utils._rebuild_tensor_v3": rebuild_tensor_v3,
+    "torch._utils._rebuild_qtensor": rebuild_qtensor,
+    "torch._utils._rebuild_parameter": rebuild_parameter,
+    "torch._utils._rebuild_parameter_with_state": rebuild_parameter,
+    "torch._utils._rebuild_meta_tensor_no_storage": rebuild_meta_tensor_no_storage,
+    "torch._utils._rebuild_wrapper_subclass": rebuild_wrapper_subclass,
+    "torch._utils._rebuild_device_tensor_from_numpy": rebuild_device_tensor_from_numpy,
+    "torch._utils._rebuild_xla_tensor": rebuild_device_tensor_from_numpy,
+    "torch._utils._rebuild_mtia_tensor": rebuild_device_tensor_from_numpy,
+    "torch._utils._rebuild_sparse_tensor": rebuild_sparse_tensor,
+    "torch._utils._rebuild_nested_tensor": rebuild_nested_tensor,
+    "torch._tensor._rebuild_from_type_v2": rebuild_from_type_v2,
+    "torch._tensor._rebuild_from_type": rebuild_from_type,
+}
+
+
+def storage_type(name: str) -> StorageType | None:
+    """``torch.FloatStorage`` -> StorageType('FloatStorage', 'float32')."""
+    dtype = dtypes.STORAGE_DTYPES.get(name)
+    return StorageType(name, dtype) if dtype else None
+
+
+_TRACED: dict[str, Callable[..., Any]] = {}
+
+
+def traced(dotted: str) -> Callable[..., Any]:
+    """The rebuild function ``dotted``, recording each result's origin.
+
+    One wrapper per name (so the pickle memo's sharing survives a rewrite);
+    a result that is one of its own arguments (a parameter wrapping its
+    data) is copied first, so that its origin never contains itself.
+    """
+    fn = _TRACED.get(dotted)
+    if fn is None:
+        rebuild = REBUILDERS[dotted]
+
+        def call(*args: Any) -> Any:
+            result = rebuild(*args)
+            if isinstance(result, (TensorRecord, CompositeTensor)):
+                if any(result is a for a in args):
+                    result = dataclasses.replace(result)
+                    if isinstance(result, TensorRecord):
+                        result.extra = dict(result.extra)
+                result.origin = (dotted, args)
+            return result
+
+        call.ckpt_global = dotted  # type: ignore[attr-defined]
+        fn = _TRACED[dotted] = call
+    return fn

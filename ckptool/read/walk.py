@@ -1,0 +1,210 @@
+"""Walk a checkpoint's inert object tree: find every tensor, the non-tensor
+entries, and the dicts and modules that could be its state dict.
+
+The walk is iterative (hostile files can nest a million levels deep), visits
+each container once (a second reference to the same object is reported as
+an alias, not walked again), and presents pickled ``nn.Module``s and
+TorchScript modules as state dicts with dotted names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
+from ckptool.read.values import StandIn
+
+MAX_MODULE_DEPTH = 256
+
+
+@dataclass
+class Candidate:
+    """A dict of tensors, or a module, that may be the main state dict."""
+
+    path: str
+    kind: str  # "dict" or "module"
+    names: list[str]  # state-dict names, in order
+
+
+@dataclass
+class Walked:
+    tensors: list[tuple[str, Any]] = field(default_factory=list)  # (key, record)
+    entries: list[tuple[str, Any]] = field(default_factory=list)  # (key, value)
+    aliases: list[tuple[str, str]] = field(default_factory=list)  # (key, same-as key)
+    candidates: list[Candidate] = field(default_factory=list)
+
+
+def join(path: str, name: str) -> str:
+    return f"{path}/{name}" if path else name
+
+
+def key_text(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if isinstance(key, (int, float, bool)) or key is None:
+        return str(key)
+    return repr(key)
+
+
+def is_tensor(obj: Any) -> bool:
+    return isinstance(obj, (TensorRecord, StorageRef))
+
+
+def module_kind(obj: Any) -> str | None:
+    """"nn" for a pickled nn.Module, "script" for a TorchScript module."""
+    if not isinstance(obj, StandIn):
+        return None
+    if obj.qualname.startswith("__torch__."):
+        return "script"
+    state = obj.state_dict_view()
+    if "_parameters" in state and "_modules" in state:
+        return "nn"
+    return None
+
+
+def module_tensors(mod: StandIn, prefix: str = "", depth: int = 0) -> Iterator[tuple[str, Any]]:
+    """(dotted name, tensor) in ``state_dict()`` order: params, buffers, children."""
+    if depth > MAX_MODULE_DEPTH:
+        return
+    state = mod.state_dict_view()
+    if module_kind(mod) == "script":
+        for name, value in state.items():
+            if is_tensor(value):
+                yield prefix + name, value
+            elif module_kind(value) == "script":
+                yield from module_tensors(value, f"{prefix}{name}.", depth + 1)
+        return
+    skip = state.get("_non_persistent_buffers_set")
+    skip = skip if isinstance(skip, (set, frozenset)) else set()
+    for table in ("_parameters", "_buffers"):
+        items = state.get(table)
+        if isinstance(items, dict):
+            for name, value in items.items():
+                if is_tensor(value) and not (table == "_buffers" and name in skip):
+                    yield prefix + key_text(name), value
+    subs = state.get("_modules")
+    if isinstance(subs, dict):
+        for name, sub in subs.items():
+            if module_kind(sub) is not None:
+                yield from module_tensors(sub, f"{prefix}{key_text(name)}.", depth + 1)
+
+
+def children(obj: Any) -> Iterator[tuple[str, Any]]:
+    """Named children of a container; nothing for leaves."""
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            yield key_text(k), v
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield str(i), v
+    elif isinstance(obj, CompositeTensor):
+        yield from obj.parts.items()
+    elif isinstance(obj, StandIn):
+        for i, v in enumerate(obj.args):
+            yield str(i), v
+        yield from obj.state_dict_view().items()
+        state = obj.state
+        if state is not None and not isinstance(state, dict) and not (
+            isinstance(state, tuple) and len(state) == 2
+            and all(isinstance(p, dict) or p is None for p in state)
+        ):
+            yield "state", state
+        for i, v in enumerate(obj.items):
+            yield str(len(obj.args) + i), v
+        for k, v in obj.dictitems.items():
+            yield key_text(k), v
+
+
+def _is_state_dict(obj: Any) -> bool:
+    if not isinstance(obj, dict) or not obj:
+        return False
+    found = False
+    for k, v in obj.items():
+        if isinstance(v, TensorRecord):
+            found = True
+        elif not (isinstance(k, str) and k.endswith("_extra_state")):
+            return False
+    return found
+
+
+# A node's path as a chain of (parent link, name) pairs: built in O(1) per
+# node and turned into a string only for the few nodes that are reported, so
+# a deep chain of containers costs linear, not quadratic, memory.
+Link = tuple[Any, str] | None
+
+
+def path_of(link: Link, base: str) -> str:
+    names: list[str] = []
+    while link is not None:
+        link, name = link
+        names.append(name)
+    if base:
+        names.append(base)
+    return "/".join(reversed(names))
+
+
+def walk(root: Any, base: str = "") -> Walked:
+    """Find tensors, non-tensor entries and state-dict candidates under ``root``."""
+    out = Walked()
+    first_link: dict[int, Link] = {}
+    parent: dict[int, int] = {}
+    holds_tensors: set[int] = set()
+    order: list[tuple[Link, Any, int | None]] = []  # every visited node, preorder
+
+    stack: list[tuple[Link, Any, int | None]] = [(None, root, None)]
+    while stack:
+        link, obj, par = stack.pop()
+        if is_tensor(obj):
+            out.tensors.append((path_of(link, base), obj))
+            _mark(par, parent, holds_tensors)
+            order.append((link, obj, par))
+            continue
+        if not _is_container(obj):
+            order.append((link, obj, par))
+            continue
+        oid = id(obj)
+        if oid in first_link:
+            out.aliases.append((path_of(link, base), path_of(first_link[oid], base)))
+            continue
+        first_link[oid] = link
+        if par is not None:
+            parent[oid] = par
+        order.append((link, obj, par))
+        kind = module_kind(obj)
+        if kind is not None:
+            path = path_of(link, base)
+            names = []
+            for name, tensor in module_tensors(obj):
+                names.append(name)
+                out.tensors.append((join(path, name), tensor))
+            if names:
+                _mark(oid, parent, holds_tensors)
+                out.candidates.append(Candidate(path, "module", names))
+            continue
+        if _is_state_dict(obj):
+            out.candidates.append(
+                Candidate(path_of(link, base), "dict", [key_text(k) for k in obj]))
+        kids = list(children(obj))
+        for name, child in reversed(kids):
+            stack.append(((link, name), child, oid))
+
+    # entries: the largest tensor-free subtrees hanging off tensor-holding containers
+    for link, obj, par in order:
+        if is_tensor(obj) or (_is_container(obj) and id(obj) in holds_tensors):
+            continue
+        # a module's own attributes never reach ``order``: its walk stops at it
+        if par is None or par in holds_tensors:
+            out.entries.append((path_of(link, base), obj))
+    return out
+
+
+def _is_container(obj: Any) -> bool:
+    return isinstance(obj, (dict, list, tuple, StandIn, CompositeTensor))
+
+
+def _mark(oid: int | None, parent: dict[int, int], holds: set[int]) -> None:
+    while oid is not None and oid not in holds:
+        holds.add(oid)
+        oid = parent.get(oid)
