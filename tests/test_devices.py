@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.cuda
 
-from ckptool.check import gpus
+from ckptool.check import gpus, loadcheck
 from ckptool.check.gpus import Gpu, Machine
 from ckptool.cli import main
 from ckptool.describe import human_bytes
@@ -238,9 +238,9 @@ def test_assumed_and_missing_devices() -> None:
     assert two.device_count == 2 and two.source == "assumed" and two.platform == "linux"
     assert [g.index for g in two.gpus] == [0, 1] and two.gpus[0].free_bytes is None
     assert gpus.assumed(0).cuda_available is False
-    assert gpus.missing_devices(two, ["cuda:2", "cuda:1", "cuda", "cpu", "mps",
+    assert loadcheck.missing_devices(two, ["cuda:2", "cuda:1", "cuda", "cpu", "mps",
                                       "unrecorded"]) == ["cuda:2", "mps"]
-    assert gpus.missing_devices(gpus.assumed(0), ["cuda"]) == ["cuda"]
+    assert loadcheck.missing_devices(gpus.assumed(0), ["cuda"]) == ["cuda"]
 
 
 TORCH_LOADED = "import sys; print('torch' in sys.modules)"

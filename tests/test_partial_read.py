@@ -25,7 +25,7 @@ from helpers import SAMPLES, saved_on
 from nets import Net
 
 from ckptool.model import Checkpoint, TensorInfo
-from ckptool.read import safe_pickle
+from ckptool.read import observe, unpickler
 from ckptool.read.reader import open_checkpoint
 
 SAMPLE_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix != ".py")
@@ -224,18 +224,18 @@ def test_blind_spot_short_tuples(tmp_path: Path, shape: str) -> None:
 
 def test_nothing_is_called_without_an_observer(saved: dict[str, Path]) -> None:
     calls: list[Any] = []
-    with safe_pickle.observe(lambda path, pairs: calls.append(path)):
+    with observe.observe(lambda path, pairs: calls.append(path)):
         pass
     open_checkpoint(saved["nested"])
     assert calls == []
-    reader = safe_pickle.SafeUnpickler(io.BytesIO(), lambda pid: None, safe_pickle.GlobalsSeen())
-    assert reader._dispatch is safe_pickle.SafeUnpickler.dispatch
+    reader = unpickler.SafeUnpickler(io.BytesIO(), lambda pid: None, unpickler.GlobalsSeen())
+    assert reader._dispatch is unpickler.SafeUnpickler.dispatch
 
 
 def test_an_observer_sees_only_its_own_thread(saved: dict[str, Path]) -> None:
     calls: list[Any] = []
     other: list[Checkpoint] = []
-    with safe_pickle.observe(lambda path, pairs: calls.append(path)):
+    with observe.observe(lambda path, pairs: calls.append(path)):
         thread = threading.Thread(target=lambda: other.append(open_checkpoint(saved["nested"])))
         thread.start()
         thread.join()
@@ -263,7 +263,7 @@ def test_legacy_header_pickles_are_not_observed(saved: dict[str, Path]) -> None:
     from ckptool.read import formats
 
     seen: list[tuple[tuple[str, ...], list[Any]]] = []
-    with safe_pickle.observe(lambda path, pairs: seen.append((path, [k for k, _ in pairs]))):
+    with observe.observe(lambda path, pairs: seen.append((path, [k for k, _ in pairs]))):
         formats.read(str(saved["legacy"]))
     keys = {k for _, ks in seen for k in ks}
     assert "protocol_version" not in keys  # sys_info, the third of five pickles

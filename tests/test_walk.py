@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import tracemalloc
 
-from ckptool import describe
-from ckptool.read import walk
+from ckptool.read import summary, walk
 from ckptool.read.tensors import StorageRef, TensorRecord
 
 
@@ -48,6 +47,6 @@ def test_deep_chain_costs_linear_memory() -> None:
 
 def test_plain_value_gives_up_on_large_shared_structures() -> None:
     shared = list(range(64))
-    assert describe.plain_value([shared] * 64) is None  # 4,096 values > budget
-    assert describe.plain_value({"lr": 0.1, "dims": [1, 2]}) == {"lr": 0.1, "dims": [1, 2]}
-    assert describe.plain_value(float("nan")) == "nan"
+    assert summary.plain_value([shared] * 64) is None  # 4,096 values > budget
+    assert summary.plain_value({"lr": 0.1, "dims": [1, 2]}) == {"lr": 0.1, "dims": [1, 2]}
+    assert summary.plain_value(float("nan")) == "nan"

@@ -17,7 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 SMI_QUERY = ("--query-gpu=index,name,uuid,memory.total,memory.free",
@@ -128,15 +128,6 @@ def pick(machine: Machine, need_bytes: int) -> Gpu | None:
 def fits(gpu: Gpu, need_bytes: int) -> bool | None:
     """Whether ``need_bytes`` fit in the GPU's free memory; None when unknown."""
     return None if gpu.free_bytes is None else gpu.free_bytes >= need_bytes
-
-
-def missing_devices(machine: Machine, locations: Iterable[str]) -> list[str]:
-    """The saved device tags (``cuda:2``, ``mps``) that torch.load cannot
-    restore on this machine without ``map_location``."""
-    from ckptool.check.loadcheck import restore_error  # it needs Machine from here
-
-    return [tag for tag in locations
-            if tag != "unrecorded" and restore_error(tag, machine)[1] is not None]
 
 
 def _query_smi() -> tuple[list[Gpu] | None, str]:

@@ -11,6 +11,7 @@ thing. Nothing here imports torch.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import metadata
 
@@ -64,6 +65,13 @@ def restore_error(location: str, machine: Machine) -> tuple[str | None, str | No
                       "torch.load with map_location to map your storages to an existing "
                       "device.")
     return f"cuda:{index}", None
+
+
+def missing_devices(machine: Machine, locations: Iterable[str]) -> list[str]:
+    """The saved device tags (``cuda:2``, ``mps``) that torch.load cannot
+    restore on this machine without ``map_location``."""
+    return [tag for tag in locations
+            if tag != "unrecorded" and restore_error(tag, machine)[1] is not None]
 
 
 def plan_tags(ckpt: Checkpoint, machine: Machine) -> list[TagLoad]:

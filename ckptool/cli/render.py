@@ -15,9 +15,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.cli.report import matches
-from ckptool.describe import human_bytes, human_count
+from ckptool.describe import human_bytes, human_count, shape_text
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
-from ckptool.read.values import shape_text
 
 _SEP = re.compile(r"[/.]")
 

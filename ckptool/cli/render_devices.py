@@ -11,7 +11,8 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.check.gpus import Gpu, Machine, missing_devices
+from ckptool.check.gpus import Gpu, Machine
+from ckptool.check.loadcheck import missing_devices
 from ckptool.cli.report_devices import Advice, fix_command, load_snippet, recommend
 from ckptool.describe import human_bytes
 from ckptool.model import NO_LOCATION, Checkpoint

@@ -12,8 +12,8 @@ from rich.text import Text
 
 from ckptool.check.diff import ALL, Change, DiffReport, Side
 from ckptool.check.tensor_compare import EQUAL, NOT_COMPARED
+from ckptool.describe import shape_text
 from ckptool.model import TensorInfo
-from ckptool.read.values import shape_text
 
 
 def _what(side: Side, mode: str) -> str:

@@ -14,7 +14,8 @@ import shlex
 from dataclasses import dataclass
 from typing import Any
 
-from ckptool.check.gpus import Gpu, Machine, fits, missing_devices, pick
+from ckptool.check.gpus import Gpu, Machine, fits, pick
+from ckptool.check.loadcheck import missing_devices
 from ckptool.model import Checkpoint
 
 SCHEMA_VERSION = 1

@@ -14,7 +14,8 @@ import struct
 from collections import OrderedDict
 from typing import Any
 
-from ckptool.read.values import StandIn, check_key, name_of, shape_text, standin_class
+from ckptool.describe import shape_text
+from ckptool.read.values import StandIn, check_key, name_of, standin_class
 
 
 class NDArray:

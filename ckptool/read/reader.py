@@ -12,11 +12,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from ckptool.describe import plain_value, summarize, type_name
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import formats, prefixes, safe_pickle
+from ckptool.read import formats, observe, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.policy import UNSAFE
+from ckptool.read.summary import plain_value, summarize, type_name
 from ckptool.read.tensors import StorageRef, TensorRecord
 from ckptool.read.walk import Candidate, walk
 
@@ -39,18 +39,18 @@ def open_checkpoint(path: str | os.PathLike[str],
     (none from a pickled module, a list, or under int keys). They are a
     preview: a state dict that ends up inside a tuple of at most 3 items
     (``torch.save((sd, opt))``) is sent under the keys it would have outside
-    it (see ``safe_pickle.observe``). The returned Checkpoint is complete,
+    it (see ``ckptool.read.observe``). The returned Checkpoint is complete,
     and the same as without ``on_tensors``.
     """
     path = os.fspath(path)
     if on_tensors is None:
         return assemble(path, formats.read(path))
-    with safe_pickle.observe(_partial_tensors(on_tensors), (TensorRecord, StorageRef)):
+    with observe.observe(_partial_tensors(on_tensors), (TensorRecord, StorageRef)):
         raw = formats.read(path)
     return assemble(path, raw)
 
 
-def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> safe_pickle.Observer:
+def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.Observer:
     def added(path: tuple[str, ...], pairs: list[tuple[Any, Any]]) -> None:
         # as walk.path_of: every name joined by "/" (walk.key_text of a str is itself)
         prefix = "".join(f"{name}/" for name in path)

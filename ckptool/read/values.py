@@ -161,11 +161,6 @@ def _brief(obj: Any, depth: int) -> str:
     return f"<{type(obj).__name__}>"
 
 
-def shape_text(shape: Any) -> str:
-    """``(3, 4)`` -> ``3x4``; ``()`` -> ``scalar``."""
-    return "x".join(str(s) for s in shape) or "scalar"
-
-
 def name_of(obj: Any) -> str:
     """A name a file gave (a dtype, a device...): the string, or a bounded repr."""
     return obj if isinstance(obj, str) else brief(obj, 40)

@@ -20,40 +20,16 @@ from __future__ import annotations
 import fnmatch
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 from itertools import compress
 
 from ckptool.model import NO_LOCATION, TensorInfo
-from ckptool.tui.rows import TENSOR_KEYS, FilteredTree, FlatRows, Layout, natural, walk_tree
+from ckptool.tui.rows import TENSOR_KEYS, FilteredTree, FlatRows, Layout, Node, natural, walk_tree
 
 __all__ = ["SORTS", "Filter", "FilteredTree", "Index", "Node", "Rows", "leaf_name", "natural"]
 
 SORTS = ("file", "name", "size", "device")  # the order `o` cycles through
 SPLIT = re.compile(r"[/.]")
 GLOB_CHARS = frozenset("*?[")
-
-
-@dataclass(eq=False, slots=True)
-class Node:
-    """A module (or container) in the key tree."""
-
-    name: str  # its own label: "fc"
-    path: str  # the key prefix it stands for: "state_dict/module.fc"
-    depth: int
-    parent: Node | None
-    order: int  # position among its siblings in file order
-    children: dict[str, Node] = field(default_factory=dict)
-    tensors: list[TensorInfo] = field(default_factory=list)  # leaves right under it
-    count: int = 0  # tensors anywhere below
-    params: int = 0
-    nbytes: int = 0
-    locations: dict[str, int] = field(default_factory=dict)  # tag -> bytes below
-
-    @property
-    def main_location(self) -> str:
-        if not self.locations:
-            return ""
-        return max(self.locations.items(), key=lambda kv: (kv[1], kv[0]))[0]
 
 
 Item = "Node | TensorInfo"  # a row of the list: a module node or a tensor

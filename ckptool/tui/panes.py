@@ -10,9 +10,8 @@ from rich.text import Text
 
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.stats import TensorStats
-from ckptool.describe import human_bytes, human_count
+from ckptool.describe import human_bytes, human_count, shape_text
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
-from ckptool.read.values import shape_text
 from ckptool.tui.index import Node
 
 SHOWN_SHARERS = 6

@@ -15,14 +15,36 @@ from __future__ import annotations
 import re
 from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
 from itertools import accumulate, compress
 from operator import gt, itemgetter
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ckptool.model import NO_LOCATION, TensorInfo
 
-if TYPE_CHECKING:
-    from ckptool.tui.index import Node
+
+@dataclass(eq=False, slots=True)
+class Node:
+    """A module (or container) in the key tree."""
+
+    name: str  # its own label: "fc"
+    path: str  # the key prefix it stands for: "state_dict/module.fc"
+    depth: int
+    parent: Node | None
+    order: int  # position among its siblings in file order
+    children: dict[str, Node] = field(default_factory=dict)
+    tensors: list[TensorInfo] = field(default_factory=list)  # leaves right under it
+    count: int = 0  # tensors anywhere below
+    params: int = 0
+    nbytes: int = 0
+    locations: dict[str, int] = field(default_factory=dict)  # tag -> bytes below
+
+    @property
+    def main_location(self) -> str:
+        if not self.locations:
+            return ""
+        return max(self.locations.items(), key=lambda kv: (kv[1], kv[0]))[0]
+
 
 _DIGITS = re.compile(r"(\d+)")
 

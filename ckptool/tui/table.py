@@ -22,9 +22,8 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ckptool.describe import human_bytes, human_count
+from ckptool.describe import human_bytes, human_count, shape_text
 from ckptool.model import NO_LOCATION, TensorInfo
-from ckptool.read.values import shape_text
 from ckptool.tui.index import Index, Node, Rows, leaf_name
 from ckptool.tui.rows import position
 

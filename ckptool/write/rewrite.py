@@ -23,11 +23,12 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from ckptool.errors import UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint
-from ckptool.read import formats, safe_pickle
+from ckptool.read import formats
+from ckptool.read.formats import torch_legacy
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_zip import TORCH_ZIP
 from ckptool.read.reader import assemble
@@ -139,14 +140,6 @@ def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
     verify(out.read_path, {n: (t.shape, d) for n, t, d in items}, spans)
 
 
-def _legacy_header_end(f: IO[bytes]) -> int:
-    """Offset after the magic number, protocol version and sys_info pickles."""
-    seen = safe_pickle.GlobalsSeen()
-    for _ in range(3):
-        safe_pickle.load(f, None, seen)
-    return f.tell()
-
-
 def _write_legacy(src: str, source: Checkpoint, plan: Plan, output: AtomicOutput,
                   progress: Progress | None, identity: Identity | None) -> outputcheck.Expected:
     used = plan.storages
@@ -162,7 +155,7 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, output: AtomicOutput
     with TensorData(source) as reader, open(src, "rb") as f:
         check_unchanged(src, identity, f.fileno())
         check_unchanged(src, identity, reader.fileno())
-        header_end = _legacy_header_end(f)
+        header_end = torch_legacy.header_end(f)
         out.write(os.pread(f.fileno(), header_end, 0))
         out.write(pickled)
         out.write(repickle.dumps(keys, lambda ref: ()))

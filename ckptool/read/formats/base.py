@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read.safe_pickle import HINT, GlobalsSeen
 from ckptool.read.tensors import MAX_INT64, StorageRef, StorageType
+from ckptool.read.unpickler import HINT, GlobalsSeen
 from ckptool.read.values import brief
 
 

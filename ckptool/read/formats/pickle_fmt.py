@@ -11,8 +11,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ckptool.read import safe_pickle
+from ckptool.read import unpickler
 from ckptool.read.formats.base import RawRead
+from ckptool.read.formats.torch_legacy import read_bytes
 
 PICKLE = "pickle"
 # protocol 0/1 opening with a GLOBAL: "cmodule\nname\n" (how classic exploits start)
@@ -29,8 +30,8 @@ def sniff(head: bytes, tail: bytes) -> bool:
 
 
 def read(path: str) -> RawRead:
-    seen = safe_pickle.GlobalsSeen()
+    seen = unpickler.GlobalsSeen()
     embedded: dict[str, Any] = {}
     with open(path, "rb") as f:
-        obj = safe_pickle.load(f, None, seen, embedded)
+        obj = unpickler.load(f, None, seen, embedded, read_bytes)
     return RawRead(PICKLE, obj, embedded, seen)

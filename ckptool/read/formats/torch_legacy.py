@@ -14,7 +14,7 @@ import struct
 from typing import IO, Any
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.read import safe_pickle
+from ckptool.read import unpickler
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.tensors import StorageRef
 from ckptool.read.values import brief
@@ -43,16 +43,20 @@ def read(path: str) -> RawRead:
 
 
 def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
-    seen = safe_pickle.GlobalsSeen()
-    if safe_pickle.load(f, None, seen) != MAGIC:
+    seen = unpickler.GlobalsSeen()
+
+    def load(persistent: unpickler.PersistentLoader | None = None) -> Any:
+        return unpickler.load(f, persistent, seen, read_embedded=read_bytes)
+
+    if load() != MAGIC:
         raise CorruptCheckpointError("legacy torch file with a bad magic number",
-                                     safe_pickle.HINT)
-    version = safe_pickle.load(f, None, seen)
+                                     unpickler.HINT)
+    version = load()
     if version != PROTOCOL_VERSION:
         raise UnsupportedCheckpointError(
             f"legacy torch file of protocol version {brief(version, 20)}, not {PROTOCOL_VERSION}",
             "load it with the torch version that wrote it and save it again")
-    sys_info = safe_pickle.load(f, None, seen)
+    sys_info = load()
     storages: dict[str, StorageRef] = {}
     views: dict[tuple[str, int, int], StorageRef] = {}
 
@@ -69,7 +73,7 @@ def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
         if not (isinstance(view, tuple) and len(view) == 3
                 and all(isinstance(v, int) for v in view[1:])):
             raise CorruptCheckpointError(f"malformed storage view: {brief(view)}",
-                                         safe_pickle.HINT)
+                                         unpickler.HINT)
         _, offset, vsize = view
         vkey = (sid, offset, vsize)
         if vkey not in views:
@@ -77,11 +81,11 @@ def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
             views[vkey].record = f"@view:{offset}"
         return views[vkey]
 
-    obj = safe_pickle.load(f, persistent, seen)
-    keys = safe_pickle.load(f, None, seen)
+    obj = load(persistent)
+    keys = load()
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise CorruptCheckpointError("legacy torch file with a malformed storage key list",
-                                     safe_pickle.HINT)
+                                     unpickler.HINT)
     _check_records(f, size, keys, storages, id_prefix)
     meta = {"sys_info": _plain(sys_info)}
     return RawRead(TORCH_LEGACY, obj, storages, seen, meta)
@@ -94,7 +98,7 @@ def _check_records(f: IO[bytes], size: int, keys: list[str],
         ref = storages.get(id_prefix + key)
         if ref is None:
             raise CorruptCheckpointError(f"storage {key} is listed but never used",
-                                         safe_pickle.HINT)
+                                         unpickler.HINT)
         f.seek(pos)
         head = f.read(8)
         if len(head) < 8:
@@ -103,7 +107,7 @@ def _check_records(f: IO[bytes], size: int, keys: list[str],
         (count,) = struct.unpack("<q", head)
         if count != ref.numel:
             raise CorruptCheckpointError(
-                f"storage {key} holds {count} elements, {ref.numel} expected", safe_pickle.HINT)
+                f"storage {key} holds {count} elements, {ref.numel} expected", unpickler.HINT)
         ref.record = f"@{pos + 8}"
         pos += 8 + ref.nbytes
         if pos > size:
@@ -125,6 +129,15 @@ def _plain(value: Any, depth: int = 3) -> Any:
         return {brief(k) if not isinstance(k, str) else k: _plain(v, depth - 1)
                 for k, v in list(value.items())[:32]}
     return brief(value)
+
+
+def header_end(f: IO[bytes]) -> int:
+    """Offset after the magic number, protocol version and sys_info pickles
+    (what a rewrite copies as it is)."""
+    seen = unpickler.GlobalsSeen()
+    for _ in range(3):
+        unpickler.load(f, None, seen, read_embedded=read_bytes)
+    return f.tell()
 
 
 def read_bytes(data: bytes, id_prefix: str) -> RawRead:

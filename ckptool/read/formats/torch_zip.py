@@ -16,8 +16,9 @@ from ckptool.errors import (
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
-from ckptool.read import safe_pickle
+from ckptool.read import unpickler
 from ckptool.read.formats.base import RawRead, parse_storage_pid
+from ckptool.read.formats.torch_legacy import read_bytes
 from ckptool.read.tensors import StorageRef
 from ckptool.read.ziparchive import Member, ZipArchive, ZipError
 
@@ -78,10 +79,10 @@ def read_archive(zf: Archive) -> RawRead:
     is_script = f"{prefix}constants.pkl" in infos or any(
         n.startswith(f"{prefix}code/") for n in names
     )
-    seen = safe_pickle.GlobalsSeen()
+    seen = unpickler.GlobalsSeen()
     storages: dict[str, StorageRef] = {}
 
-    def loader(folder: str, id_prefix: str) -> safe_pickle.PersistentLoader:
+    def loader(folder: str, id_prefix: str) -> unpickler.PersistentLoader:
         def persistent(pid: tuple[Any, ...]) -> StorageRef:
             stype, key, location, numel = parse_storage_pid(pid, 5)
             sid = id_prefix + key
@@ -102,11 +103,12 @@ def read_archive(zf: Archive) -> RawRead:
         return persistent
 
     data = _read_record(zf, f"{prefix}data.pkl")
-    obj = safe_pickle.load(data, loader("data", ""), seen)
+    obj = unpickler.load(data, loader("data", ""), seen, read_embedded=read_bytes)
     extra: dict[str, Any] = {}
     if is_script and f"{prefix}constants.pkl" in infos:
-        consts = safe_pickle.load(_read_record(zf, f"{prefix}constants.pkl"),
-                                  loader("constants", "constants/"), seen)
+        consts = unpickler.load(_read_record(zf, f"{prefix}constants.pkl"),
+                                  loader("constants", "constants/"), seen,
+                                read_embedded=read_bytes)
         if consts:
             extra["constants"] = consts
     meta: dict[str, Any] = {"archive_root": root}

@@ -23,34 +23,37 @@ After a load, ``check_tree`` refuses trees nested deeper than ``MAX_DEPTH``
 and integers too long to print, so what follows (walk, render, JSON) stays
 bounded.
 
-``observe(callback)`` lets a reader see a state dict while it is read: after
-each ``SETITEMS``/``SETITEM``/``DICT`` that adds keys to a dict, the callback
-gets the dict's path of keys from the root and the pairs just added, when the
-stack says where that dict sits (see ``SafeUnpickler._path``). It costs nothing
-when no observer is set: observing reads use their own dispatch table.
+A read inside ``ckptool.read.observe.observe(callback)`` reports dict
+entries as they are read (the opcodes of ``observe.Observing``); other reads
+use the plain dispatch table and cost nothing extra.
+
+Tensors pickled with plain pickle carry their storage as an embedded legacy
+torch file (``torch.storage._load_from_bytes``). The format reader that
+meets them passes ``read_embedded``, which parses those bytes in memory:
+this layer knows no file format.
 """
 
 from __future__ import annotations
 
 import _compat_pickle
-import contextlib
 import contextvars
 import copyreg
 import gc
 import io
 import pickle
 import struct
-import types
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import IO, Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read import constructors, policy, values
+from ckptool.read import constructors, observe, policy, values
 from ckptool.read.resolve import resolve_global
 from ckptool.read.treecheck import HINT, check_tree
 
 PersistentLoader = Callable[[tuple[Any, ...]], Any]
+# (bytes of an embedded legacy torch file, storage id prefix) -> its RawRead
+EmbeddedReader = Callable[[bytes, str], Any]
 
 MAX_GLOBALS = 10_000  # distinct globals one file may name: each becomes a class
 MAX_EMBEDDED_DEPTH = 2  # legacy files inside storages inside legacy files...
@@ -59,59 +62,6 @@ MAX_EMBEDDED_DEPTH = 2  # legacy files inside storages inside legacy files...
 _U32 = struct.Struct("<I").unpack
 
 _embedded_depth = contextvars.ContextVar("ckptool_embedded_depth", default=0)
-
-# (path of str keys from the root to a dict, [(key, value) just added to it])
-Observer = Callable[[tuple[str, ...], list[tuple[Any, Any]]], None]
-BATCHSIZE = 1000  # pairs per SETITEMS that pickle's Pickler (C and Python) writes
-MAX_OBSERVED_DEPTH = 32  # deeper dicts are not reported (bounds each report's cost)
-# what REDUCE and NEWOBJ call: a pair after one may be its arguments, not dict items
-_CALLABLES = (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType)
-
-
-class _Observation:
-    def __init__(self, callback: Observer, values: tuple[type, ...] | None) -> None:
-        self.callback = callback
-        self.values = values
-        self.claimed = False  # by the first object pickle read in its scope
-
-
-_observer: contextvars.ContextVar[_Observation | None] = contextvars.ContextVar(
-    "ckptool_observer", default=None)
-
-
-@contextlib.contextmanager
-def observe(callback: Observer, values: tuple[type, ...] | None = None) -> Iterator[None]:
-    """Report dict entries to ``callback(path, pairs)`` while a pickle is read.
-
-    With ``values``, only batches holding a value of one of those types are
-    reported (all of their pairs); the others cost no path search.
-
-    Only the first ``load`` in this scope that reads an object pickle (one
-    given a persistent loader or an embedded-storage table: the root pickle
-    of a torch zip, legacy or plain-pickle file) reports; legacy header
-    pickles, TorchScript constants and embedded legacy files never do.
-
-    ``path`` is the tuple of str keys from the pickle's root to the dict
-    that grew; a batch is left out when the stack does not say where its dict
-    sits (inside a list, a tuple, a BUILD state, call arguments, under a
-    non-str key, a dict taken from the memo...). ``_path`` reads the stack
-    as ``pickle``'s Pickler (torch.save's) lays dicts out and refuses what
-    does not fit, but no forward reader can be certain: pickle is postfix,
-    and an opcode still to come may wrap what the stack holds. TUPLE1-3 come
-    after their items, so a dict that becomes an item of a tuple of at most
-    3 items (``torch.save((sd, opt))``, ``{"a": (x, "k", sd)}``) is reported
-    where it sat on the stack, not where the finished read puts it; a
-    hand-written pickle can also set a reported key again, or change a
-    reported tensor record, later. Reports are a preview; the finished read
-    is the truth. The callback runs on the reading thread and must only read
-    what it is given; what it raises propagates out of the read as is.
-    """
-    token = _observer.set(_Observation(callback, values))
-    try:
-        yield
-    finally:
-        _observer.reset(token)
-
 
 class GlobalsSeen:
     """Every global a file named, with its verdict and how often."""
@@ -128,17 +78,6 @@ class GlobalsSeen:
         return sorted(n for n, v in self.verdicts.items() if v.category == policy.UNSAFE)
 
 
-def _memo_miss(index: int) -> pickle.UnpicklingError:
-    return pickle.UnpicklingError(f"memo value not found at index {index}")
-
-
-class _ObserverFailed(Exception):
-    """Carries what an observer raised past ``load``'s net for malformed files."""
-
-    def __init__(self, error: Exception) -> None:
-        self.error = error
-
-
 class _Done(Exception):
     def __init__(self, value: Any) -> None:
         self.value = value
@@ -149,7 +88,7 @@ class _Dispatch(dict[int, Any]):
         raise pickle.UnpicklingError(f"invalid load key, {bytes([key])!r}")
 
 
-class SafeUnpickler(pickle._Unpickler):
+class SafeUnpickler(observe.Observing, pickle._Unpickler):
     # set by pickle._Unpickler or by load(); declared for mypy
     stack: list[Any]
     metastack: list[list[Any]]
@@ -161,7 +100,8 @@ class SafeUnpickler(pickle._Unpickler):
     memo: dict[int, Any]
 
     def __init__(self, file: IO[bytes], persistent: PersistentLoader | None,
-                 seen: GlobalsSeen, embedded: dict[str, Any] | None = None) -> None:
+                 seen: GlobalsSeen, embedded: dict[str, Any] | None = None,
+                 read_embedded: EmbeddedReader | None = None) -> None:
         super().__init__(file)
         # straight from the stream: frames only group opcodes, so reading
         # through them is the same bytes without a Python call per read
@@ -171,15 +111,14 @@ class SafeUnpickler(pickle._Unpickler):
         self.seen = seen
         # storages of tensors pickled with plain pickle, keyed by storage id
         self.embedded = embedded if embedded is not None else {}
+        self._read_embedded = read_embedded
         self._dispatch = self.dispatch
-        self._observer: Observer | None = None
-        watch = _observer.get()
-        if watch is not None and not watch.claimed and (
-                persistent is not None or embedded is not None):
-            watch.claimed = True
+        self._observer = None
+        watch = observe.claim(persistent is not None or embedded is not None)
+        if watch is not None:
             self._observer = watch.callback
-            self._wanted: tuple[type, ...] | None = watch.values
-            self._from_memo: set[int] = set()  # ids of dicts pushed again from the memo
+            self._wanted = watch.values
+            self._from_memo = set()
             self._dispatch = _OBSERVED_DISPATCH
 
     def load(self) -> Any:
@@ -233,19 +172,19 @@ class SafeUnpickler(pickle._Unpickler):
 
     def _load_from_bytes(self, data: Any) -> Any:
         """A storage pickled with plain pickle: an embedded legacy torch file."""
-        from ckptool.read.formats import torch_legacy  # the format imports this module
-
+        if self._read_embedded is None:
+            raise CorruptCheckpointError(
+                "a pickle that holds no tensors embeds a torch file", HINT)
         if not isinstance(data, bytes):
             raise CorruptCheckpointError("embedded storage is not bytes", HINT)
         depth = _embedded_depth.get()
         if depth >= MAX_EMBEDDED_DEPTH:
             raise CorruptCheckpointError("embedded torch files nest too deeply", HINT)
         token = _embedded_depth.set(depth + 1)
-        unobserved = _observer.set(None)  # its keys are not the outer file's
         try:
-            raw = torch_legacy.read_bytes(data, f"embedded{len(self.embedded)}/")
+            with observe.unobserved():  # its keys are not the outer file's
+                raw = self._read_embedded(data, f"embedded{len(self.embedded)}/")
         finally:
-            _observer.reset(unobserved)
             _embedded_depth.reset(token)
         self.embedded.update(raw.storages)
         for name, count in raw.seen.counts.items():
@@ -281,7 +220,7 @@ class SafeUnpickler(pickle._Unpickler):
         try:
             self.append(self.memo[index])
         except KeyError:
-            raise _memo_miss(index) from None
+            raise observe.memo_miss(index) from None
 
     def _load_stop(self) -> None:
         raise _Done(self.stack.pop())
@@ -339,138 +278,7 @@ class SafeUnpickler(pickle._Unpickler):
                 f"pickle sets state on {values.brief(inst)}, which it did not create")
         _BASE_BUILD(self)  # type: ignore[arg-type]
 
-    # -- observed reads only (``observe``): the same opcodes, then a report --
-
-    def _observed_setitems(self) -> None:
-        items = self.stack  # the marked run that SETITEMS pops
-        meta = self.metastack
-        target = meta[-1][-1] if meta and meta[-1] else None
-        size = len(target) if isinstance(target, dict) else -1
-        self._load_setitems()
-        if size >= 0:
-            self._added(target, items, size)
-
-    def _observed_setitem(self) -> None:
-        stack = self.stack
-        target = stack[-3] if len(stack) >= 3 else None
-        size = len(target) if isinstance(target, dict) else -1
-        pair = stack[-2:]
-        self._load_setitem()
-        if size >= 0:
-            self._added(target, pair, size)
-
-    def _observed_dict(self) -> None:
-        items = self.stack
-        self._load_dict()
-        if items:
-            self._added(self.stack[-1], items, 0)
-
-    # a dict pushed a second time sits where it was first made, not (only)
-    # here: keys added to it later cannot be placed from the stack. Memo gets
-    # are frequent in a torch pickle, hence one Python call each.
-
-    def _observed_binget(self) -> None:
-        self._observed_push(self.read(1)[0])
-
-    def _observed_long_binget(self) -> None:
-        self._observed_push(_U32(self.read(4))[0])
-
-    def _observed_push(self, index: int) -> None:
-        try:
-            obj = self.memo[index]
-        except KeyError:
-            raise _memo_miss(index) from None
-        self.append(obj)
-        if isinstance(obj, dict):
-            self._from_memo.add(id(obj))
-
-    def _observed_get(self) -> None:
-        _BASE_GET(self)  # type: ignore[arg-type]
-        self._note_pushed_again()
-
-    def _observed_dup(self) -> None:
-        _BASE_DUP(self)  # type: ignore[arg-type]
-        self._note_pushed_again()
-
-    def _note_pushed_again(self) -> None:
-        obj = self.stack[-1]
-        if isinstance(obj, dict):
-            self._from_memo.add(id(obj))
-
-    def _added(self, target: Any, items: list[Any], size: int) -> None:
-        """``items`` (key, value, key, value...) were just set on ``target``, now stack[-1]."""
-        if self._observer is None:
-            return
-        if len(target) - size != len(items) // 2:
-            # a key set twice: pickle's Pickler never does that, and an earlier
-            # report may now be stale, so nothing more is reported from this read
-            self._observer = None
-            return
-        wanted = self._wanted
-        if wanted is not None:
-            for value in items[1::2]:
-                if isinstance(value, wanted):
-                    break
-            else:
-                return
-        path = self._path()
-        if path is not None:
-            try:
-                self._observer(path, list(zip(items[::2], items[1::2], strict=True)))
-            except Exception as exc:  # our own code failing: not a bad file
-                raise _ObserverFailed(exc) from exc
-
-    def _path(self) -> tuple[str, ...] | None:
-        """Keys from the root to the dict on top of the stack, or None if unsure.
-
-        Walking down from the top, each dict must be a value whose str key
-        sits just below it, held either by a single ``SETITEM`` still to
-        come on the dict two slots down, or by a ``SETITEMS`` batch still to
-        come on the dict just below the MARK this run of pairs starts at. The
-        Pickler writes a single SETITEM, or starts a new batch, only on a dict
-        holding a multiple of BATCHSIZE items; where both readings (or
-        neither) fit, the answer is None, as it is when the slot before the
-        key holds a class or function (the pair may be what REDUCE or NEWOBJ
-        will call it with). The root is the first slot of the bottom level.
-        """
-        levels = self.metastack
-        i = len(levels)
-        level = self.stack
-        p = len(level) - 1
-        node = level[p]
-        from_memo = self._from_memo
-        path: list[str] = []
-        while True:
-            if not isinstance(node, dict) or id(node) in from_memo:
-                return None
-            if p == 0:
-                if i == 0:
-                    break
-                return None  # first slot after a MARK: a key's slot, never a value's
-            key = level[p - 1]
-            prev = level[p - 2] if p >= 2 else None
-            if type(key) is not str or isinstance(prev, _CALLABLES) or (
-                    len(path) >= MAX_OBSERVED_DEPTH):
-                return None
-            single = isinstance(prev, dict) and len(prev) % BATCHSIZE == 0
-            owner = levels[i - 1][-1] if i and p % 2 == 1 and levels[i - 1] else None
-            batch = isinstance(owner, dict) and len(owner) % BATCHSIZE == 0
-            if single == batch:
-                return None
-            path.append(key)
-            if single:
-                node, p = prev, p - 2
-            else:
-                i -= 1
-                level = levels[i]
-                node, p = owner, len(level) - 1
-        path.reverse()
-        return tuple(path)
-
-
 _BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
-_BASE_GET = pickle._Unpickler.dispatch[pickle.GET[0]]
-_BASE_DUP = pickle._Unpickler.dispatch[pickle.DUP[0]]
 SafeUnpickler.dispatch = _Dispatch(pickle._Unpickler.dispatch)
 SafeUnpickler.dispatch.update({
     pickle.STOP[0]: SafeUnpickler._load_stop,
@@ -487,20 +295,12 @@ SafeUnpickler.dispatch.update({
     pickle.BINGET[0]: SafeUnpickler._load_binget,
     pickle.LONG_BINGET[0]: SafeUnpickler._load_long_binget,
 })
-_OBSERVED_DISPATCH = _Dispatch(SafeUnpickler.dispatch)
-_OBSERVED_DISPATCH.update({
-    pickle.SETITEMS[0]: SafeUnpickler._observed_setitems,
-    pickle.SETITEM[0]: SafeUnpickler._observed_setitem,
-    pickle.DICT[0]: SafeUnpickler._observed_dict,
-    pickle.GET[0]: SafeUnpickler._observed_get,
-    pickle.BINGET[0]: SafeUnpickler._observed_binget,
-    pickle.LONG_BINGET[0]: SafeUnpickler._observed_long_binget,
-    pickle.DUP[0]: SafeUnpickler._observed_dup,
-})
+_OBSERVED_DISPATCH = observe.observed_dispatch(SafeUnpickler.dispatch)
 
 
 def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,
-         seen: GlobalsSeen, embedded: dict[str, Any] | None = None) -> Any:
+         seen: GlobalsSeen, embedded: dict[str, Any] | None = None,
+         read_embedded: EmbeddedReader | None = None) -> Any:
     """Unpickle one object from ``data`` safely; format errors become CorruptCheckpointError."""
     stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
     # unpickling makes many small objects and no cycles worth collecting:
@@ -508,12 +308,12 @@ def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        obj = SafeUnpickler(stream, persistent, seen, embedded).load()
+        obj = SafeUnpickler(stream, persistent, seen, embedded, read_embedded).load()
         check_tree(obj)
         return obj
     except CorruptCheckpointError:
         raise
-    except _ObserverFailed as failed:
+    except observe.ObserverFailed as failed:
         raise failed.error from None
     except RecursionError as exc:
         raise CorruptCheckpointError("pickle nests too deeply to read", HINT) from exc
