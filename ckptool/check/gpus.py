@@ -307,3 +307,21 @@ def _by_uuid(entries: list[str], prefix: str, physical: Sequence[Gpu]
         chosen.append(found[0])
     stop = entries[len(seen)] if len(seen) < len(entries) else None
     return chosen, stop
+
+
+def describe_machine(machine: Machine) -> str:
+    if machine.source == "assumed":
+        n = machine.device_count
+        return f"a machine with {n} visible CUDA GPU{'s' if n != 1 else ''}"
+    if not machine.device_count:
+        return "this machine (no usable CUDA GPU)"
+    n = machine.device_count
+    return f"this machine ({n} visible CUDA GPU{'s' if n != 1 else ''})"
+
+
+def describe_target(machine: Machine) -> str:
+    """The machine a diagnosis was made for, with what was noticed about it."""
+    target = describe_machine(machine)
+    if machine.note and machine.source != "assumed":
+        target += f"; {machine.note}"
+    return target

@@ -17,6 +17,7 @@ from importlib import metadata
 
 from ckptool import dtypes
 from ckptool.check.gpus import Machine
+from ckptool.describe import human_bytes
 from ckptool.model import NO_LOCATION, Checkpoint
 
 _CPU_HINT = ("If you are running on a CPU-only machine, please use torch.load with "
@@ -155,3 +156,15 @@ def weights_only_default() -> bool:
         return True
     numbers = re.findall(r"\d+", version)[:2]
     return tuple(int(n) for n in numbers) >= (2, 6)
+
+
+def describe_landing(machine: Machine, tag: TagLoad) -> str:
+    """Where plain ``torch.load`` puts a saved device's tensors (a GPU with its
+    physical number and free memory), or "-" (a tag whose load fails has its
+    error instead: callers say so)."""
+    if tag.lands and tag.lands.startswith("cuda:"):
+        gpu = machine.gpus[int(tag.lands[5:])]
+        extra = f" (physical GPU {tag.physical})" if tag.physical is not None else ""
+        free = f" · {human_bytes(gpu.free_bytes)} free" if gpu.free_bytes is not None else ""
+        return f"{tag.lands}{extra}{free}"
+    return tag.lands or "-"

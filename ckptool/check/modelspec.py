@@ -198,3 +198,38 @@ def reference_keys(path: str) -> ModelKeys:
         if t.storage is not None:
             groups.setdefault((t.storage, t.storage_offset, t.shape), []).append(name)
     return ModelKeys(f"reference {path}", shapes, _ties(groups.values()))
+
+
+# entries where training scripts keep their settings: constructor values
+SETTINGS = ("hyper_parameters", "hparams", "args", "config", "cfg", "opt", "params")
+
+
+def saved_settings(root: Any) -> dict[str, Any]:
+    """Scalar settings the checkpoint saved (Lightning hyper_parameters, an
+    argparse Namespace under 'args'...), flattened with dots."""
+    out: dict[str, Any] = {}
+    if not isinstance(root, dict):
+        return out
+    for key in SETTINGS:
+        if key in root:
+            _flatten(root[key], "", out, 3)
+    return out
+
+
+def _flatten(value: Any, prefix: str, out: dict[str, Any], depth: int) -> None:
+    items: Any = None
+    if isinstance(value, dict):
+        items = value
+    elif hasattr(value, "dictitems") and getattr(value, "dictitems", None):
+        items = value.dictitems
+    elif isinstance(getattr(value, "state", None), dict):
+        items = value.state
+    if items is None or depth == 0:
+        return
+    for k, v in items.items():
+        if not isinstance(k, str):
+            continue
+        if isinstance(v, (int, float, str, bool)):
+            out.setdefault(prefix + k, v)
+        else:
+            _flatten(v, f"{prefix}{k}.", out, depth - 1)

@@ -95,7 +95,7 @@ def _model_loader(model_spec: str | None, model_args: tuple[str, ...],
     arguments = modelspec.parse_arguments(model_args)
     if model_spec:
         def build(ckpt: Any) -> Any:
-            from ckptool.check.diagnosis import saved_settings
+            from ckptool.check.modelspec import saved_settings
 
             return modelspec.build_model(model_spec, arguments, saved_settings(ckpt.root))
         return build

@@ -11,14 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.check.diagnosis import (
-    ERROR,
-    WARNING,
-    Diagnosis,
-    describe_keys,
-    describe_landing,
-    describe_target,
-)
+from ckptool.check.diagnosis import ERROR, WARNING, Diagnosis, describe_keys
+from ckptool.check.gpus import describe_target
+from ckptool.check.loadcheck import describe_landing
 from ckptool.describe import human_bytes
 
 _STYLE = {ERROR: "bold red", WARNING: "yellow"}

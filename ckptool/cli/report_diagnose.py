@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ckptool.check.diagnosis import Diagnosis, describe_machine
+from ckptool.check.diagnosis import Diagnosis
+from ckptool.check.gpus import describe_machine
 from ckptool.cli.report import SCHEMA_VERSION
 
 

@@ -12,13 +12,9 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from ckptool.check.diagnosis import (
-    ERROR,
-    Diagnosis,
-    describe_keys,
-    describe_landing,
-    describe_target,
-)
+from ckptool.check.diagnosis import ERROR, Diagnosis, describe_keys
+from ckptool.check.gpus import describe_target
+from ckptool.check.loadcheck import describe_landing
 from ckptool.describe import human_bytes
 
 _LABEL = 11  # width of the labels of the last section

@@ -26,7 +26,8 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Button, Checkbox, Input, Label, Log, ProgressBar, Static
 
-from ckptool.check.diagnosis import Diagnosis, fix_command_line
+from ckptool.check.diagnosis import Diagnosis
+from ckptool.check.fixcommand import fix_command_line
 from ckptool.describe import human_bytes
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint

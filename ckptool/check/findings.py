@@ -1,0 +1,267 @@
+"""The findings of ``ckptool diagnose``, one small function per kind of problem.
+
+Each function looks at one side of the checkpoint (its format, the devices
+its storages name, the memory they need, how the weights are wrapped, the
+globals it names, its keys against a model) and returns ``Finding``s with a
+stable ``code``. Where ``ckptool fix`` can repair a problem, the function
+also sets the options that do it on the ``FixOptions`` it is given, so that
+``ckptool.check.diagnosis`` plans one command for all of them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from ckptool.check import loadcheck
+from ckptool.check.fixcommand import command_flags, shell_name, stem
+from ckptool.check.gpus import Machine, describe_machine, fits, pick
+from ckptool.check.loadcheck import TagLoad
+from ckptool.check.modelspec import ModelKeys
+from ckptool.check.reconcile import KeyReport, ShapeHint
+from ckptool.describe import human_bytes, plural
+from ckptool.model import Checkpoint
+from ckptool.read.prefixes import describe_wrapper
+from ckptool.write.plan import FixOptions
+
+ERROR, WARNING = "error", "warning"  # error: loading fails; warning: not as wanted
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str  # stable: device-unavailable, key-prefix, wrapped-state-dict...
+    severity: str  # error (loading fails) or warning (loads, but not as wanted)
+    message: str
+    fix: str | None = None  # a runnable ckptool command, or a code change
+    snippet: str | None = None  # the same fix as Python, where there is one
+    keys: tuple[str, ...] = ()  # the keys concerned, for missing/unexpected/mismatch
+
+
+def format_findings(ckpt: Checkpoint, name: str) -> list[Finding]:
+    if ckpt.format != "torchscript":
+        return []
+    return [Finding(
+        "torchscript", WARNING,
+        "this is a TorchScript archive: plain torch.load refuses it (weights_only) and "
+        "load_state_dict cannot take it; torch.jit.load runs its code",
+        f"ckptool convert {name} {shell_name(stem(ckpt.path) + '.safetensors')}",
+        f"torch.jit.load({os.path.basename(ckpt.path)!r}, map_location='cpu').state_dict()")]
+
+
+def device_findings(ckpt: Checkpoint, tags: list[TagLoad], machine: Machine, opts: FixOptions,
+             name: str) -> list[Finding]:
+    failing = [t for t in tags if t.error]
+    if not failing:
+        return []
+    target = _best_device(machine, sum(t.nbytes for t in failing))
+    every = all(t.error or t.location == target for t in tags)
+    if every:
+        opts.to = target
+        flags = f"--to {target}"
+        where: str = repr(target)
+    else:
+        opts.maps = tuple((t.location, target) for t in failing)
+        flags = " ".join(f"--map {t.location}={target}" for t in failing)
+        where = "{" + ", ".join(f"{t.location!r}: {target!r}" for t in failing) + "}"
+    saved = ", ".join(f"{plural(t.tensors, 'tensor')} ({human_bytes(t.nbytes)}) on {t.location}"
+                      for t in failing)
+    return [Finding(
+        "device-unavailable", ERROR,
+        f"plain torch.load fails on {describe_machine(machine)}: the file saved {saved}",
+        f"ckptool fix {name} {flags}",
+        f"torch.load({os.path.basename(ckpt.path)!r}, map_location={where})")]
+
+
+def _best_device(machine: Machine, need: int) -> str:
+    """The GPU with the most free memory, unless the bytes do not fit there."""
+    gpu = pick(machine, need) if machine.device_count else None
+    if gpu is None or fits(gpu, need) is False:
+        return "cpu"
+    return f"cuda:{gpu.index}"
+
+
+def memory_findings(tags: list[TagLoad], machine: Machine) -> list[Finding]:
+    out = []
+    for index, nbytes in sorted(loadcheck.bytes_per_gpu(tags).items()):
+        free = machine.gpus[index].free_bytes
+        if free is not None and nbytes > free:
+            out.append(Finding(
+                "device-memory", WARNING,
+                f"plain torch.load puts {human_bytes(nbytes)} on cuda:{index}, which has "
+                f"{human_bytes(free)} free: it will run out of memory",
+                None, "torch.load(path, map_location='cpu')"))
+    return out
+
+
+def wrapping_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:
+    sd = ckpt.main_state_dict
+    if sd is None:
+        return [Finding("no-state-dict", WARNING,
+                        "no state dict found: no dict of tensors a model could load, so "
+                        "there are no keys to compare with a model")]
+    if sd.kind == "module" and ckpt.format != "torchscript":
+        opts.extract = "auto"
+        where = f"'{sd.path}'" if sd.path else "the file"
+        return [Finding(
+            "pickled-module", ERROR,
+            f"{where} is a whole pickled nn.Module, not a state dict: plain torch.load "
+            "refuses it (weights_only) and loading it needs its class importable",
+            f"ckptool fix {name} --extract", "model.load_state_dict(torch.load(path, "
+            "weights_only=False).state_dict())  # only for a trusted file")]
+    if not sd.path:
+        return []
+    opts.extract = "auto"
+    others = [k for k in _top_keys(ckpt) if k != sd.path.split("/")[0]]
+    beside = f" next to {', '.join(others[:6])}" if others else ""
+    index = "".join(f"[{p}]" if p.isdigit() else f"[{p!r}]" for p in sd.path.split("/"))
+    return [Finding(
+        "wrapped-state-dict", WARNING,
+        f"the weights are the state dict under '{sd.path}'{beside}: "
+        "load_state_dict(torch.load(path)) needs that entry taken out",
+        f"ckptool fix {name} --extract", f"model.load_state_dict(torch.load(path){index})")]
+
+
+def _top_keys(ckpt: Checkpoint) -> list[str]:
+    seen = [t.key.split("/")[0] for t in ckpt.tensors] + [e.key.split("/")[0]
+                                                          for e in ckpt.entries]
+    return list(dict.fromkeys(seen))
+
+
+def global_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:
+    out = []
+    unsafe = ckpt.unsafe_globals
+    # keeping only the weights leaves the rest behind (checked by the dry run)
+    extract = f"ckptool fix {name} --extract" if ckpt.main_state_dict else None
+    if unsafe:
+        opts.extract = opts.extract or ("auto" if extract else None)
+        out.append(Finding(
+            "unsafe-globals", ERROR,
+            f"the file names {', '.join(unsafe)}: torch.load(weights_only=False) would run "
+            "it; never load this file with torch.load unless you wrote it", extract))
+    refused = [n for n in loadcheck.refused_globals(ckpt) if n not in unsafe]
+    module = ckpt.main_state_dict is not None and ckpt.main_state_dict.kind == "module"
+    if refused and not module and loadcheck.weights_only_default():
+        opts.extract = opts.extract or ("auto" if extract else None)
+        out.append(Finding(
+            "weights-only", ERROR,
+            f"plain torch.load (weights_only=True, the default since torch 2.6) refuses "
+            f"globals the file names: {', '.join(refused[:5])}"
+            f"{' and more' if len(refused) > 5 else ''}",
+            extract,
+            f"with torch.serialization.safe_globals([{', '.join(refused[:5])}]): "
+            "torch.load(path)  # only for classes you trust"))
+    return out
+
+
+def prefix_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:
+    sd = ckpt.main_state_dict
+    if sd is None or not sd.prefix:
+        return []
+    opts.strip_module = True
+    return [Finding(
+        "key-prefix", WARNING,
+        f"every key starts with {sd.prefix!r} ({describe_wrapper(sd.prefix)}): the bare model "
+        "expects them without it (pass --model to check against yours)",
+        f"ckptool fix {name} --strip-module")]
+
+
+def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], model: ModelKeys,
+          opts: FixOptions, name: str) -> list[Finding]:
+    out = []
+    rw = report.rewrite
+    total = report.expected
+    if not rw.empty:
+        changes = []
+        if rw.strip:
+            changes.append(f"without {rw.strip!r}")
+        if rw.add:
+            changes.append(f"with {rw.add!r} in front")
+        sd = ckpt.main_state_dict
+        if rw.strip and sd is not None and rw.strip == sd.prefix:
+            opts.strip_module = True
+        elif rw.strip:
+            opts.strip_prefixes = (rw.strip,)
+        opts.add_prefix = rw.add or None
+        flags = " ".join(command_flags(FixOptions(
+            strip_module=opts.strip_module, strip_prefixes=opts.strip_prefixes,
+            add_prefix=opts.add_prefix)))
+        out.append(Finding(
+            "key-prefix", ERROR,
+            f"{model.source} expects its keys {' and '.join(changes)}: "
+            f"{report.before} of {total} keys match as saved, "
+            f"{len(report.matched) + len(report.mismatched)} after the rewrite",
+            f"ckptool fix {name} {flags}"))
+    tied = report.tied_missing
+    missing = [k for k in report.missing if k not in tied]
+    if missing:
+        out.append(Finding(
+            "missing-keys", ERROR,
+            f"{len(missing)} of {total} keys of {model.source} are not in the file: "
+            f"{_some(missing)}{_why_missing(missing)}", None, None, tuple(missing)))
+    if tied:
+        pairs = ", ".join(f"{k} (tied to {v})" for k, v in list(tied.items())[:3])
+        out.append(Finding(
+            "tied-keys", WARNING,
+            f"{len(tied)} missing keys are tied weights whose twin the file has: {pairs}; "
+            "strict loading still wants them",
+            None, "model.load_state_dict(sd, strict=False)  # the tie fills them",
+            tuple(tied)))
+    if report.unexpected:
+        out.append(Finding(
+            "unexpected-keys", ERROR,
+            f"{plural(len(report.unexpected), 'key')} in the file "
+            f"{'is' if len(report.unexpected) == 1 else 'are'} not in {model.source}: "
+            f"{_some(report.unexpected)}", None,
+            "model.load_state_dict(sd, strict=False)  # ignores them",
+            tuple(report.unexpected)))
+    if report.mismatched:
+        shown = "; ".join(f"{k}: file {list(a)} vs model {list(b)}"
+                          for k, a, b in report.mismatched[:3])
+        more = f" (and {len(report.mismatched) - 3} more)" if len(report.mismatched) > 3 else ""
+        out.append(Finding(
+            "shape-mismatch", ERROR,
+            f"{plural(len(report.mismatched), 'key')} "
+            f"differ{'s' if len(report.mismatched) == 1 else ''} in shape: {shown}{more}"
+            + "".join(f"; {explain(h, len(hints) == 1)}" for h in hints[:2]),
+            _argument_fix(hints, model), None, tuple(k for k, _, _ in report.mismatched)))
+    return out
+
+
+def _why_missing(missing: list[str]) -> str:
+    stats = ("running_mean", "running_var", "num_batches_tracked")
+    if all(k.rsplit(".", 1)[-1] in stats for k in missing):
+        return (" (BatchNorm running statistics: the saved model's BatchNorm layers had "
+                "track_running_stats=False, or this model's have it True)")
+    return ""
+
+
+def explain(hint: ShapeHint, only: bool = False) -> str:
+    """One sentence a user can act on: which value differs and where it comes from.
+    ``only``: this pair accounts for every mismatched dimension."""
+    if only:
+        text = "every mismatched dimension is"
+    else:
+        verb = "has" if hint.keys == 1 else "have"
+        text = f"{plural(hint.keys, 'key')} {verb} a dimension that is"
+    text += f" {hint.file_value} in the file and {hint.model_value} in the model"
+    if hint.arguments:
+        args = " or ".join(f"{a}={hint.model_value}" for a in hint.arguments)
+        text += f": the model was built with {args}"
+    if hint.saved:
+        text += f"; the checkpoint's saved settings have {hint.saved[0]}={hint.file_value}"
+    return text
+
+
+def _argument_fix(hints: list[ShapeHint], model: ModelKeys) -> str | None:
+    """The constructor call that would give the file's shapes."""
+    for hint in hints:
+        if hint.arguments:
+            saved = {s.split(".")[-1] for s in hint.saved}
+            name = next((a for a in hint.arguments if a in saved), hint.arguments[0])
+            args = {**model.given, name: hint.file_value}
+            return f"{model.name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
+    return None
+
+
+def _some(keys: list[str]) -> str:
+    return ", ".join(keys[:5]) + (f" (and {len(keys) - 5} more)" if len(keys) > 5 else "")
