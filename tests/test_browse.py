@@ -963,7 +963,7 @@ def ran(monkeypatch: pytest.MonkeyPatch) -> Ran:
         return 0
 
     monkeypatch.setattr(BrowseApp, "run", fake_run)
-    monkeypatch.setattr("ckptool.cli._is_terminal", lambda: True)
+    monkeypatch.setattr("ckptool.cli.browse._is_terminal", lambda: True)
     return record
 
 
@@ -1012,7 +1012,7 @@ def test_cli_errors_before_the_screen_opens(ran: Ran, capsys: pytest.CaptureFixt
 
 def test_cli_refuses_without_a_terminal(monkeypatch: pytest.MonkeyPatch,
                                         capsys: pytest.CaptureFixture[str]) -> None:
-    monkeypatch.setattr("ckptool.cli._is_terminal", lambda: False)
+    monkeypatch.setattr("ckptool.cli.browse._is_terminal", lambda: False)
     assert main(["browse", str(DP)]) == 2
     err = capsys.readouterr().err
     assert "browse needs a terminal" in err and "ckptool inspect" in err

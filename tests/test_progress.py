@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from ckptool import cli
+from ckptool.cli import common
 
 
 class FakeTTY(io.StringIO):
@@ -28,8 +28,8 @@ def run_updates(monkeypatch: pytest.MonkeyPatch, quiet: bool, tty: bool,
         last[0] = next(ticks, last[0] + 0.01)
         return last[0]
 
-    monkeypatch.setattr(cli.time, "monotonic", clock)
-    with cli._progress(quiet) as update:
+    monkeypatch.setattr(common.time, "monotonic", clock)
+    with common.progress(quiet) as update:
         if update is not None:
             for done in (10, 20, 30):
                 update(done, 30)

@@ -1,5 +1,5 @@
 """The browser's findings pane: what ``ckptool diagnose`` reports
-(``ckptool.cli.render_diagnose``), as rich ``Text`` for a narrow pane.
+(``ckptool.cli.diagnose_text``), as rich ``Text`` for a narrow pane.
 
 Most telling first, since the pane is small: how the keys compare with the
 model (given ``--model`` or ``--reference``), each finding with its fix and

@@ -54,6 +54,19 @@ class FixResult:
     verified_storages: int = 0
     metadata_only: bool = False  # --in-place appended a new pickle, bytes untouched
 
+    def moves(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Device moves and casts, grouped: ``{"from", "to", "storages"}`` each."""
+        storages = self.source.storages
+        moves: dict[tuple[str, str], int] = {}
+        for sid, tag in self.plan.retargets.items():
+            old = (storages[sid].location if sid in storages else None) or "unrecorded"
+            moves[(old, tag)] = moves.get((old, tag), 0) + 1
+        casts: dict[tuple[str, str], int] = {}
+        for pair in self.plan.casts.values():
+            casts[pair] = casts.get(pair, 0) + 1
+        return ([{"from": a, "to": b, "storages": n} for (a, b), n in moves.items()],
+                [{"from": a, "to": b, "storages": n} for (a, b), n in casts.items()])
+
 
 def default_output(src: str) -> str:
     """``model.pth`` -> ``model.fixed.pth``, beside the input."""

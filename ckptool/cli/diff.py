@@ -1,9 +1,8 @@
-"""The ``--json`` schema of ``ckptool diff``, built from a DiffReport.
+"""``ckptool diff``: how two checkpoints differ; the command and its JSON
+report (the text view: ``diff_text.py``).
 
-Pure data in, plain dicts out, like ``ckptool.cli.report`` for ``inspect``, and
-written with the same ``dumps`` (one line per list item). ``SCHEMA_VERSION``
-changes only when a field changes meaning or goes away; new fields may be
-added.
+``diff_dict`` is the ``--json`` schema, written with the same ``dumps`` as
+every report (one line per list item).
 """
 
 from __future__ import annotations
@@ -11,11 +10,43 @@ from __future__ import annotations
 import math
 from typing import Any
 
+import click
+
 from ckptool.check.diff import Change, DiffReport, Side
 from ckptool.check.tensor_compare import ValueDiff
+from ckptool.cli.common import SCHEMA_VERSION, console, write_json
 from ckptool.model import TensorInfo
 
-SCHEMA_VERSION = 1
+
+@click.command()
+@click.argument("path_a", metavar="A", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("path_b", metavar="B", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+@click.option("--no-values", is_flag=True,
+              help="Compare metadata only (shape, dtype, location); read no tensor bytes.")
+@click.option("--all", "all_tensors", is_flag=True,
+              help="Compare every tensor by its full key, not only the main state dicts.")
+@click.option("--limit", "-n", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Most difference rows to print; 0 prints all.")
+def diff(path_a: str, path_b: str, as_json: bool, no_values: bool, all_tensors: bool,
+         limit: int) -> int:
+    """Compare two checkpoints: names only in A or B, shape, dtype, location
+    and value changes. Exits 0 when they match, 1 when they differ."""
+    from ckptool.check.diff import diff_checkpoints
+    from ckptool.read.reader import open_checkpoint
+
+    report = diff_checkpoints(open_checkpoint(path_a), open_checkpoint(path_b),
+                              compare_values=not no_values, all_tensors=all_tensors)
+    if as_json:
+        write_json(diff_dict(report))
+    else:
+        from ckptool.cli.diff_text import render_diff
+
+        render_diff(console(), report, limit)
+    return report.exit_code
+
+
+command = diff
 
 
 def _side(s: Side) -> dict[str, Any]:

@@ -1,6 +1,8 @@
 """Human output of ``ckptool diagnose`` (rich): the target machine, what a
 plain ``torch.load`` does there, the device plan, the key comparison, the
 findings with their fixes, and the one command that fixes everything.
+
+Imported only when text is printed.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 ``CUDA_VISIBLE_DEVICES`` renumbered it, a table of the visible GPUs, and
 where a checkpoint should be loaded (rich).
 
-Only the CLI imports this. Rich honours ``NO_COLOR`` and the terminal width.
+Imported only when text is printed. Rich honours ``NO_COLOR`` and the
+terminal width.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from rich.text import Text
 
 from ckptool.check.gpus import Gpu, Machine
 from ckptool.check.loadcheck import missing_devices
-from ckptool.cli.report_devices import Advice, fix_command, load_snippet, recommend
+from ckptool.check.placement import Advice, fix_command, load_snippet, recommend
 from ckptool.describe import human_bytes
 from ckptool.model import NO_LOCATION, Checkpoint
 

@@ -1,32 +1,22 @@
-"""The ``--json`` schema of ``ckptool devices``, and the advice it gives:
-which device a checkpoint should be loaded onto here, and how.
+"""Where to load a checkpoint on this machine, and how: the GPU with the
+most free memory (else the CPU), the line of Python that loads it there,
+and the ``ckptool fix --to`` command that makes a plain ``torch.load`` do it.
 
-Pure data in (a ``gpus.Machine``, optionally a Checkpoint), plain dicts and
-strings out, so the human view and the JSON say the same thing.
-``SCHEMA_VERSION`` changes only when a field changes meaning or goes away.
+Pure data in (a ``gpus.Machine`` and a Checkpoint), plain data out, so the
+text and the JSON of ``ckptool devices`` say the same thing.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import shlex
 from dataclasses import dataclass
-from typing import Any
 
-from ckptool.check.gpus import Gpu, Machine, fits, pick
-from ckptool.check.loadcheck import missing_devices
+from ckptool.check.gpus import Machine, fits, pick
 from ckptool.model import Checkpoint
-
-SCHEMA_VERSION = 1
 
 # formats whose saved devices `ckptool fix --to` can rewrite
 _RETARGETABLE = ("torch-zip", "torch-legacy")
-
-
-def gpu_dict(g: Gpu) -> dict[str, Any]:
-    return {"index": g.index, "physical": g.physical, "name": g.name, "uuid": g.uuid,
-            "total_bytes": g.total_bytes, "free_bytes": g.free_bytes}
 
 
 @dataclass(frozen=True)
@@ -67,21 +57,3 @@ def fix_command(ckpt: Checkpoint, device: str) -> str | None:
     if device == "cpu" and not [loc for loc in ckpt.locations if loc != "cpu"]:
         return None
     return f"ckptool fix {shlex.quote(ckpt.path)} --to {device}"
-
-
-def devices_dict(machine: Machine, ckpt: Checkpoint | None = None) -> dict[str, Any]:
-    """The ``devices --json`` schema."""
-    return {
-        "schema_version": SCHEMA_VERSION,
-        "source": machine.source,
-        "cuda_visible_devices": machine.visible_env,
-        "cuda_available": machine.cuda_available,
-        "device_count": machine.device_count,
-        "note": machine.note,
-        "gpus": [gpu_dict(g) for g in machine.gpus],
-        "checkpoint": None if ckpt is None else {
-            "path": ckpt.path, "nbytes": ckpt.total_bytes, "locations": ckpt.locations,
-            "missing_devices": missing_devices(machine, ckpt.locations),
-        },
-        "recommended": None if ckpt is None else dataclasses.asdict(recommend(machine, ckpt)),
-    }

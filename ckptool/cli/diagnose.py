@@ -1,16 +1,49 @@
-"""The ``--json`` schema of ``ckptool diagnose``, built from a Diagnosis.
+"""``ckptool diagnose``: why a checkpoint will not load here or into a model;
+the command and its JSON report (the text view: ``diagnose_text.py``).
 
-Plain dicts out (no rich, no click). The README documents every field;
-``findings[].code`` values and ``exit_code`` are contracts.
+``diagnose_dict`` is the ``--json`` schema: ``findings[].code`` values and
+``exit_code`` are contracts.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import click
+
 from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.gpus import describe_machine
-from ckptool.cli.report import SCHEMA_VERSION
+from ckptool.cli.common import SCHEMA_VERSION, console, model_loader, target_options, write_json
+
+
+@click.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@target_options
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
+             reference: str | None, device_count: int | None, as_json: bool) -> int:
+    """Say why a checkpoint will not load here (or into a model) and print the
+    one `ckptool fix` command that repairs it. Exits 0 when nothing needs
+    fixing, 1 when problems were found."""
+    from ckptool.check import gpus
+    from ckptool.check.diagnosis import diagnose as run_diagnose
+    from ckptool.read.reader import open_checkpoint
+
+    loader = model_loader(model_spec, model_args, reference)
+    ckpt = open_checkpoint(path)
+    model = loader(ckpt) if loader else None
+    machine = gpus.assumed(device_count) if device_count is not None else gpus.probe()
+    result = run_diagnose(ckpt, machine, model)
+    if as_json:
+        write_json(diagnose_dict(result))
+    else:
+        from ckptool.cli.diagnose_text import render_diagnose
+
+        render_diagnose(console(), result)
+    return result.exit_code
+
+
+command = diagnose
 
 
 def diagnose_dict(d: Diagnosis) -> dict[str, Any]:

@@ -1,20 +1,19 @@
-"""Human output of ``ckptool inspect``: a summary and a tensor table (rich).
+"""Human output of ``ckptool inspect`` (rich): a summary and a tensor table,
+or tensors grouped by prefix.
 
-Only the CLI imports this; it owns every colour and column choice. Rich
-honours ``NO_COLOR`` and the terminal width by itself.
+Imported only when text is printed; it owns every colour and column choice.
+Rich honours ``NO_COLOR`` and the terminal width by itself.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
 
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.cli.report import matches
 from ckptool.describe import human_bytes, human_count, shape_text
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 
@@ -137,10 +136,11 @@ def render_groups(console: Console, tensors: Iterable[TensorInfo], depth: int) -
     console.print(table)
 
 
-def render_inspect(console: Console, ckpt: Checkpoint, pattern: str | None,
-                   depth: int | None, limit: int) -> None:
+def render_inspect(console: Console, ckpt: Checkpoint, tensors: list[TensorInfo],
+                   pattern: str | None, depth: int | None, limit: int) -> None:
+    """The summary, then ``tensors`` (those matching ``pattern``) as a table,
+    or grouped by their first ``depth`` key components."""
     render_summary(console, ckpt)
-    tensors = [t for t in ckpt.tensors if matches(t.key, pattern)]
     if not tensors:
         console.print()
         console.print("no tensors" + (f" match '{pattern}'" if pattern else ""), style="yellow")
@@ -150,67 +150,3 @@ def render_inspect(console: Console, ckpt: Checkpoint, pattern: str | None,
         render_groups(console, tensors, depth)
     else:
         render_tensors(console, tensors, limit)
-
-
-def render_fix(console: Console, result: Any, shown: int = 20) -> None:
-    """What ``ckptool fix`` did (or, for a dry run, would do)."""
-    from ckptool.cli.report import fix_groups
-
-    plan = result.plan
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column(overflow="fold")
-    if result.output is None:
-        grid.add_row("plan", f"{result.source.path} (dry run: nothing written)")
-    elif result.metadata_only:
-        grid.add_row("rewrote", f"{result.output} in place · metadata only: "
-                     f"{human_bytes(result.bytes_written)} appended, tensor bytes untouched")
-    else:
-        grid.add_row("wrote", f"{result.output} · {result.source.format} · "
-                     f"{human_bytes(result.bytes_written)} · "
-                     f"{result.verified_storages} storages verified")
-    if plan.extracted is not None:
-        grid.add_row("extract", f"kept only '{plan.extracted or '(root)'}'")
-    for path in plan.dropped:
-        grid.add_row("drop", path)
-    if plan.renames:
-        grid.add_row("keys", f"{len(plan.renames)} renamed")
-        for old, new in plan.renames[:shown]:
-            grid.add_row("", f"{old} → {new}")
-        if len(plan.renames) > shown:
-            grid.add_row("", f"… {len(plan.renames) - shown} more (--json lists all)")
-    devices, casts = fix_groups(result)
-    for move in devices:
-        grid.add_row("devices", f"{move['storages']} storages {move['from']} → {move['to']}")
-    for cast in casts:
-        grid.add_row("dtype", f"{cast['storages']} storages {cast['from']} → {cast['to']}")
-    for note in plan.notes:
-        grid.add_row("note", Text(note, style="yellow"))
-    if plan.empty:
-        grid.add_row("", Text("nothing to change: the output is a verified copy", style="dim"))
-    if result.output is None:
-        grid.add_row("output", f"would write {result.target}")
-    console.print(grid)
-
-
-def render_convert(console: Console, result: Any) -> None:
-    """What ``ckptool convert`` wrote, and what it could not carry over."""
-    grid = Table.grid(padding=(0, 2))
-    grid.add_column(style="bold")
-    grid.add_column(overflow="fold")
-    fmt = "safetensors" if result.direction == "safetensors" else "torch-zip"
-    grid.add_row("wrote", f"{result.output} · {fmt} · {human_bytes(result.bytes_written)} · "
-                 f"{result.tensors} tensors verified")
-    if result.aliases:
-        pairs = ", ".join(f"{a} = {k}" for a, k in list(result.aliases.items())[:6])
-        where = "kept in __metadata__" if fmt == "safetensors" else "restored as shared"
-        grid.add_row("tied", f"{pairs} ({where})")
-    if result.copied_views:
-        grid.add_row("copied", f"{', '.join(result.copied_views[:6])} (views of shared "
-                     "storage, written as their own tensors)")
-    if result.kept_entries:
-        grid.add_row("metadata", f"{', '.join(result.kept_entries[:8])} "
-                     "(in __metadata__ 'ckptool.entries')")
-    for item in result.left_out:
-        grid.add_row("left out", Text(item, style="yellow"))
-    console.print(grid)

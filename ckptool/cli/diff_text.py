@@ -1,7 +1,8 @@
 """Human output of ``ckptool diff``: what was compared, a summary line, and
 a table of the differences (rich).
 
-Only the CLI imports this. Rich honours ``NO_COLOR`` and the terminal width.
+Imported only when text is printed. Rich honours ``NO_COLOR`` and the
+terminal width.
 """
 
 from __future__ import annotations

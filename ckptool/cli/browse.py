@@ -1,0 +1,47 @@
+"""``ckptool browse``: the Textual browser, started from the command line.
+
+A missing or foreign file fails before the screen opens (exit 3), and a
+session without a terminal is a usage error (exit 2) that points to
+``inspect``. The app itself lives in ``ckptool.tui``.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import click
+
+from ckptool.cli.common import model_loader, target_options
+
+
+@click.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@target_options
+def browse(path: str, model_spec: str | None, model_args: tuple[str, ...],
+           reference: str | None, device_count: int | None) -> int:
+    """Browse a checkpoint in the terminal: module tree, tensors, devices,
+    storage sharing, statistics, findings, and fixes with a preview."""
+    from ckptool.check import gpus
+    from ckptool.errors import UsageError
+    from ckptool.read import formats
+
+    loader = model_loader(model_spec, model_args, reference)
+    formats.check(path)  # a missing or foreign file fails here, before the screen opens
+    if not _is_terminal():
+        raise UsageError("browse needs a terminal (stdin and stdout are not both one)",
+                         "for output you can pipe, use `ckptool inspect` or `inspect --json`")
+    machine = gpus.assumed(device_count) if device_count is not None else None
+    from ckptool.tui import make_app
+
+    app = make_app(path, machine=machine, model=loader)
+    app.run()
+    if app.error is not None:
+        raise app.error
+    return 0
+
+
+command = browse
+
+
+def _is_terminal() -> bool:
+    return sys.stdin.isatty() and sys.stdout.isatty()

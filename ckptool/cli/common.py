@@ -1,0 +1,127 @@
+"""What several commands share: the JSON writer, the console, progress bars,
+and the options that say what to check a checkpoint against.
+
+No rich at import time: ``console()`` and ``progress()`` import it when
+text or a bar is actually shown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import click
+
+# every --json report carries it; it changes only when a field changes
+# meaning or goes away (new fields may be added)
+SCHEMA_VERSION = 1
+FSYNC_HELP = ("Return only once OUT is on disk, safe from a power cut (as cp + sync). "
+              "Replacing a file (--force, --in-place) always waits.")
+
+
+def dumps(data: dict[str, Any]) -> str:
+    """JSON text: one line per top-level field and per list item.
+
+    ``json.dumps(indent=...)`` falls back to the pure-Python encoder, which
+    cost more than reading a 2,000-tensor file; this keeps the C encoder and
+    still gives one tensor per line for grep and diff.
+    """
+    encode = json.JSONEncoder(default=repr).encode  # one encoder, not one per item
+    fields = []
+    for key, value in data.items():
+        name = encode(key)
+        if isinstance(value, list) and value:
+            items = ",\n    ".join(map(encode, value))
+            fields.append(f"  {name}: [\n    {items}\n  ]")
+        else:
+            fields.append(f"  {name}: {encode(value)}")
+    return "{\n" + ",\n".join(fields) + "\n}\n"
+
+
+def write_json(data: dict[str, Any]) -> None:
+    sys.stdout.write(dumps(data))
+
+
+def console() -> Any:
+    from rich.console import Console
+
+    return Console(highlight=False)
+
+
+@contextlib.contextmanager
+def progress(quiet: bool) -> Iterator[Any]:
+    """A progress callback that shows a bar on stderr once a write takes over
+    a second, and never when quiet or when stderr is not a terminal."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import BarColumn, DownloadColumn, Progress, TimeRemainingColumn
+
+    start = time.monotonic()
+    bar = Progress("writing", BarColumn(), DownloadColumn(), TimeRemainingColumn(),
+                   console=Console(stderr=True), transient=True)
+    task = None
+
+    def update(done: int, total: int) -> None:
+        nonlocal task
+        if task is None:
+            if time.monotonic() - start < 1.0:
+                return
+            bar.start()
+            task = bar.add_task("write", total=total)
+        bar.update(task, completed=done)
+
+    try:
+        yield update
+    finally:
+        if task is not None:
+            bar.stop()
+
+
+def target_options(command: Any) -> Any:
+    """--model/--model-arg/--reference/--device-count: what diagnose and
+    browse check the file against."""
+    for option in reversed([
+        click.option("--model", "-m", "model_spec", metavar="MODULE:CLASS",
+                     help="The model to load into: package.module:Class or "
+                          "path/to/file.py:Class (built on the meta device: no memory "
+                          "for weights)."),
+        click.option("--model-arg", "-a", "model_args", multiple=True, metavar="NAME=VALUE",
+                     help="A constructor argument for --model (value parsed as JSON, "
+                          "else a string)."),
+        click.option("--reference", "-r", metavar="CKPT",
+                     help="Compare keys and shapes with another checkpoint instead of "
+                          "a model."),
+        click.option("--device-count", type=click.IntRange(min=0), metavar="N",
+                     help="Diagnose for a machine with N visible GPUs instead of this one."),
+    ]):
+        command = option(command)
+    return command
+
+
+def model_loader(model_spec: str | None, model_args: tuple[str, ...],
+                 reference: str | None) -> Any:
+    """A function from the read checkpoint to the ModelKeys to compare with
+    (None without --model or --reference); bad combinations fail now."""
+    from ckptool.check import modelspec
+    from ckptool.errors import UsageError
+
+    if model_spec and reference:
+        raise UsageError("--model and --reference both say what to compare with",
+                         "use one of them")
+    if model_args and not model_spec:
+        raise UsageError("--model-arg needs --model", "name the class: --model mod:Class")
+    arguments = modelspec.parse_arguments(model_args)
+    if model_spec:
+        def build(ckpt: Any) -> Any:
+            return modelspec.build_model(model_spec, arguments,
+                                         modelspec.saved_settings(ckpt.root))
+        return build
+    if reference:
+        return lambda ckpt: modelspec.reference_keys(reference)
+    return None

@@ -1,0 +1,93 @@
+"""``ckptool fix``: rewrite a checkpoint so that it loads; the command and
+its JSON report (the text view: ``fix_text.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import click
+
+from ckptool.cli.common import FSYNC_HELP, SCHEMA_VERSION, console, progress, write_json
+
+if TYPE_CHECKING:
+    from ckptool.write.rewrite import FixResult
+
+
+@click.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.option("-o", "--output", metavar="OUT",
+              help="Where to write (default: IN.fixed.EXT beside IN).")
+@click.option("--strip-module", is_flag=True,
+              help="Remove the DataParallel/DDP/compile/Lightning prefix the keys share.")
+@click.option("--strip-prefix", multiple=True, metavar="P", help="Remove prefix P from keys.")
+@click.option("--add-prefix", metavar="P", help="Put P in front of every key.")
+@click.option("--rename", multiple=True, metavar="REGEX=REPL",
+              help="Rename keys with a regular expression (Python re.sub).")
+@click.option("--extract", is_flag=False, flag_value="auto", metavar="[PATH]",
+              help="Keep only the main state dict, or the entry at PATH.")
+@click.option("--drop", multiple=True, metavar="PATH", help="Leave out an entry (e.g. optimizer).")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Cast floating-point tensors.")
+@click.option("--to", "to", metavar="DEVICE",
+              help="Save every storage as on DEVICE (cpu, cuda:0...).")
+@click.option("--map", "maps", multiple=True, metavar="SRC=DST",
+              help="Move storages saved on SRC to DST (e.g. cuda:2=cuda:0).")
+@click.option("--dry-run", is_flag=True, help="Show the plan and write nothing.")
+@click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@click.option("--in-place", is_flag=True, help="Replace IN itself (atomically).")
+@click.option("--fsync", is_flag=True, help=FSYNC_HELP)
+@click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
+@click.option("--json", "as_json", is_flag=True, help="Print the plan and result as JSON.")
+def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[str, ...],
+        add_prefix: str | None, rename: tuple[str, ...], extract: str | None,
+        drop: tuple[str, ...], dtype: str | None, to: str | None, maps: tuple[str, ...],
+        dry_run: bool, force: bool, in_place: bool, fsync: bool, quiet: bool,
+        as_json: bool) -> None:
+    """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
+    from ckptool.write import plan as planning
+    from ckptool.write.rewrite import fix as run_fix
+
+    opts = planning.FixOptions(
+        strip_module=strip_module, strip_prefixes=strip_prefix, add_prefix=add_prefix,
+        renames=tuple(planning.parse_pair(r, "--rename") for r in rename),
+        extract=extract, drop=drop,
+        dtype=planning.DTYPE_NAMES[dtype] if dtype else None,
+        to=planning.parse_device(to) if to else None,
+        maps=tuple((planning.parse_device(a), planning.parse_device(b))
+                   for a, b in (planning.parse_pair(m, "--map") for m in maps)),
+    )
+    with progress(quiet) as update:
+        result = run_fix(path, opts, output, force=force, in_place=in_place,
+                         dry_run=dry_run, progress=update, fsync=fsync)
+    if as_json:
+        write_json(fix_dict(result))
+    elif not quiet:
+        from ckptool.cli.fix_text import render_fix
+
+        render_fix(console(), result)
+
+
+command = fix
+
+
+def fix_dict(result: FixResult) -> dict[str, Any]:
+    """The ``fix --json`` schema (a FixResult from ckptool.write.rewrite)."""
+    plan = result.plan
+    devices, casts = result.moves()
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "input": result.source.path,
+        "format": result.source.format,
+        "output": result.target,
+        "dry_run": result.output is None,
+        "renamed": [{"from": a, "to": b} for a, b in plan.renames],
+        "dropped": plan.dropped,
+        "extracted": plan.extracted,
+        "devices": devices,
+        "casts": casts,
+        "metadata_only": result.metadata_only,
+        "bytes_written": result.bytes_written,
+        "verified_storages": result.verified_storages,
+        "notes": plan.notes,
+    }

@@ -1,0 +1,99 @@
+"""``ckptool inspect``: what is in a checkpoint; the command and its JSON
+report (the text view: ``inspect_text.py``).
+
+``inspect_dict`` is the ``--json`` schema, pure data in and plain dicts out,
+so the schema is one function that tests and the docs describe.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import click
+
+from ckptool.cli.common import SCHEMA_VERSION, console, write_json
+from ckptool.model import Checkpoint, TensorInfo
+
+
+@click.command()
+@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+@click.option("--filter", "-f", "pattern", metavar="GLOB",
+              help="Only tensors whose key matches (glob, or substring without wildcards).")
+@click.option("--depth", "-d", type=click.IntRange(min=1), metavar="N",
+              help="Group tensors by the first N key components (split on / and .).")
+@click.option("--limit", "-n", type=click.IntRange(min=0), default=200, show_default=True,
+              help="Most tensor rows to print; 0 prints all.")
+def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
+            limit: int) -> None:
+    """Show what is in a checkpoint: tensors, devices, entries, unsafe globals."""
+    from ckptool.read.reader import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    if as_json:
+        write_json(inspect_dict(ckpt, pattern))
+        return
+    from ckptool.cli.inspect_text import render_inspect
+
+    tensors = [t for t in ckpt.tensors if matches(t.key, pattern)]
+    render_inspect(console(), ckpt, tensors, pattern, depth, limit)
+
+
+command = inspect
+
+
+def matches(key: str, pattern: str | None) -> bool:
+    """Glob match on the key; a pattern without wildcards matches substrings."""
+    if not pattern:
+        return True
+    if any(c in pattern for c in "*?["):
+        return fnmatch.fnmatchcase(key, pattern)
+    return pattern in key
+
+
+def tensor_dict(t: TensorInfo) -> dict[str, Any]:
+    return {
+        "key": t.key, "shape": list(t.shape), "dtype": t.dtype,
+        "stride": list(t.stride) if t.stride is not None else None,
+        "storage_offset": t.storage_offset, "storage": t.storage,
+        "location": t.location, "nbytes": t.nbytes, "requires_grad": t.requires_grad,
+        "is_parameter": t.is_parameter, "layout": t.layout, "subclass": t.subclass,
+    }
+
+
+def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]:
+    sd = ckpt.main_state_dict
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "path": ckpt.path,
+        "format": ckpt.format,
+        "file_size": ckpt.file_size,
+        "num_tensors": len(ckpt.tensors),
+        "num_storages": len(ckpt.storages),
+        "total_bytes": ckpt.total_bytes,
+        "bytes_by_dtype": ckpt.bytes_by_dtype,
+        "bytes_by_location": ckpt.bytes_by_location,
+        "tensors_by_location": ckpt.tensors_by_location,
+        "main_state_dict": None if sd is None else {
+            "path": sd.path, "kind": sd.kind, "prefix": sd.prefix,
+            "common_prefix": sd.common_prefix, "num_tensors": sd.num_tensors,
+            "num_parameters": sd.num_parameters, "nbytes": sd.nbytes,
+        },
+        "tensors": [tensor_dict(t) for t in ckpt.tensors if matches(t.key, pattern)],
+        "storages": [
+            {"id": s.id, "dtype": s.dtype, "location": s.location, "nbytes": s.nbytes,
+             "record": s.record, "tensors": list(s.tensors)}
+            for s in ckpt.storages.values()
+        ],
+        "entries": [
+            {"key": e.key, "type": e.type, "summary": e.summary, "value": e.value}
+            for e in ckpt.entries
+        ],
+        "globals": [
+            {"name": g.name, "category": g.category, "reason": g.reason, "count": g.count}
+            for g in ckpt.globals
+        ],
+        "unsafe_globals": ckpt.unsafe_globals,
+        "metadata": ckpt.metadata,
+    }

@@ -1,0 +1,94 @@
+"""The ``ckptool`` group and its one exit path: every error becomes a line
+on stderr and an exit code here.
+
+Errors from the core (``CkptoolError``) become ``ckptool: error: ...`` plus
+a ``hint:`` line and the error's exit code; usage errors exit 2; Ctrl-C
+130; a read or write the system refuses 3. No traceback unless
+``--traceback``. stdout carries only data. Commands are imported when they
+run (``LazyGroup``), so ``ckptool inspect`` never imports ``diff``'s code.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import traceback
+from typing import Any
+
+import click
+
+from ckptool import __version__
+from ckptool.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_USAGE, CkptoolError
+
+# command name -> the module whose ``command`` it is
+COMMANDS = {name: f"ckptool.cli.{name}" for name in (
+    "browse", "convert", "devices", "diagnose", "diff", "fix", "inspect")}
+
+
+class LazyGroup(click.Group):
+    """A group whose commands are imported on first use (click's documented
+    pattern for lazily loaded subcommands)."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        module = COMMANDS.get(cmd_name)
+        if module is None:
+            return None
+        command: click.Command = importlib.import_module(module).command
+        return command
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="ckptool")
+@click.option("--traceback", "show_traceback", is_flag=True, hidden=False,
+              help="Show the Python traceback of an error (for bug reports).")
+@click.pass_context
+def cli(ctx: click.Context, show_traceback: bool) -> None:
+    """Inspect, diagnose and fix PyTorch checkpoints, without a GPU and
+    without running code from the file."""
+    ctx.obj = {"traceback": show_traceback}
+
+
+def _fail(message: str, hint: str, code: int) -> int:
+    click.echo(f"ckptool: error: {message}", err=True)
+    if hint:
+        click.echo(f"hint: {hint}", err=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the CLI; every error becomes a message and an exit code here."""
+    show_tb = "--traceback" in (argv if argv is not None else sys.argv[1:])
+    try:
+        # a command's int return value is its exit code (diff: 1 = differences)
+        result: Any = cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
+    except CkptoolError as exc:
+        if show_tb:
+            traceback.print_exc()
+        return _fail(exc.message, exc.hint, exc.exit_code)
+    except click.exceptions.Exit as exc:
+        return int(exc.exit_code)
+    except click.ClickException as exc:
+        hint = "run 'ckptool --help' or 'ckptool COMMAND --help' for usage"
+        return _fail(exc.format_message(), hint, EXIT_USAGE)
+    except click.exceptions.Abort:
+        return _fail("interrupted", "", EXIT_INTERRUPTED)
+    except KeyboardInterrupt:
+        return _fail("interrupted", "", EXIT_INTERRUPTED)
+    except BrokenPipeError:
+        # output piped into `head` and the reader went away: not an error
+        sys.stderr.close()
+        return 0
+    except OSError as exc:  # the system refused a read or write (disk full...)
+        if show_tb:
+            traceback.print_exc()
+        where = f"{exc.filename}: " if exc.filename else ""
+        return _fail(f"{where}{exc.strerror or exc}", "check free space and permissions; "
+                     "nothing was left half-written", EXIT_BAD_INPUT)
+    return result if isinstance(result, int) else 0
+
+
+def entry() -> None:
+    sys.exit(main())
