@@ -22,9 +22,9 @@ __all__ = [
 
 _LAZY = {
     "diagnose": ("ckptool.check.diagnosis", "diagnose"),
-    "fix": ("ckptool.write.rewrite", "fix"),
+    "fix": ("ckptool.write.fix", "fix"),
     "FixOptions": ("ckptool.write.plan", "FixOptions"),
-    "convert": ("ckptool.write.conversion", "convert"),
+    "convert": ("ckptool.write.convert", "convert"),
     "diff_checkpoints": ("ckptool.check.diff", "diff_checkpoints"),
 }
 

@@ -605,7 +605,7 @@ def test_fix_preview_uses_the_read_checkpoint_and_plans_one_at_a_time(
     """No preview reads the file again (no dry run); edits in a burst make one
     preview, never two at once; renaming the output makes none; the write
     still goes through rewrite.fix."""
-    import ckptool.write.rewrite as rewrite
+    import ckptool.write.fix as rewrite
     from ckptool.write.preview import Previewer
 
     src = tmp_path / "dp.pth"
@@ -672,7 +672,7 @@ def test_write_says_what_it_waits_for_and_takes_progress_from_any_thread(
     """Before its bytes are copied, a write reads the file again (no progress
     to show): the dialog says so and counts the seconds. The core may report
     progress from a thread of its own."""
-    import ckptool.write.rewrite as rewrite
+    import ckptool.write.fix as rewrite
 
     src = tmp_path / "dp.pth"
     shutil.copy(DP, src)

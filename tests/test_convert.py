@@ -130,7 +130,7 @@ def test_a_failed_conversion_leaves_no_threads(tmp_path: Path,
     thread may outlive the run."""
     import threading
 
-    from ckptool.write import conversion
+    from ckptool.write import convert, copy
 
     src = tmp_path / "m.pth"
     torch.save({"a": torch.randn(100, 100), "b": torch.randn(50)}, src)
@@ -138,11 +138,12 @@ def test_a_failed_conversion_leaves_no_threads(tmp_path: Path,
     def full(*args: Any) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(conversion, "copy_pieces", full)
+    monkeypatch.setattr(copy, "copy_pieces", full)
+    monkeypatch.setattr(copy.Copier, "_kernel_copy", full)
     before = {t.name for t in threading.enumerate()}
     for _ in range(3):
         with pytest.raises(OSError):
-            conversion.convert(str(src), str(tmp_path / "o.safetensors"))
+            convert.convert(str(src), str(tmp_path / "o.safetensors"))
     leftover = [t.name for t in threading.enumerate() if t.name.startswith("ckptool-")]
     assert not leftover, leftover
     assert {t.name for t in threading.enumerate()} <= before | {"MainThread"}

@@ -45,7 +45,7 @@ def test_core_prints_nothing() -> None:
 
 def test_rewrite_api_is_public_and_loaded_on_first_use() -> None:
     code = ("import sys, ckptool\n"
-            "assert 'ckptool.write.rewrite' not in sys.modules\n"
+            "assert 'ckptool.write.fix' not in sys.modules\n"
             "assert callable(ckptool.fix) and callable(ckptool.convert)\n"
             "assert ckptool.FixOptions(strip_module=True).strip_module\n"
             "assert callable(ckptool.diff_checkpoints)\n"

@@ -13,7 +13,7 @@ import torch
 from helpers import saved_on
 
 from ckptool.cli import main
-from ckptool.write import atomic
+from ckptool.write import commit
 
 
 @pytest.fixture
@@ -45,7 +45,7 @@ def test_atomic_output_syncs_only_when_asked_or_replacing(tmp_path: Path,
         target = tmp_path / name
         if existing:
             target.write_bytes(b"old")
-        with atomic.AtomicOutput(target, force=existing, fsync=fsync) as out:
+        with commit.AtomicOutput(target, force=existing, fsync=fsync) as out:
             out.file.write(b"new")
             assert out.durable == (fsync or existing)
             out.sync_in_background()

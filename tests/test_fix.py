@@ -346,7 +346,7 @@ def test_safetensors_has_no_device_to_retarget(tmp_path: Path,
 def test_disk_full_is_one_clean_error_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], where: str) -> None:
-    from ckptool.write import zipcopy, zipfix
+    from ckptool.write import copy, fix
 
     src = tmp_path / "m.pth"
     dp_checkpoint(src)
@@ -355,9 +355,10 @@ def test_disk_full_is_one_clean_error_and_leaves_nothing(
         raise OSError(28, "No space left on device")
 
     if where == "writer":
-        monkeypatch.setattr(zipfix, "write_zip", full)
+        monkeypatch.setattr(fix, "_finish_zip", full)
     else:  # the storage copy runs on its own thread: its error reaches the CLI
-        monkeypatch.setattr(zipcopy.Copier, "_copy", full)
+        monkeypatch.setattr(copy.Copier, "_kernel_copy", full)
+        monkeypatch.setattr(copy, "copy_pieces", full)
     assert main(["fix", str(src), "--to", "cpu"]) == 3
     captured = capsys.readouterr()
     assert captured.out == ""
@@ -372,7 +373,7 @@ def test_an_input_replaced_while_it_is_read_is_refused(tmp_path: Path,
     """A trainer re-saving the file (by rename) while fix reads it: the bytes of
     one version must not be written under the pickle of another."""
     from ckptool.read.formats import torch_zip
-    from ckptool.write import rewrite
+    from ckptool.write import fix
 
     src, newer = tmp_path / "m.pth", tmp_path / "newer.pth"
     dp_checkpoint(src)
@@ -387,6 +388,6 @@ def test_an_input_replaced_while_it_is_read_is_refused(tmp_path: Path,
 
     monkeypatch.setattr(torch_zip, "read_archive", read_then_replace)
     with pytest.raises(ckptool.CkptoolError, match="changed while ckptool was reading it"):
-        rewrite.fix(str(src), ckptool.FixOptions(strip_module=True, to="cpu"),
+        fix.fix(str(src), ckptool.FixOptions(strip_module=True, to="cpu"),
                     str(tmp_path / "o.pth"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]

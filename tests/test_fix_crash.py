@@ -44,7 +44,7 @@ from helpers import saved_on
 
 import ckptool
 from ckptool.errors import CorruptCheckpointError
-from ckptool.write import outputcheck, rewrite
+from ckptool.write import fix, verify
 from ckptool.write.plan import FixOptions
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -520,7 +520,7 @@ def test_in_place_verification_failure_restores_the_old_file(
 
     monkeypatch.setattr(inplace, "_verify", broken)
     with pytest.raises(CorruptCheckpointError):
-        rewrite.fix(str(path), FixOptions(strip_module=True, to="cuda:0"), in_place=True)
+        fix.fix(str(path), FixOptions(strip_module=True, to="cuda:0"), in_place=True)
     assert classify(path, expected) == "old"
     assert os.listdir(tmp_path) == ["model.pth"]
 
@@ -634,9 +634,9 @@ def test_verification_failure(small: tuple[Path, Path], temp_mode: str,
         assert not out.exists()
         raise CorruptCheckpointError("simulated verification failure", "nothing was written")
 
-    monkeypatch.setattr(outputcheck, "check_tensors", broken)
+    monkeypatch.setattr(verify, "check_tensors", broken)
     with pytest.raises(CorruptCheckpointError):
-        rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+        fix.fix(str(src), FixOptions(strip_module=True), str(out))
     assert_left_nothing(outdir, src, digest)
     code, _, err = run_fix(run_cli, str(src), "--strip-module", "-o", str(out))
     assert code == 3 and "simulated verification failure" in err, err
@@ -647,20 +647,20 @@ def test_verification_failure(small: tuple[Path, Path], temp_mode: str,
 def test_a_corrupted_write_is_caught_by_verification(
         small: tuple[Path, Path], temp_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The real verifier (no stand-in): a byte flipped in the copied tensor data."""
-    from ckptool.write import zipcopy
+    from ckptool.write import copy
 
     src, outdir = small
     digest = sha256(src)
     out = outdir / "o.pth"
-    real_copy = zipcopy.Copier._copy
+    real_copy = copy.Copier._kernel_copy
 
-    def flipping(self: zipcopy.Copier, src_at: int, size: int, dst_at: int) -> int:
-        n = real_copy(self, src_at, size, dst_at)
-        byte = os.pread(self.dst_fd, 1, dst_at + n // 2)
-        os.pwrite(self.dst_fd, bytes([byte[0] ^ 0xFF]), dst_at + n // 2)
+    def flipping(self: copy.Copier, fd: int, src_at: int, size: int, dst_at: int) -> int:
+        n = real_copy(self, fd, src_at, size, dst_at)
+        byte = os.pread(self.out_fd, 1, dst_at + n // 2)
+        os.pwrite(self.out_fd, bytes([byte[0] ^ 0xFF]), dst_at + n // 2)
         return n
 
-    monkeypatch.setattr(zipcopy.Copier, "_copy", flipping)
+    monkeypatch.setattr(copy.Copier, "_kernel_copy", flipping)
     with pytest.raises(CorruptCheckpointError, match="does not match"):
-        rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+        fix.fix(str(src), FixOptions(strip_module=True), str(out))
     assert_left_nothing(outdir, src, digest)

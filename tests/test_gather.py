@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import random
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -55,10 +56,23 @@ def test_copies_every_piece_and_reports_each_once_in_order(
     data, src, dst, path = files
     monkeypatch.setattr(gather, "BUFFER", 256 << 10)
     pieces = scattered(len(data), count, count, max_size, max_gap)
-    seen: list[int] = []
-    gather.copy_pieces(src, dst, pieces, seen.append)
-    assert seen == list(range(len(pieces)))
+    seen: list[tuple[int, int | None]] = []
+    gather.copy_pieces(src, dst, pieces, lambda i, crc: seen.append((i, crc)))
+    assert seen == [(i, None) for i in range(len(pieces))]
     assert path.read_bytes()[100:] == expected(data, pieces)
+
+
+def test_crcs_of_the_pieces_asked_for(files: tuple[bytes, int, int, Path],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Taken from the read-ahead buffers, pieces longer than a buffer too."""
+    data, src, dst, _ = files
+    monkeypatch.setattr(gather, "BUFFER", 64 << 10)
+    pieces = scattered(len(data), 40, 5, 200_000, 300)
+    wanted = frozenset(range(0, len(pieces), 2))
+    seen: dict[int, int | None] = {}
+    gather.copy_pieces(src, dst, pieces, seen.__setitem__, wanted)
+    for i, (s, n, _) in enumerate(pieces):
+        assert seen[i] == (zlib.crc32(data[s:s + n]) if i in wanted else None)
 
 
 def test_more_tiny_pieces_than_one_write_takes(files: tuple[bytes, int, int, Path]) -> None:
@@ -80,7 +94,7 @@ def test_without_pwritev(files: tuple[bytes, int, int, Path],
 def test_a_source_that_ends_early_is_an_error(files: tuple[bytes, int, int, Path]) -> None:
     data, src, dst, _ = files
     pieces = [(0, 1000, 0), (len(data) - 10, 100, 1000)]
-    with pytest.raises(OSError, match="ends 90 bytes early"):
+    with pytest.raises(EOFError, match="ends 90 bytes early"):
         gather.copy_pieces(src, dst, pieces)
 
 
@@ -90,6 +104,6 @@ def test_a_failing_write_stops_the_reader(files: tuple[bytes, int, int, Path],
     monkeypatch.setattr(gather, "BUFFER", 64 << 10)
     pieces = scattered(len(data), 400, 2, 30_000, 10)
     done: list[int] = []
-    with pytest.raises(OSError):
-        gather.copy_pieces(src, -1, pieces, done.append)  # a bad descriptor: EBADF
+    with pytest.raises(OSError):  # a bad descriptor: EBADF
+        gather.copy_pieces(src, -1, pieces, lambda i, crc: done.append(i))
     assert done == []

@@ -17,9 +17,9 @@ from helpers import SAMPLES, saved_on
 import ckptool
 from ckptool.errors import CkptoolError
 from ckptool.read.walk import walk
+from ckptool.write.fix import fix
 from ckptool.write.plan import FixOptions
 from ckptool.write.preview import Previewer, preview
-from ckptool.write.rewrite import fix
 
 OPTIONS = {
     "nothing": FixOptions(),

@@ -31,8 +31,8 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     """Turn the options the findings asked for into one checked command."""
     if opts == FixOptions():
         return Command()
+    from ckptool.write.fix import default_output
     from ckptool.write.preview import preview
-    from ckptool.write.rewrite import default_output
 
     output = default_output(ckpt.path)
     base, ext = os.path.splitext(output)

@@ -11,7 +11,7 @@ import click
 from ckptool.cli.common import FSYNC_HELP, SCHEMA_VERSION, console, progress, write_json
 
 if TYPE_CHECKING:
-    from ckptool.write.conversion import ConvertResult
+    from ckptool.write.convert import ConvertResult
 
 
 @click.command()
@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 def convert(path: str, output: str, force: bool, fsync: bool, quiet: bool,
             as_json: bool) -> None:
     """Convert between torch files and safetensors (direction from OUT's extension)."""
-    from ckptool.write.conversion import convert as run_convert
+    from ckptool.write.convert import convert as run_convert
 
     with progress(quiet) as update:
         result = run_convert(path, output, force=force, progress=update, fsync=fsync)
@@ -40,7 +40,7 @@ command = convert
 
 
 def convert_dict(result: ConvertResult) -> dict[str, Any]:
-    """The ``convert --json`` schema (a ConvertResult from ckptool.write.conversion)."""
+    """The ``convert --json`` schema (a ConvertResult from ckptool.write.convert)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "input": result.source.path,

@@ -11,7 +11,7 @@ import click
 from ckptool.cli.common import FSYNC_HELP, SCHEMA_VERSION, console, progress, write_json
 
 if TYPE_CHECKING:
-    from ckptool.write.rewrite import FixResult
+    from ckptool.write.fix import FixResult
 
 
 @click.command()
@@ -46,7 +46,7 @@ def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[s
         as_json: bool) -> None:
     """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
     from ckptool.write import plan as planning
-    from ckptool.write.rewrite import fix as run_fix
+    from ckptool.write.fix import fix as run_fix
 
     opts = planning.FixOptions(
         strip_module=strip_module, strip_prefixes=strip_prefix, add_prefix=add_prefix,
@@ -72,7 +72,7 @@ command = fix
 
 
 def fix_dict(result: FixResult) -> dict[str, Any]:
-    """The ``fix --json`` schema (a FixResult from ckptool.write.rewrite)."""
+    """The ``fix --json`` schema (a FixResult from ckptool.write.fix)."""
     plan = result.plan
     devices, casts = result.moves()
     return {

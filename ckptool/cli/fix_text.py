@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.describe import human_bytes
-from ckptool.write.conversion import ConvertResult
-from ckptool.write.rewrite import FixResult
+from ckptool.write.convert import ConvertResult
+from ckptool.write.fix import FixResult
 
 
 def render_fix(console: Console, result: FixResult, shown: int = 20) -> None:

@@ -6,7 +6,7 @@ The preview comes from the checkpoint the browser has read
 device fields are planned ~250 ms after the last keystroke, one preview at
 a time (a newer request waits for the running one, and only the latest is
 made); the output name only changes the command shown. Writing calls
-``ckptool.write.rewrite.fix`` on a worker, as ``ckptool fix`` does: it reads the
+``ckptool.write.fix.fix`` on a worker, as ``ckptool fix`` does: it reads the
 file again, faithfully, then copies the bytes with a progress bar.
 """
 
@@ -32,9 +32,9 @@ from ckptool.describe import human_bytes
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
 from ckptool.tui.screens import ConfirmScreen
+from ckptool.write.fix import FixResult, default_output
 from ckptool.write.plan import FixOptions, parse_device
 from ckptool.write.preview import FixPreview, Previewer
-from ckptool.write.rewrite import FixResult, default_output
 
 DEBOUNCE_S = 0.25
 SHORT = 20  # rows below which the dialog drops its title and shortens its summary
@@ -299,7 +299,7 @@ class FixScreen(ModalScreen[str | None]):
 
     @work(thread=True, exclusive=True, group="write")
     def _write(self, opts: FixOptions, out: str, force: bool) -> None:
-        from ckptool.write.rewrite import fix
+        from ckptool.write.fix import fix
 
         last = [-1.0]
 

@@ -111,7 +111,15 @@ def _crc_long(fd: int, offset: int, size: int) -> int:
     return crc
 
 
-def _crc(view: memoryview, window: mmap.mmap, start: int, end: int, crc: int) -> int:
+def crc_buffer(buf: bytearray, start: int, end: int, crc: int = 0) -> int:
+    """CRC-32 of ``buf[start:end]`` continued from ``crc`` (libdeflate where
+    present; both release the GIL on large buffers)."""
+    with memoryview(buf) as view:
+        return _crc(view, buf, start, end, crc)
+
+
+def _crc(view: memoryview, window: mmap.mmap | bytearray, start: int, end: int,
+         crc: int) -> int:
     fast = _libdeflate()
     if fast is None or end - start < _SMALL:
         return zlib.crc32(view[start:end], crc)

@@ -20,28 +20,34 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from ckptool.write.fastcrc import crc_buffer
+
 BUFFER = 2 << 20  # fits a core's cache: larger buffers measured slower
 BUFFERS = 4
 FAR = 64 << 10  # source ranges further apart than this are read separately
 MAX_PARTS = 512  # below IOV_MAX (1024 on Linux): what one pwritev takes
 
-Done = Callable[[int], None]  # called with a piece's index once it is written
+# called with a piece's index once it is written, and its CRC where asked for
+Done = Callable[[int, int | None], None]
 
 
 @dataclass
 class _Batch:
     src_start: int  # source bytes [src_start, src_end) go to one buffer
     src_end: int
-    # (source offset, size, destination offset, piece index or -1 for a part)
-    parts: list[tuple[int, int, int, int]]
+    # (source offset, size, destination offset, piece index, last part of it)
+    parts: list[tuple[int, int, int, int, bool]]
 
 
 def copy_pieces(src_fd: int, dst_fd: int, pieces: list[tuple[int, int, int]],
-                done: Done | None = None) -> None:
+                done: Done | None = None, crcs: frozenset[int] = frozenset()) -> None:
     """Copy each (source offset, size, destination offset) piece; destination
-    offsets ascending. ``done(i)`` follows piece ``i``'s last byte out.
-    Raises OSError when the source ends early."""
+    offsets ascending. ``done(i, crc)`` follows piece ``i``'s last byte out,
+    with the CRC-32 of its bytes when ``i`` is in ``crcs`` (computed on the
+    read-ahead thread, from the buffer), else None.
+    Raises EOFError when the source ends early."""
     batches = list(_batches(pieces))
+    running: dict[int, int] = {}  # piece index -> CRC so far
     if not batches:
         return
     free: queue.Queue[bytearray] = queue.Queue()
@@ -59,7 +65,11 @@ def copy_pieces(src_fd: int, dst_fd: int, pieces: list[tuple[int, int, int]],
                 size = batch.src_end - batch.src_start
                 got = os.preadv(src_fd, [memoryview(buf)[:size]], batch.src_start)
                 if got < size:
-                    raise OSError(f"the input ends {size - got} bytes early")
+                    raise EOFError(f"the input ends {size - got} bytes early")
+                for s, n, _, index, _ in batch.parts:
+                    if index in crcs:
+                        at = s - batch.src_start
+                        running[index] = crc_buffer(buf, at, at + n, running.get(index, 0))
                 full.put((batch, buf))
             full.put(None)
         except BaseException as exc:  # handed to the writing thread
@@ -75,9 +85,9 @@ def copy_pieces(src_fd: int, dst_fd: int, pieces: list[tuple[int, int, int]],
             _write(dst_fd, batch, buf)
             free.put(buf)
             if done is not None:
-                for *_, index in batch.parts:
-                    if index >= 0:
-                        done(index)
+                for *_, index, last in batch.parts:
+                    if last:
+                        done(index, running.pop(index, 0) if index in crcs else None)
     finally:
         stop.set()
         free.put(bytearray(0))  # wakes a reader waiting for a buffer
@@ -87,7 +97,7 @@ def copy_pieces(src_fd: int, dst_fd: int, pieces: list[tuple[int, int, int]],
 def _write(dst_fd: int, batch: _Batch, buf: bytearray) -> None:
     view = memoryview(buf)
     at = batch.parts[0][2]
-    parts = [view[s - batch.src_start:s - batch.src_start + n] for s, n, _, _ in batch.parts]
+    parts = [view[s - batch.src_start:s - batch.src_start + n] for s, n, *_ in batch.parts]
     want = sum(len(p) for p in parts)
     written = os.pwritev(dst_fd, parts, at) if hasattr(os, "pwritev") else 0
     if written < want:  # short write, or no pwritev: the rest in one go
@@ -105,12 +115,12 @@ def _batches(pieces: list[tuple[int, int, int]]) -> list[_Batch]:
     batches: list[_Batch] = []
     for index, (src, size, dst) in enumerate(pieces):
         if size == 0:
-            batches.append(_Batch(src, src, [(src, 0, dst, index)]))
+            batches.append(_Batch(src, src, [(src, 0, dst, index, True)]))
             continue
         at = 0
         while at < size:
             n = min(size - at, BUFFER)
-            part = (src + at, n, dst + at, index if at + n == size else -1)
+            part = (src + at, n, dst + at, index, at + n == size)
             last = batches[-1] if batches else None
             if (last is not None and last.parts[-1][1] > 0 and len(last.parts) < MAX_PARTS
                     and last.parts[-1][2] + last.parts[-1][1] == part[2]

@@ -1,4 +1,5 @@
-"""The rewritten zip's layout (ckptool.write.zipcopy): storage records first, each
+"""The rewritten zip's layout (ckptool.write.formats.torch_zip) and its copy
+(ckptool.write.copy): storage records first, each
 run copied page-congruent, the pickle and small records after them, the
 central directory in the source's order; every byte of it re-read."""
 
@@ -18,7 +19,9 @@ import ckptool
 from ckptool.cli import main
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read.ziparchive import ZipArchive
-from ckptool.write import rewrite, zipcopy
+from ckptool.write import copy, fix
+from ckptool.write.formats import torch_zip
+from ckptool.write.layout import Data, Made, Span
 from ckptool.write.plan import FixOptions
 
 
@@ -60,7 +63,7 @@ def torch_loads(path: Path) -> dict[str, Any]:
 def test_layout_storages_first_congruent_and_readable_by_everyone(tmp_path: Path) -> None:
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     want = training_file(src)
-    result = rewrite.fix(str(src), FixOptions(strip_module=True, to="cuda:0"), str(out))
+    result = fix.fix(str(src), FixOptions(strip_module=True, to="cuda:0"), str(out))
     assert result.verified_storages == len(ckptool.open(src).storages)
     before, after = records(src), records(out)
     names = list(before)
@@ -86,7 +89,7 @@ def test_layout_storages_first_congruent_and_readable_by_everyone(tmp_path: Path
 def test_casts_in_the_middle_of_the_records_break_the_runs(tmp_path: Path) -> None:
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     want = training_file(src)
-    rewrite.fix(str(src), FixOptions(strip_module=True, to="cpu", dtype="bfloat16"), str(out))
+    fix.fix(str(src), FixOptions(strip_module=True, to="cpu", dtype="bfloat16"), str(out))
     assert zipfile.ZipFile(out).testzip() is None
     sd = torch.load(out)["state_dict"]
     for key, tensor in want.items():
@@ -100,7 +103,7 @@ def test_casts_in_the_middle_of_the_records_break_the_runs(tmp_path: Path) -> No
 def test_dropped_records_are_left_out(tmp_path: Path) -> None:
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     training_file(src)
-    rewrite.fix(str(src), FixOptions(drop=("optimizer",)), str(out))
+    fix.fix(str(src), FixOptions(drop=("optimizer",)), str(out))
     assert len(ckptool.open(out).storages) == len(ckptool.open(src).storages) - 1
     assert len(records(out)) == len(records(src)) - 1
     assert zipfile.ZipFile(out).testzip() is None
@@ -128,21 +131,29 @@ def test_damage_between_copied_records_is_caught(tmp_path: Path,
     """The local headers copied inside a span are re-read too, not only the data."""
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     training_file(src)
-    real = zipcopy.Copier._copy
+    real = copy.Copier._kernel_copy
+    real_layout = torch_zip.lay_out_storages
+    second: list[int] = []
 
-    def damaging(self: zipcopy.Copier, src_at: int, size: int, dst_at: int) -> int:
-        n = real(self, src_at, size, dst_at)
+    def laid_out(*args: Any) -> torch_zip.Storages:
+        storages = real_layout(*args)
+        second.append(storages.pieces[1].header + 31)
+        return storages
+
+    def damaging(self: copy.Copier, fd: int, src_at: int, size: int, dst_at: int) -> int:
+        n = real(self, fd, src_at, size, dst_at)
         # a byte of the second record's local header, once it is copied (and
         # before this chunk's ranges go to the checker)
-        at = self.layout.runs[0].pieces[1].header + 31
+        at = second[-1]
         if dst_at <= at < dst_at + n:
-            byte = os.pread(self.dst_fd, 1, at)
-            os.pwrite(self.dst_fd, bytes([byte[0] ^ 0xFF]), at)
+            byte = os.pread(self.out_fd, 1, at)
+            os.pwrite(self.out_fd, bytes([byte[0] ^ 0xFF]), at)
         return n
 
-    monkeypatch.setattr(zipcopy.Copier, "_copy", damaging)
+    monkeypatch.setattr(torch_zip, "lay_out_storages", laid_out)
+    monkeypatch.setattr(copy.Copier, "_kernel_copy", damaging)
     with pytest.raises(CorruptCheckpointError, match="header"):
-        rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+        fix.fix(str(src), FixOptions(strip_module=True), str(out))
     assert not out.exists()
     assert os.listdir(tmp_path) == ["m.pth"]
 
@@ -180,27 +191,30 @@ def test_layout_of_a_torch_file(tmp_path: Path) -> None:
     training_file(src)
     with open(src, "rb") as f:
         archive = ZipArchive(f, os.path.getsize(src))
-        members = zipcopy.storage_members(archive, "m/")
-        layout = zipcopy.plan_layout(f.fileno(), archive, members, {})
-    assert len(layout.runs) == 1  # torch writes its records back to back
-    run = layout.runs[0]
-    assert [p.key for p in run.pieces] == sorted(members, key=int)
-    assert run.pieces[0].header == 0 and (run.pieces[0].data - run.src_start) % 4096 == 0
-    # a check for our header, each record, each gap between records, the last descriptor
-    assert len(run.checks) == 2 * len(run.pieces) + 1
-    assert layout.total == run.src_end - run.src_start
+        members = torch_zip.storage_members(archive, "m/")
+        storages = torch_zip.lay_out_storages(f.fileno(), archive, members, {})
+    # torch writes its records back to back: our header, one span, the last descriptor
+    assert [type(s) for s in storages.segments] == [Data, Span, Data]
+    header, span, trailer = storages.segments
+    assert [p.key for p in storages.pieces] == sorted(members, key=int)
+    assert header.at == 0 and span.at == len(header.data) and (span.at - span.src) % 4096 == 0
+    # each record, and each gap between records
+    assert isinstance(span, Span) and len(span.checks) == 2 * len(storages.pieces) - 1
+    assert trailer.at == span.at + span.size == storages.end - trailer.size
     with open(src, "rb") as f:
         archive = ZipArchive(f, os.path.getsize(src))
-        casts = {"1": 8}
-        layout = zipcopy.plan_layout(f.fileno(), archive, members, casts)
-    assert [len(r.pieces) for r in layout.runs] == [1, 1, len(members) - 2]
-    assert layout.runs[1].cast and layout.runs[1].pieces[0].size == 8
+        casts = {"1": (8, lambda: b"\0" * 8)}
+        storages = torch_zip.lay_out_storages(f.fileno(), archive, members, casts)
+    # the first record alone, the cast one alone (made, then its descriptor), the rest
+    assert [type(s) for s in storages.segments] == [Data, Span, Data, Data, Made, Made,
+                                                    Data, Span, Data]
+    assert storages.pieces[1].made is storages.segments[4] and storages.pieces[1].size == 8
 
 
 def test_small_copies_keep_torchs_alignment_without_page_padding(tmp_path: Path) -> None:
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     training_file(src, big=False)
-    rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+    fix.fix(str(src), FixOptions(strip_module=True), str(out))
     after = records(out)
     first = min(after.values())
     assert first[0] == 0 and first[1] < 128  # a header padded to 64 bytes, not to a page
@@ -223,7 +237,7 @@ def test_refused_input_after_the_copy_started_leaves_nothing(tmp_path: Path) -> 
     shutil.move(broken, tmp_path / "in.pth")
     os.remove(src)
     with pytest.raises((CorruptCheckpointError, UnsupportedCheckpointError)):
-        rewrite.fix(str(tmp_path / "in.pth"), FixOptions(strip_module=True),
+        fix.fix(str(tmp_path / "in.pth"), FixOptions(strip_module=True),
                     str(tmp_path / "o.pth"))
     assert os.listdir(tmp_path) == ["in.pth"]
 
@@ -232,22 +246,17 @@ def test_damage_after_the_storages_is_caught(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """The pickle, the small records and the directory are re-read too: a
     byte that reaches the disk wrong in ``byteorder`` fails the run."""
-    from ckptool.write import zipfix
-
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     training_file(src, big=False)
-    real = zipfix._Tee.write
+    real = copy.Copier._pwrite
 
-    def flipping(self: Any, data: bytes) -> int:
-        if data == b"little":  # what the CRC sees, then what the disk gets
-            self.crc = zipfix.zlib.crc32(data, self.crc)
-            self.size += len(data)
-            return int(self.f.write(b"big!!!"))
-        return real(self, data)
+    def flipping(self: copy.Copier, data: bytes, at: int) -> None:
+        # the records after the storages: the CRC saw "little", the disk gets "big!!!"
+        real(self, data.replace(b"little", b"big!!!"), at)
 
-    monkeypatch.setattr(zipfix._Tee, "write", flipping)
+    monkeypatch.setattr(copy.Copier, "_pwrite", flipping)
     with pytest.raises(CorruptCheckpointError, match="records after the storages"):
-        rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+        fix.fix(str(src), FixOptions(strip_module=True), str(out))
     assert os.listdir(tmp_path) == ["m.pth"]
 
 
@@ -261,19 +270,19 @@ def test_a_refusal_stops_the_copy_without_reading_the_rest(
     gen = torch.Generator().manual_seed(0)
     torch.save({"state_dict": {f"module.w{i}": torch.randn(64 * 1024, generator=gen)
                                for i in range(40)}}, src)
-    monkeypatch.setattr(zipcopy, "SPAN_CHUNK", 256 << 10)
+    monkeypatch.setattr(copy, "SPAN_CHUNK", 256 << 10)
     copied: list[int] = []
-    real_copy = zipcopy.Copier._copy
+    real_copy = copy.Copier._kernel_copy
 
-    def slow(self: zipcopy.Copier, src_at: int, size: int, dst_at: int) -> int:
+    def slow(self: copy.Copier, fd: int, src_at: int, size: int, dst_at: int) -> int:
         import time
 
         time.sleep(0.02)  # the read and the refusal come while the copy is at work
-        n = real_copy(self, src_at, size, dst_at)
+        n = real_copy(self, fd, src_at, size, dst_at)
         copied.append(n)
         return n
 
-    monkeypatch.setattr(zipcopy.Copier, "_copy", slow)
+    monkeypatch.setattr(copy.Copier, "_kernel_copy", slow)
     read: list[int] = []
     real_crc = bytecheck.crc_file_ranges
 
@@ -282,9 +291,9 @@ def test_a_refusal_stops_the_copy_without_reading_the_rest(
         return real_crc(fd, ranges)
 
     monkeypatch.setattr(bytecheck, "crc_file_ranges", counting)
-    monkeypatch.setattr(rewrite, "refuse_unsafe", _refuse)
+    monkeypatch.setattr(fix, "refuse_unsafe", _refuse)
     with pytest.raises(UnsupportedCheckpointError, match="refused"):
-        rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+        fix.fix(str(src), FixOptions(strip_module=True), str(out))
     assert sum(copied) < os.path.getsize(src) // 2  # the copy was stopped early...
     assert sum(read) <= sum(copied) + 4096  # ...and nothing unwritten was re-read
     assert os.listdir(tmp_path) == ["m.pth"]
@@ -319,15 +328,15 @@ def test_records_with_zip64_descriptors_still_copy_as_one_run(tmp_path: Path) ->
         writer.close()
     with open(path, "rb") as f:
         archive = ZipArchive(f, os.path.getsize(path))
-        layout = zipcopy.plan_layout(f.fileno(), archive, zipcopy.storage_members(archive, "z/"),
-                                     {})
-        assert [len(r.pieces) for r in layout.runs] == [3]
+        storages = torch_zip.lay_out_storages(
+            f.fileno(), archive, torch_zip.storage_members(archive, "z/"), {})
+        assert [type(s) for s in storages.segments] == [Data, Span, Data]
         out = os.open(tmp_path / "o.bin", os.O_RDWR | os.O_CREAT, 0o600)
         try:
             with ByteChecker(out) as checker:
-                zipcopy.Copier(f.fileno(), out, layout, checker).start().finish()
+                copy.write(out, checker, storages.segments)
                 assert checker.finish() == []
-            for piece, blob in zip(layout.pieces(), blobs, strict=True):
+            for piece, blob in zip(storages.pieces, blobs, strict=True):
                 assert os.pread(out, piece.size, piece.data) == blob
         finally:
             os.close(out)
@@ -346,7 +355,7 @@ def test_a_damaged_storage_is_refused_when_cast_too(tmp_path: Path) -> None:
         f.seek(at)
         f.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CorruptCheckpointError, match="its own checksum"):
-        rewrite.fix(str(src), FixOptions(dtype="bfloat16"), str(out))
+        fix.fix(str(src), FixOptions(dtype="bfloat16"), str(out))
     assert os.listdir(tmp_path) == ["m.pth"]
 
 
@@ -357,6 +366,6 @@ def test_a_tensor_with_python_attributes_is_written_back(tmp_path: Path) -> None
     t = torch.arange(6.0)
     t.tag = 7  # type: ignore[attr-defined]
     torch.save({"module.t": t}, src)
-    rewrite.fix(str(src), FixOptions(strip_module=True), str(out))
+    fix.fix(str(src), FixOptions(strip_module=True), str(out))
     got = torch.load(out)  # weights_only: the attribute is plain data
     assert torch.equal(got["t"], t) and got["t"].tag == 7

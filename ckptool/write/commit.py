@@ -1,5 +1,5 @@
-"""Atomic output files: write to a temporary file beside the target,
-verify, then rename into place.
+"""Stage 6 of a rewrite, the commit: the output is written to a temporary
+file beside the target, verified there, then renamed into place.
 
 Where the filesystem allows, the temporary file is anonymous (``O_TMPFILE``)
 and is linked straight to the target name when it is complete, so even

@@ -1,0 +1,200 @@
+"""``ckptool convert``: torch checkpoints to safetensors and back, as a pipeline
+(read, plan, lay out, copy, verify, commit: see ``ckptool.write.fix``).
+
+torch -> safetensors writes the main state dict (of any torch format,
+legacy and TorchScript included). safetensors cannot share memory, so tied
+weights (exact aliases: same storage, offset, shape and stride) are written
+once and the other names recorded under ``ckptool.aliases`` in
+``__metadata__``; other views and non-contiguous tensors are written as their
+own contiguous copies. Plain non-tensor entries go to ``__metadata__`` as
+JSON under ``ckptool.entries``; everything else is reported as left out,
+never silently dropped.
+
+safetensors -> torch writes a torch zip state dict (``torch.save``'s layout),
+restoring the recorded aliases as tensors that share storage again.
+
+Both directions stream tensor bytes into a temporary file, re-read every
+byte they wrote (CRC), read the file back to check names, shapes and dtypes,
+then rename it into place.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ckptool import dtypes
+from ckptool.errors import UnsupportedCheckpointError, UsageError
+from ckptool.model import Checkpoint, TensorInfo
+from ckptool.read.formats.safetensors_fmt import SAFETENSORS
+from ckptool.read.reader import open_checkpoint
+from ckptool.read.tensor_data import TensorData
+from ckptool.read.tensors import StorageRef, StorageType, TensorRecord
+from ckptool.read.values import TorchDtype
+from ckptool.write import copy, repickle, verify
+from ckptool.write.commit import AtomicOutput
+from ckptool.write.formats import safetensors
+from ckptool.write.formats.safetensors import ST_CODES
+from ckptool.write.formats.torch_zip import NewArchive
+from ckptool.write.layout import contiguous_strides, tensor_segment
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+_TYPED = {v: k for k, v in dtypes.STORAGE_DTYPES.items() if k not in ("UntypedStorage",
+                                                                       "TypedStorage")}
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class ConvertResult:
+    source: Checkpoint
+    output: str
+    direction: str  # "safetensors" or "torch"
+    tensors: int = 0
+    aliases: dict[str, str] = field(default_factory=dict)  # alias -> kept name
+    copied_views: list[str] = field(default_factory=list)  # written as their own copy
+    kept_entries: list[str] = field(default_factory=list)  # in __metadata__
+    left_out: list[str] = field(default_factory=list)  # not representable, reported
+    bytes_written: int = 0
+
+
+def convert(src: str, dst: str, *, force: bool = False,
+            progress: Progress | None = None, fsync: bool = False) -> ConvertResult:
+    """Convert ``src`` into ``dst`` (the format from its extension). The output
+    is durable on disk before this returns when ``fsync`` is set or it
+    replaces a file (``AtomicOutput``)."""
+    suffix = Path(dst).suffix.lower()
+    if suffix not in (".safetensors", *TORCH_SUFFIXES):
+        raise UsageError(f"cannot tell the output format from {dst!r}",
+                         "name it *.safetensors, or *.pt / *.pth / *.bin for torch")
+    source = open_checkpoint(src)  # 1. read
+    if suffix == ".safetensors":
+        if source.format == SAFETENSORS:
+            raise UsageError(f"{src} is already safetensors", "name a torch output: OUT.pth")
+        return _to_safetensors(source, dst, AtomicOutput(dst, force, fsync), progress)
+    if source.format != SAFETENSORS:
+        raise UsageError(f"{src} is already a torch checkpoint",
+                         "use `ckptool fix` to rewrite torch files")
+    return _to_torch(source, dst, AtomicOutput(dst, force, fsync), progress)
+
+
+def _plan_names(source: Checkpoint) -> tuple[dict[str, TensorInfo], dict[str, str], list[str]]:
+    """(tensors to write, aliases, names written as copies of shared storage)."""
+    sd = source.state_dict()
+    if not sd:
+        raise UnsupportedCheckpointError("no state dict found to convert",
+                                         "see `ckptool inspect` for what the file holds")
+    bad = sorted({t.dtype for t in sd.values() if t.dtype not in ST_CODES})
+    if bad:
+        raise UnsupportedCheckpointError(f"safetensors cannot hold {', '.join(bad)} tensors",
+                                         "cast them first, e.g. `ckptool fix --dtype fp32`")
+    kept: dict[str, TensorInfo] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    share_count: dict[str | None, int] = {}
+    for t in sd.values():
+        share_count[t.storage] = share_count.get(t.storage, 0) + 1
+    copies = []
+    for name, t in sd.items():
+        ident = (t.storage, t.storage_offset, t.shape, t.stride, t.dtype)
+        if t.storage is not None and ident in first:
+            aliases[name] = first[ident]
+            continue
+        first[ident] = name
+        kept[name] = t
+        if t.storage is not None and share_count[t.storage] > 1:
+            copies.append(name)
+    copies = [n for n in copies if n not in set(aliases.values())]
+    return kept, aliases, copies
+
+
+def _to_safetensors(source: Checkpoint, dst: str, output: AtomicOutput,
+                    progress: Progress | None) -> ConvertResult:
+    # 2. plan: the names written, the aliases and entries kept in __metadata__
+    kept, aliases, copies = _plan_names(source)
+    result = ConvertResult(source, dst, "safetensors", len(kept), aliases, copies)
+    sd_path = source.main_state_dict.path if source.main_state_dict else ""
+    entries: dict[str, Any] = {}
+    for e in source.entries:
+        if e.value is not None or e.summary == "None":
+            entries[e.key] = e.value
+        else:
+            result.left_out.append(f"{e.key} ({e.type})")
+    result.kept_entries = list(entries)
+    outside = [t.key for t in source.tensors
+               if not (t.key.startswith(f"{sd_path}/") or not sd_path)]
+    if outside:
+        result.left_out.append(f"{len(outside)} tensors outside '{sd_path}' "
+                               f"(e.g. {outside[0]})")
+    meta = {"format": "pt"}
+    if aliases:
+        meta["ckptool.aliases"] = json.dumps(aliases)
+    if entries:
+        meta["ckptool.entries"] = json.dumps(entries, default=repr)
+    items = [(name, t, t.dtype) for name, t in kept.items()]
+    with output as out, TensorData(source) as reader:
+        layout, starts = safetensors.lay_out(items, meta, reader)  # 3. lay out
+        copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)  # 4, 5
+        result.bytes_written = layout.end
+        out.sync_in_background()
+        verify.check_offsets(out.read_path, {n: (t.shape, t.dtype) for n, t in kept.items()},
+                             starts)
+        out.commit()  # 6. commit
+    return result
+
+
+def _to_torch(source: Checkpoint, dst: str, output: AtomicOutput,
+              progress: Progress | None) -> ConvertResult:
+    # 2. plan: a torch state dict of the safetensors tensors, aliases restored
+    st_meta = source.metadata.get("metadata", {})
+    aliases = json.loads(st_meta.get("ckptool.aliases", "{}"))
+    result = ConvertResult(source, dst, "torch", len(source.tensors), aliases)
+    sd: OrderedDict[str, Any] = OrderedDict()
+    for i, t in enumerate(source.tensors):
+        sd[t.key] = _record(str(i), t)
+    for alias, kept in aliases.items():
+        if kept in sd:
+            sd[alias] = sd[kept]  # one tensor under two names: shared storage again
+    pickled = repickle.dumps(sd, lambda ref: tuple([*(ref.pid or ())]))
+    with output as out, TensorData(source) as reader:
+        # 3. lay out: torch.save's records, in its order
+        archive = NewArchive(Path(dst).stem)
+        archive.add_bytes("data.pkl", pickled)
+        for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"),
+                            ("byteorder", b"little")):
+            archive.add_bytes(name, value)
+        starts = {}
+        for i, t in enumerate(source.tensors):
+            segment_at = functools.partial(tensor_segment, reader, t, t.dtype, name=t.key)
+            starts[t.key] = archive.add(f"data/{i}", t.nbytes, segment_at).at
+        archive.add_bytes("version", b"3\n")
+        layout = archive.close()
+        copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)  # 4, 5
+        result.bytes_written = layout.end
+        expect = {t.key: (t.shape, t.dtype) for t in source.tensors}
+        expect.update({a: expect[k] for a, k in aliases.items() if k in expect})
+        out.sync_in_background()
+        verify.check_offsets(out.read_path, expect, starts)
+        verify.check_directory(out.read_path, archive.records())
+        out.commit()  # 6. commit
+    return result
+
+
+def _record(key: str, t: TensorInfo) -> TensorRecord:
+    """A torch tensor record for a safetensors tensor, on storage ``key``."""
+    if t.dtype in _TYPED:
+        stype, numel = StorageType(_TYPED[t.dtype], t.dtype), t.numel
+        origin = "torch._utils._rebuild_tensor_v2"
+        extra: tuple[Any, ...] = ()
+    else:  # float8, uint16...: an untyped storage and the dtype beside it
+        stype, numel = StorageType("UntypedStorage", "uint8"), t.nbytes
+        origin = "torch._utils._rebuild_tensor_v3"
+        extra = (TorchDtype(t.dtype),)
+    ref = StorageRef(key, stype.dtype, "cpu", numel, None, ("storage", stype, key, "cpu", numel))
+    rec = TensorRecord(t.shape, t.dtype, contiguous_strides(t.shape), 0, ref, "cpu")
+    rec.origin = (origin, (ref, 0, t.shape, rec.stride, False, OrderedDict(), *extra))
+    return rec

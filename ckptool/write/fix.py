@@ -1,0 +1,267 @@
+"""``ckptool fix``: rewrite a checkpoint in its own format, as a pipeline.
+
+1. read: the file is read faithfully (``resolve.faithful``: every stand-in
+   can be written back as it was), and the version read is remembered:
+   every later open of the input must be that version;
+2. plan: ``make_plan`` applies the options to the object tree;
+3. lay out: the output format's module (``ckptool.write.formats``) says
+   where each byte of the output comes from;
+4. copy: ``ckptool.write.copy`` writes the layout;
+5. verify: every byte written is re-read and CRC-checked, and the output is
+   read back as a checkpoint and compared with the plan
+   (``ckptool.write.verify``);
+6. commit: the temporary file takes the output's name
+   (``ckptool.write.commit``).
+
+A torch zip whose storages are all kept as they are starts its copy first,
+before step 1, from the zip directory alone (``_start_zip``): reading,
+planning and re-pickling then cost no extra time. The input is never
+modified, except by ``in_place``, which replaces it atomically, or rewrites
+only its pickle (``ckptool.write.inplace``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ckptool import dtypes
+from ckptool.errors import CkptoolError, UsageError
+from ckptool.model import Checkpoint
+from ckptool.read import formats
+from ckptool.read.formats import torch_legacy as legacy_reader
+from ckptool.read.formats import torch_zip as zip_reader
+from ckptool.read.formats.safetensors_fmt import SAFETENSORS
+from ckptool.read.formats.torch_zip import TORCH_ZIP
+from ckptool.read.reader import assemble
+from ckptool.read.resolve import faithful
+from ckptool.read.tensor_data import Identity, TensorData, check_unchanged, file_identity
+from ckptool.read.ziparchive import ZipArchive, ZipError
+from ckptool.write import copy, inplace, repickle, verify
+from ckptool.write.bytecheck import ByteChecker
+from ckptool.write.commit import AtomicOutput
+from ckptool.write.formats import safetensors, torch_legacy, torch_zip
+from ckptool.write.layout import checked_cast
+from ckptool.write.plan import FixOptions, Plan, check_rewritable, make_plan, new_pid, refuse_unsafe
+
+Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+
+
+@dataclass
+class FixResult:
+    plan: Plan
+    source: Checkpoint
+    target: str = ""  # the path written, or that a dry run would write
+    output: str | None = None  # None for a dry run
+    bytes_written: int = 0
+    verified_storages: int = 0
+    metadata_only: bool = False  # --in-place appended a new pickle, bytes untouched
+
+    def moves(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """Device moves and casts, grouped: ``{"from", "to", "storages"}`` each."""
+        storages = self.source.storages
+        moves: dict[tuple[str, str], int] = {}
+        for sid, tag in self.plan.retargets.items():
+            old = (storages[sid].location if sid in storages else None) or "unrecorded"
+            moves[(old, tag)] = moves.get((old, tag), 0) + 1
+        casts: dict[tuple[str, str], int] = {}
+        for pair in self.plan.casts.values():
+            casts[pair] = casts.get(pair, 0) + 1
+        return ([{"from": a, "to": b, "storages": n} for (a, b), n in moves.items()],
+                [{"from": a, "to": b, "storages": n} for (a, b), n in casts.items()])
+
+
+def default_output(src: str) -> str:
+    """``model.pth`` -> ``model.fixed.pth``, beside the input."""
+    path = Path(src)
+    return str(path.with_name(f"{path.stem}.fixed{path.suffix}"))
+
+
+def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = False,
+        in_place: bool = False, dry_run: bool = False, progress: Progress | None = None,
+        fsync: bool = False) -> FixResult:
+    """Rewrite ``src`` as ``opts`` ask. The output is durable on disk before
+    this returns when ``fsync`` is set or it replaces a file (``AtomicOutput``)."""
+    if in_place and output is not None:
+        raise UsageError("--in-place and -o both name the output", "use one of them")
+    target = src if in_place else (output or default_output(src))
+    try:  # the version of the file that is read; every later open must be it
+        identity: Identity | None = file_identity(os.stat(src))
+    except OSError:
+        identity = None  # the read says what is wrong with the path
+    with contextlib.ExitStack() as stack:
+        early = None
+        if not (dry_run or in_place):
+            early = _start_zip_early(src, target, opts, force, fsync, progress, stack, identity)
+        # 1. read (a started copy's own open file, when there is one: one version)
+        with faithful():
+            raw = formats.read_zip(src, early.archive) if early else formats.read(src)
+        check_unchanged(src, identity)
+        check_rewritable(raw.format, opts)
+        source = assemble(src, raw)
+        # 2. plan
+        plan = make_plan(source, opts)
+        refuse_unsafe(plan.unsafe)
+        result = FixResult(plan, source, target)
+        if dry_run:
+            return result
+        if in_place and raw.format == TORCH_ZIP and inplace.supported(plan):
+            result.bytes_written = inplace.rewrite_in_place(src, source, plan)
+            result.output, result.metadata_only = src, True
+            return result
+        if not in_place and os.path.exists(target) and os.path.samefile(target, src):
+            raise UsageError("the output would overwrite the input",
+                             "choose another path with -o, or pass --in-place")
+        out = early.out if early is not None else stack.enter_context(
+            AtomicOutput(target, force=force or in_place, fsync=fsync))
+        # 3 to 5: lay out, copy, verify, in the input's own format
+        if raw.format == TORCH_ZIP:
+            job = early or _start_zip(src, source, plan, out, progress, stack, identity)
+            result.verified_storages = _finish_zip(job, source, plan, out)
+        elif raw.format == SAFETENSORS:
+            result.verified_storages = _write_safetensors(source, plan, out, progress, stack)
+        else:
+            result.verified_storages = _write_legacy(src, source, plan, out, progress, stack,
+                                                     identity)
+        result.bytes_written = os.fstat(out.file.fileno()).st_size
+        # 6. commit
+        out.commit()
+    result.output = target
+    return result
+
+
+@dataclass
+class _ZipJob:
+    """A torch zip's storage records, laid out and being copied on their own thread."""
+
+    archive: ZipArchive
+    storages: torch_zip.Storages
+    out: AtomicOutput
+    checker: ByteChecker
+    copier: copy.Copier
+
+    def stop(self) -> None:
+        """Stop the threads (on any way out: a no-op once they are done); what
+        is still queued is dropped, not read."""
+        self.copier.cancel()
+        self.checker.cancel()
+
+
+def _copy_storages(archive: ZipArchive, storages: torch_zip.Storages, out: AtomicOutput,
+                   progress: Progress | None, stack: contextlib.ExitStack) -> _ZipJob:
+    """Step 4 for the storage records, laid out: start copying them."""
+    checker = ByteChecker(out.file.fileno(), out.durable)
+    copier = copy.Copier(out.file.fileno(), checker, progress).start()
+    job = _ZipJob(archive, storages, out, checker, copier)
+    stack.callback(job.stop)
+    copier.add(storages.segments)
+    return job
+
+
+def _start_zip_early(src: str, target: str, opts: FixOptions, force: bool, fsync: bool,
+                     progress: Progress | None, stack: contextlib.ExitStack,
+                     identity: Identity | None) -> _ZipJob | None:
+    """Start copying every storage record of a torch zip before it is read,
+    when no option can drop or cast one. None where that does not apply; the
+    ordinary path then reports whatever is wrong, in its usual order."""
+    if opts.extract is not None or opts.drop or opts.dtype is not None:
+        return None
+    if os.path.exists(target) and (not force or os.path.samefile(target, src)):
+        return None
+    if not os.path.isdir(os.path.dirname(os.path.abspath(target))):
+        return None
+    try:
+        f = stack.enter_context(open(src, "rb"))  # noqa: SIM115 -- the stack closes it
+        if f.read(4) != b"PK\x03\x04" or file_identity(os.fstat(f.fileno())) != identity:
+            return None
+        archive = ZipArchive(f, os.fstat(f.fileno()).st_size)
+    except (OSError, ZipError):
+        return None
+    root = zip_reader.root_of(list(archive.members)) if archive.members else ""
+    prefix = f"{root}/" if root else ""
+    if f"{prefix}data.pkl" not in archive.members or f"{prefix}constants.pkl" in archive.members:
+        return None  # not a torch.save zip (the read says what it is)
+    try:
+        storages = torch_zip.lay_out_storages(
+            f.fileno(), archive, torch_zip.storage_members(archive, prefix), {})
+        out = stack.enter_context(AtomicOutput(target, force=force, fsync=fsync))
+    except CkptoolError:
+        return None  # the ordinary path meets the same problem, and says it
+    return _copy_storages(archive, storages, out, progress, stack)
+
+
+def _start_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
+               progress: Progress | None, stack: contextlib.ExitStack,
+               identity: Identity | None) -> _ZipJob:
+    """The storage records the plan keeps, cast where it casts them."""
+    used = plan.storages
+    root = source.metadata.get("archive_root", "")
+    f = stack.enter_context(open(src, "rb"))  # noqa: SIM115 -- the stack closes it
+    check_unchanged(src, identity, f.fileno())
+    archive = zip_reader.open_archive(f)
+    members = torch_zip.storage_members(archive, f"{root}/" if root else "")
+    reader = stack.enter_context(TensorData(source))
+    check_unchanged(src, identity, reader.fileno())
+    casts: dict[str, torch_zip.Cast] = {
+        key: (used[key].numel * dtypes.itemsize(dst),
+              functools.partial(checked_cast, reader, key, a, dst))
+        for key, (a, dst) in plan.casts.items() if key in used}
+    storages = torch_zip.lay_out_storages(f.fileno(), archive,
+                                          {k: members[k] for k in used}, casts)
+    return _copy_storages(archive, storages, out, progress, stack)
+
+
+def _finish_zip(job: _ZipJob, source: Checkpoint, plan: Plan, out: AtomicOutput) -> int:
+    """The rest of a zip after its storage records: the new pickle and the
+    small records (3, 4), checked before and after they are written (5)."""
+    root = source.metadata.get("archive_root", "")
+    prefix = f"{root}/" if root else ""
+    shared: dict[str, Any] = {}
+    pickled = repickle.dumps(plan.root, lambda ref: new_pid(ref, plan, shared))
+    # the new pickle, read back as torch will, while the storages are copied
+    torch_zip.check_planned(job.archive, prefix, pickled, job.storages.pieces, plan)
+    tail = torch_zip.Tail(job.archive, prefix, pickled, job.storages.pieces, job.storages.end)
+    job.copier.add([tail.segment])
+    job.copier.finish()
+    out.sync_in_background()
+    verify.check_bytes(job.checker)
+    verify.check_directory(out.read_path, tail.records)
+    return len(plan.storages)
+
+
+def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
+                       progress: Progress | None, stack: contextlib.ExitStack) -> int:
+    """Renamed, dropped or cast safetensors: a new header, the bytes streamed."""
+    by_storage = {t.storage: t for t in source.tensors}
+    items = []
+    for name, rec in plan.root.items():
+        t = by_storage[rec.storage.key]
+        items.append((name, t, plan.casts.get(t.storage or "", (t.dtype, t.dtype))[1]))
+    meta = source.metadata.get("metadata") or {}
+    reader = stack.enter_context(TensorData(source))
+    layout, starts = safetensors.lay_out(items, dict(meta), reader)
+    copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)
+    out.sync_in_background()
+    verify.check_offsets(out.read_path, {n: (t.shape, d) for n, t, d in items}, starts)
+    return len(items)
+
+
+def _write_legacy(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
+                  progress: Progress | None, stack: contextlib.ExitStack,
+                  identity: Identity | None) -> int:
+    reader = stack.enter_context(TensorData(source))
+    f = stack.enter_context(open(src, "rb"))  # noqa: SIM115 -- the stack closes it
+    check_unchanged(src, identity, f.fileno())
+    check_unchanged(src, identity, reader.fileno())
+    layout, placed = torch_legacy.lay_out(plan, f.fileno(), legacy_reader.header_end(f), reader)
+    copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)
+    out.sync_in_background()
+    return verify.check_storages(out.read_path, plan, placed)
+
+
+__all__ = ["FixOptions", "FixResult", "default_output", "fix"]

@@ -1,0 +1,41 @@
+"""The layout of a safetensors file: an 8-byte header length, the JSON
+header (``dtype``, ``shape``, ``data_offsets`` per tensor, ``__metadata__``),
+padded so the data starts 8-byte aligned, then every tensor's bytes back to
+back, in the order given, with no gaps (the format forbids them).
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from ckptool import dtypes
+from ckptool.model import TensorInfo
+from ckptool.read.tensor_data import TensorData
+from ckptool.write.layout import Data, Layout, tensor_segment
+
+ST_CODES = {v: k for k, v in dtypes.SAFETENSORS_DTYPES.items()}
+Item = tuple[str, TensorInfo, str]  # (name to write it under, tensor, dtype to write it as)
+
+
+def lay_out(items: list[Item], meta: dict[str, str],
+            reader: TensorData) -> tuple[Layout, dict[str, int]]:
+    """The file holding ``items`` and ``meta``; and where each tensor's bytes start."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, t, dtype in items:
+        size = t.numel * dtypes.itemsize(dtype)
+        header[name] = {"dtype": ST_CODES[dtype], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    header["__metadata__"] = meta
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # data starts 8-byte aligned
+    layout = Layout([Data(0, len(raw).to_bytes(8, "little") + raw, "the safetensors header")])
+    base = 8 + len(raw)
+    starts = {}
+    for name, t, dtype in items:
+        at = base + header[name]["data_offsets"][0]
+        layout.add(tensor_segment(reader, t, dtype, at, f"tensor {name}"))
+        starts[name] = at
+    return layout, starts

@@ -1,0 +1,157 @@
+"""Stage 3 of a rewrite, the layout: where every byte of the output comes from.
+
+An output file is laid out as a list of segments, each at its offset in the
+output, before a byte is written:
+
+- ``Data``: bytes already in memory (a header, a pickle, a zip directory);
+- ``Span``: a range of an input file, copied as it is (tensor bytes);
+- ``Made``: bytes made when their turn comes (a cast, a strided tensor
+  gathered through torch, a zip descriptor that needs the CRC of what
+  precedes it).
+
+Each output format lays its files out this way (``ckptool.write.formats``),
+``ckptool.write.copy`` writes any layout, and every segment is re-read and
+checked against the CRC it was written with (``ckptool.write.verify``).
+A ``Span`` may carry the CRCs its ranges must have, known from the input
+(a zip record's directory entry: the copy then also checks the input);
+without them, its CRC is taken from the bytes as they are copied.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ckptool import dtypes
+from ckptool.errors import CorruptCheckpointError
+from ckptool.model import TensorInfo
+from ckptool.read.tensor_data import TensorData
+
+Check = tuple[str, int, int, int]  # (what, output offset, size, expected CRC)
+
+
+@dataclass
+class Data:
+    """Bytes already in memory."""
+
+    at: int
+    data: bytes
+    name: str
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+    @property
+    def crc(self) -> int:
+        return zlib.crc32(self.data)
+
+
+@dataclass
+class Span:
+    """``size`` bytes of the input file ``fd`` from offset ``src``, copied as they are."""
+
+    at: int
+    fd: int
+    src: int
+    size: int
+    name: str
+    # output ranges the span covers, with the CRCs they must have, where the
+    # input says (zip records); empty: the CRC of the bytes copied, in ``crc``
+    checks: list[Check] = field(default_factory=list)
+    crc: int | None = None  # of the whole span: set once copied when no check gives it
+
+
+@dataclass
+class Made:
+    """``size`` bytes that ``make()`` returns when the copy reaches them."""
+
+    at: int
+    size: int
+    name: str
+    make: Callable[[], bytes]
+    crc: int | None = None  # set once made
+
+
+Segment = Data | Span | Made
+
+
+@dataclass
+class Layout:
+    """An output file's segments, in output order, back to back or with gaps
+    (never overlapping)."""
+
+    segments: list[Segment] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return max((s.at + s.size for s in self.segments), default=0)
+
+    @property
+    def total(self) -> int:
+        """Bytes the copy writes (for progress)."""
+        return sum(s.size for s in self.segments)
+
+    def add(self, segment: Segment) -> Segment:
+        self.segments.append(segment)
+        return segment
+
+
+def contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def is_dense(t: TensorInfo) -> bool:
+    """Whether ``t``'s elements lie in its storage in C order without gaps."""
+    return t.numel <= 1 or tuple(
+        s for s, n in zip(t.stride or (), t.shape, strict=True) if n > 1) == tuple(
+        s for s, n in zip(contiguous_strides(t.shape), t.shape, strict=True) if n > 1)
+
+
+def tensor_segment(reader: TensorData, t: TensorInfo, dtype: str, at: int,
+                   name: str) -> Span | Made:
+    """``t``'s elements, C-contiguous, as ``dtype``, written at ``at``.
+
+    A tensor kept as it is and laid out densely in its storage is a
+    ``Span`` of the input; its CRC comes from the zip directory when it
+    fills its record. Casts and strided views are made through torch."""
+    size = t.numel * dtypes.itemsize(dtype)
+    if dtype == t.dtype and t.storage is not None and is_dense(t):
+        src = reader.storage_offset(t.storage) + t.storage_offset * dtypes.itemsize(t.dtype)
+        whole = t.storage_offset == 0 and size == reader.storage(t.storage).nbytes
+        crc = reader.record_crc(t.storage) if whole else None
+        checks = [(name, at, size, crc)] if crc is not None else []
+        return Span(at, reader.fileno(), src, size, name, checks, crc)
+
+    def make() -> bytes:
+        values = reader.values(t).contiguous()
+        data = ctypes.string_at(values.data_ptr(), values.numel() * values.element_size())
+        return cast_bytes(data, t.dtype, dtype) if dtype != t.dtype else data
+
+    return Made(at, size, name, make)
+
+
+def cast_bytes(data: bytes | bytearray, src: str, dst: str) -> bytes:
+    """Elements of dtype ``src`` as dtype ``dst`` (through torch)."""
+    import torch  # only casts need torch
+
+    if not data:
+        return b""
+    cast = torch.frombuffer(bytearray(data), dtype=getattr(torch, src)).to(getattr(torch, dst))
+    return ctypes.string_at(cast.data_ptr(), cast.numel() * cast.element_size())
+
+
+def checked_cast(reader: TensorData, key: str, src: str, dst: str) -> bytes:
+    """A whole storage cast from ``src`` to ``dst``, its input bytes checked
+    against the zip directory's CRC first (a copy is checked by its CRC; a
+    cast must not turn damaged bytes into plausible ones)."""
+    data = reader.storage_bytes(key)
+    crc = reader.record_crc(key)
+    if crc is not None and zlib.crc32(data) != crc:
+        raise CorruptCheckpointError(
+            f"storage {key} of the input does not match its own checksum",
+            "the file is damaged: fetch or copy it again; nothing was written")
+    return cast_bytes(data, src, dst)
