@@ -5,6 +5,18 @@ model without running code from the file, reading tensor bytes, or
 importing torch, click, rich or textual. ``ckptool.diagnose``,
 ``ckptool.fix``, ``ckptool.convert`` and ``ckptool.diff_checkpoints`` are
 loaded on first use, so that reading stays as light as it is.
+
+The package is in layers, and imports run one way, from each layer to the
+ones before it (``tests/test_layers.py`` checks every import, and that no
+two modules import each other round a loop):
+
+1. the top level: this public API, ``errors``, the data model (``model``),
+   ``dtypes`` and shared wording (``describe``);
+2. ``read``: the safe reading layer, a file in and a ``Checkpoint`` out;
+3. ``write``: rewrites as a pipeline (plan, lay out, copy, verify, commit);
+4. ``check``: what is wrong, where to load it, how two files differ;
+5. the views: ``tui`` (the browser), then ``cli`` (the command line, which
+   starts the browser).
 """
 
 from typing import Any

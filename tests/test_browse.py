@@ -604,7 +604,7 @@ def test_fix_preview_uses_the_read_checkpoint_and_plans_one_at_a_time(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """No preview reads the file again (no dry run); edits in a burst make one
     preview, never two at once; renaming the output makes none; the write
-    still goes through rewrite.fix."""
+    still goes through fix.fix."""
     import ckptool.write.fix as rewrite
     from ckptool.write.preview import Previewer
 

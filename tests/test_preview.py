@@ -1,5 +1,5 @@
 """``ckptool.write.preview``: a fix planned from the checkpoint already read is the
-plan ``rewrite.fix(..., dry_run=True)`` makes from a faithful read of the
+plan ``fix.fix(..., dry_run=True)`` makes from a faithful read of the
 file: the same renames, drops, extraction, device moves (and casts, notes,
 errors), and every input tensor's key in the output."""
 

@@ -1,1 +1,19 @@
-"""read layer."""
+"""The safe reading layer: a file in, a pure ``Checkpoint`` out, and nothing
+from the file ever run.
+
+- the pickle layer: ``unpickler`` (a pickle reader that never imports or
+  calls what the file names), ``observe`` (state dicts seen while they are
+  read), ``policy`` (what naming a global means), ``resolve`` (what each
+  global becomes), ``values`` and ``constructors`` (inert stand-ins and the
+  few containers built for real), ``tensors`` (tensor and storage records,
+  in place of torch's rebuild functions), ``treecheck`` (bounds on the tree);
+- ``formats/``: one module per file layout, sniffed by content, each
+  turning a file into a ``RawRead``; ``ziparchive`` reads zip directories;
+- the model: ``walk`` (tensors, entries and state-dict candidates of a
+  tree), ``prefixes`` (wrapper prefixes), ``summary`` (short text of
+  values), ``reader`` (``ckptool.open``: a ``Checkpoint``);
+- ``tensor_data``: tensor bytes, read on demand, the one module that does.
+
+May import the top level (``errors``, ``model``, ``dtypes``, ``describe``)
+and nothing above it.
+"""

@@ -1,52 +1,43 @@
-"""``ckptool browse``: the Textual app.
+"""``ckptool browse``: the Textual app, its screen and its keys.
 
-The app paints at once and reads the file on a worker thread. While the
-pickle is read, tensors arrive in batches (``open_checkpoint(on_tensors=)``)
-and are listed as they come; when the read ends, the full ``Checkpoint``
-replaces them and a second worker diagnoses it (``ckptool.check.diagnosis``).
-Statistics, fix planning and writing run on workers too. Everything shown
-comes from the core; the app only keeps view state (cursor, open modules,
-filter, sort).
+The app paints at once; the file is read on a worker thread
+(``ckptool.tui.loading``). Statistics, fix planning and writing run on
+workers too. Everything shown comes from the core; the app only keeps view
+state (cursor, open modules, filter, sort).
 """
 
 from __future__ import annotations
 
-import gc
 import os
-import threading
-from collections.abc import Callable
 from typing import Any
 
 from rich.text import Text
 from textual import on, work
-from textual.app import App, ComposeResult
+from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Horizontal, Vertical
 from textual.events import Resize
 from textual.widgets import Footer, Input, Static
 from textual.worker import get_current_worker
 
-from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.gpus import Machine
-from ckptool.check.modelspec import ModelKeys
 from ckptool.check.stats import TensorStats
-from ckptool.errors import CkptoolError, InputError
+from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.tui import panes
 from ckptool.tui.findings import findings
 from ckptool.tui.fixscreen import FixDefaults, FixScreen
-from ckptool.tui.index import Index, Node
+from ckptool.tui.index import Node
+from ckptool.tui.loading import LoadingApp, ModelLoader
 from ckptool.tui.rows import key_of
 from ckptool.tui.screens import HelpScreen, JumpScreen
 from ckptool.tui.table import Pane, TensorTable
-from ckptool.tui.view import ViewState
 from ckptool.write.preview import Previewer
 
 WIDE = 120  # columns from which the details sit beside the list
-ModelLoader = Callable[[Checkpoint], ModelKeys | None]
 
 
-class BrowseApp(App[int]):
+class BrowseApp(LoadingApp):
     """Browse one checkpoint. ``return_code`` is 0, or the exit code of the
     error that stopped the read (kept in ``error``)."""
 
@@ -69,24 +60,11 @@ class BrowseApp(App[int]):
 
     def __init__(self, path: str, *, machine: Machine | None = None,
                  model: ModelLoader | None = None) -> None:
-        super().__init__()
-        self.path = path
-        self.machine = machine  # None: probe this machine (nvidia-smi), on a worker
-        self.model_loader = model
-        self.ckpt: Checkpoint | None = None
-        self.index = Index()
-        self.diagnosis: Diagnosis | None = None
-        self.findings_error: str | None = None
-        self.error: CkptoolError | None = None
-        self.view = ViewState()
+        super().__init__(path, machine=machine, model=model)
         self.stats: dict[str, TensorStats | str] = {}  # a result, or why there is none
         self.computing: set[str] = set()  # keys whose statistics are being computed
         self.previewer: Previewer | None = None
         self._anchor: str | None = None  # the row a filter being typed keeps
-        self._partial: list[list[TensorInfo]] = []  # batches from the reading thread
-        self._taken = 0
-        self._opened_defaults = False
-        self.loaded = threading.Event()  # set once the full read is shown
 
     # -- layout ------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -111,8 +89,7 @@ class BrowseApp(App[int]):
         self.query_one(TensorTable).empty_text = "reading…"
         self.query_one(TensorTable).focus()
         self._layout(self.size.width)
-        self._drain_timer = self.set_interval(0.1, self._drain)
-        self._load()
+        self.start_loading()
 
     def on_resize(self, event: Resize) -> None:
         # the event's size: ``self.size`` is still the old one when it comes
@@ -120,106 +97,6 @@ class BrowseApp(App[int]):
 
     def _layout(self, width: int) -> None:
         self.query_one("#main").set_class(width >= WIDE, "-wide")
-
-    # -- loading -----------------------------------------------------------------
-    @work(thread=True, exclusive=True, group="load")
-    def _load(self) -> None:
-        from ckptool.read.reader import open_checkpoint
-
-        try:
-            ckpt = open_checkpoint(self.path, on_tensors=self._partial.append)
-        except CkptoolError as exc:
-            self.call_from_thread(self._failed, exc)
-            return
-        except OSError as exc:  # the system refused a read midway
-            self.call_from_thread(self._failed, InputError(
-                f"{self.path}: {exc.strerror or exc}", "check the file and try again"))
-            return
-        # the batches were a preview; when they hold exactly the final keys
-        # (the usual case) the tree built from them stays, else it is rebuilt
-        sent = [t.key for batch in self._partial for t in batch]
-        same = sent == [t.key for t in ckpt.tensors]
-        index = None if same else Index(ckpt.tensors)
-        self.call_from_thread(self._loaded, ckpt, index)
-        # made before they are asked for: the one slow sort (natural order of
-        # names), and what a filter keystroke in the tree needs
-        ready = self.index
-        ready.sorted_tensors("name")
-        ready.layout("file")
-        ready.lookup("")
-
-    def _drain(self) -> None:
-        """Show the batches the reader has passed on so far."""
-        if self.ckpt is not None:
-            return
-        batches = self._partial[self._taken:]
-        if not batches:
-            return
-        self._taken += len(batches)
-        for batch in batches:
-            self.index.extend(batch)
-        first = not self._opened_defaults
-        self._open_defaults()
-        self.query_one("#summary", Static).update(
-            panes.summary_loading(self.path, len(self.index)))
-        self._refresh_rows()
-        if first:  # the screen is full: later batches can come in bigger steps,
-            # which leaves the reading thread more of the interpreter
-            self._drain_timer.stop()
-            self._drain_timer = self.set_interval(0.5, self._drain)
-
-    def _open_defaults(self) -> None:
-        if not self._opened_defaults and len(self.index):
-            self._opened_defaults = True
-            self.view.expanded = self.index.default_expanded(max(20, self.size.height - 8))
-
-    def _loaded(self, ckpt: Checkpoint, index: Index | None) -> None:
-        self._drain()
-        self._drain_timer.stop()
-        self.ckpt = ckpt
-        if index is not None:
-            self.index = index
-        self._open_defaults()
-        self.query_one("#summary", Static).update(panes.summary(ckpt))
-        self._refresh_rows()
-        self.loaded.set()
-        # the index and checkpoint live as long as the app: keep the cyclic
-        # collector from walking their million objects again and again (a
-        # full collection mid-keystroke cost 300+ ms on 100,000 tensors)
-        gc.freeze()
-        self._diagnose(ckpt)
-
-    def _failed(self, exc: CkptoolError) -> None:
-        self.error = exc
-        self.exit(exc.exit_code, return_code=exc.exit_code)
-
-    @work(thread=True, exclusive=True, group="diagnose")
-    def _diagnose(self, ckpt: Checkpoint) -> None:
-        from ckptool.check.diagnosis import diagnose
-        from ckptool.check.gpus import probe
-
-        try:
-            machine = self.machine or probe()
-            model = self.model_loader(ckpt) if self.model_loader else None
-            result = diagnose(ckpt, machine, model)
-        except CkptoolError as exc:
-            hint = f"\nhint: {exc.hint}" if exc.hint else ""
-            self.call_from_thread(self._diagnosed, None, f"{exc.message}{hint}")
-            return
-        except OSError as exc:  # the file went away since it was read
-            self.call_from_thread(self._diagnosed, None,
-                                  f"cannot diagnose: {exc.strerror or exc}")
-            return
-        self.call_from_thread(self._diagnosed, result, None)
-
-    def _diagnosed(self, result: Diagnosis | None, error: str | None) -> None:
-        self.diagnosis, self.findings_error = result, error
-        self.query_one("#findings", Static).update(findings(result, error))
-        box = self.query_one("#findings-box")
-        box.border_title = (f"findings ({len(result.findings)})" if result is not None
-                            else "findings")
-        self._status()
-        self._show_detail()
 
     # -- rows --------------------------------------------------------------------
     def _refresh_rows(self, keep: str | None = None) -> None:

@@ -1,1 +1,21 @@
-"""write layer."""
+"""Rewriting checkpoints: ``fix`` and ``convert``, as one pipeline of stages,
+each a module the driver (``fix.py``, ``convert.py``) calls in turn:
+
+1. read: ``ckptool.read`` (``fix`` reads faithfully, so that every
+   stand-in can be written back as it was);
+2. plan: ``plan`` (``FixOptions`` applied to the object tree; ``preview``
+   plans from a checkpoint already read, for ``diagnose`` and the browser);
+3. lay out: ``layout`` (where every byte of the output comes from: bytes in
+   memory, ranges of the input, bytes made on the way), by output format in
+   ``formats/`` (``torch_zip``, ``torch_legacy``, ``safetensors``), with
+   ``repickle`` (the pickle written back) and ``zipwriter`` (zip records);
+4. copy: ``copy`` (writes any layout: kernel copies, read-ahead copies
+   through ``gather``, made bytes);
+5. verify: ``verify`` (the output read back and compared with the plan;
+   every byte re-read by ``bytecheck`` with ``fastcrc`` while it is copied);
+6. commit: ``commit`` (a temporary file, renamed into place only once
+   verified; durable where it replaces a file).
+
+``inplace`` is the one other path: ``fix --in-place`` that rewrites only a
+zip's pickle. May import the top level and ``ckptool.read``.
+"""

@@ -37,11 +37,9 @@ from ckptool.errors import CorruptCheckpointError
 from ckptool.write.bytecheck import ByteChecker
 from ckptool.write.fastcrc import crc_file_range
 from ckptool.write.gather import copy_pieces
-from ckptool.write.layout import Check, Data, Made, Segment, Span
+from ckptool.write.layout import CONGRUENT_MIN, PAGE, Check, Data, Made, Segment, Span
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-PAGE = 4096
-CONGRUENT_MIN = 1 << 20  # smaller spans are not worth the kernel's page path
 # bytes per kernel copy call: the copier takes the GIL between calls, and a
 # busy main thread can make it wait for it each time
 SPAN_CHUNK = 256 << 20

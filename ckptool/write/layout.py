@@ -31,6 +31,11 @@ from ckptool.model import TensorInfo
 from ckptool.read.tensor_data import TensorData
 
 Check = tuple[str, int, int, int]  # (what, output offset, size, expected CRC)
+# a span whose input and output offsets agree modulo the page size is copied
+# by whole pages (``ckptool.write.copy``); from this size up, laying it out
+# that way pays
+PAGE = 4096
+CONGRUENT_MIN = 1 << 20
 
 
 @dataclass

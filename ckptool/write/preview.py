@@ -1,8 +1,8 @@
 """Preview a fix from a checkpoint already read: what ``ckptool fix
---dry-run`` plans (``rewrite.fix(..., dry_run=True)``), without reading the
+--dry-run`` plans (``fix.fix(..., dry_run=True)``), without reading the
 file again.
 
-``rewrite.fix`` reads the file faithfully and ``plan.make_plan`` changes that
+``fix.fix`` reads the file faithfully and ``plan.make_plan`` changes that
 tree in place. Here ``make_plan`` runs on a copy of the containers of
 ``Checkpoint.root``, the tree of the ordinary read (tensor records, storages
 and values are shared, not copied), so the plan and its errors are the dry
@@ -77,7 +77,7 @@ class FixPreview:
 
 
 def preview(ckpt: Checkpoint, opts: FixOptions) -> FixPreview:
-    """What ``rewrite.fix(ckpt.path, opts, dry_run=True)`` would plan, from ``ckpt``."""
+    """What ``fix.fix(ckpt.path, opts, dry_run=True)`` would plan, from ``ckpt``."""
     return Previewer(ckpt).preview(opts)
 
 

@@ -16,8 +16,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
+from ckptool.write.layout import PAGE
+
 ALIGNMENT = 64
-PAGE = 4096  # what ckptool.write.zipcopy keeps copied records congruent to
 _LIMIT = 0xFFFFFFFF  # sizes and offsets from here on need ZIP64 fields
 _MASK = 0xFFFFFFFF  # what a 32-bit field holds when the ZIP64 field has the value
 _FLAGS = 0x0808
@@ -120,7 +121,7 @@ def local_header(name: bytes, at: int, congruent_to: int | None = None) -> bytes
     Its ``FB`` extra field pads the header so that the data starts 64-byte
     aligned, as torch writes it, or, given ``congruent_to`` (a 64-byte
     aligned offset), at an offset equal to it modulo the page size, so that
-    the kernel can copy whole pages into it (``ckptool.write.zipcopy``)."""
+    the kernel can copy whole pages into it (``ckptool.write.copy``)."""
     base = at + _LOCAL.size + len(name) + 4
     pad = -base % ALIGNMENT if congruent_to is None else (congruent_to - base) % PAGE
     extra = b"FB" + struct.pack("<H", pad) + b"\0" * pad

@@ -30,7 +30,7 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read.formats.torch_zip import read_archive
 from ckptool.read.ziparchive import Member, ZipArchive, ZipError
 from ckptool.write import verify
-from ckptool.write.layout import Check, Data, Layout, Made, Segment, Span
+from ckptool.write.layout import CONGRUENT_MIN, Check, Data, Layout, Made, Segment, Span
 from ckptool.write.plan import Plan
 from ckptool.write.zipwriter import ALIGNMENT, Written, ZipWriter, descriptor, local_header
 
@@ -83,7 +83,7 @@ def lay_out_storages(fd: int, archive: ZipArchive, members: dict[str, Member],
         (key, member, src, _), *rest = group
         end = rest[-1][2] + rest[-1][1].size if rest else src + member.size
         congruent = src if (key not in casts and src % ALIGNMENT == 0
-                            and end - src >= (1 << 20)) else None  # padding pays on big copies
+                            and end - src >= CONGRUENT_MIN) else None
         header = local_header(member.name.encode(), pos, congruent)
         out.segments.append(Data(pos, header, f"storage {key}'s local header"))
         first = Piece(key, member.name, pos, pos + len(header), member.size, 0x0808,
