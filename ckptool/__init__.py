@@ -41,10 +41,16 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+# modules an earlier layout had at the top level, for ``from ckptool import gpus``
+_MOVED = {"gpus": "ckptool.check.gpus", "modelspec": "ckptool.check.modelspec"}
 
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
         module, attr = _LAZY[name]
         return getattr(importlib.import_module(module), attr)
+    if name in _MOVED:
+        return importlib.import_module(_MOVED[name])
     raise AttributeError(f"module 'ckptool' has no attribute {name!r}")

@@ -111,9 +111,10 @@ def test_no_color_keeps_the_layout_and_marks_the_cursor(sample: Path,
     assert asyncio.run(style()).reverse
 
 
-def test_readme_shows_the_snapshots() -> None:
-    """The README's browse screens are these snapshots, not stale copies."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+def test_docs_show_the_snapshots() -> None:
+    """The browse page's screens are these snapshots, not stale copies."""
+    page = Path(__file__).resolve().parent.parent / "docs" / "commands" / "browse.md"
+    readme = page.read_text(encoding="utf-8")
     for name in ("browse_first_80x24", "browse_fix_80x24"):
         text = (SNAPSHOTS / f"{name}.txt").read_text(encoding="utf-8")
         assert f"```\n{text}```" in readme, name
