@@ -71,6 +71,10 @@ class GlobalInfo:
     category: str  # torch, data, custom or unsafe
     reason: str
     count: int
+    # what loading does with it: called, called-instance, created, built
+    # (none: only referenced); see ckptool.read.policy
+    uses: tuple[str, ...] = ()
+    where: tuple[str, ...] = ()  # the file's pickles that name it
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,7 @@ from nets import Net
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read import observe, unpickler
 from ckptool.read.reader import open_checkpoint
+from ckptool.read.seen import GlobalsSeen
 
 SAMPLE_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix != ".py")
 # samples whose main state dict is a dict the stack places: their partial batches cover it
@@ -228,7 +229,7 @@ def test_nothing_is_called_without_an_observer(saved: dict[str, Path]) -> None:
         pass
     open_checkpoint(saved["nested"])
     assert calls == []
-    reader = unpickler.SafeUnpickler(io.BytesIO(), lambda pid: None, unpickler.GlobalsSeen())
+    reader = unpickler.SafeUnpickler(io.BytesIO(), lambda pid: None, GlobalsSeen())
     assert reader._dispatch is unpickler.SafeUnpickler.dispatch
 
 

@@ -1,6 +1,7 @@
-"""Which globals a pickle may name, and what naming them means.
+"""Which globals a pickle may name, and what the pickle does with them.
 
-Every ``GLOBAL``/``STACK_GLOBAL`` in a checkpoint is put in one category:
+Every ``GLOBAL``/``STACK_GLOBAL`` in a checkpoint is put in one category,
+first by its name (``classify``), then by its use (``judge``):
 
 - ``torch``: tensor and storage reconstruction (``torch._utils._rebuild_*``,
   storage classes, dtypes, devices, ``torch.nn`` module classes). Read by
@@ -20,12 +21,32 @@ runners (``typing.get_type_hints``, ``dataclasses._create_fn``,
 ``uuid._get_command_stdout``, ``omegaconf._utils._get_class``), so a
 lowercase name there is unsafe unless listed. numpy is an allowlist too.
 
-Nothing here imports or calls anything: it is a table lookup on names.
+A name ckptool does not know is not thereby harmless: what matters is what
+loading does with it. The unpickler records each global's uses (``CALLED``
+by ``REDUCE``, ``INST`` or ``OBJ``; ``CREATED`` by ``NEWOBJ`` or copyreg's
+reconstructors; ``BUILT``, its ``__setstate__`` given state; nothing:
+only referenced), and ``judge`` fails closed:
+
+- a function called at load time that is not a known harmless
+  reconstructor is ``unsafe`` whatever its module: it could be anything
+  (profilers and test helpers in well-known packages run the code they are
+  given). A global is taken for a function unless its name says class
+  (``CamelCase``) or it is a known class with a lowercase name;
+- calling an object the file made (``REDUCE`` on an instance) is
+  ``unsafe``: its ``__call__`` runs;
+- a class whose constructor or ``__setstate__`` runs at load time stays
+  ``custom``, and says that its code runs;
+- a global only referenced is ``custom``: torch imports its module.
+
+Nothing here imports or calls anything the file names: it is a table
+lookup on names and uses.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from ckptool import dtypes
 
 TORCH = "torch"
 DATA = "data"
@@ -167,6 +188,22 @@ _NUMPY_NAMES = frozenset({
 })
 
 
+# what loading does with a global (recorded by the unpickler)
+CALLED = "called"  # REDUCE, INST or OBJ: called with the file's arguments
+CALLED_INSTANCE = "called-instance"  # an object made from it is called
+CREATED = "created"  # NEWOBJ, copyreg reconstruction: cls.__new__(cls)
+BUILT = "built"  # BUILD on an object made from it: its __setstate__
+USES = (CALLED, CALLED_INSTANCE, CREATED, BUILT)
+
+# called with the file's arguments by every torch checkpoint, and known to
+# build data only: lowercase names ``judge`` does not take for code
+_KNOWN_CALLABLE_PREFIXES = ("torch._utils._rebuild_", "torch._tensor._rebuild_from_type")
+_KNOWN_CALLABLES = frozenset({
+    "torch.device", "torch.Size", "torch.serialization._get_layout",
+    "torch.storage._load_from_bytes",
+})
+
+
 @dataclass(frozen=True)
 class Verdict:
     category: str
@@ -235,3 +272,55 @@ def classify(module: str, name: str) -> Verdict:
             return Verdict(UNSAFE, f"function in {mod} that is not a known data constructor "
                            "(some evaluate strings or run commands)")
     return Verdict(CUSTOM, "needs its module imported to load with torch")
+
+
+def function_like(name: str) -> bool:
+    """Whether a global's name reads as a function's (``run``, ``_helper``),
+    not a class's (``Namespace``, ``_Private``)."""
+    return not _is_class_name(name.rsplit(".", 1)[-1])
+
+
+def known_callable(dotted: str, verdict: Verdict) -> bool:
+    """A lowercase global known to build data when called: listed by name."""
+    if verdict.category not in (TORCH, DATA):
+        return False
+    if dotted in _KNOWN_CALLABLES or dotted.startswith(_KNOWN_CALLABLE_PREFIXES):
+        return True
+    if verdict.category == DATA:
+        # a lowercase name in a data module is unsafe unless _KNOWN lists it,
+        # so every lowercase DATA verdict is an explicitly known one
+        return True
+    module, _, name = dotted.rpartition(".")
+    return dotted in _KNOWN or (module == "torch" and (
+        name in _TORCH_VALUES or name in dtypes.ITEMSIZE))
+
+
+# top-level torch names that are values or classes, never code: dtypes,
+# layouts, memory formats, quantization schemes (``dtypes`` keeps the dtypes)
+_TORCH_VALUES = frozenset({
+    "strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc",
+    "_mkldnn", "contiguous_format", "channels_last", "channels_last_3d",
+    "preserve_format", "per_tensor_affine", "per_channel_affine",
+    "per_tensor_symmetric", "per_channel_symmetric", "per_channel_affine_float_qparams",
+})
+
+
+def judge(dotted: str, verdict: Verdict, uses: frozenset[str] | set[str]) -> Verdict:
+    """The verdict on a global once the pickle has been read: its name's
+    (``classify``), made stricter by what loading does with it."""
+    if verdict.category == UNSAFE:
+        return verdict
+    if CALLED_INSTANCE in uses:
+        return Verdict(UNSAFE, f"calls an object made from {dotted} at load time; "
+                       "ckptool cannot tell what that does")
+    if CALLED in uses and function_like(dotted) and not known_callable(dotted, verdict):
+        return Verdict(UNSAFE, f"calls {dotted} at load time; ckptool cannot tell what it does")
+    if verdict.category != CUSTOM:
+        return verdict
+    if CALLED in uses:
+        return Verdict(CUSTOM, "a class torch imports and calls at load time: its "
+                       "constructor runs with the file's arguments")
+    if uses:
+        return Verdict(CUSTOM, "a class torch imports at load time: its code runs "
+                       "(__new__, __setstate__)")
+    return Verdict(CUSTOM, "referenced only: torch imports its module to load the file")

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import formats, observe, prefixes
+from ckptool.read import formats, observe, policy, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
@@ -72,9 +72,12 @@ def assemble(path: str, raw: RawRead) -> Checkpoint:
     entries = [Entry(key, type_name(v), summarize(v), plain_value(v))
                for key, v in walked.entries]
     entries += [Entry(key, "alias", f"same object as {same}") for key, same in walked.aliases]
+    seen = raw.seen
     globals_ = sorted(
-        (GlobalInfo(n, v.category, v.reason, raw.seen.counts[n])
-         for n, v in raw.seen.verdicts.items()),
+        (GlobalInfo(n, v.category, v.reason, seen.counts[n],
+                    tuple(u for u in policy.USES if u in seen.uses.get(n, ())),
+                    tuple(seen.where.get(n, ())))
+         for n, v in seen.final().items()),
         key=lambda g: (_CATEGORY_ORDER.get(g.category, 9), g.name),
     )
     return Checkpoint(

@@ -42,14 +42,15 @@ import gc
 import io
 import pickle
 import struct
-from collections import Counter
 from collections.abc import Callable
 from typing import IO, Any
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read import constructors, observe, policy, values
 from ckptool.read.resolve import resolve_global
+from ckptool.read.seen import GlobalsSeen
 from ckptool.read.treecheck import HINT, check_tree
+from ckptool.read.values import StandIn
 
 PersistentLoader = Callable[[tuple[Any, ...]], Any]
 # (bytes of an embedded legacy torch file, storage id prefix) -> its RawRead
@@ -62,21 +63,6 @@ MAX_EMBEDDED_DEPTH = 2  # legacy files inside storages inside legacy files...
 _U32 = struct.Struct("<I").unpack
 
 _embedded_depth = contextvars.ContextVar("ckptool_embedded_depth", default=0)
-
-class GlobalsSeen:
-    """Every global a file named, with its verdict and how often."""
-
-    def __init__(self) -> None:
-        self.counts: Counter[str] = Counter()
-        self.verdicts: dict[str, policy.Verdict] = {}
-
-    def add(self, dotted: str, verdict: policy.Verdict) -> None:
-        self.counts[dotted] += 1
-        self.verdicts.setdefault(dotted, verdict)
-
-    def unsafe(self) -> list[str]:
-        return sorted(n for n, v in self.verdicts.items() if v.category == policy.UNSAFE)
-
 
 class _Done(Exception):
     def __init__(self, value: Any) -> None:
@@ -187,9 +173,7 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         finally:
             _embedded_depth.reset(token)
         self.embedded.update(raw.storages)
-        for name, count in raw.seen.counts.items():
-            self.seen.counts[name] += count
-            self.seen.verdicts.setdefault(name, raw.seen.verdicts[name])
+        self.seen.merge(raw.seen, f"{self.seen.part}: an embedded torch file")
         return raw.root
 
     def persistent_load(self, pid: Any) -> Any:
@@ -276,9 +260,72 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         if not isinstance(inst, constructors.BUILDABLE):
             raise pickle.UnpicklingError(
                 f"pickle sets state on {values.brief(inst)}, which it did not create")
+        if isinstance(inst, StandIn):
+            self.seen.use(_made_by(inst), policy.BUILT)
         _BASE_BUILD(self)  # type: ignore[arg-type]
 
+    # -- calls: what the pickle does with each global is recorded (policy.judge) --
+
+    def _load_reduce(self) -> None:
+        stack = self.stack
+        args = stack.pop()
+        func = stack[-1]
+        if type(func) is type and issubclass(func, StandIn):
+            self.seen.use(func.qualname, policy.CALLED)
+            if func.qualname in _CREATORS:
+                self._created(args)
+        elif isinstance(func, StandIn):
+            self.seen.use(_made_by(func), policy.CALLED_INSTANCE)
+        elif func in _CREATOR_FUNCTIONS:
+            self._created(args)
+        stack[-1] = func(*args)
+
+    def _created(self, args: Any) -> None:
+        """copyreg's reconstructors: ``cls.__new__(cls)`` for their first argument."""
+        if args and type(args[0]) is type and issubclass(args[0], StandIn):
+            self.seen.use(args[0].qualname, policy.CREATED)
+
+    def _load_newobj(self) -> None:
+        self._created((self.stack[-2],))
+        _BASE_NEWOBJ(self)  # type: ignore[arg-type]
+
+    def _load_newobj_ex(self) -> None:
+        self._created((self.stack[-3],))
+        _BASE_NEWOBJ_EX(self)  # type: ignore[arg-type]
+
+    def _load_inst(self) -> None:
+        module = self.readline()[:-1].decode("ascii")
+        name = self.readline()[:-1].decode("ascii")
+        klass = self.find_class(module, name)
+        self._called_by_instantiate(klass)
+        self._instantiate(klass, self.pop_mark())  # type: ignore[attr-defined]
+
+    def _load_obj(self) -> None:
+        args = self.pop_mark()
+        cls = args.pop(0)
+        self._called_by_instantiate(cls)
+        self._instantiate(cls, args)  # type: ignore[attr-defined]
+
+    def _called_by_instantiate(self, klass: Any) -> None:
+        """INST and OBJ call what they name (a function, or a class with
+        arguments): taken as a call, as ``REDUCE``."""
+        if type(klass) is type and issubclass(klass, StandIn):
+            self.seen.use(klass.qualname, policy.CALLED)
+
+def _made_by(obj: StandIn) -> str:
+    """The global an inert object was made from: ``x()`` and ``x()()`` are
+    results of calling ``x``."""
+    return type(obj).qualname.split("()", 1)[0]
+
+
+# copyreg's reconstructors, as a faithful read names them (stand-ins) and as
+# an ordinary read runs them (ckptool's own)
+_CREATORS = frozenset({"copyreg._reconstructor", "copyreg.__newobj__",
+                       "copyreg.__newobj_ex__"})
+_CREATOR_FUNCTIONS = frozenset({constructors.reconstructor, constructors.newobj})
 _BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
+_BASE_NEWOBJ = pickle._Unpickler.dispatch[pickle.NEWOBJ[0]]
+_BASE_NEWOBJ_EX = pickle._Unpickler.dispatch[pickle.NEWOBJ_EX[0]]
 SafeUnpickler.dispatch = _Dispatch(pickle._Unpickler.dispatch)
 SafeUnpickler.dispatch.update({
     pickle.STOP[0]: SafeUnpickler._load_stop,
@@ -290,6 +337,11 @@ SafeUnpickler.dispatch.update({
     pickle.ADDITEMS[0]: SafeUnpickler._load_additems,
     pickle.FROZENSET[0]: SafeUnpickler._load_frozenset,
     pickle.BUILD[0]: SafeUnpickler._load_build,
+    pickle.REDUCE[0]: SafeUnpickler._load_reduce,
+    pickle.NEWOBJ[0]: SafeUnpickler._load_newobj,
+    pickle.NEWOBJ_EX[0]: SafeUnpickler._load_newobj_ex,
+    pickle.INST[0]: SafeUnpickler._load_inst,
+    pickle.OBJ[0]: SafeUnpickler._load_obj,
     pickle.BINPUT[0]: SafeUnpickler._load_binput,
     pickle.LONG_BINPUT[0]: SafeUnpickler._load_long_binput,
     pickle.BINGET[0]: SafeUnpickler._load_binget,

@@ -23,8 +23,9 @@ from typing import Any
 from ckptool.errors import UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.formats.torch_legacy import TORCH_LEGACY
+from ckptool.read.formats.torch_legacy import HEADER_PICKLES, TORCH_LEGACY
 from ckptool.read.formats.torch_zip import TORCH_ZIP
+from ckptool.read.policy import UNSAFE
 from ckptool.read.tensors import CompositeTensor, StorageRef, StorageType, TensorRecord
 from ckptool.read.values import StandIn
 from ckptool.read.walk import children, module_kind, module_tensors
@@ -36,6 +37,8 @@ _STORAGE_CLASS = {"float32": "FloatStorage", "float16": "HalfStorage",
                   "bfloat16": "BFloat16Storage"}
 _DEVICE = re.compile(r"^[a-z][a-z0-9_]*(:\d+)?$")
 REWRITABLE = (TORCH_ZIP, TORCH_LEGACY, SAFETENSORS)  # formats fix writes back
+# pickles a rewrite copies byte for byte (the rest it writes from the plan)
+COPIED_PICKLES = {TORCH_LEGACY: HEADER_PICKLES}
 
 
 @dataclass
@@ -230,7 +233,7 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
         plan.root = _replace(plan.root, parent, key, new_sd)
         if opts.strip_module and not sd_info.prefix:
             plan.notes.append("--strip-module: no module./_orig_mod./model. prefix found")
-    _plan_storages(plan, opts)
+    _plan_storages(plan, opts, ckpt)
     return plan
 
 
@@ -261,23 +264,35 @@ def _reachable(root: Any) -> Iterator[Any]:
                           *obj.dictitems, *obj.dictitems.values()])
 
 
-def _survey(root: Any) -> tuple[dict[str, StorageRef], list[str]]:
-    """The storages ``root`` carries, and the unsafe globals it names."""
+def _survey(root: Any, unsafe: set[str]) -> tuple[dict[str, StorageRef], list[str]]:
+    """The storages ``root`` carries, and which of the ``unsafe`` globals it
+    names (a stand-in class, or an object made from one)."""
     storages: dict[str, StorageRef] = {}
-    unsafe = set()
+    named = set()
     for obj in _reachable(root):
         if isinstance(obj, StorageRef):
             storages.setdefault(obj.key, obj)
             continue
         cls = obj if isinstance(obj, type) else type(obj)
-        if issubclass(cls, StandIn) and cls.category == "unsafe":
-            unsafe.add(cls.qualname)
-    return storages, sorted(unsafe)
+        if issubclass(cls, StandIn):
+            name = cls.qualname.split("()", 1)[0]  # x() was made by calling x
+            if name in unsafe or cls.category == UNSAFE:
+                named.add(name)
+    return storages, sorted(named)
 
 
-def _plan_storages(plan: Plan, opts: FixOptions) -> None:
+def _copied_unsafe(ckpt: Checkpoint) -> set[str]:
+    """Unsafe globals in the pickles a rewrite copies as they are (a legacy
+    file's header pickles), not rebuilt from the plan's tree."""
+    copied = COPIED_PICKLES.get(ckpt.format, ())
+    return {g.name for g in ckpt.globals
+            if g.category == UNSAFE and any(w in copied for w in g.where)}
+
+
+def _plan_storages(plan: Plan, opts: FixOptions, ckpt: Checkpoint) -> None:
     maps = dict(opts.maps)
-    plan.storages, plan.unsafe = _survey(plan.root)
+    plan.storages, reached = _survey(plan.root, set(ckpt.unsafe_globals))
+    plan.unsafe = sorted(set(reached) | _copied_unsafe(ckpt))
     used = plan.storages
     for sid, ref in used.items():
         tag = opts.to if opts.to is not None else maps.get(ref.location or "")

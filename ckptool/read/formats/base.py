@@ -12,8 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
+from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import MAX_INT64, StorageRef, StorageType
-from ckptool.read.unpickler import HINT, GlobalsSeen
+from ckptool.read.unpickler import HINT
 from ckptool.read.values import brief
 
 

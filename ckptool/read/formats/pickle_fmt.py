@@ -14,6 +14,7 @@ from typing import Any
 from ckptool.read import unpickler
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.torch_legacy import read_bytes
+from ckptool.read.seen import GlobalsSeen
 
 PICKLE = "pickle"
 # protocol 0/1 opening with a GLOBAL: "cmodule\nname\n" (how classic exploits start)
@@ -30,7 +31,7 @@ def sniff(head: bytes, tail: bytes) -> bool:
 
 
 def read(path: str) -> RawRead:
-    seen = unpickler.GlobalsSeen()
+    seen = GlobalsSeen()
     embedded: dict[str, Any] = {}
     with open(path, "rb") as f:
         obj = unpickler.load(f, None, seen, embedded, read_bytes)

@@ -16,6 +16,7 @@ from typing import IO, Any
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read import unpickler
 from ckptool.read.formats.base import RawRead, parse_storage_pid
+from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef
 from ckptool.read.values import brief
 
@@ -25,6 +26,9 @@ PROTOCOL_VERSION = 1001
 # pickle.dumps(MAGIC, protocol=2): PROTO 2, LONG1 of 10 bytes, little-endian
 MAGIC_PICKLE = b"\x80\x02\x8a\x0a" + MAGIC.to_bytes(10, "little")
 TRUNCATED_HINT = "the file was probably cut short while copying or downloading"
+# the file's five pickles, as GlobalInfo.where names them
+HEADER_PICKLES = ("the magic number", "the protocol version", "sys_info")
+OBJECT, KEYS = "the object", "the storage keys"
 
 
 def sniff(head: bytes) -> bool:
@@ -43,20 +47,21 @@ def read(path: str) -> RawRead:
 
 
 def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
-    seen = unpickler.GlobalsSeen()
+    seen = GlobalsSeen()
 
-    def load(persistent: unpickler.PersistentLoader | None = None) -> Any:
+    def load(part: str, persistent: unpickler.PersistentLoader | None = None) -> Any:
+        seen.part = part
         return unpickler.load(f, persistent, seen, read_embedded=read_bytes)
 
-    if load() != MAGIC:
+    if load(HEADER_PICKLES[0]) != MAGIC:
         raise CorruptCheckpointError("legacy torch file with a bad magic number",
                                      unpickler.HINT)
-    version = load()
+    version = load(HEADER_PICKLES[1])
     if version != PROTOCOL_VERSION:
         raise UnsupportedCheckpointError(
             f"legacy torch file of protocol version {brief(version, 20)}, not {PROTOCOL_VERSION}",
             "load it with the torch version that wrote it and save it again")
-    sys_info = load()
+    sys_info = load(HEADER_PICKLES[2])
     storages: dict[str, StorageRef] = {}
     views: dict[tuple[str, int, int], StorageRef] = {}
 
@@ -81,8 +86,8 @@ def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
             views[vkey].record = f"@view:{offset}"
         return views[vkey]
 
-    obj = load(persistent)
-    keys = load()
+    obj = load(OBJECT, persistent)
+    keys = load(KEYS)
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise CorruptCheckpointError("legacy torch file with a malformed storage key list",
                                      unpickler.HINT)
@@ -134,7 +139,7 @@ def _plain(value: Any, depth: int = 3) -> Any:
 def header_end(f: IO[bytes]) -> int:
     """Offset after the magic number, protocol version and sys_info pickles
     (what a rewrite copies as it is)."""
-    seen = unpickler.GlobalsSeen()
+    seen = GlobalsSeen()
     for _ in range(3):
         unpickler.load(f, None, seen, read_embedded=read_bytes)
     return f.tell()

@@ -19,6 +19,7 @@ from ckptool.errors import (
 from ckptool.read import unpickler
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.formats.torch_legacy import read_bytes
+from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef
 from ckptool.read.ziparchive import Member, ZipArchive, ZipError
 
@@ -79,7 +80,7 @@ def read_archive(zf: Archive) -> RawRead:
     is_script = f"{prefix}constants.pkl" in infos or any(
         n.startswith(f"{prefix}code/") for n in names
     )
-    seen = unpickler.GlobalsSeen()
+    seen = GlobalsSeen()
     storages: dict[str, StorageRef] = {}
 
     def loader(folder: str, id_prefix: str) -> unpickler.PersistentLoader:
@@ -103,9 +104,11 @@ def read_archive(zf: Archive) -> RawRead:
         return persistent
 
     data = _read_record(zf, f"{prefix}data.pkl")
+    seen.part = "data.pkl"
     obj = unpickler.load(data, loader("data", ""), seen, read_embedded=read_bytes)
     extra: dict[str, Any] = {}
     if is_script and f"{prefix}constants.pkl" in infos:
+        seen.part = "constants.pkl"
         consts = unpickler.load(_read_record(zf, f"{prefix}constants.pkl"),
                                   loader("constants", "constants/"), seen,
                                 read_embedded=read_bytes)

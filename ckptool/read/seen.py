@@ -1,0 +1,56 @@
+"""What a file's pickles named: every global, with its verdict by name
+(``policy.classify``), how often, in which of the file's pickles, and what
+loading does with it; ``final()`` gives the verdicts once those uses are
+known (``policy.judge``).
+
+The unpickler fills one ``GlobalsSeen`` per file, across all its pickles
+(a legacy file has five, and plain pickles may hold several back to back).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from ckptool.read import policy
+
+
+class GlobalsSeen:
+    """Every global a file named: its verdict by name, how often, in which of
+    the file's pickles (``part``, set by the format reader), and what
+    loading does with it (``uses``: ``policy.CALLED``...)."""
+
+    def __init__(self) -> None:
+        self.counts: Counter[str] = Counter()
+        self.verdicts: dict[str, policy.Verdict] = {}  # by name (policy.classify)
+        self.uses: dict[str, set[str]] = {}
+        self.where: dict[str, list[str]] = {}  # the pickles that name it, in order
+        self.part = "the pickle"  # the pickle being read
+
+    def add(self, dotted: str, verdict: policy.Verdict) -> None:
+        self.counts[dotted] += 1
+        self.verdicts.setdefault(dotted, verdict)
+        where = self.where.setdefault(dotted, [])
+        if self.part not in where:
+            where.append(self.part)
+
+    def use(self, dotted: str, use: str) -> None:
+        if dotted in self.verdicts:
+            self.uses.setdefault(dotted, set()).add(use)
+
+    def merge(self, other: GlobalsSeen, part: str) -> None:
+        """An embedded file's globals, as named in ``part`` of this one."""
+        for name, count in other.counts.items():
+            self.counts[name] += count
+            self.verdicts.setdefault(name, other.verdicts[name])
+            self.uses.setdefault(name, set()).update(other.uses.get(name, ()))
+            where = self.where.setdefault(name, [])
+            if part not in where:
+                where.append(part)
+
+    def final(self) -> dict[str, policy.Verdict]:
+        """Each global's verdict once its uses are known (``policy.judge``)."""
+        return {name: policy.judge(name, verdict, self.uses.get(name, set()))
+                for name, verdict in self.verdicts.items()}
+
+    def unsafe(self) -> list[str]:
+        return sorted(n for n, v in self.final().items() if v.category == policy.UNSAFE)
