@@ -36,3 +36,22 @@ def human_count(n: int) -> str:
 def plural(count: int, noun: str, many: str | None = None) -> str:
     """``1 tensor``, ``2 tensors``, ``0 tensors``; ``many`` for irregular nouns."""
     return f"{count} {noun if count == 1 else many or noun + 's'}"
+
+
+def shown(text: str) -> str:
+    """``text`` as a terminal shows it faithfully: every character that is not
+    printable (control codes such as ESC, which a terminal would obey;
+    bidirectional overrides and zero-width characters, which hide what a name
+    is; line breaks) written as its escape, ``\\x1b``, ``\\u202e``, ``\\n``.
+    A key, file name or global name from a file is data, never instructions
+    to the terminal. Ordinary text comes back as it is (one C-level check)."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else _escape(c) for c in text)
+
+
+def _escape(c: str) -> str:
+    code = ord(c)
+    if code < 0x100:
+        return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c, f"\\x{code:02x}")
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

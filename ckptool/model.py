@@ -107,6 +107,8 @@ class Checkpoint:
     main_state_dict: StateDictInfo | None
     metadata: dict[str, Any] = field(default_factory=dict)
     root: Any = None  # the inert object tree, for views that want to dig
+    # what the file holds that its format does not (bytes after the end...)
+    warnings: list[str] = field(default_factory=list)
 
     @property
     def unsafe_globals(self) -> list[str]:

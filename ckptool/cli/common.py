@@ -47,9 +47,31 @@ def write_json(data: dict[str, Any]) -> None:
 
 
 def console() -> Any:
+    """A rich console that shows the file's own text exactly: no markup
+    (``[red]x[/red]`` and ``w[i]`` in a key are text), no emoji codes
+    (``enc:x:w``), and control or invisible characters escaped
+    (``describe.shown``) in every string and ``Text`` it prints."""
     from rich.console import Console
+    from rich.segment import Segment
 
-    return Console(highlight=False)
+    from ckptool.describe import shown
+
+    class Faithful(Console):
+        def render_str(self, text: str, **kwargs: Any) -> Any:
+            # before layout, so that an escape takes its columns in a table
+            return super().render_str(shown(text), **kwargs)
+
+        def _render_buffer(self, buffer: Any) -> str:
+            # our own line breaks are newline segments; any other control
+            # character here came from the data (control segments, cursor
+            # moves of a progress bar, carry no text and pass as they are)
+            return str(super()._render_buffer(
+                seg if seg.control or seg.text.isprintable() or seg.text == "\n"
+                else Segment("\n".join(shown(part) for part in seg.text.split("\n")),
+                             seg.style, seg.control)
+                for seg in buffer))
+
+    return Faithful(highlight=False, markup=False, emoji=False)
 
 
 @contextlib.contextmanager

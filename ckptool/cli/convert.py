@@ -53,4 +53,5 @@ def convert_dict(result: ConvertResult) -> dict[str, Any]:
         "kept_entries": result.kept_entries,
         "left_out": result.left_out,
         "bytes_written": result.bytes_written,
+        "notes": result.notes,
     }

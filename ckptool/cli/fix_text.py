@@ -75,4 +75,6 @@ def render_convert(console: Console, result: ConvertResult) -> None:
                      "(in __metadata__ 'ckptool.entries')")
     for item in result.left_out:
         grid.add_row("left out", Text(item, style="yellow"))
+    for note in result.notes:
+        grid.add_row("note", Text(note, style="yellow"))
     console.print(grid)

@@ -91,6 +91,7 @@ def assemble(path: str, raw: RawRead) -> Checkpoint:
         main_state_dict=_main_state_dict(walked.candidates, tensors),
         metadata=raw.metadata,
         root=raw.root,
+        warnings=raw.warnings,
     )
 
 

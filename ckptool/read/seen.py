@@ -9,8 +9,11 @@ The unpickler fills one ``GlobalsSeen`` per file, across all its pickles
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
+from collections.abc import Iterator
 
+from ckptool.errors import InputError
 from ckptool.read import policy
 
 
@@ -54,3 +57,21 @@ class GlobalsSeen:
 
     def unsafe(self) -> list[str]:
         return sorted(n for n, v in self.final().items() if v.category == policy.UNSAFE)
+
+    @contextlib.contextmanager
+    def naming_unsafe(self) -> Iterator[None]:
+        """A file that turns out unreadable is refused naming the unsafe
+        globals read before the point it failed: a payload that breaks the
+        rest of the file is no "malformed" file but a hostile one."""
+        try:
+            yield
+        except InputError as exc:
+            unsafe = [n for n in self.unsafe() if n not in exc.message]
+            if unsafe:
+                exc.message = (f"{exc.message}; before that point it names "
+                               f"{', '.join(unsafe)}, which torch.load(weights_only=False) "
+                               "would call")
+                exc.args = (exc.message,)
+                exc.hint = ("do not load this file with torch: it looks made to run code "
+                            "when loaded")
+            raise

@@ -38,8 +38,6 @@ from __future__ import annotations
 import _compat_pickle
 import contextvars
 import copyreg
-import gc
-import io
 import pickle
 import struct
 from collections.abc import Callable
@@ -49,7 +47,7 @@ from ckptool.errors import CorruptCheckpointError
 from ckptool.read import constructors, observe, policy, values
 from ckptool.read.resolve import resolve_global
 from ckptool.read.seen import GlobalsSeen
-from ckptool.read.treecheck import HINT, check_tree
+from ckptool.read.treecheck import HINT
 from ckptool.read.values import StandIn
 
 PersistentLoader = Callable[[tuple[Any, ...]], Any]
@@ -348,36 +346,3 @@ SafeUnpickler.dispatch.update({
     pickle.LONG_BINGET[0]: SafeUnpickler._load_long_binget,
 })
 _OBSERVED_DISPATCH = observe.observed_dispatch(SafeUnpickler.dispatch)
-
-
-def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,
-         seen: GlobalsSeen, embedded: dict[str, Any] | None = None,
-         read_embedded: EmbeddedReader | None = None) -> Any:
-    """Unpickle one object from ``data`` safely; format errors become CorruptCheckpointError."""
-    stream = io.BytesIO(data) if isinstance(data, (bytes, bytearray)) else data
-    # unpickling makes many small objects and no cycles worth collecting:
-    # the collector's passes over them cost more than the read itself
-    gc_was_enabled = gc.isenabled()
-    gc.disable()
-    try:
-        obj = SafeUnpickler(stream, persistent, seen, embedded, read_embedded).load()
-        check_tree(obj)
-        return obj
-    except CorruptCheckpointError:
-        raise
-    except observe.ObserverFailed as failed:
-        raise failed.error from None
-    except RecursionError as exc:
-        raise CorruptCheckpointError("pickle nests too deeply to read", HINT) from exc
-    except MemoryError as exc:
-        raise CorruptCheckpointError("pickle asks for more memory than it could hold",
-                                     HINT) from exc
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, LookupError,
-            AttributeError, ArithmeticError, struct.error) as exc:
-        # any of these is a malformed or truncated stream, or a hostile one
-        # trying to use an inert stand-in in a way real data never does
-        text = str(exc) or type(exc).__name__
-        raise CorruptCheckpointError(f"cannot read pickle: {text[:200]}", HINT) from exc
-    finally:
-        if gc_was_enabled:
-            gc.enable()

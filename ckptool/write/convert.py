@@ -60,6 +60,7 @@ class ConvertResult:
     kept_entries: list[str] = field(default_factory=list)  # in __metadata__
     left_out: list[str] = field(default_factory=list)  # not representable, reported
     bytes_written: int = 0
+    notes: list[str] = field(default_factory=list)  # what was ignored, and why
 
 
 def convert(src: str, dst: str, *, force: bool = False,
@@ -150,15 +151,14 @@ def _to_safetensors(source: Checkpoint, dst: str, output: AtomicOutput,
 def _to_torch(source: Checkpoint, dst: str, output: AtomicOutput,
               progress: Progress | None) -> ConvertResult:
     # 2. plan: a torch state dict of the safetensors tensors, aliases restored
-    st_meta = source.metadata.get("metadata", {})
-    aliases = json.loads(st_meta.get("ckptool.aliases", "{}"))
-    result = ConvertResult(source, dst, "torch", len(source.tensors), aliases)
+    names = {t.key for t in source.tensors}
+    aliases, notes = _aliases(source.metadata.get("metadata", {}), names)
+    result = ConvertResult(source, dst, "torch", len(source.tensors), aliases, notes=notes)
     sd: OrderedDict[str, Any] = OrderedDict()
     for i, t in enumerate(source.tensors):
         sd[t.key] = _record(str(i), t)
     for alias, kept in aliases.items():
-        if kept in sd:
-            sd[alias] = sd[kept]  # one tensor under two names: shared storage again
+        sd[alias] = sd[kept]  # one tensor under two names: shared storage again
     pickled = repickle.dumps(sd, lambda ref: tuple([*(ref.pid or ())]))
     with output as out, TensorData(source) as reader:
         # 3. lay out: torch.save's records, in its order
@@ -176,12 +176,40 @@ def _to_torch(source: Checkpoint, dst: str, output: AtomicOutput,
         copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)  # 4, 5
         result.bytes_written = layout.end
         expect = {t.key: (t.shape, t.dtype) for t in source.tensors}
-        expect.update({a: expect[k] for a, k in aliases.items() if k in expect})
+        expect.update({a: expect[k] for a, k in aliases.items()})
         out.sync_in_background()
         verify.check_offsets(out.read_path, expect, starts)
         verify.check_directory(out.read_path, archive.records())
         out.commit()  # 6. commit
     return result
+
+
+def _aliases(meta: dict[str, str], names: set[str]) -> tuple[dict[str, str], list[str]]:
+    """The ``ckptool.aliases`` a safetensors file records (``convert`` wrote
+    them: alias -> the tensor it shares), as far as they make sense: the
+    file's metadata is input, not instructions. Returns (aliases, notes on
+    what was ignored)."""
+    text = meta.get("ckptool.aliases")
+    if text is None:
+        return {}, []
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return {}, ["__metadata__ 'ckptool.aliases' is not JSON: ignored"]
+    if not isinstance(raw, dict):
+        return {}, ["__metadata__ 'ckptool.aliases' is not a JSON object: ignored"]
+    aliases: dict[str, str] = {}
+    bad = []
+    for alias, kept in raw.items():
+        # an alias of a tensor the file has, under a name no tensor has: an
+        # alias of an alias (or of itself) is no tensor at all
+        if isinstance(kept, str) and kept in names and alias not in names:
+            aliases[alias] = kept
+        else:
+            bad.append(alias)
+    notes = [f"__metadata__ 'ckptool.aliases' names {len(bad)} alias(es) that are not "
+             f"a new name for a tensor of the file: ignored ({', '.join(bad[:3])})"] if bad else []
+    return aliases, notes
 
 
 def _record(key: str, t: TensorInfo) -> TensorRecord:

@@ -14,7 +14,7 @@ from typing import Any
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import MAX_INT64, StorageRef, StorageType
-from ckptool.read.unpickler import HINT
+from ckptool.read.treecheck import HINT
 from ckptool.read.values import brief
 
 
@@ -27,6 +27,8 @@ class RawRead:
     metadata: dict[str, Any] = field(default_factory=dict)
     # further object trees shown beside the root (TorchScript constants)
     extra_roots: dict[str, Any] = field(default_factory=dict)
+    # what the file holds that its format does not (bytes after the end...)
+    warnings: list[str] = field(default_factory=list)
 
 
 def parse_storage_pid(pid: tuple[Any, ...], fields: int) -> tuple[StorageType, str, str, int]:

@@ -1,9 +1,11 @@
 """safetensors files, read from the JSON header alone.
 
 Layout: 8-byte little-endian header length N, N bytes of JSON, then data.
-Every entry is validated (dtype, shape, offsets inside the file, size that
-matches shape x dtype) so that a truncated or forged header is an error
-here rather than a crash later. safetensors records no device and no
+Every entry is validated as the safetensors library validates it (dtype,
+shape, a size that matches shape x dtype, no key named twice, and byte
+ranges that cover the data exactly: no overlap, no gap, nothing after the
+last tensor), so that a file the library would refuse is an error here,
+not a file that ckptool reads differently. safetensors records no device and no
 sharing: each tensor is its own storage with no location.
 """
 
@@ -45,7 +47,7 @@ def read(path: str) -> RawRead:
                 "safetensors header is longer than the file (truncated)", TRUNCATED_HINT)
         raw = f.read(n)
     try:
-        header = json.loads(raw)
+        header = json.loads(raw, object_pairs_hook=_no_repeats)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CorruptCheckpointError(f"safetensors header is not valid JSON: {exc}",
                                      HINT) from exc
@@ -67,8 +69,43 @@ def read(path: str) -> RawRead:
         root[name] = rec
         if rec.storage is not None:
             storages[name] = rec.storage
+    _check_coverage(header, size - data_start)
     meta: dict[str, Any] = {"header_bytes": n, "metadata": metadata}
     return RawRead(SAFETENSORS, root, storages, metadata=meta)
+
+
+def _no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object, refused when it names a key twice (json keeps the last,
+    and two readers of one file could then see two different tensors)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise CorruptCheckpointError(
+                f"safetensors header names {key!r:.80} twice (the safetensors library "
+                "refuses this file)", HINT)
+        out[key] = value
+    return out
+
+
+def _check_coverage(header: dict[str, Any], data_size: int) -> None:
+    """As the safetensors library checks: the tensors' byte ranges, in order,
+    cover the data from its first byte to its last, each right after the one
+    before: no overlap, no gap, nothing after the last."""
+    ranges = sorted((e["data_offsets"][0], e["data_offsets"][1], name)
+                    for name, e in header.items())
+    at, last = 0, None
+    for begin, end, name in ranges:
+        if begin != at:
+            what = (f"overlaps {last!r:.80}" if begin < at else
+                    f"leaves {begin - at} bytes before it that no tensor covers")
+            raise CorruptCheckpointError(
+                f"safetensors data of {name!r:.80} (bytes {begin}..{end}) {what} "
+                "(the safetensors library refuses this file)", HINT)
+        at, last = end, name
+    if at != data_size:
+        raise CorruptCheckpointError(
+            f"{data_size - at} bytes follow the last safetensors tensor that no tensor covers "
+            "(the safetensors library refuses this file)", HINT)
 
 
 def _tensor(name: str, entry: Any, data_start: int, size: int) -> TensorRecord:

@@ -14,7 +14,7 @@ import struct
 from typing import IO, Any
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.read import unpickler
+from ckptool.read import pickles
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef
@@ -48,14 +48,19 @@ def read(path: str) -> RawRead:
 
 def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
     seen = GlobalsSeen()
+    with seen.naming_unsafe():
+        return _read_stream(f, size, id_prefix, seen)
 
-    def load(part: str, persistent: unpickler.PersistentLoader | None = None) -> Any:
+
+def _read_stream(f: IO[bytes], size: int, id_prefix: str, seen: GlobalsSeen) -> RawRead:
+
+    def load(part: str, persistent: pickles.PersistentLoader | None = None) -> Any:
         seen.part = part
-        return unpickler.load(f, persistent, seen, read_embedded=read_bytes)
+        return pickles.load(f, persistent, seen, read_embedded=read_bytes)
 
     if load(HEADER_PICKLES[0]) != MAGIC:
         raise CorruptCheckpointError("legacy torch file with a bad magic number",
-                                     unpickler.HINT)
+                                     pickles.HINT)
     version = load(HEADER_PICKLES[1])
     if version != PROTOCOL_VERSION:
         raise UnsupportedCheckpointError(
@@ -78,7 +83,7 @@ def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
         if not (isinstance(view, tuple) and len(view) == 3
                 and all(isinstance(v, int) for v in view[1:])):
             raise CorruptCheckpointError(f"malformed storage view: {brief(view)}",
-                                         unpickler.HINT)
+                                         pickles.HINT)
         _, offset, vsize = view
         vkey = (sid, offset, vsize)
         if vkey not in views:
@@ -90,20 +95,24 @@ def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:
     keys = load(KEYS)
     if not isinstance(keys, list) or not all(isinstance(k, str) for k in keys):
         raise CorruptCheckpointError("legacy torch file with a malformed storage key list",
-                                     unpickler.HINT)
-    _check_records(f, size, keys, storages, id_prefix)
+                                     pickles.HINT)
+    end = _check_records(f, size, keys, storages, id_prefix)
     meta = {"sys_info": _plain(sys_info)}
-    return RawRead(TORCH_LEGACY, obj, storages, seen, meta)
+    f.seek(end)
+    rest = pickles.scan_rest(f, size, seen, "the storages", read_bytes)
+    return RawRead(TORCH_LEGACY, obj, storages, seen, meta, warnings=[rest] if rest else [])
 
 
 def _check_records(f: IO[bytes], size: int, keys: list[str],
-                   storages: dict[str, StorageRef], id_prefix: str) -> None:
+                   storages: dict[str, StorageRef], id_prefix: str) -> int:
+    """Step over the storage records the key list names, checking each
+    against the pickle; returns the offset after the last."""
     pos = f.tell()
     for key in keys:
         ref = storages.get(id_prefix + key)
         if ref is None:
             raise CorruptCheckpointError(f"storage {key} is listed but never used",
-                                         unpickler.HINT)
+                                         pickles.HINT)
         f.seek(pos)
         head = f.read(8)
         if len(head) < 8:
@@ -112,7 +121,7 @@ def _check_records(f: IO[bytes], size: int, keys: list[str],
         (count,) = struct.unpack("<q", head)
         if count != ref.numel:
             raise CorruptCheckpointError(
-                f"storage {key} holds {count} elements, {ref.numel} expected", unpickler.HINT)
+                f"storage {key} holds {count} elements, {ref.numel} expected", pickles.HINT)
         ref.record = f"@{pos + 8}"
         pos += 8 + ref.nbytes
         if pos > size:
@@ -122,6 +131,7 @@ def _check_records(f: IO[bytes], size: int, keys: list[str],
     if missing:
         raise CorruptCheckpointError(f"storage {sorted(missing)[0]} has no data record",
                                      TRUNCATED_HINT)
+    return pos
 
 
 def _plain(value: Any, depth: int = 3) -> Any:
@@ -141,7 +151,7 @@ def header_end(f: IO[bytes]) -> int:
     (what a rewrite copies as it is)."""
     seen = GlobalsSeen()
     for _ in range(3):
-        unpickler.load(f, None, seen, read_embedded=read_bytes)
+        pickles.load(f, None, seen, read_embedded=read_bytes)
     return f.tell()
 
 

@@ -8,6 +8,7 @@ is taken from its first entry: torch names it after the file's stem.
 
 from __future__ import annotations
 
+import io
 import os
 from typing import IO, Any, Protocol
 
@@ -16,7 +17,7 @@ from ckptool.errors import (
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
-from ckptool.read import unpickler
+from ckptool.read import pickles
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.formats.torch_legacy import read_bytes
 from ckptool.read.seen import GlobalsSeen
@@ -83,7 +84,7 @@ def read_archive(zf: Archive) -> RawRead:
     seen = GlobalsSeen()
     storages: dict[str, StorageRef] = {}
 
-    def loader(folder: str, id_prefix: str) -> unpickler.PersistentLoader:
+    def loader(folder: str, id_prefix: str) -> pickles.PersistentLoader:
         def persistent(pid: tuple[Any, ...]) -> StorageRef:
             stype, key, location, numel = parse_storage_pid(pid, 5)
             sid = id_prefix + key
@@ -103,24 +104,30 @@ def read_archive(zf: Archive) -> RawRead:
             return ref
         return persistent
 
-    data = _read_record(zf, f"{prefix}data.pkl")
-    seen.part = "data.pkl"
-    obj = unpickler.load(data, loader("data", ""), seen, read_embedded=read_bytes)
+    warnings: list[str] = []
+
+    def load(name: str, folder: str, id_prefix: str) -> Any:
+        data = io.BytesIO(_read_record(zf, f"{prefix}{name}"))
+        seen.part = name
+        obj = pickles.load(data, loader(folder, id_prefix), seen, read_embedded=read_bytes)
+        rest = pickles.scan_rest(data, len(data.getbuffer()), seen, name, read_bytes)
+        warnings.extend([rest] if rest else [])
+        return obj
+
     extra: dict[str, Any] = {}
-    if is_script and f"{prefix}constants.pkl" in infos:
-        seen.part = "constants.pkl"
-        consts = unpickler.load(_read_record(zf, f"{prefix}constants.pkl"),
-                                  loader("constants", "constants/"), seen,
-                                read_embedded=read_bytes)
-        if consts:
-            extra["constants"] = consts
+    with seen.naming_unsafe():
+        obj = load("data.pkl", "data", "")
+        if is_script and f"{prefix}constants.pkl" in infos:
+            consts = load("constants.pkl", "constants", "constants/")
+            if consts:
+                extra["constants"] = consts
     meta: dict[str, Any] = {"archive_root": root}
     for name in ("version", ".format_version", "byteorder", ".storage_alignment"):
         if f"{prefix}{name}" in infos and infos[f"{prefix}{name}"].size < 64:
             meta[name.lstrip(".")] = _read_record(zf, f"{prefix}{name}").decode(
                 "ascii", "replace").strip()
     fmt = TORCHSCRIPT if is_script else TORCH_ZIP
-    return RawRead(fmt, obj, storages, seen, meta, extra)
+    return RawRead(fmt, obj, storages, seen, meta, extra, warnings)
 
 
 def _read_record(zf: Archive, name: str) -> bytes:
