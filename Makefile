@@ -49,7 +49,7 @@ demo: $(STAMP)
 	@rm -rf $(DEMO_DIR)
 
 lint: $(STAMP)
-	$(BIN)/ruff check ckptool tests bench samples
+	$(BIN)/ruff check ckptool tests bench samples tools
 	$(BIN)/mypy
 
 test: $(STAMP) lint

@@ -80,6 +80,7 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     result.findings += findings.memory_findings(tags, machine)
     result.findings += findings.wrapping_findings(ckpt, opts, name)
     result.findings += findings.global_findings(ckpt, opts, name)
+    result.findings += findings.content_findings(ckpt)
     if ckpt.main_state_dict is not None and model is not None:
         tensors = ckpt.state_dict()
         names = ckpt.main_state_dict.keys  # extra-state entries too: strict loading checks them

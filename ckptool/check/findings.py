@@ -20,7 +20,9 @@ from ckptool.check.loadcheck import TagLoad
 from ckptool.check.modelspec import ModelKeys
 from ckptool.check.reconcile import KeyReport, ShapeHint
 from ckptool.describe import human_bytes, plural
-from ckptool.model import Checkpoint
+from ckptool.model import Checkpoint, GlobalInfo
+from ckptool.read import policy
+from ckptool.read.policy import UNSAFE
 from ckptool.read.prefixes import describe_wrapper
 from ckptool.write.plan import FixOptions
 
@@ -129,28 +131,59 @@ def _top_keys(ckpt: Checkpoint) -> list[str]:
 
 def global_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:
     out = []
-    unsafe = ckpt.unsafe_globals
+    unsafe = [g for g in ckpt.globals if g.category == UNSAFE]
     # keeping only the weights leaves the rest behind (checked by the dry run)
     extract = f"ckptool fix {name} --extract" if ckpt.main_state_dict else None
     if unsafe:
         opts.extract = opts.extract or ("auto" if extract else None)
+        # what loading does with it, where that is what makes it unsafe
+        how = "".join(f"; {g.reason}" for g in unsafe if g.reason.startswith("calls"))
         out.append(Finding(
             "unsafe-globals", ERROR,
-            f"the file names {', '.join(unsafe)}: torch.load(weights_only=False) would run "
-            "it; never load this file with torch.load unless you wrote it", extract))
-    refused = [n for n in loadcheck.refused_globals(ckpt) if n not in unsafe]
+            f"the file names {', '.join(g.name for g in unsafe)}{how}: "
+            "torch.load(weights_only=False) would run it; never load this file with "
+            "torch.load unless you wrote it", extract))
+    refused = set(loadcheck.refused_globals(ckpt))
+    allowed_to_ask = [g for g in ckpt.globals if g.name in refused and g.category != UNSAFE]
     module = ckpt.main_state_dict is not None and ckpt.main_state_dict.kind == "module"
-    if refused and not module and loadcheck.weights_only_default():
+    if allowed_to_ask and not module and loadcheck.weights_only_default():
         opts.extract = opts.extract or ("auto" if extract else None)
+        names = [g.name for g in allowed_to_ask]
+        # torch's allowlist lets weights_only call what it lists with the
+        # file's arguments: only for a class made without its constructor
+        harmless = [g.name for g in allowed_to_ask if _made_harmlessly(g)]
+        called = [g.name for g in allowed_to_ask if g.name not in harmless]
+        why = (f"; {', '.join(called[:3])} {'is' if len(called) == 1 else 'are'} called with "
+               "the file's arguments at load time, and allowing "
+               f"{'it' if len(called) == 1 else 'them'} would run that code on whatever "
+               "the file says" if called else "")
         out.append(Finding(
             "weights-only", ERROR,
             f"plain torch.load (weights_only=True, the default since torch 2.6) refuses "
-            f"globals the file names: {', '.join(refused[:5])}"
-            f"{' and more' if len(refused) > 5 else ''}",
+            f"globals the file names: {', '.join(names[:5])}"
+            f"{' and more' if len(names) > 5 else ''}{why}",
             extract,
-            f"with torch.serialization.safe_globals([{', '.join(refused[:5])}]): "
-            "torch.load(path)  # only for classes you trust"))
+            f"with torch.serialization.safe_globals([{', '.join(harmless[:5])}]): "
+            "torch.load(path)  # only for classes you trust" if harmless and not called
+            else None))
     return out
+
+
+def _made_harmlessly(g: GlobalInfo) -> bool:
+    """A class the file only makes (``__new__``) and gives state, or names:
+    what torch's allowlist can admit without running it on the file's data."""
+    return policy.function_like(g.name) is False and not (
+        {policy.CALLED, policy.CALLED_INSTANCE} & set(g.uses))
+
+
+def content_findings(ckpt: Checkpoint) -> list[Finding]:
+    """What the file holds that its format does not (bytes after the end of
+    a pickle): torch ignores it, but nothing a writer of checkpoints puts
+    there; a rewrite leaves it behind."""
+    rewrites = ckpt.format in ("torch-zip", "torch-legacy")
+    return [Finding("trailing-data", WARNING, warning,
+                    f"ckptool fix {shell_name(ckpt.path)}" if rewrites else None)
+            for warning in ckpt.warnings]
 
 
 def prefix_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:

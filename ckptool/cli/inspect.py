@@ -91,9 +91,11 @@ def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]
             for e in ckpt.entries
         ],
         "globals": [
-            {"name": g.name, "category": g.category, "reason": g.reason, "count": g.count}
+            {"name": g.name, "category": g.category, "reason": g.reason, "count": g.count,
+             "uses": list(g.uses), "where": list(g.where)}
             for g in ckpt.globals
         ],
         "unsafe_globals": ckpt.unsafe_globals,
         "metadata": ckpt.metadata,
+        "warnings": ckpt.warnings,
     }

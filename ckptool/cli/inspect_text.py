@@ -64,11 +64,18 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
             f"{', '.join(unsafe)}: torch.load(weights_only=False) would call "
             f"{'these' if len(unsafe) > 1 else 'this'}; do not load it with torch",
             style="red"))
-    custom = [g.name for g in ckpt.globals if g.category == "custom"]
+        for g in ckpt.globals:  # where what loading does with it makes it unsafe
+            if g.category == "unsafe" and g.reason.startswith("calls"):
+                grid.add_row("", Text(g.reason, style="red"))
+    custom = [g for g in ckpt.globals if g.category == "custom"]
     if custom:
-        shown = ", ".join(custom[:6]) + (f", … +{len(custom) - 6}" if len(custom) > 6 else "")
-        grid.add_row("classes", Text(f"{shown} (torch imports these to load the file)",
+        names = ", ".join(g.name for g in custom[:6]) + (
+            f", … +{len(custom) - 6}" if len(custom) > 6 else "")
+        runs = ", and runs their code" if any(g.uses for g in custom) else ""
+        grid.add_row("classes", Text(f"{names} (torch imports these to load the file{runs})",
                                      style="yellow"))
+    for warning in ckpt.warnings:
+        grid.add_row(Text("warning", style="yellow"), Text(warning, style="yellow"))
     if not unsafe and not custom:
         grid.add_row("globals", Text("only tensor and plain-data types", style="green"))
     console.print(grid)

@@ -87,8 +87,16 @@ _UNSAFE_MODULES = (
     "httpx", "paramiko",
     # torch parts that load, compile, run or fetch code and files
     "torch.hub", "torch.jit", "torch.package", "torch.serialization",
-    "torch.utils.cpp_extension", "torch.utils.data", "torch.distributed",
-    "torch.multiprocessing", "torch._dynamo", "torch._inductor", "torch.fx",
+    "torch.utils.cpp_extension", "torch.utils.data", "torch.multiprocessing",
+    # torch.distributed is judged by use (DCP's .metadata is its dataclasses),
+    # but for the parts that launch processes, call remote code or load files
+    "torch.distributed.rpc", "torch.distributed.elastic", "torch.distributed.launcher",
+    "torch.distributed.launch", "torch.distributed.run", "torch.distributed.rendezvous",
+    "torch.distributed.distributed_c10d", "torch.distributed.autograd",
+    "torch.distributed.debug", "torch.distributed.flight_recorder",
+    "torch.distributed._serialization", "torch.distributed.argparse_util",
+    "torch.distributed.logging_handlers", "torch.distributed.c10d_logger",
+    "torch._dynamo", "torch._inductor", "torch.fx",
     "torch._C", "torch.ops", "torch._ops", "torch.library", "torch.cuda",
     "torch.backends", "torch.compiler", "torch._export", "torch.export",
     "torch.testing", "torch.utils.collect_env", "torch.utils.model_zoo",
@@ -158,6 +166,11 @@ _TORCH_DATA_PREFIXES = (
     "torch._utils._rebuild_", "torch._tensor._rebuild_from_type",
     "torch.nn.modules.", "torch.nn.parameter.", "torch.optim.",
     "torch.storage.", "torch.amp.", "torch.ao.quantization.",
+    # the dataclasses and enums of a torch.distributed.checkpoint .metadata
+    "torch.distributed.checkpoint.metadata.", "torch.distributed.checkpoint.planner.",
+    "torch.distributed.checkpoint.filesystem._StorageInfo",
+    "torch.distributed.tensor.placement_types.", "torch.distributed._shard.metadata.",
+    "torch.distributed._shard.sharded_tensor.metadata.",
 )
 
 # numpy: array, scalar, dtype, masked-array and random-state reconstruction

@@ -22,6 +22,7 @@ from textual.worker import get_current_worker
 
 from ckptool.check.gpus import Machine
 from ckptool.check.stats import TensorStats
+from ckptool.describe import shown
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.tui import panes
@@ -110,8 +111,8 @@ class BrowseApp(LoadingApp):
 
     def _status(self) -> None:
         findings = len(self.diagnosis.findings) if self.diagnosis is not None else None
-        self.query_one("#status", Static).update(Text(self.view.status(
-            self.index, self.query_one(TensorTable).rows, self.ckpt is not None, findings),
+        self.query_one("#status", Static).update(Text(shown(self.view.status(
+            self.index, self.query_one(TensorTable).rows, self.ckpt is not None, findings)),
             style="dim"))
 
     @on(TensorTable.Toggle)
@@ -184,8 +185,9 @@ class BrowseApp(LoadingApp):
         key = _key_of(self.query_one(TensorTable).current)
         if key:
             self.copy_to_clipboard(key)
-            self.notify(f"{key}\n(sent to the terminal's clipboard by OSC 52; if it does "
-                        "not paste, select it here)", title="copy", timeout=8)
+            self.notify(f"{shown(key)}\n(sent to the terminal's clipboard by OSC 52; if it "
+                        "does not paste, select it here)", title="copy", timeout=8,
+                        markup=False)
 
     def action_jump(self) -> None:
         def jump(key: str | None) -> None:

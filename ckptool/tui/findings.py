@@ -15,7 +15,7 @@ from rich.text import Text
 from ckptool.check.diagnosis import ERROR, Diagnosis, describe_keys
 from ckptool.check.gpus import describe_target
 from ckptool.check.loadcheck import describe_landing
-from ckptool.describe import human_bytes
+from ckptool.describe import human_bytes, shown
 
 _LABEL = 11  # width of the labels of the last section
 
@@ -23,7 +23,7 @@ _LABEL = 11  # width of the labels of the last section
 def findings(diag: Diagnosis | None, error: str | None = None) -> Text:
     text = Text()
     if error is not None:
-        text.append(error, style="bold red")
+        text.append("\n".join(shown(line) for line in error.split("\n")), style="bold red")
         return text
     if diag is None:
         text.append("diagnosing…", style="italic")
@@ -35,25 +35,25 @@ def findings(diag: Diagnosis | None, error: str | None = None) -> Text:
     for f in diag.findings:
         mark, style = ("✗", "bold red") if f.severity == ERROR else ("!", "bold yellow")
         text.append(f"{mark} {f.code}", style=style)
-        text.append(f"  {f.message}\n")
+        text.append(f"  {shown(f.message)}\n")
         if f.fix:
             text.append("  fix: ", style="bold")
-            text.append(f.fix + "\n", style="cyan")
+            text.append(shown(f.fix) + "\n", style="cyan")
         if f.snippet:
             text.append("  or:  " if f.fix else "  try: ", style="bold")
-            text.append(f.snippet + "\n", style="cyan")
+            text.append(shown(f.snippet) + "\n", style="cyan")
     if diag.fix_command:
         text.append("\nfix everything: ", style="bold")
-        text.append(diag.fix_command, style="bold cyan")
+        text.append(shown(diag.fix_command), style="bold cyan")
         if diag.fix_output:
-            text.append(f"\n  writes {diag.fix_output}; press x to preview it and write "
+            text.append(f"\n  writes {shown(diag.fix_output)}; press x to preview it and write "
                         "it from here", style="italic")
         if diag.remaining:
             text.append("\nstill to resolve by hand: ", style="bold yellow")
             text.append(", ".join(diag.remaining), style="yellow")
         text.append("\n")
     elif diag.fix_refused:
-        text.append(f"\nno ckptool fix command: {diag.fix_refused}\n", style="yellow")
+        text.append(f"\nno ckptool fix command: {shown(diag.fix_refused)}\n", style="yellow")
     _machine(text, diag)
     return text
 
@@ -64,7 +64,7 @@ def _keys(text: Text, d: Diagnosis) -> None:
     if line is None:
         return
     text.append("keys ", style="bold")
-    text.append(line + "\n\n")
+    text.append(shown(line) + "\n\n")
 
 
 def _row(text: Text, label: str, value: str | Text) -> None:
@@ -78,17 +78,17 @@ def _machine(text: Text, d: Diagnosis) -> None:
     text.append("\n")
     _row(text, "target", describe_target(d.machine))
     errors = d.load_errors()
-    _row(text, "torch.load", Text("fails: " + errors[0], style="red") if errors
+    _row(text, "torch.load", Text("fails: " + shown(errors[0]), style="red") if errors
          else Text("loads", style="green"))
     for more in errors[1:]:
-        _row(text, "", Text("and: " + more, style="red"))
+        _row(text, "", Text("and: " + shown(more), style="red"))
     for i, t in enumerate(d.tags):
         if t.error:
             lands = Text("torch.load fails here", style="red")
         else:
             where = describe_landing(d.machine, t)
-            lands = Text("-" if where == "-" else f"lands on {where}")
-        line = Text(f"{t.location}: {t.tensors:,} tensor{'s' if t.tensors != 1 else ''} · "
+            lands = Text("-" if where == "-" else f"lands on {shown(where)}")
+        line = Text(f"{shown(t.location)}: {t.tensors:,} tensor{'s' if t.tensors != 1 else ''} · "
                     f"{human_bytes(t.nbytes)} · ")
         line.append_text(lands)
         _row(text, "" if i else "saved on", line)

@@ -28,7 +28,7 @@ from textual.widgets import Button, Checkbox, Input, Label, Log, ProgressBar, St
 
 from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.fixcommand import fix_command_line
-from ckptool.describe import human_bytes
+from ckptool.describe import human_bytes, shown
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
 from ckptool.tui.screens import ConfirmScreen
@@ -93,7 +93,7 @@ class FixScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         d = self.defaults
         with Vertical(id="fix-body", classes="dialog"):
-            yield Label(f"Fix {os.path.basename(self.path)}", id="fix-title")
+            yield Label(Text(f"Fix {shown(os.path.basename(self.path))}"), id="fix-title")
             with Horizontal(classes="fix-row"):
                 yield Checkbox("strip prefix", d.strip, id="fix-strip")
                 yield Input(d.prefix, placeholder="prefix to strip, e.g. module.",
@@ -209,7 +209,7 @@ class FixScreen(ModalScreen[str | None]):
             after = c.after if c.after is not None else "(left out)"
             where = (f"{c.before_loc} → {c.after_loc}" if c.after_loc != c.before_loc
                      else c.before_loc)
-            lines.append(f"{c.before}  ⇒  {after}   [{where}]")
+            lines.append(shown(f"{c.before}  ⇒  {after}   [{where}]"))
         if len(preview.changes) > self.SHOWN:
             lines.append(f"… {len(preview.changes) - self.SHOWN:,} more")
         log = self.query_one("#fix-preview", Log)
@@ -224,22 +224,22 @@ class FixScreen(ModalScreen[str | None]):
         if preview.plan.empty:
             text = Text("nothing to change with these options", style="yellow")
         else:
-            text = Text(preview.summary(), style="bold")
+            text = Text(shown(preview.summary()), style="bold")
         strip = self.query_one("#fix-strip", Checkbox).value
         if strip and not self.query_one("#fix-prefix", Input).value:
             text.append("\nstrip prefix is ticked but the prefix is empty: nothing is stripped",
                         style="yellow")
         out = self._output()
         if out:
-            text.append("\nsame as: " + self.command(opts, out), style="cyan")
+            text.append("\nsame as: " + shown(self.command(opts, out)), style="cyan")
         else:
             text.append("\nname the output file", style="red")
         self.query_one("#fix-summary", Static).update(text)
 
     def _show_error(self, exc: CkptoolError) -> None:
-        text = Text(exc.message, style="bold red")
+        text = Text(shown(exc.message), style="bold red")
         if exc.hint:
-            text.append(f"\nhint: {exc.hint}", style="red")
+            text.append(f"\nhint: {shown(exc.hint)}", style="red")
         self.query_one("#fix-summary", Static).update(text)
         self.query_one("#fix-preview", Log).clear()
 
@@ -328,7 +328,7 @@ class FixScreen(ModalScreen[str | None]):
             self._progressed = True
             bar.display = True
             self.query_one("#fix-summary", Static).update(
-                Text(f"writing {self._output()}: copying tensor bytes…", style="italic"))
+                Text(f"writing {shown(self._output())}: copying tensor bytes…", style="italic"))
         bar.update(total=total, progress=done)
 
     def _stop_writing(self) -> None:
@@ -348,12 +348,12 @@ class FixScreen(ModalScreen[str | None]):
         bar = self.query_one("#fix-progress", ProgressBar)
         bar.display = True
         bar.update(total=1, progress=1)
-        text = Text(f"wrote {result.output}", style="bold green")
+        text = Text(f"wrote {shown(result.output or '')}", style="bold green")
         text.append(f"\n{human_bytes(result.bytes_written)}, "
                     f"{result.verified_storages:,} storages verified. Esc closes.")
         self.query_one("#fix-summary", Static).update(text)
         self.written = result.output
-        self.notify(f"wrote {result.output}")
+        self.notify(f"wrote {shown(result.output or '')}", markup=False)
 
     @on(Button.Pressed, "#fix-close")
     def action_close(self) -> None:

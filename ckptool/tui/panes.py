@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.stats import TensorStats
-from ckptool.describe import human_bytes, human_count, shape_text
+from ckptool.describe import human_bytes, human_count, shape_text, shown
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 from ckptool.tui.index import Node
 
@@ -18,7 +18,7 @@ SHOWN_SHARERS = 6
 
 
 def _tally(tally: dict[str, int], most: int = 3) -> str:
-    parts = [f"{name} {human_bytes(n)}" for name, n in list(tally.items())[:most]]
+    parts = [f"{shown(name)} {human_bytes(n)}" for name, n in list(tally.items())[:most]]
     if len(tally) > most:
         parts.append(f"+{len(tally) - most} more")
     return ", ".join(parts) or "none"
@@ -27,7 +27,7 @@ def _tally(tally: dict[str, int], most: int = 3) -> str:
 def summary_loading(path: str, tensors_so_far: int) -> Text:
     size = os.path.getsize(path) if os.path.exists(path) else 0
     text = Text(no_wrap=True, overflow="ellipsis")
-    text.append(os.path.basename(path), style="bold")
+    text.append(shown(os.path.basename(path)), style="bold")
     text.append(f" · {human_bytes(size)}\n")
     so_far = f"{tensors_so_far:,} tensors so far" if tensors_so_far else "starting"
     text.append(f"reading… {so_far}", style="italic")
@@ -43,11 +43,11 @@ def summary(ckpt: Checkpoint) -> Text:
     unsafe = ckpt.unsafe_globals
     if unsafe:
         names = "s" if len(unsafe) != 1 else ""
-        text.append(f"⚠ {len(unsafe)} unsafe global{names}: {', '.join(unsafe)}",
+        text.append(f"⚠ {len(unsafe)} unsafe global{names}: {shown(', '.join(unsafe))}",
                     style="bold red")
         text.append(" · torch.load(weights_only=False) would run code from this file\n",
                     style="red")
-    text.append(os.path.basename(ckpt.path), style="bold")
+    text.append(shown(os.path.basename(ckpt.path)), style="bold")
     text.append(f" · {ckpt.format} · {human_bytes(ckpt.file_size)} · "
                 f"{len(ckpt.tensors):,} tensors in the file\n")
     text.append("dtypes ", style="bold")
@@ -59,13 +59,13 @@ def summary(ckpt: Checkpoint) -> Text:
     if sd is None:
         text.append("none found", style="yellow")
     else:
-        where = f"'{sd.path}'" if sd.path else "the whole file"
+        where = f"'{shown(sd.path)}'" if sd.path else "the whole file"
         if sd.kind == "module":
             where += " (a whole module)"
         text.append(where)
         if sd.prefix:  # before the counts: a narrow header cuts those first
             text.append(" · prefix ")
-            text.append(sd.prefix, style="bold yellow")
+            text.append(shown(sd.prefix), style="bold yellow")
         # the model's parameters: the optimizer's moments are no parameters
         text.append(f" · {sd.num_tensors:,} tensors · {human_count(sd.num_parameters)} params")
     return text
@@ -99,8 +99,8 @@ def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLo
     shape and dtype, its statistics once asked for, layout, storage and
     sharing, where it was saved and where it lands here."""
     text = Text()
-    text.append(t.key + "\n", style="bold")
-    kind = [shape_text(t.shape), t.dtype, f"{t.numel:,} elements", human_bytes(t.nbytes)]
+    text.append(shown(t.key) + "\n", style="bold")
+    kind = [shape_text(t.shape), shown(t.dtype), f"{t.numel:,} elements", human_bytes(t.nbytes)]
     if t.is_parameter:
         kind.append("parameter")
     if t.requires_grad:
@@ -108,7 +108,7 @@ def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLo
     if t.layout not in ("strided", "storage"):
         kind.append(t.layout)
     if t.subclass:
-        kind.append(t.subclass)
+        kind.append(shown(t.subclass))
     _row(text, "tensor", " · ".join(kind))
     _stats(text, stats)  # high up: at 80x24 the pane shows 8 lines
     stride = "unrecorded" if t.stride is None else str(tuple(t.stride))
@@ -116,7 +116,7 @@ def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLo
     _row(text, "stride", f"{stride} · offset {t.storage_offset} · {layout}")
     _storage(text, ckpt, t)
     loc = t.location or NO_LOCATION
-    landing = Text(f"{loc} → ")
+    landing = Text(f"{shown(loc)} → ")
     landing.append_text(_landing(t, loads))
     _row(text, "saved on", landing)
     return text
@@ -128,16 +128,16 @@ def _storage(text: Text, ckpt: Checkpoint | None, t: TensorInfo) -> None:
         return
     info = ckpt.storages.get(t.storage) if ckpt is not None else None
     if info is None:
-        _row(text, "storage", f"{t.storage} (details once the file is read)")
+        _row(text, "storage", f"{shown(t.storage)} (details once the file is read)")
         return
-    line = Text(f"{info.id} · {human_bytes(info.nbytes)} · {info.dtype} · ")
+    line = Text(f"{shown(info.id)} · {human_bytes(info.nbytes)} · {shown(info.dtype)} · ")
     others = [k for k in info.tensors if k != t.key]
     if not others:
         line.append("not shared")
     else:
-        shown = ", ".join(others[:SHOWN_SHARERS])
+        sharers = shown(", ".join(others[:SHOWN_SHARERS]))
         more = f" +{len(others) - SHOWN_SHARERS} more" if len(others) > SHOWN_SHARERS else ""
-        line.append(f"shared with {shown}{more}", style="yellow")
+        line.append(f"shared with {sharers}{more}", style="yellow")
     _row(text, "storage", line)
 
 
@@ -156,7 +156,7 @@ def _landing(t: TensorInfo, loads: dict[str, TagLoad] | None) -> Text:
             where += f" (physical GPU {load.physical})"
         return Text(where, style="green")
     first = (load.error or "").split(". ")[0].rstrip(".")
-    return Text(f"torch.load fails here: {first}", style="red")
+    return Text(f"torch.load fails here: {shown(first)}", style="red")
 
 
 def _stats(text: Text, stats: TensorStats | str | None) -> None:
@@ -165,7 +165,7 @@ def _stats(text: Text, stats: TensorStats | str | None) -> None:
         _row(text, "stats", "press s to compute (reads this tensor only)", "italic")
         return
     if isinstance(stats, str):
-        _row(text, "stats", stats, "italic")
+        _row(text, "stats", shown(stats), "italic")
         return
     if stats.min is None:
         _row(text, "stats", "no finite value")
@@ -181,7 +181,7 @@ def _stats(text: Text, stats: TensorStats | str | None) -> None:
 
 def node_detail(n: Node) -> Text:
     text = Text()
-    text.append((n.path or "(root)") + "\n", style="bold")
+    text.append(shown(n.path or "(root)") + "\n", style="bold")
     _row(text, "tensors", f"{n.count:,}")
     short = human_count(n.params)
     _row(text, "params", f"{n.params:,}" + (f" ({short})" if short != str(n.params) else ""))

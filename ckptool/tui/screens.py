@@ -14,6 +14,8 @@ from textual.screen import ModalScreen
 from textual.suggester import Suggester
 from textual.widgets import Button, Input, Label, Static
 
+from ckptool.describe import shown
+
 # at most 72 columns and 18 lines: the dialog shows it whole at 80x24,
 # every entry as written (no line wraps mid-entry)
 HELP = """\
@@ -107,11 +109,11 @@ class JumpScreen(ModalScreen[str | None]):
                                  if low in lk), self.SHOWN + 1))
             how = "contain it"
         if not found:
-            box.update(Text(f"no key contains {text!r}", style="italic"))
+            box.update(Text(f"no key contains {shown(repr(text))}", style="italic"))
             return
         more = " (and more)" if len(found) > self.SHOWN else ""
         lines = Text(f"keys that {how}{more}:\n", style="italic")
-        lines.append("\n".join(f"  {k}" for k in found[: self.SHOWN]))
+        lines.append("\n".join(f"  {shown(k)}" for k in found[: self.SHOWN]))
         box.update(lines)
 
     def action_complete(self) -> None:
@@ -139,7 +141,8 @@ class JumpScreen(ModalScreen[str | None]):
         low = text.lower()
         found = next((k for k, lk in zip(self.keys, self.lower, strict=True) if low in lk), None)
         if found is None:
-            self.query_one("#jump-error", Label).update(f"no key contains {text!r}")
+            self.query_one("#jump-error", Label).update(
+                Text(f"no key contains {shown(repr(text))}"))
             return
         self.dismiss(found)
 
@@ -156,7 +159,7 @@ class ConfirmScreen(ModalScreen[bool]):
 
     def compose(self) -> ComposeResult:
         with Grid(id="confirm-body", classes="dialog"):
-            yield Static(self.question, id="confirm-question")
+            yield Static(Text(shown(self.question)), id="confirm-question")
             yield Button("Write (y)", variant="warning", id="yes")
             yield Button("Cancel (n)", variant="primary", id="no")
 

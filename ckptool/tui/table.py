@@ -22,7 +22,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ckptool.describe import human_bytes, human_count, shape_text
+from ckptool.describe import human_bytes, human_count, shape_text, shown
 from ckptool.model import NO_LOCATION, TensorInfo
 from ckptool.tui.index import Index, Node, Rows, leaf_name
 from ckptool.tui.rows import position
@@ -66,7 +66,8 @@ def _fitting(width: int, *choices: str) -> str:
 
 
 def tensor_cells(t: TensorInfo) -> tuple[str, str, str, str]:
-    return (shape_text(t.shape), t.dtype, _device(t.location), human_bytes(t.nbytes))
+    return (shape_text(t.shape), shown(t.dtype), shown(_device(t.location)),
+            human_bytes(t.nbytes))
 
 
 def node_cells(n: Node, cols: Columns) -> tuple[str, str, str, str]:
@@ -74,7 +75,7 @@ def node_cells(n: Node, cols: Columns) -> tuple[str, str, str, str]:
     plural = "s" if n.count != 1 else ""
     count = _fitting(cols.shape, f"{full} tensor{plural}", f"{short} tensor{plural}",
                      f"{short} tens.", short)
-    where = _device(n.main_location) + ("+" if len(n.locations) > 1 else "")
+    where = shown(_device(n.main_location)) + ("+" if len(n.locations) > 1 else "")
     params = human_count(n.params)
     params = _fitting(cols.dtype, f"{params} params", f"{params} par.", params)
     return (count, params, where, human_bytes(n.nbytes))
@@ -261,14 +262,14 @@ class TensorTable(ScrollView, can_focus=True):
         if isinstance(item, Node):
             depth = item.depth if self.tree_mode else 0
             mark = "▾ " if self.opened(item) else "▸ "
-            name = "  " * depth + mark + item.name
+            name = "  " * depth + mark + shown(item.name)
             cells = node_cells(item, cols)
             style = base + self.get_component_rich_style("tensor-table--node")
         else:
             if self.tree_mode and self.index is not None:
-                name = "  " * self.index.depth(item, True) + "  " + leaf_name(item)
+                name = "  " * self.index.depth(item, True) + "  " + shown(leaf_name(item))
             else:
-                name = item.key
+                name = shown(item.key)
             cells = tensor_cells(item)
             style = base
         shape, dtype, device, size = cells
