@@ -11,7 +11,7 @@ DEPS   := $(VENV)/.deps-installed
 STAMP  := $(VENV)/.installed
 SOURCES := $(shell find ckptool -name '*.py' -o -name '*.tcss')
 
-.PHONY: demo test lint bench samples clean
+.PHONY: demo test lint bench samples fuzz clean
 
 # dependencies once (slow: torch), then ckptool itself as a regular install,
 # redone whenever its source changes: an editable install adds an import
@@ -57,6 +57,11 @@ test: $(STAMP) lint
 
 samples: $(STAMP)
 	$(BIN)/python samples/make_samples.py
+
+# minutes of structure-aware fuzzing (the suite runs a few hundred mutants);
+# FUZZ_SECONDS=... FUZZ_SEED=... to choose
+fuzz: $(STAMP)
+	$(BIN)/python tests/fuzzing.py --seconds $${FUZZ_SECONDS:-300} $${FUZZ_SEED:+--seed $$FUZZ_SEED}
 
 bench: $(STAMP)
 	$(BIN)/python bench/bench_inspect.py

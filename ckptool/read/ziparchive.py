@@ -63,6 +63,8 @@ class ZipArchive:
         loc = at - _LOCATOR64.size
         if loc >= 0 and tail[loc:loc + 4] == b"PK\x06\x07":
             _, _, eocd64_pos, _ = _LOCATOR64.unpack_from(tail, loc)
+            if eocd64_pos + _EOCD64.size > size - tail_len + loc:
+                raise ZipError("the ZIP64 end record's locator points past it")
             self.tail_start = min(eocd64_pos, size - tail_len + loc)
             f.seek(eocd64_pos)
             raw = f.read(_EOCD64.size)
