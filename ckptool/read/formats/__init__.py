@@ -97,11 +97,13 @@ def _reader_for(path: str) -> Callable[[str], RawRead]:
         return safetensors_fmt.read
     if torch_legacy.sniff_tar(head):
         _explain_tar(path)
-    if pickle_fmt.sniff(head, tail):
-        return pickle_fmt.read
+    # other formats' magic first: a headerless (protocol 0/1) pickle may open
+    # with almost any byte, and what follows some magic numbers parses as one
     for magic, what, hint in _LOOKALIKES:
         if head.lstrip().startswith(magic):
             raise NotACheckpointError(f"{path} is {what}, not a PyTorch checkpoint", hint)
+    if pickle_fmt.sniff(head, tail):
+        return pickle_fmt.read
     raise NotACheckpointError(
         f"{path} is not a checkpoint: no known format starts with {head[:8]!r}",
         "ckptool reads torch.save files (zip and legacy), TorchScript archives, "

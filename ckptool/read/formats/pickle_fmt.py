@@ -15,21 +15,20 @@ from __future__ import annotations
 
 import os
 import pickletools
+import re
 from typing import Any
 
+from ckptool.errors import CorruptCheckpointError
 from ckptool.read import pickles
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.torch_legacy import read_bytes
 from ckptool.read.seen import GlobalsSeen
 
 PICKLE = "pickle"
-# opcodes that no text file starts with, as a protocol 0/1 pickle may: MARK,
-# GLOBAL, INT, LONG, STRING, UNICODE, FLOAT, NONE, EMPTY_LIST/DICT/TUPLE and
-# the protocol 1 binary forms (BININT*, BINSTRING, SHORT_BINSTRING,
-# BINUNICODE, BINFLOAT)
-_OLD_FIRST = frozenset(b"(cILSVFN]})JKMTUXG")
-_MIN_OPCODES = 3  # a head that parses this far (or to its STOP) is a pickle
-_HEAD = 512  # bytes ckptool.read.formats looks at to recognise a file
+# a pickle without a PROTO header may open with any opcode: pickle.load
+# never checks that a protocol 0 stream uses protocol 0 opcodes only
+_NAME = re.compile(r"[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*")
+_OLD_FIRST = frozenset(op.code.encode("latin-1")[0] for op in pickletools.opcodes) - {0x80}
 
 
 def sniff(head: bytes, tail: bytes) -> bool:
@@ -39,20 +38,35 @@ def sniff(head: bytes, tail: bytes) -> bool:
 
 
 def _parses(head: bytes) -> bool:
-    """Whether the first bytes are a protocol 0/1 pickle's opcodes: at least a
-    few of them, or a whole pickle, or as many as fit before a long argument
-    that runs past the bytes looked at (a command string, say)."""
+    """Whether the first bytes read as the start of a pickle: unpickled
+    (safely, by the same reader) they make an object, or run out before
+    their STOP, with every opcode before that one making sense (a text file
+    fails early: an unknown opcode, a memo slot never set, a mark missing)."""
+    if not _names_read_as_names(head):
+        return False
+    try:
+        pickles.load(head, None, GlobalsSeen(), read_embedded=read_bytes)
+    except CorruptCheckpointError as exc:
+        cause = exc.__cause__
+        return isinstance(cause, EOFError) or "truncated" in str(cause) or (
+            "external data" in exc.message)  # a persistent id: what torch files hold
+    return True
+
+
+def _names_read_as_names(head: bytes) -> bool:
+    """The first opcode parses, and the module and name of each GLOBAL or
+    INST opcode are dotted Python names (``config: 3`` opens with the GLOBAL
+    opcode ``c`` too)."""
     count = 0
     try:
-        for opcode, _, _ in pickletools.genops(head):
+        for opcode, arg, _ in pickletools.genops(head):
             count += 1
-            if opcode.name == "STOP" or count >= _MIN_OPCODES:
-                return True
-    except (ValueError, UnicodeDecodeError) as exc:
-        # an opcode it does not know; or the bytes looked at end inside one
-        cut = any(w in str(exc) for w in ("no newline", "not enough data", "only"))
-        return count >= 1 and cut and len(head) >= _HEAD
-    return False
+            if opcode.name in ("GLOBAL", "INST") and not all(
+                    _NAME.fullmatch(part) for part in str(arg).split(" ", 1)):
+                return False
+    except ValueError:
+        pass  # the head ends inside an opcode, or the rest is not a pickle's
+    return count > 0
 
 
 def read(path: str) -> RawRead:
