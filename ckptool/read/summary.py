@@ -55,6 +55,8 @@ def _text(obj: Any, depth: int) -> str:
         return brackets[0] + ", ".join(parts) + _more(len(obj)) + brackets[1]
     if isinstance(obj, StandIn):
         return _standin(obj, depth)
+    if isinstance(obj, type) and issubclass(obj, StandIn):
+        return obj.qualname  # a class or function the file names, not called
     return repr(obj)
 
 
