@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from textual.widgets import Input
 
 from ckptool.check import gpus
 from ckptool.cli import main
@@ -1025,3 +1026,54 @@ def test_cli_text_file_is_refused_before_the_screen(ran: Ran, tmp_path: Path,
     assert main(["browse", str(text)]) == 3
     assert "not a checkpoint" in capsys.readouterr().err
     assert ran.apps == []
+
+
+# -- typed text is text, however fast it comes ---------------------------------------
+
+def burst(app: BrowseApp, text: str) -> None:
+    """Keys as a terminal delivers a paste or fast typing: all queued at once."""
+    from textual import events
+
+    names = {"/": "slash", "\r": "enter", ".": "full_stop"}
+    for ch in text:
+        app.post_message(events.Key(names.get(ch, ch), ch if ch != "\r" else None))
+
+
+@pytest.mark.parametrize("text", ["/quant", "/xyz", "/fc", "/a/b.weight", "/layers.9999."])
+def test_fast_typing_after_slash_goes_to_the_filter(text: str) -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        burst(app, text)
+        await pilot.pause(0.3)
+        assert app.is_running and app.screen is app.screen_stack[0]
+        assert app.query_one("#filter", Input).value == text[1:]
+
+    drive(DP, script)
+
+
+def test_fast_typing_after_g_goes_to_the_jump_dialog() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        burst(app, "gfc.w/q")
+        await pilot.pause(0.3)
+        assert app.is_running and type(app.screen).__name__ == "JumpScreen"
+        assert app.screen.query_one("#jump-input", Input).value == "fc.w/q"
+
+    drive(DP, script)
+
+
+def test_keys_after_enter_belong_to_the_list_again() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        burst(app, "/bias\rt")
+        await pilot.pause(0.3)
+        assert app.query_one("#filter", Input).value == "bias"
+        assert not app.view.tree  # "t" after Enter switched to the flat list
+
+    drive(DP, script)
+
+
+def test_ctrl_c_quits() -> None:
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("slash", "a", "ctrl+c")
+        await pilot.pause()
+
+    app = drive(DP, script)
+    assert app.return_code == 130

@@ -197,6 +197,7 @@ def test_a_second_pickle_is_reported_even_when_harmless(tmp_path: Path) -> None:
     path.write_bytes(benign_object() + benign_object() + b"junk")
     ckpt = ckptool.open(path)
     assert ckpt.unsafe_globals == []
-    assert ckpt.warnings == [f"{len(benign_object()) + 4} bytes follow the end of the pickle (1 more pickle, read "
+    size = len(benign_object()) + 4
+    assert ckpt.warnings == [f"{size} bytes follow the end of the pickle (1 more pickle, read "
                              "for what they name, then 4 bytes that are not): torch.load "
                              "ignores them, but they are not what torch.save writes"]

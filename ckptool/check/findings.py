@@ -101,6 +101,9 @@ def wrapping_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Fin
         return [Finding("no-state-dict", WARNING,
                         "no state dict found: no dict of tensors a model could load, so "
                         "there are no keys to compare with a model")]
+    # the entry's place as Python indexing: ['model'], [0]['state_dict']...
+    index = "".join(f"[{p}]" if p.isdigit() else f"[{p!r}]"
+                    for p in sd.path.split("/")) if sd.path else ""
     if sd.kind == "module" and ckpt.format != "torchscript":
         opts.extract = "auto"
         where = f"'{sd.path}'" if sd.path else "the file"
@@ -108,14 +111,13 @@ def wrapping_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Fin
             "pickled-module", ERROR,
             f"{where} is a whole pickled nn.Module, not a state dict: plain torch.load "
             "refuses it (weights_only) and loading it needs its class importable",
-            f"ckptool fix {name} --extract", "model.load_state_dict(torch.load(path, "
-            "weights_only=False).state_dict())  # only for a trusted file")]
+            f"ckptool fix {name} --extract", f"model.load_state_dict(torch.load(path, "
+            f"weights_only=False){index}.state_dict())  # only for a trusted file")]
     if not sd.path:
         return []
     opts.extract = "auto"
     others = [k for k in _top_keys(ckpt) if k != sd.path.split("/")[0]]
     beside = f" next to {', '.join(others[:6])}" if others else ""
-    index = "".join(f"[{p}]" if p.isdigit() else f"[{p!r}]" for p in sd.path.split("/"))
     return [Finding(
         "wrapped-state-dict", WARNING,
         f"the weights are the state dict under '{sd.path}'{beside}: "

@@ -76,8 +76,7 @@ def module_tensors(mod: StandIn, prefix: str = "", depth: int = 0) -> Iterator[t
             elif module_kind(value) == "script":
                 yield from module_tensors(value, f"{prefix}{name}.", depth + 1)
         return
-    skip = state.get("_non_persistent_buffers_set")
-    skip = skip if isinstance(skip, (set, frozenset)) else set()
+    skip = _set_of(state.get("_non_persistent_buffers_set"))
     for table in ("_parameters", "_buffers"):
         items = state.get(table)
         if isinstance(items, dict):
@@ -89,6 +88,37 @@ def module_tensors(mod: StandIn, prefix: str = "", depth: int = 0) -> Iterator[t
         for name, sub in subs.items():
             if module_kind(sub) is not None:
                 yield from module_tensors(sub, f"{prefix}{key_text(name)}.", depth + 1)
+
+
+def _set_of(value: Any) -> set[Any]:
+    """A pickled set, as either read makes it: a real set, or (read
+    faithfully, to be written back) the call ``builtins.set([...])``."""
+    if isinstance(value, (set, frozenset)):
+        return set(value)
+    if isinstance(value, StandIn) and value.qualname in ("builtins.set", "builtins.frozenset"):
+        items = value.args[0] if value.args else ()
+        if isinstance(items, (list, tuple)):
+            return {k for k in items if isinstance(k, str)}
+    return set()
+
+
+# torch.nn classes whose ``_version`` is not Module's 1 (state_dict's _metadata)
+_VERSIONS = {f"torch.nn.modules.batchnorm.{name}": 2 for name in (
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "SyncBatchNorm", "LazyBatchNorm1d",
+    "LazyBatchNorm2d", "LazyBatchNorm3d", "_BatchNorm", "_NormBase")}
+
+
+def module_metadata(mod: StandIn, prefix: str = "", depth: int = 0
+                    ) -> Iterator[tuple[str, dict[str, int]]]:
+    """``state_dict()._metadata`` of a pickled nn.Module: each module's dotted
+    path (the root's is "") with its class's version, in state_dict order."""
+    if depth > MAX_MODULE_DEPTH or module_kind(mod) != "nn":
+        return
+    yield prefix[:-1], {"version": _VERSIONS.get(mod.qualname, 1)}
+    subs = mod.state_dict_view().get("_modules")
+    if isinstance(subs, dict):
+        for name, sub in subs.items():
+            yield from module_metadata(sub, f"{prefix}{key_text(name)}.", depth + 1)
 
 
 def children(obj: Any) -> Iterator[tuple[str, Any]]:

@@ -46,8 +46,11 @@ class BrowseApp(LoadingApp):
     TITLE = "ckptool browse"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = [
-        Binding("slash", "filter", "Filter"),
-        Binding("g", "jump", "Jump"),
+        # priority: taken in the order keys come, before any later key is
+        # handed to the widget with the focus (see check_action)
+        Binding("slash", "filter", "Filter", priority=True),
+        Binding("g", "jump", "Jump", priority=True),
+        Binding("enter", "filter_done", show=False, priority=True),
         Binding("o", "sort", "Sort"),
         Binding("t", "toggle_view", "Tree"),
         Binding("s", "stats", "Stats"),
@@ -57,6 +60,7 @@ class BrowseApp(LoadingApp):
         Binding("tab", "focus_next", "Next pane", show=False),
         Binding("question_mark", "help", "Help"),
         Binding("q", "quit", "Quit"),
+        Binding("ctrl+c", "interrupt", "Quit", show=False, priority=True),
     ]
 
     def __init__(self, path: str, *, machine: Machine | None = None,
@@ -142,7 +146,9 @@ class BrowseApp(LoadingApp):
     def action_filter(self) -> None:
         box = self.query_one("#filter", Input)
         box.display = True
-        box.focus()
+        # now, not once the queue is through (Widget.focus): keys typed or pasted
+        # right after "/" are in that queue, and belong to the filter
+        self.screen.set_focus(box)
         # while typing, the cursor goes back to this row whenever it shows:
         # a pattern that hides it for a keystroke ("*." on the way to "*.bias")
         # does not lose it
@@ -153,11 +159,12 @@ class BrowseApp(LoadingApp):
         self.view.set_filter(event.value)
         self._refresh_rows(keep=self._anchor)
 
-    @on(Input.Submitted, "#filter")
-    def filter_done(self) -> None:
+    def action_filter_done(self) -> None:
+        """Enter keeps the filter and gives the list its keys back, before a
+        key typed after Enter is handed on."""
         box = self.query_one("#filter", Input)
         box.display = bool(box.value)
-        self.query_one(TensorTable).focus()
+        self.screen.set_focus(self.query_one(TensorTable))
 
     def on_key(self, event: Any) -> None:
         box = self.query_one("#filter", Input)
@@ -166,7 +173,7 @@ class BrowseApp(LoadingApp):
             box.value = ""
             box.display = False
             self.view.set_filter("")
-            self.query_one(TensorTable).focus()
+            self.screen.set_focus(self.query_one(TensorTable))
             self._refresh_rows()
 
     # -- actions -------------------------------------------------------------------
@@ -260,6 +267,20 @@ class BrowseApp(LoadingApp):
             return
         main.add_class("-findings")
         self.query_one("#findings-box").focus()
+
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """"/" and "g" open their input only from the list: typed into an
+        input (a key may hold a slash) or over a dialog, they are text."""
+        if action in ("filter", "jump"):
+            return not (isinstance(self.focused, Input) or self.screen is not self.screen_stack[0])
+        if action == "filter_done":  # Enter in the filter; anywhere else, its usual work
+            return self.focused is self.query_one("#filter", Input)
+        return True
+
+    def action_interrupt(self) -> None:
+        """Ctrl-C quits, as in any terminal tool (exit 130, as ckptool's other
+        commands when interrupted)."""
+        self.exit(130, return_code=130)
 
     def action_help(self) -> None:
         self.push_screen(HelpScreen())

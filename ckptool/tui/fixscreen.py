@@ -86,6 +86,7 @@ class FixScreen(ModalScreen[str | None]):
         self.previews = 0  # previews made (tests count them)
         self.writing = False
         self.written: str | None = None
+        self.closed = False  # dismissed: a plan that ends now has nowhere to go
         self._debounce: Timer | None = None
         self._clock: Timer | None = None
         self._progressed = False
@@ -192,8 +193,8 @@ class FixScreen(ModalScreen[str | None]):
                  error: CkptoolError | None) -> None:
         self.planning = False
         self.previews += 1
-        if not self.is_attached:
-            return  # closed while it was planned
+        if self.closed or not self.is_attached:
+            return  # closed while it was planned (its widgets may be gone already)
         if opts != self.opts:  # the fields changed meanwhile
             if self.opts is not None:  # plan what they say now (else they show an error)
                 self.planning = True
@@ -360,4 +361,5 @@ class FixScreen(ModalScreen[str | None]):
         if self.writing:
             self.notify("still writing; it stops safely only when done", severity="warning")
             return
+        self.closed = True
         self.dismiss(self.written)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from itertools import islice
 
 from rich.text import Text
-from textual import on
+from textual import events, on
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Grid, Vertical, VerticalScroll
@@ -36,7 +36,7 @@ HELP = """\
       in tmux: set -g set-clipboard on), and shown to select by hand
   x   preview a fix, then write it (ctrl+s) as `ckptool fix` does
   f   findings: what `ckptool diagnose` reports
-  ?   this help (Esc closes it)    q  quit
+  ?   this help (Esc closes it)    q  quit (ctrl+c too)
 """
 
 
@@ -87,6 +87,19 @@ class JumpScreen(ModalScreen[str | None]):
                         suggester=KeySuggester(self.keys, self.lower))
             yield Static("", id="jump-candidates", classes="dialog-hint")
             yield Label("", id="jump-error", classes="dialog-error")
+
+    def on_mount(self) -> None:
+        self.set_focus(self.query_one("#jump-input", Input))
+
+    def on_key(self, event: events.Key) -> None:
+        """Keys typed right after "g" reach the screen before its input has
+        the focus: they are text for the input all the same."""
+        box = self.query_one("#jump-input", Input)
+        if not box.has_focus and event.is_printable and event.character:
+            event.stop()
+            event.prevent_default()
+            box.insert_text_at_cursor(event.character)
+            self.set_focus(box)
 
     def starting(self, text: str) -> list[str]:
         low = text.lower()

@@ -28,7 +28,7 @@ from ckptool.read.formats.torch_zip import TORCH_ZIP
 from ckptool.read.policy import UNSAFE
 from ckptool.read.tensors import CompositeTensor, StorageRef, StorageType, TensorRecord
 from ckptool.read.values import StandIn
-from ckptool.read.walk import children, module_kind, module_tensors
+from ckptool.read.walk import children, module_kind, module_metadata, module_tensors
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
@@ -149,10 +149,15 @@ def _replace(root: Any, parent: Any, key: Any, new: Any) -> Any:
 
 
 def _state_dict_of(obj: Any) -> Any:
-    """A module (pickled nn.Module, TorchScript) as an OrderedDict of its tensors."""
+    """A module (pickled nn.Module, TorchScript) as an OrderedDict of its
+    tensors: what its ``state_dict()`` returns, ``_metadata`` included."""
     if module_kind(obj) is None:
         return obj
-    return OrderedDict(module_tensors(obj))
+    sd: Any = OrderedDict(module_tensors(obj))
+    meta = OrderedDict(module_metadata(obj))
+    if meta:
+        sd._metadata = meta
+    return sd
 
 
 def _rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
