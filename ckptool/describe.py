@@ -10,10 +10,23 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from ckptool.model import TensorInfo
+
 
 def shape_text(shape: Iterable[int]) -> str:
     """``(3, 4)`` -> ``3x4``; ``()`` -> ``scalar``."""
     return "x".join(str(s) for s in shape) or "scalar"
+
+
+def tensor_shape(t: TensorInfo) -> str:
+    """A tensor's shape as the views print it: ``3x4``, and for a sparse
+    tensor its dense shape with its layout and stored values,
+    ``1000x1000 coo, 12 nnz``."""
+    if not t.parts:
+        return shape_text(t.shape)
+    kind = t.layout.removeprefix("sparse_")
+    nnz = f", {t.nnz} nnz" if t.nnz is not None else ""
+    return f"{shape_text(t.shape)} {kind}{nnz}"
 
 
 def human_bytes(n: int) -> str:

@@ -29,12 +29,21 @@ class TensorInfo:
     nbytes: int  # bytes this tensor's elements take
     requires_grad: bool = False
     is_parameter: bool = False
-    layout: str = "strided"  # strided, quantized, sparse parts, storage...
+    layout: str = "strided"  # strided, quantized, sparse_coo, sparse_csr..., nested, storage
     subclass: str | None = None  # tensor subclass named by the file, if any
+    # a sparse (or nested) tensor is one tensor with a dense shape, made of
+    # these: "indices" and "values", keyed "<its key>/indices"...
+    parts: tuple[TensorInfo, ...] = ()
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def nnz(self) -> int | None:
+        """Stored values of a sparse tensor (None for any other)."""
+        values = next((p for p in self.parts if p.key.endswith("/values")), None)
+        return values.shape[0] if values is not None and values.shape else None
 
     @property
     def is_floating(self) -> bool:

@@ -3,11 +3,13 @@ README's promises hold on files made the way users make them."""
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -82,3 +84,77 @@ def test_a_pickled_module_is_its_state_dict(which: str, whole: dict[str, Path],
     net.load_state_dict(sd, strict=True)
     result = ckptool.convert(str(path), str(tmp_path / f"{which}.safetensors"))
     assert result.tensors == len(want)
+
+
+# -- sparse tensors ------------------------------------------------------------------
+
+@pytest.fixture(params=["zip", "legacy"])
+def sparse_file(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    gen = torch.Generator().manual_seed(0)
+    sd = {"sp": torch.randn(3, 3, generator=gen).to_sparse(),
+          "csr": torch.randn(4, 3, generator=gen).to_sparse_csr(), "w": torch.ones(2)}
+    path = tmp_path / "sparse.pth"
+    torch.save(sd, path, _use_new_zipfile_serialization=request.param == "zip")
+    return path, sd
+
+
+def test_sparse_tensors_are_one_tensor_each(sparse_file: tuple[Path, dict[str, Any]],
+                                            run_cli: RunCli) -> None:
+    path, _ = sparse_file
+    ckpt = ckptool.open(path)
+    assert [t.key for t in ckpt.tensors] == ["sp", "csr", "w"]
+    sp = ckpt.tensors[0]
+    assert (sp.layout, sp.shape, sp.nnz, sp.dtype) == ("sparse_coo", (3, 3), 9, "float32")
+    assert ckpt.main_state_dict is not None and ckpt.main_state_dict.num_tensors == 3
+    code, out, _ = run_cli("inspect", str(path))
+    assert code == 0 and "3x3 coo, 9 nnz" in out and "4x3 csr, 12 nnz" in out
+    data = json.loads(run_cli("inspect", "--json", str(path))[1])
+    assert data["tensors"][0]["nnz"] == 9 and len(data["tensors"][0]["parts"]) == 2
+    assert all(s["tensors"] for s in data["storages"])  # every storage viewed by a part
+
+
+@pytest.mark.parametrize("flags", [["--to", "cpu"], ["--to", "cuda:0"], ["--dtype", "fp16"],
+                                   ["--add-prefix", "m."]])
+def test_sparse_tensors_are_rewritten(flags: list[str], sparse_file: tuple[Path, dict[str, Any]],
+                                      tmp_path: Path, run_cli: RunCli) -> None:
+    path, sd = sparse_file
+    out = tmp_path / "out.pth"
+    code, _, err = run_cli("fix", str(path), *flags, "-o", str(out))
+    assert code == 0, err
+    got = torch.load(out, map_location="cpu")
+    prefix = "m." if "--add-prefix" in flags else ""
+    for key, want in sd.items():
+        t = got[prefix + key]
+        assert t.layout == want.layout
+        dense = t.to_dense().float() if t.layout != torch.strided else t.float()
+        expected = want.to_dense() if want.layout != torch.strided else want
+        assert torch.allclose(dense, expected, atol=1e-2)
+    if prefix:
+        return  # diff pairs names, and "m." is no wrapper it takes off
+    code, out_text, _ = run_cli("diff", str(path), str(out), "--json")
+    report = json.loads(out_text)
+    assert report["num_only_in_a"] == report["num_only_in_b"] == 0
+    if flags == ["--to", "cpu"]:
+        assert code == 0 and report["num_identical"] == 3
+
+
+def test_safetensors_says_it_holds_no_sparse_tensor(sparse_file: tuple[Path, dict[str, Any]],
+                                                    tmp_path: Path, run_cli: RunCli) -> None:
+    path, _ = sparse_file
+    code, out, err = run_cli("convert", str(path), str(tmp_path / "o.safetensors"))
+    assert code == 0, err
+    assert "sp (a sparse_coo tensor: safetensors holds dense tensors only" in out
+    assert "csr (a sparse_csr tensor" in out
+
+
+def test_sparse_statistics_are_of_the_stored_values(
+        sparse_file: tuple[Path, dict[str, Any]]) -> None:
+    from ckptool.check.stats import tensor_stats
+    from ckptool.read.tensor_data import TensorData
+
+    path, sd = sparse_file
+    ckpt = ckptool.open(path)
+    with TensorData(ckpt) as data:
+        stats = tensor_stats(data, ckpt.tensors[0])
+    assert stats.numel == 9 and stats.note and "stored values" in stats.note
+    assert stats.max == pytest.approx(float(sd["sp"].values().max()))

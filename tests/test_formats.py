@@ -207,7 +207,9 @@ def test_checkpoint_with_wrappers_and_odd_values(tmp_path: Path) -> None:
                                     if v.is_floating_point())
     keys = {t.key for t in ckpt.tensors}
     assert "optimizer/state/0/exp_avg" in keys
-    assert {"sparse/indices", "sparse/values"} <= keys
+    sparse = next(t for t in ckpt.tensors if t.key == "sparse")  # one tensor, its parts under it
+    assert (sparse.layout, sparse.shape, sparse.nnz) == ("sparse_coo", (3, 3), 3)
+    assert [p.key for p in sparse.parts] == ["sparse/indices", "sparse/values"]
     entries = {e.key: e for e in ckpt.entries}
     assert entries["epoch"].value == 5
     assert entries["best_acc"].value == pytest.approx(0.91)

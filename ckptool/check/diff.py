@@ -121,12 +121,33 @@ def _compare_pair(report: DiffReport, name: str, ta: TensorInfo, tb: TensorInfo,
 def _compare_values(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) -> ValueDiff:
     from ckptool.check.tensor_compare import compare_values
 
+    if ta.parts or tb.parts:
+        return _compare_parts(ra, rb, ta, tb)
     try:
         va = ra.values(ta)
         vb = rb.values(tb)
     except UnsupportedCheckpointError as exc:
         return not_compared(exc.message)
     return compare_values(va, vb, ta.dtype, tb.dtype)
+
+
+def _compare_parts(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) -> ValueDiff:
+    """Two sparse tensors, part by part (never made dense: a sparse tensor's
+    dense form can be far larger than the file): the same indices and the
+    values compared, or a different sparsity pattern."""
+    names_a = [p.key.rsplit("/", 1)[-1] for p in ta.parts]
+    names_b = [p.key.rsplit("/", 1)[-1] for p in tb.parts]
+    if ta.layout != tb.layout or names_a != names_b:
+        return not_compared(f"a {ta.layout} tensor and a {tb.layout} one")
+    results = {name: _compare_values(ra, rb, pa, pb)
+               for name, pa, pb in zip(names_a, ta.parts, tb.parts, strict=True)}
+    if any(r.status == NOT_COMPARED for r in results.values()):
+        return next(r for r in results.values() if r.status == NOT_COMPARED)
+    values = results.get("values", next(iter(results.values())))
+    patterns = [r for name, r in results.items() if name != "values"]
+    if any(r.status == DIFFERENT for r in patterns):
+        return ValueDiff(DIFFERENT, values.numel, values.numel, None, 0)  # other places
+    return values
 
 
 class _Values:

@@ -92,6 +92,11 @@ def tensor_stats(data: TensorData, tensor: TensorInfo, chunk_elems: int = CHUNK_
     """
     if chunk_elems < 1:
         raise ValueError(f"chunk_elems must be positive, not {chunk_elems}")
+    stored_values = next((p for p in tensor.parts if p.key.endswith("/values")), None)
+    if stored_values is not None:  # a sparse tensor: its stored values (no dense copy)
+        stats = tensor_stats(data, stored_values, chunk_elems, cancelled)
+        stored = f"the {stored_values.numel:,} stored values of a {tensor.layout} tensor"
+        return replace(stats, note=f"{stored}; {stats.note}" if stats.note else stored)
     dtype = tensor.dtype
     if tensor.storage is None or tensor.stride is None or tensor.numel == 0:
         # TensorData raises its own error for what it cannot read; else the tensor is empty

@@ -13,7 +13,7 @@ from rich.text import Text
 
 from ckptool.check.diff import ALL, Change, DiffReport, Side
 from ckptool.check.tensor_compare import EQUAL, NOT_COMPARED
-from ckptool.describe import shape_text
+from ckptool.describe import tensor_shape
 from ckptool.model import TensorInfo
 
 
@@ -56,11 +56,11 @@ def render_summary(console: Console, report: DiffReport) -> None:
 
 
 def _brief(t: TensorInfo) -> str:
-    return f"{shape_text(t.shape)} {t.dtype}"
+    return f"{tensor_shape(t)} {t.dtype}"
 
 
 def _changed(t: TensorInfo, changes: tuple[str, ...]) -> str:
-    shown = {"shape": shape_text(t.shape), "dtype": t.dtype,
+    shown = {"shape": tensor_shape(t), "dtype": t.dtype,
              "location": t.location or "-", "layout": t.layout}
     return " ".join(shown[c] for c in changes if c in shown)
 

@@ -59,6 +59,7 @@ def tensor_dict(t: TensorInfo) -> dict[str, Any]:
         "storage_offset": t.storage_offset, "storage": t.storage,
         "location": t.location, "nbytes": t.nbytes, "requires_grad": t.requires_grad,
         "is_parameter": t.is_parameter, "layout": t.layout, "subclass": t.subclass,
+        **({"nnz": t.nnz, "parts": [tensor_dict(p) for p in t.parts]} if t.parts else {}),
     }
 
 

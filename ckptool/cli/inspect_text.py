@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.describe import human_bytes, human_count, shape_text
+from ckptool.describe import human_bytes, human_count, tensor_shape
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 
 _SEP = re.compile(r"[/.]")
@@ -112,7 +112,7 @@ def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int) 
         shares = labels.get(t.storage or "", "")
         if shares and t.storage_offset:
             shares += f" @{t.storage_offset}"
-        table.add_row(t.key, shape_text(t.shape), t.dtype,
+        table.add_row(t.key, tensor_shape(t), t.dtype,
                       t.location or "-", human_bytes(t.nbytes), shares)
     console.print(table)
     if len(shown) < len(rows):

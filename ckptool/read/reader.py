@@ -17,9 +17,10 @@ from ckptool.read import formats, observe, policy, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
-from ckptool.read.tensors import StorageRef, TensorRecord
+from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
 from ckptool.read.walk import Candidate, walk
 
+TENSORS = (TensorRecord, StorageRef, CompositeTensor)
 # names under which checkpoints keep their weights, most telling first
 PREFERRED_NAMES = (
     "state_dict", "model_state_dict", "model", "net", "network", "module",
@@ -45,7 +46,7 @@ def open_checkpoint(path: str | os.PathLike[str],
     path = os.fspath(path)
     if on_tensors is None:
         return assemble(path, formats.read(path))
-    with observe.observe(_partial_tensors(on_tensors), (TensorRecord, StorageRef)):
+    with observe.observe(_partial_tensors(on_tensors), TENSORS):
         raw = formats.read(path)
     return assemble(path, raw)
 
@@ -55,7 +56,7 @@ def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.
         # as walk.path_of: every name joined by "/" (walk.key_text of a str is itself)
         prefix = "".join(f"{name}/" for name in path)
         infos = [tensor_info(prefix + key, value) for key, value in pairs
-                 if type(key) is str and isinstance(value, (TensorRecord, StorageRef))]
+                 if type(key) is str and isinstance(value, TENSORS)]
         if infos:
             on_tensors(infos)
     return added
@@ -96,7 +97,15 @@ def assemble(path: str, raw: RawRead) -> Checkpoint:
 
 
 def tensor_info(key: str, rec: Any) -> TensorInfo:
-    """The TensorInfo of a TensorRecord, or of a StorageRef saved on its own."""
+    """The TensorInfo of a TensorRecord, of a StorageRef saved on its own, or
+    of a sparse or nested tensor (its parts under it)."""
+    if isinstance(rec, CompositeTensor):
+        parts = tuple(tensor_info(f"{key}/{name}", part) for name, part in rec.parts.items()
+                      if isinstance(part, (TensorRecord, StorageRef, CompositeTensor)))
+        main = next((p for p in parts if p.key.endswith("/values")), parts[0] if parts else None)
+        return TensorInfo(key, rec.shape, main.dtype if main else "?", None, 0, None,
+                          main.location if main else None, sum(p.nbytes for p in parts),
+                          layout=rec.layout, parts=parts)
     if isinstance(rec, StorageRef):  # a storage saved on its own
         return TensorInfo(key, (rec.numel,), rec.dtype, (1,), 0, rec.key, rec.location,
                           rec.nbytes, layout="storage")
@@ -113,8 +122,9 @@ def tensor_info(key: str, rec: Any) -> TensorInfo:
 def _storages(refs: dict[str, StorageRef], tensors: list[TensorInfo]) -> dict[str, StorageInfo]:
     viewers: dict[str, list[TensorInfo]] = {}
     for t in tensors:
-        if t.storage is not None:
-            viewers.setdefault(t.storage, []).append(t)
+        for view in (t, *t.parts):  # a sparse tensor views its parts' storages
+            if view.storage is not None:
+                viewers.setdefault(view.storage, []).append(view)
     out = {}
     for sid, ref in refs.items():
         views = viewers.get(sid, [])

@@ -219,6 +219,15 @@ def rebuild_device_tensor_from_numpy(data: Any, dtype: Any, device: Any,
                         requires_grad=bool(requires_grad))
 
 
+def _layout_name(layout: Any) -> str:
+    """``torch.sparse_coo`` as either read gives it: the constant, or (read
+    faithfully) the call ``torch.serialization._get_layout('torch.sparse_coo')``."""
+    if isinstance(layout, StandIn) and layout.qualname == "torch.serialization._get_layout" \
+            and layout.args and isinstance(layout.args[0], str):
+        layout = layout.args[0]
+    return name_of(layout).removeprefix("torch.")
+
+
 def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
     names = {
         "sparse_coo": ("indices", "values", "size"),
@@ -226,12 +235,14 @@ def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
         "sparse_csc": ("ccol_indices", "row_indices", "values", "size"),
         "sparse_bsr": ("crow_indices", "col_indices", "values", "size"),
         "sparse_bsc": ("ccol_indices", "row_indices", "values", "size"),
-    }.get(name_of(layout).removeprefix("torch."), ())
+    }.get(_layout_name(layout), ())
     items = data if isinstance(data, tuple) else ()
     parts = {n: v for n, v in zip(names, items, strict=False) if n != "size"}
     size = next((v for n, v in zip(names, items, strict=False) if n == "size"), ())
-    shape = _shape(size) if isinstance(size, tuple) else ()
-    return CompositeTensor(name_of(layout).removeprefix("torch."), shape, parts)
+    if isinstance(size, StandIn) and size.qualname == "torch.Size" and size.args:
+        size = size.args[0]  # read faithfully: the call torch.Size((3, 3))
+    shape = _shape(size) if isinstance(size, (tuple, list)) else ()
+    return CompositeTensor(_layout_name(layout), shape, parts)
 
 
 def rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, offsets: Any) -> CompositeTensor:

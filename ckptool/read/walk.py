@@ -49,7 +49,9 @@ def key_text(key: Any) -> str:
 
 
 def is_tensor(obj: Any) -> bool:
-    return isinstance(obj, (TensorRecord, StorageRef))
+    """A tensor, a storage saved on its own, or a sparse (nested) tensor: one
+    tensor each, whatever its parts."""
+    return isinstance(obj, (TensorRecord, StorageRef, CompositeTensor))
 
 
 def module_kind(obj: Any) -> str | None:
@@ -129,8 +131,6 @@ def children(obj: Any) -> Iterator[tuple[str, Any]]:
     elif isinstance(obj, (list, tuple)):
         for i, v in enumerate(obj):
             yield str(i), v
-    elif isinstance(obj, CompositeTensor):
-        yield from obj.parts.items()
     elif isinstance(obj, StandIn):
         for i, v in enumerate(obj.args):
             yield str(i), v
@@ -152,7 +152,7 @@ def _is_state_dict(obj: Any) -> bool:
         return False
     found = False
     for k, v in obj.items():
-        if isinstance(v, TensorRecord):
+        if isinstance(v, (TensorRecord, CompositeTensor)):
             found = True
         elif not (isinstance(k, str) and k.endswith("_extra_state")):
             return False
@@ -231,7 +231,7 @@ def walk(root: Any, base: str = "") -> Walked:
 
 
 def _is_container(obj: Any) -> bool:
-    return isinstance(obj, (dict, list, tuple, StandIn, CompositeTensor))
+    return isinstance(obj, (dict, list, tuple, StandIn))
 
 
 def _mark(oid: int | None, parent: dict[int, int], holds: set[int]) -> None:

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.stats import TensorStats
-from ckptool.describe import human_bytes, human_count, shape_text, shown
+from ckptool.describe import human_bytes, human_count, shown, tensor_shape
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 from ckptool.tui.index import Node
 
@@ -100,7 +100,7 @@ def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLo
     sharing, where it was saved and where it lands here."""
     text = Text()
     text.append(shown(t.key) + "\n", style="bold")
-    kind = [shape_text(t.shape), shown(t.dtype), f"{t.numel:,} elements", human_bytes(t.nbytes)]
+    kind = [tensor_shape(t), shown(t.dtype), f"{t.numel:,} elements", human_bytes(t.nbytes)]
     if t.is_parameter:
         kind.append("parameter")
     if t.requires_grad:

@@ -22,7 +22,7 @@ from textual.message import Message
 from textual.scroll_view import ScrollView
 from textual.strip import Strip
 
-from ckptool.describe import human_bytes, human_count, shape_text, shown
+from ckptool.describe import human_bytes, human_count, shown, tensor_shape
 from ckptool.model import NO_LOCATION, TensorInfo
 from ckptool.tui.index import Index, Node, Rows, leaf_name
 from ckptool.tui.rows import position
@@ -66,7 +66,7 @@ def _fitting(width: int, *choices: str) -> str:
 
 
 def tensor_cells(t: TensorInfo) -> tuple[str, str, str, str]:
-    return (shape_text(t.shape), shown(t.dtype), shown(_device(t.location)),
+    return (tensor_shape(t), shown(t.dtype), shown(_device(t.location)),
             human_bytes(t.nbytes))
 
 

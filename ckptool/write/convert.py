@@ -85,10 +85,14 @@ def convert(src: str, dst: str, *, force: bool = False,
 
 def _plan_names(source: Checkpoint) -> tuple[dict[str, TensorInfo], dict[str, str], list[str]]:
     """(tensors to write, aliases, names written as copies of shared storage)."""
-    sd = source.state_dict()
+    sd = {name: t for name, t in source.state_dict().items() if not t.parts}
     if not sd:
-        raise UnsupportedCheckpointError("no state dict found to convert",
-                                         "see `ckptool inspect` for what the file holds")
+        sparse = [name for name, t in source.state_dict().items() if t.parts]
+        raise UnsupportedCheckpointError(
+            "no dense state dict to convert" + (
+                f": {', '.join(sparse[:3])} {'is' if len(sparse) == 1 else 'are'} sparse, "
+                "and safetensors holds dense tensors only" if sparse else ""),
+            "see `ckptool inspect` for what the file holds")
     bad = sorted({t.dtype for t in sd.values() if t.dtype not in ST_CODES})
     if bad:
         raise UnsupportedCheckpointError(f"safetensors cannot hold {', '.join(bad)} tensors",
@@ -126,6 +130,10 @@ def _to_safetensors(source: Checkpoint, dst: str, output: AtomicOutput,
         else:
             result.left_out.append(f"{e.key} ({e.type})")
     result.kept_entries = list(entries)
+    for name, t in source.state_dict().items():
+        if t.parts:
+            result.left_out.append(f"{name} (a {t.layout} tensor: safetensors holds dense "
+                                   "tensors only; .to_dense() it first to keep it)")
     outside = [t.key for t in source.tensors
                if not (t.key.startswith(f"{sd_path}/") or not sd_path)]
     if outside:

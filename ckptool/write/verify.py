@@ -16,10 +16,12 @@ Two kinds of check, both on the output as written:
 
 from __future__ import annotations
 
+import dataclasses
 import os
+from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.model import Checkpoint
+from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read.formats.base import RawRead
 from ckptool.read.reader import open_checkpoint, tensor_info
 from ckptool.read.tensor_data import TensorData
@@ -78,14 +80,26 @@ def check_tensors(written: Checkpoint | RawRead, plan: Plan) -> None:
         raise CorruptCheckpointError(f"the output's keys differ from the plan: {missing}",
                                      _BUG)
     for key, rec in want.items():
-        t = got[key]
-        sid = rec.storage.key if rec.storage is not None else None
-        dtype = plan.casts[sid][1] if sid in plan.casts else rec.dtype
-        location = plan.retargets.get(sid or "", rec.location)
-        if (t.shape, t.stride, t.storage_offset, t.dtype, t.location, t.storage) != (
-                rec.shape, rec.stride, rec.storage_offset, dtype, location, sid):
+        if _fields(got[key]) != _fields(_planned(tensor_info(key, rec), plan)):
             raise CorruptCheckpointError(f"the output's {key} does not match the plan",
                                          _BUG)
+
+
+def _planned(t: TensorInfo, plan: Plan) -> TensorInfo:
+    """A tensor of the input as the plan writes it: cast, retargeted."""
+    if t.parts:  # a sparse tensor: its parts are, and it is where its values are
+        parts = tuple(_planned(p, plan) for p in t.parts)
+        main = next((p for p in parts if p.key.endswith("/values")), parts[0])
+        return dataclasses.replace(t, dtype=main.dtype, location=main.location, parts=parts)
+    sid = t.storage or ""
+    return dataclasses.replace(t, dtype=plan.casts[sid][1] if sid in plan.casts else t.dtype,
+                               location=plan.retargets.get(sid, t.location))
+
+
+def _fields(t: TensorInfo) -> tuple[Any, ...]:
+    """What must match: where and what it is, and the same of its parts."""
+    return (t.shape, t.stride, t.storage_offset, t.dtype, t.location, t.storage, t.layout,
+            tuple(_fields(p) for p in t.parts))
 
 
 def check_directory(path: str, records: list[Written]) -> None:
