@@ -288,14 +288,22 @@ def explain(hint: ShapeHint, only: bool = False) -> str:
 
 
 def _argument_fix(hints: list[ShapeHint], model: ModelKeys) -> str | None:
-    """The constructor call that would give the file's shapes."""
+    """The constructor call that would give the file's shapes: every argument
+    that differs, each set to the file's value (one argument per pair of
+    values, the one the checkpoint's saved settings name when they do)."""
+    args = dict(model.given)
+    changed = set()
     for hint in hints:
-        if hint.arguments:
-            saved = {s.split(".")[-1] for s in hint.saved}
-            name = next((a for a in hint.arguments if a in saved), hint.arguments[0])
-            args = {**model.given, name: hint.file_value}
-            return f"{model.name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
-    return None
+        free = [a for a in hint.arguments if a not in changed]
+        if not free:
+            continue
+        saved = {s.split(".")[-1] for s in hint.saved}
+        name = next((a for a in free if a in saved), free[0])
+        args[name] = hint.file_value
+        changed.add(name)
+    if not changed:
+        return None
+    return f"{model.name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
 
 
 def _some(keys: list[str]) -> str:

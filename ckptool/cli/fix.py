@@ -54,7 +54,7 @@ def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[s
         extract=extract, drop=drop,
         dtype=planning.DTYPE_NAMES[dtype] if dtype else None,
         to=planning.parse_device(to) if to else None,
-        maps=tuple((planning.parse_device(a), planning.parse_device(b))
+        maps=tuple((planning.parse_tag(a), planning.parse_device(b))
                    for a, b in (planning.parse_pair(m, "--map") for m in maps)),
     )
     with progress(quiet) as update:

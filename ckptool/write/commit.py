@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -38,7 +39,10 @@ class AtomicOutput:
 
     def __init__(self, target: str | os.PathLike[str], force: bool = False,
                  fsync: bool = False) -> None:
-        self.target = Path(target)
+        # a link to a file is written through, as cp does: the link stays and
+        # its target gets the new bytes
+        self.target = Path(os.path.realpath(target)) if os.path.islink(target) else Path(target)
+        self._replaced: os.stat_result | None = None  # the file this one replaces
         self.force = force
         self.durable = fsync  # also once it turns out to replace a file
         self.file: IO[bytes]
@@ -52,6 +56,7 @@ class AtomicOutput:
                 raise UsageError(f"{self.target} already exists",
                                  "pass --force to overwrite it, or -o to choose another path")
             self.durable = True
+            self._replaced = os.stat(self.target)
         directory = self.target.parent
         if not directory.is_dir():
             raise UsageError(f"{directory} is not a directory",
@@ -112,6 +117,7 @@ class AtomicOutput:
         name, then ``rename`` replaces the target atomically.
         """
         self.file.flush()
+        self._keep_mode()
         if self._sync is not None:
             self._sync.join()
         elif self.durable:
@@ -142,6 +148,18 @@ class AtomicOutput:
                 os.fsync(dir_fd)
             finally:
                 os.close(dir_fd)
+
+    def _keep_mode(self) -> None:
+        """A file that replaces another keeps its permissions (a 0640 file
+        stays group-only), and its owner where the system lets us."""
+        old = self._replaced
+        if old is None:
+            return
+        fd = self.file.fileno()
+        os.fchmod(fd, stat.S_IMODE(old.st_mode))
+        if (old.st_uid, old.st_gid) != (os.fstat(fd).st_uid, os.fstat(fd).st_gid):
+            with contextlib.suppress(PermissionError):  # only root may give files away
+                os.fchown(fd, old.st_uid, old.st_gid)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

@@ -108,15 +108,14 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         plan = make_plan(source, opts)
         refuse_unsafe(plan.unsafe)
         result = FixResult(plan, source, target)
+        if not in_place:  # what the write would refuse, a dry run refuses too
+            _check_target(src, target, force)
         if dry_run:
             return result
         if in_place and raw.format == TORCH_ZIP and inplace.supported(plan):
             result.bytes_written = inplace.rewrite_in_place(src, source, plan)
             result.output, result.metadata_only = src, True
             return result
-        if not in_place and os.path.exists(target) and os.path.samefile(target, src):
-            raise UsageError("the output would overwrite the input",
-                             "choose another path with -o, or pass --in-place")
         out = early.out if early is not None else stack.enter_context(
             AtomicOutput(target, force=force or in_place, fsync=fsync))
         # 3 to 5: lay out, copy, verify, in the input's own format
@@ -133,6 +132,18 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         out.commit()
     result.output = target
     return result
+
+
+def _check_target(src: str, target: str, force: bool) -> None:
+    """The output path must not be the input, nor a file to keep."""
+    if not os.path.lexists(target):
+        return
+    if os.path.exists(target) and os.path.samefile(target, src):
+        raise UsageError("the output would overwrite the input",
+                         "choose another path with -o, or pass --in-place")
+    if not force:
+        raise UsageError(f"{target} already exists",
+                         "pass --force to overwrite it, or -o to choose another path")
 
 
 @dataclass

@@ -35,7 +35,14 @@ DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
 _CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 _STORAGE_CLASS = {"float32": "FloatStorage", "float16": "HalfStorage",
                   "bfloat16": "BFloat16Storage"}
-_DEVICE = re.compile(r"^[a-z][a-z0-9_]*(:\d+)?$")
+_TAG = re.compile(r"^[a-z][a-z0-9_]*(:\d+)?$")  # a tag as files write it
+# what torch.device() accepts (c10's device types), each with an optional
+# index; anything else is refused as torch refuses it
+DEVICE_TYPES = ("cpu", "cuda", "ipu", "xpu", "mkldnn", "opengl", "opencl", "ideep", "hip",
+                "ve", "fpga", "maia", "xla", "lazy", "vulkan", "mps", "meta", "hpu", "mtia",
+                "privateuseone")
+_DEVICE = re.compile(rf"^({'|'.join(DEVICE_TYPES)})(:(0|[1-9][0-9]*))?$")
+_LIKELY = {"gpu": "cuda", "cuda0": "cuda:0", "nvidia": "cuda", "apple": "mps", "tpu": "xla"}
 REWRITABLE = (TORCH_ZIP, TORCH_LEGACY, SAFETENSORS)  # formats fix writes back
 # pickles a rewrite copies byte for byte (the rest it writes from the plan)
 COPIED_PICKLES = {TORCH_LEGACY: HEADER_PICKLES}
@@ -99,11 +106,25 @@ def refuse_unsafe(names: list[str]) -> None:
             "(--extract); see `ckptool inspect` for where they are")
 
 
-def parse_device(tag: str) -> str:
-    if not _DEVICE.match(tag):
-        raise UsageError(f"not a device: {tag!r}",
-                         "use a torch device such as cpu, cuda:0, mps or xpu:1")
-    return tag
+def parse_device(text: str) -> str:
+    """A device to write storages as on: what ``torch.device()`` accepts."""
+    if not _DEVICE.match(text):
+        low = text.lower().replace(" ", "")
+        guess = low if _DEVICE.match(low) else _LIKELY.get(low)
+        meant = f"did you mean {guess}? " if guess else ""
+        raise UsageError(f"not a torch device: {text!r}",
+                         f"{meant}use one torch.device() accepts, such as cpu, cuda:0, mps "
+                         "or xpu:1")
+    return text
+
+
+def parse_tag(text: str) -> str:
+    """A saved location tag to match (the left side of ``--map``): any tag a
+    file can carry, torch's or a backend's torch here does not know (npu:0)."""
+    if not _TAG.match(text):
+        raise UsageError(f"not a location tag: {text!r}",
+                         "name a device as the file saved it: see `ckptool inspect FILE`")
+    return text
 
 
 def parse_pair(text: str, what: str) -> tuple[str, str]:
@@ -178,7 +199,9 @@ def _rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
         # "module" itself (the wrapper) becomes the root module ""
         renamed_meta: OrderedDict[Any, Any] = OrderedDict()
         for mk, mv in meta.items():
-            nk = rename(mk + ".")[:-1] if isinstance(mk, str) else mk
+            # a module path is a key prefix without its dot: "lin" names "lin.*",
+            # and the root "" names every key ("" + "model." is "model")
+            nk = rename(f"{mk}." if mk else "").removesuffix(".") if isinstance(mk, str) else mk
             renamed_meta.setdefault(nk, mv)
         new._metadata = renamed_meta  # type: ignore[attr-defined]
     return new, changes
@@ -308,6 +331,9 @@ def _plan_storages(plan: Plan, opts: FixOptions, ckpt: Checkpoint) -> None:
     for src in maps:
         if not any(r.location == src for r in used.values()):
             plan.notes.append(f"--map {src}=...: no storage is saved on {src}")
+    if "meta" in {opts.to, *maps.values()} and plan.retargets:
+        plan.notes.append("meta: the output's storages have no values; torch.load gives "
+                          "tensors of the right shapes that hold nothing")
 
 
 def new_pid(ref: StorageRef, plan: Plan, shared: dict[str, Any]) -> tuple[Any, ...]:
