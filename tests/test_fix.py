@@ -292,7 +292,7 @@ def test_unsafe_globals_are_refused_unless_removed(tmp_path: Path,
 
 
 @pytest.mark.parametrize(("args", "code", "message"), [
-    (["--to", "cuda 0"], 2, "not a device"),
+    (["--to", "cuda 0"], 2, "not a torch device"),
     (["--map", "cuda:2"], 2, "A=B"),
     (["--rename", "(=x"], 2, "bad --rename"),
     (["--drop", "nope"], 2, "no entry 'nope'"),
