@@ -100,7 +100,7 @@ def test_opens_with_summary_tree_and_findings() -> None:
                                      "state_dict/module.conv.weight"]
         findings = str(app.query_one("#findings").render())
         assert "device-unavailable" in findings and "wrapped-state-dict" in findings
-        assert "fix everything: ckptool fix dataparallel_cuda2.pth" in findings
+        assert f"fix everything: ckptool fix {DP}" in findings
 
     drive(DP, script)
 
@@ -437,7 +437,9 @@ def test_fix_preview_lists_keys_before_and_after(tmp_path: Path) -> None:
         await pilot.pause()
         summary = str(screen.query_one("#fix-summary").render())
         assert "9 tensors kept · 9 renamed · 9 moved · 6 left out" in summary
-        assert "--extract --strip-prefix module. --to cpu -o dp.fixed.pth" in summary
+        # the paths as the browser was given them
+        assert f"--extract --strip-prefix module. --to cpu -o {tmp_path / 'dp.fixed.pth'}" \
+            in summary
         lines = list(screen.query_one("#fix-preview").lines)
         assert lines[0] == "state_dict/module.conv.weight  ⇒  conv.weight   [cuda:2 → cpu]"
         assert any(line.startswith("optimizer/") and "(left out)" in line for line in lines)
@@ -456,6 +458,22 @@ def test_fix_preview_lists_keys_before_and_after(tmp_path: Path) -> None:
     drive(src, script)
     assert not (tmp_path / "dp.fixed.pth").exists()  # a preview writes nothing
     assert sorted(os.listdir(tmp_path)) == ["dp.pth"]
+
+
+def test_fix_dialog_proposes_a_name_no_write_would_refuse(tmp_path: Path) -> None:
+    src = tmp_path / "dp.pth"
+    shutil.copy(DP, src)
+    (tmp_path / "dp.fixed.pth").write_bytes(b"an earlier fix")
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen = app.screen
+        await until(pilot, lambda: screen.preview is not None, "the plan")  # type: ignore[attr-defined]
+        assert screen.query_one("#fix-output").value == "dp.fixed2.pth"
+        await pilot.press("escape")
+
+    drive(src, script)
+    assert (tmp_path / "dp.fixed.pth").read_bytes() == b"an earlier fix"
 
 
 def test_fix_writes_through_the_core_after_confirmation(tmp_path: Path) -> None:
@@ -658,7 +676,7 @@ def test_fix_preview_uses_the_read_checkpoint_and_plans_one_at_a_time(
         screen.query_one("#fix-output").value = "renamed.pth"
         await pilot.pause(0.4)
         assert screen.previews == made  # same plan, another name
-        assert "-o renamed.pth" in str(screen.query_one("#fix-summary").render())
+        assert f"-o {tmp_path / 'renamed.pth'}" in str(screen.query_one("#fix-summary").render())
         await pilot.press("ctrl+s", "y")
         await until(pilot, lambda: screen.written is not None, "the write")
 
@@ -778,8 +796,8 @@ def test_findings_pane_shows_what_diagnose_shows() -> None:
         text = str(app.query_one("#findings").render())
         assert text.startswith("keys model nets:Net: 10 expected · 0 match as saved · "
                                "9 after the rewrite · 1 missing · 0 unexpected · 1 shape")
-        assert "  or:  torch.load('dataparallel_cuda2.pth', map_location='cpu')" in text
-        assert "fix everything: ckptool fix dataparallel_cuda2.pth --extract" in text
+        assert f"  or:  torch.load('{DP}', map_location='cpu')" in text
+        assert f"fix everything: ckptool fix {DP} --extract" in text
         assert "still to resolve by hand: missing-keys, shape-mismatch" in text
         assert "target     a machine with 0 visible CUDA GPUs" in text
         assert "torch.load fails: RuntimeError: Attempting to deserialize" in text

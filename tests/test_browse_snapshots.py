@@ -60,11 +60,12 @@ def check(name: str, text: str) -> None:
 
 
 @pytest.fixture
-def sample(tmp_path: Path) -> Path:
-    # a copy under a fixed name: the dialogs show paths next to it
-    dst = tmp_path / "dataparallel_cuda2.pth"
-    shutil.copy(SAMPLES / "dataparallel_cuda2.pth", dst)
-    return dst
+def sample(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    # a copy under a fixed name, opened as a user in its folder would: the
+    # screens show paths as they were given
+    shutil.copy(SAMPLES / "dataparallel_cuda2.pth", tmp_path / "dataparallel_cuda2.pth")
+    monkeypatch.chdir(tmp_path)
+    return Path("dataparallel_cuda2.pth")
 
 
 def test_snapshot_first_screen_80x24(sample: Path) -> None:

@@ -38,13 +38,21 @@ def net_sd(width: int = 8, prefix: str = "") -> OrderedDict[str, torch.Tensor]:
     return out
 
 
+@pytest.fixture(autouse=True)
+def in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Files are named as a user in their folder names them: commands print
+    paths as given."""
+    monkeypatch.chdir(tmp_path)
+
+
 def save(obj: Any, path: Path, tag: str | None = None, **kwargs: Any) -> Path:
+    """Save ``obj``; the path as a user in its folder gives it."""
     if tag is None:
         torch.save(obj, path, **kwargs)
     else:
         with saved_on(tag):
             torch.save(obj, path, **kwargs)
-    return path
+    return Path(os.path.relpath(path))
 
 
 def run(path: Path, machine: Machine = CPU_ONLY, model: str | None = None,
@@ -163,7 +171,7 @@ def test_partial_failure_maps_only_the_missing_tag(tmp_path: Path) -> None:
         torch.save(sd, path)
     finally:
         torch.serialization.location_tag = original
-    d = run(path, gpu_machine(10, 30))
+    d = run(Path("m.pth"), gpu_machine(10, 30))
     assert d.fix_command == "ckptool fix m.pth --map cuda:3=cuda:1 -o m.fixed.pth"
     assert "map_location={'cuda:3': 'cuda:1'}" in finding(d, "device-unavailable").snippet
 
@@ -229,8 +237,9 @@ def test_unsafe_globals_extracted_away() -> None:
     d = run(SAMPLES / "hostile_runs_code.pth")
     f = finding(d, "unsafe-globals")
     assert f.severity == "error" and "posix.system" in f.message
-    assert d.fix_command == ("ckptool fix hostile_runs_code.pth --extract "
-                             "-o hostile_runs_code.fixed.pth")
+    # the paths as given: the command runs from where diagnose ran
+    assert d.fix_command == (f"ckptool fix {SAMPLES}/hostile_runs_code.pth --extract "
+                             f"-o {SAMPLES}/hostile_runs_code.fixed.pth")
 
 
 def test_unsafe_inside_the_state_dict_gets_no_command(tmp_path: Path) -> None:
@@ -253,14 +262,15 @@ def test_unsafe_inside_the_state_dict_gets_no_command(tmp_path: Path) -> None:
 def test_pickled_module(tmp_path: Path) -> None:
     d = run(SAMPLES / "whole_model_cuda1.pth")
     assert codes(d) == ["device-unavailable", "pickled-module"]
-    assert d.fix_command == ("ckptool fix whole_model_cuda1.pth --extract --to cpu "
-                             "-o whole_model_cuda1.fixed.pth")
+    assert d.fix_command == (f"ckptool fix {SAMPLES}/whole_model_cuda1.pth --extract --to cpu "
+                             f"-o {SAMPLES}/whole_model_cuda1.fixed.pth")
 
 
 def test_torchscript_gets_convert() -> None:
     d = run(SAMPLES / "tinynet_script.pt")
     f = finding(d, "torchscript")
-    assert f.fix == "ckptool convert tinynet_script.pt tinynet_script.safetensors"
+    assert f.fix == (f"ckptool convert {SAMPLES}/tinynet_script.pt "
+                     f"{SAMPLES}/tinynet_script.safetensors")
     assert d.fix_command is None
 
 
@@ -425,8 +435,9 @@ def test_cli_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert [f["code"] for f in data["findings"]] == [
         "device-unavailable", "wrapped-state-dict", "weights-only", "key-prefix"]
     assert set(data["findings"][0]) == {"code", "severity", "message", "fix", "snippet", "keys"}
-    assert data["fix_command"] == ("ckptool fix dataparallel_cuda2.pth --extract "
-                                   "--strip-module --to cpu -o dataparallel_cuda2.fixed.pth")
+    assert data["fix_command"] == (f"ckptool fix {SAMPLES}/dataparallel_cuda2.pth --extract "
+                                   f"--strip-module --to cpu -o {SAMPLES}/dataparallel_cuda2"
+                                   ".fixed.pth")
     assert data["load"]["succeeds"] is False
     assert data["devices"] == [{"location": "cuda:2", "tensors": 15, "nbytes": 2712,
                                 "lands": None, "physical": None,
@@ -443,7 +454,8 @@ def test_cli_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     assert set(data["keys"]) == {"against", "rewrite", "expected", "matched_as_saved",
                                  "matched", "missing", "unexpected", "mismatched",
                                  "tied_missing"}
-    assert data["fix_output"] == "dataparallel_cuda2.fixed.pth" and data["remaining"] == []
+    assert data["fix_output"] == f"{SAMPLES}/dataparallel_cuda2.fixed.pth"
+    assert data["remaining"] == []
 
 
 def test_cli_human_output(capsys: pytest.CaptureFixture[str]) -> None:
@@ -451,7 +463,8 @@ def test_cli_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     assert code == 1 and err == ""
     assert "wrapped-state-dict" in out and "key-prefix" in out
-    assert "ckptool fix lightning.ckpt --extract --strip-module -o lightning.fixed.ckpt" in out
+    assert (f"ckptool fix {SAMPLES}/lightning.ckpt --extract --strip-module "
+            f"-o {SAMPLES}/lightning.fixed.ckpt") in out
 
 
 def test_cli_clean_exit_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

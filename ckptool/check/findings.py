@@ -10,7 +10,6 @@ also sets the options that do it on the ``FixOptions`` it is given, so that
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 from ckptool.check import loadcheck
@@ -47,7 +46,7 @@ def format_findings(ckpt: Checkpoint, name: str) -> list[Finding]:
         "this is a TorchScript archive: plain torch.load refuses it (weights_only) and "
         "load_state_dict cannot take it; torch.jit.load runs its code",
         f"ckptool convert {name} {shell_name(stem(ckpt.path) + '.safetensors')}",
-        f"torch.jit.load({os.path.basename(ckpt.path)!r}, map_location='cpu').state_dict()")]
+        f"torch.jit.load({ckpt.path!r}, map_location='cpu').state_dict()")]
 
 
 def device_findings(ckpt: Checkpoint, tags: list[TagLoad], machine: Machine, opts: FixOptions,
@@ -71,7 +70,7 @@ def device_findings(ckpt: Checkpoint, tags: list[TagLoad], machine: Machine, opt
         "device-unavailable", ERROR,
         f"plain torch.load fails on {describe_machine(machine)}: the file saved {saved}",
         f"ckptool fix {name} {flags}",
-        f"torch.load({os.path.basename(ckpt.path)!r}, map_location={where})")]
+        f"torch.load({ckpt.path!r}, map_location={where})")]
 
 
 def _best_device(machine: Machine, need: int) -> str:

@@ -1,7 +1,8 @@
 """The one ``ckptool fix`` command a diagnosis prints, checked before it is shown.
 
-The options the findings asked for become one command line, run from the
-folder the checkpoint is in, writing a file that does not exist yet. It is
+The options the findings asked for become one command line, with the
+paths as the user gave them (it runs from where diagnose ran), writing a
+file beside the checkpoint that does not exist yet. It is
 planned first with the same core as ``ckptool fix --dry-run``
 (``ckptool.write.preview``, from the checkpoint already read), so a command
 that ``fix`` would refuse is never printed.
@@ -23,7 +24,7 @@ class Command:
     """What ``plan_command`` made of the options: a command, or why not."""
 
     line: str | None = None  # the command, as the user runs it
-    output: str | None = None  # the file it writes (a name in the checkpoint's folder)
+    output: str | None = None  # the file it writes, beside the checkpoint
     refused: str | None = None  # why fix would refuse these options
 
 
@@ -31,14 +32,10 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     """Turn the options the findings asked for into one checked command."""
     if opts == FixOptions():
         return Command()
-    from ckptool.write.fix import default_output
+    from ckptool.write.fix import fresh_output
     from ckptool.write.preview import preview
 
-    output = default_output(ckpt.path)
-    base, ext = os.path.splitext(output)
-    n = 2
-    while os.path.lexists(output):  # one new file: never one fix would refuse to replace
-        output, n = f"{base}{n}{ext}", n + 1
+    output = fresh_output(ckpt.path)  # one new file: never one fix would refuse to replace
     try:
         # fix's own dry run, planned from the checkpoint already read rather
         # than from a second read of the file (tests/test_preview.py holds
@@ -46,12 +43,12 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
         preview(ckpt, opts)
     except CkptoolError as exc:
         return Command(refused=f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
-    return Command(fix_command_line(ckpt.path, opts, output), os.path.basename(output))
+    return Command(fix_command_line(ckpt.path, opts, output), output)
 
 
 def fix_command_line(path: str, opts: FixOptions, output: str) -> str:
     """The ``ckptool fix`` command that writes ``opts``' fix of ``path`` to
-    ``output``, run from ``path``'s folder."""
+    ``output``, both as the user gave them: it runs from where they ran."""
     return " ".join(["ckptool", "fix", shell_name(path), *command_flags(opts),
                      "-o", shell_name(output)])
 
@@ -73,11 +70,12 @@ def command_flags(opts: FixOptions) -> list[str]:
 
 
 def shell_name(path: str) -> str:
-    """``path``'s file name as a shell word that no command takes for an option."""
-    name = os.path.basename(path)
-    return shlex.quote(f"./{name}" if name.startswith("-") else name)
+    """``path`` as the user gave it, as a shell word that no command takes for
+    an option."""
+    return shlex.quote(f"./{path}" if path.startswith("-") else path)
 
 
 def stem(path: str) -> str:
-    return os.path.splitext(os.path.basename(path))[0]
+    """``path`` without its extension, folder kept."""
+    return os.path.splitext(path)[0]
 

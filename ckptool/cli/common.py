@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -65,13 +66,45 @@ def console() -> Any:
             # our own line breaks are newline segments; any other control
             # character here came from the data (control segments, cursor
             # moves of a progress bar, carry no text and pass as they are)
-            return str(super()._render_buffer(
+            text = str(super()._render_buffer(
                 seg if seg.control or seg.text.isprintable() or seg.text == "\n"
                 else Segment("\n".join(shown(part) for part in seg.text.split("\n")),
                              seg.style, seg.control)
                 for seg in buffer))
+            if self.is_terminal:
+                return text
+            # into a pipe or a file: no padding after the last cell of a line
+            return "\n".join(line.rstrip(" ") for line in text.split("\n"))
 
     return Faithful(highlight=False, markup=False, emoji=False)
+
+
+def fold_key(key: str, width: int) -> str:
+    """``key`` (already ``shown``) on lines of at most ``width`` columns,
+    broken after a ``.`` or ``/`` and never inside a name, unless one name
+    alone is wider than a line: ``bn.running_mea`` / ``n`` never happens."""
+    lines, line = [], ""
+    for part in re.findall(r"[^./]+[./]?|[./]", key):
+        if len(line) + len(part) <= width:
+            line += part
+            continue
+        if line:
+            lines.append(line)
+        while len(part) > width > 0:
+            lines.append(part[:width])
+            part = part[width:]
+        line = part
+    return "\n".join([*lines, line] if line else lines) or key
+
+
+def key_width(console: Any, cells: list[list[str]], headers: list[str], minimum: int = 16
+              ) -> int:
+    """The width left for a table's first column (the keys) once the other
+    columns take what their widest cell needs (tables without edges, with
+    `` │ `` between columns)."""
+    others = sum(max([len(h), *(len(row[i]) for row in cells)])
+                 for i, h in enumerate(headers))
+    return max(minimum, console.width - others - 3 * len(headers))
 
 
 @contextlib.contextmanager

@@ -7,9 +7,8 @@ Imported only when text is printed.
 
 from __future__ import annotations
 
-import os
-
 from rich.console import Console
+from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
@@ -48,24 +47,21 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
         console.print(Text("no problems found: plain torch.load and load_state_dict will "
                            "take this file", style="green"))
         return
-    findings = Table.grid(padding=(0, 1))
-    findings.add_column(no_wrap=True)
-    findings.add_column(overflow="fold")
     for f in d.findings:
-        body = Text()
-        body.append(f.code, style="bold")
-        body.append(f"\n{f.message}")
+        head = Text(f"{f.severity:<8}", style=_STYLE.get(f.severity, ""))
+        head.append(f.code, style="bold")
+        console.print(head)
+        console.print(Padding(Text(f.message), (0, 0, 0, 8)))
+        # commands on one line, wider than the terminal or not: a copied
+        # first line must be the whole command
         if f.fix:
-            body.append(f"\nfix: {f.fix}", style="dim")
+            console.print(Text(f"        fix: {f.fix}", style="dim"), soft_wrap=True)
         if f.snippet:
-            body.append(f"\n{'or:  ' if f.fix else 'try: '}{f.snippet}", style="dim")
-        findings.add_row(Text(f.severity, style=_STYLE.get(f.severity, "")), body)
-    console.print(findings)
+            console.print(Text(f"        {'or:  ' if f.fix else 'try: '}{f.snippet}",
+                               style="dim"), soft_wrap=True)
     console.print()
     if d.fix_command:
-        folder = os.path.dirname(ckpt.path)
-        where = f"run in {folder}/" if folder else "run here"
-        console.print(f"fix everything fixable at once ({where}, writes {d.fix_output}):")
+        console.print(f"fix everything fixable at once (writes {d.fix_output}):")
         console.print(Text(f"  {d.fix_command}", style="bold"), soft_wrap=True)
         if d.remaining:
             console.print(Text(f"still to resolve by hand: {', '.join(d.remaining)}",

@@ -13,6 +13,8 @@ from rich.text import Text
 
 from ckptool.check.diff import ALL, Change, DiffReport, Side
 from ckptool.check.tensor_compare import EQUAL, NOT_COMPARED
+from ckptool.cli.common import fold_key, key_width
+from ckptool.describe import shown as shown_text
 from ckptool.describe import tensor_shape
 from ckptool.model import TensorInfo
 
@@ -90,14 +92,17 @@ def render_table(console: Console, report: DiffReport, limit: int) -> None:
                      _changed(c.b, c.changes), *_values_cells(c, report)))
     rows += [(n, "only in A", _brief(t), "-", "", "") for n, t in report.only_in_a]
     rows += [(n, "only in B", "-", _brief(t), "", "") for n, t in report.only_in_b]
-    table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column("name", overflow="fold", ratio=1)
-    for title in ("change", "A", "B", "values"):
-        table.add_column(title, overflow="fold")
-    table.add_column("max |Δ|", justify="right", no_wrap=True)
     shown = rows if limit <= 0 else rows[:limit]
-    for row in shown:
-        table.add_row(*row)
+    headers = ["change", "A", "B", "values", "max |Δ|"]
+    # the other columns are short words: the names fold at their dots
+    width = key_width(console, [[shown_text(c) for c in row[1:]] for row in shown], headers)
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("name", no_wrap=True)
+    for title in headers[:-1]:
+        table.add_column(title, overflow="fold", no_wrap=title in ("change", "values"))
+    table.add_column("max |Δ|", justify="right", no_wrap=True)
+    for name, *cells in shown:
+        table.add_row(Text(fold_key(shown_text(name), width)), *cells)
     console.print(table)
     if len(shown) < len(rows):
         console.print(f"… {len(rows) - len(shown)} more differences (--limit 0 shows all; "

@@ -14,7 +14,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from ckptool.cli.common import fold_key, key_width
 from ckptool.describe import human_bytes, human_count, tensor_shape
+from ckptool.describe import shown as shown_text
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 
 _SEP = re.compile(r"[/.]")
@@ -100,47 +102,55 @@ def sharing_labels(tensors: Iterable[TensorInfo]) -> dict[str, str]:
 def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int) -> None:
     rows = list(tensors)
     labels = sharing_labels(rows)
-    table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column("key", overflow="fold", ratio=1)
-    table.add_column("shape", no_wrap=True)
-    table.add_column("dtype", no_wrap=True)
-    table.add_column("device", no_wrap=True)
-    table.add_column("size", justify="right", no_wrap=True)
-    table.add_column("shares", no_wrap=True)
     shown = rows if limit <= 0 else rows[:limit]
+    cells = []
     for t in shown:
         shares = labels.get(t.storage or "", "")
         if shares and t.storage_offset:
             shares += f" @{t.storage_offset}"
-        table.add_row(t.key, tensor_shape(t), t.dtype,
-                      t.location or "-", human_bytes(t.nbytes), shares)
+        cells.append([tensor_shape(t), shown_text(t.dtype), shown_text(t.location or "-"),
+                      human_bytes(t.nbytes), shares])
+    headers = ["shape", "dtype", "device", "size", "shares"]
+    width = key_width(console, cells, headers)
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    table.add_column("key", no_wrap=True)
+    for header in headers:
+        table.add_column(header, no_wrap=True, justify="right" if header == "size" else "left")
+    for t, row in zip(shown, cells, strict=True):
+        table.add_row(Text(fold_key(shown_text(t.key), width)), *row)
     console.print(table)
     if len(shown) < len(rows):
         console.print(f"… {len(rows) - len(shown)} more tensors "
                       "(--limit 0 shows all; --filter or --depth narrows)", style="dim")
 
 
-def render_groups(console: Console, tensors: Iterable[TensorInfo], depth: int) -> None:
+def render_groups(console: Console, tensors: Iterable[TensorInfo], depth: int,
+                  limit: int) -> None:
     groups: dict[str, list[TensorInfo]] = {}
     for t in tensors:
         cuts = [m.start() for m in _SEP.finditer(t.key)]
         name = t.key[: cuts[depth - 1]] if len(cuts) >= depth else t.key
         groups.setdefault(name, []).append(t)
+    names = list(groups)
+    shown = names if limit <= 0 else names[:limit]
+    cells = [[str(len(groups[name])), human_count(sum(t.numel for t in groups[name])),
+              human_bytes(sum(t.nbytes for t in groups[name])),
+              shown_text(",".join(sorted({t.dtype for t in groups[name]}))),
+              shown_text(",".join(sorted({t.location or "-" for t in groups[name]})))]
+             for name in shown]
+    headers = ["tensors", "elements", "size", "dtypes", "devices"]
+    width = key_width(console, cells, headers)
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
-    table.add_column("prefix", overflow="fold", ratio=1)
-    table.add_column("tensors", justify="right")
-    table.add_column("elements", justify="right")
-    table.add_column("size", justify="right")
-    table.add_column("dtypes")
-    table.add_column("devices")
-    for name, ts in groups.items():
-        table.add_row(
-            name, str(len(ts)), human_count(sum(t.numel for t in ts)),
-            human_bytes(sum(t.nbytes for t in ts)),
-            ",".join(sorted({t.dtype for t in ts})),
-            ",".join(sorted({t.location or "-" for t in ts})),
-        )
+    table.add_column("prefix", no_wrap=True)
+    for header in headers:
+        table.add_column(header, no_wrap=True,
+                         justify="left" if header in ("dtypes", "devices") else "right")
+    for name, row in zip(shown, cells, strict=True):
+        table.add_row(Text(fold_key(shown_text(name), width)), *row)
     console.print(table)
+    if len(shown) < len(names):
+        console.print(f"… {len(names) - len(shown)} more groups "
+                      "(--limit 0 shows all; --filter narrows)", style="dim")
 
 
 def render_inspect(console: Console, ckpt: Checkpoint, tensors: list[TensorInfo],
@@ -154,6 +164,6 @@ def render_inspect(console: Console, ckpt: Checkpoint, tensors: list[TensorInfo]
         return
     console.print()
     if depth:
-        render_groups(console, tensors, depth)
+        render_groups(console, tensors, depth, limit)
     else:
         render_tensors(console, tensors, limit)

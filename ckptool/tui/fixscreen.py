@@ -32,7 +32,7 @@ from ckptool.describe import human_bytes, shown
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
 from ckptool.tui.screens import ConfirmScreen
-from ckptool.write.fix import FixResult, default_output
+from ckptool.write.fix import FixResult, fresh_output
 from ckptool.write.plan import FixOptions, parse_device
 from ckptool.write.preview import FixPreview, Previewer
 
@@ -107,7 +107,7 @@ class FixScreen(ModalScreen[str | None]):
                 yield Checkbox("extract the state dict", d.extract, id="fix-extract")
             with Horizontal(classes="fix-row"):
                 yield Label("output", classes="fix-label")
-                yield Input(os.path.basename(default_output(self.path)),
+                yield Input(os.path.basename(fresh_output(self.path)),
                             placeholder="the output file's name", id="fix-output")
             yield Static("planning…", id="fix-summary")
             yield Log(id="fix-preview", auto_scroll=False)
@@ -143,7 +143,7 @@ class FixScreen(ModalScreen[str | None]):
 
     def _output(self) -> str:
         name = self.query_one("#fix-output", Input).value.strip()
-        return os.path.join(os.path.dirname(os.path.abspath(self.path)), name) if name else ""
+        return os.path.join(os.path.dirname(self.path), name) if name else ""
 
     @on(Input.Changed, "#fix-prefix, #fix-device")
     def typed(self) -> None:

@@ -76,10 +76,41 @@ class FixResult:
                 [{"from": a, "to": b, "storages": n} for (a, b), n in casts.items()])
 
 
-def default_output(src: str) -> str:
-    """``model.pth`` -> ``model.fixed.pth``, beside the input."""
+# what checkpoint files end with: ".fixed" goes before all of them (x.pth.tar)
+CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".safetensors", ".pkl",
+                       ".pickle", ".model", ".weights")
+
+
+def _name_and_suffixes(src: str) -> tuple[str, str]:
+    """``dir/x.pth.tar`` -> (``dir/x``, ``.pth.tar``): every checkpoint suffix
+    at the end, or the last suffix of a name that has none of them."""
     path = Path(src)
-    return str(path.with_name(f"{path.stem}.fixed{path.suffix}"))
+    name, suffixes = path.name, ""
+    while True:
+        base, ext = os.path.splitext(name)
+        if not base or ext.lower() not in CHECKPOINT_SUFFIXES:
+            break
+        name, suffixes = base, ext + suffixes
+    if not suffixes:
+        name, suffixes = os.path.splitext(path.name)
+    return str(path.with_name(name)), suffixes
+
+
+def default_output(src: str) -> str:
+    """``model.pth`` -> ``model.fixed.pth``, ``x.pth.tar`` -> ``x.fixed.pth.tar``,
+    beside the input."""
+    name, suffixes = _name_and_suffixes(src)
+    return f"{name}.fixed{suffixes}"
+
+
+def fresh_output(src: str) -> str:
+    """``default_output``, or the first of ``x.fixed2.pth``, ``x.fixed3.pth``...
+    that does not exist: a name no write would refuse to replace."""
+    name, suffixes = _name_and_suffixes(src)
+    output, n = f"{name}.fixed{suffixes}", 2
+    while os.path.lexists(output):
+        output, n = f"{name}.fixed{n}{suffixes}", n + 1
+    return output
 
 
 def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = False,
@@ -110,6 +141,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         result = FixResult(plan, source, target)
         if not in_place:  # what the write would refuse, a dry run refuses too
             _check_target(src, target, force)
+            _check_suffix(raw.format, target)
         if dry_run:
             return result
         if in_place and raw.format == TORCH_ZIP and inplace.supported(plan):
@@ -144,6 +176,19 @@ def _check_target(src: str, target: str, force: bool) -> None:
     if not force:
         raise UsageError(f"{target} already exists",
                          "pass --force to overwrite it, or -o to choose another path")
+
+
+def _check_suffix(fmt: str, target: str) -> None:
+    """fix writes its input's format: an output named for the other one is a
+    mistake that only shows when the file will not load."""
+    suffix = Path(target).suffix.lower()
+    torch_name = suffix in (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl")
+    if (fmt == SAFETENSORS and torch_name) or (fmt != SAFETENSORS and suffix == ".safetensors"):
+        wants = "torch" if torch_name else "safetensors"
+        raise UsageError(
+            f"fix writes {fmt}, as its input is, and {Path(target).name} is named for {wants}",
+            f"to change formats use `ckptool convert IN {Path(target).name}`; or name the "
+            f"output for {fmt}")
 
 
 @dataclass

@@ -123,17 +123,18 @@ class Previewer:
     def _changes(self, plan: Plan, after: list[str | None], nbytes: int) -> FixPreview:
         retargets = plan.retargets
         rows = []
-        kept = renamed = moved = 0
+        kept = moved = 0
         for info, new in zip(self.ckpt.tensors, after, strict=False):
             loc = info.location or NO_LOCATION
             new_loc = retargets.get(info.storage, loc) if info.storage else loc
             rows.append((info.key, new, loc, new_loc))
             if new is not None:
                 kept += 1
-                renamed += new != info.key
                 moved += new_loc != loc
         changes = list(map(KeyChange._make, rows))  # tuples: quick to make by the 100,000
-        return FixPreview(plan, changes, nbytes, kept, renamed, moved)
+        # renamed: state-dict names that change (taking the state dict out of
+        # its wrapper changes every path, and renames none)
+        return FixPreview(plan, changes, nbytes, kept, len(plan.renames), moved)
 
 
 def _is_container(obj: Any) -> bool:

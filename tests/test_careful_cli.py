@@ -1,0 +1,134 @@
+"""What a careful new user found in the command line's output and options:
+tables readable at 80 columns, commands that paste and run from where they
+were printed, output names that say what they hold."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptool.cli.common import fold_key
+from ckptool.write.fix import default_output, fresh_output
+from ckptool.write.plan import FixOptions
+from ckptool.write.preview import preview
+from tests.conftest import CliResult
+from tests.helpers import SAMPLES
+
+RunCli = Callable[..., CliResult]
+LONG = ["encoder.layers.0.self_attention.linear_qkv.layer_norm_weight",
+        "encoder.layers.0.self_attention.linear_qkv.weight",
+        "decoder.final_layernorm.running_mean_of_the_statistics",
+        "bn.running_mean", "bn.running_var"]
+
+
+@pytest.fixture
+def long_keys(tmp_path: Path) -> Path:
+    path = tmp_path / "long.pth"
+    torch.save({name: torch.zeros(2) for name in LONG}, path)
+    return path
+
+
+def test_fold_key_breaks_after_dots_and_slashes() -> None:
+    assert fold_key("bn.running_mean", 12) == "bn.\nrunning_mean"
+    assert fold_key("state_dict/a.b", 12) == "state_dict/\na.b"
+    assert fold_key("a.b.c", 80) == "a.b.c"
+    assert fold_key("x" * 25, 10) == "x" * 10 + "\n" + "x" * 10 + "\n" + "x" * 5
+
+
+@pytest.mark.parametrize("command", ["inspect", "diff"])
+def test_keys_fold_at_dots_at_80_columns(command: str, long_keys: Path, tmp_path: Path,
+                                         run_cli: RunCli,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "80")
+    if command == "diff":
+        other = tmp_path / "other.pth"
+        torch.save({name: torch.ones(2) for name in LONG}, other)
+        code, out, _ = run_cli("diff", str(long_keys), str(other))
+        assert code == 1
+    else:
+        code, out, _ = run_cli("inspect", str(long_keys))
+        assert code == 0
+    lines = out.splitlines()
+    assert all(len(line) <= 80 for line in lines)
+    assert not [line for line in lines if line.endswith(" ")]  # no padding into a pipe
+    # every name between dots is whole on one line: 'running_mea' / 'n' never happens
+    cells = " ".join(line.split("│")[0].strip() for line in lines)
+    for key in LONG:
+        for name in key.split("."):
+            assert re.search(rf"(^|[\s.]){name}($|[\s.])", cells), (name, out)
+    if command == "diff":
+        assert out.count(" differ ") + out.count(" differ\n") >= len(LONG)  # values cells whole
+
+
+def test_diagnose_commands_run_from_where_it_ran(tmp_path: Path, run_cli: RunCli,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    (tmp_path / "runs").mkdir()
+    shutil.copy(SAMPLES / "dataparallel_cuda2.pth", tmp_path / "runs" / "dp.pth")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("COLUMNS", "60")  # narrower than any command
+    code, out, _ = run_cli("diagnose", "runs/dp.pth", "--device-count", "0")
+    assert code == 1
+    commands = [line[line.index("ckptool fix"):] for line in out.splitlines()
+                if "ckptool fix" in line]
+    assert commands and all(c.startswith("ckptool fix runs/dp.pth ") for c in commands)
+    whole = [c for c in commands if "--extract" in c and "--to" in c][-1]
+    assert whole.endswith(" -o runs/dp.fixed.pth")  # one line, beside the input
+    code, _, err = run_cli(*shlex.split(whole)[1:])
+    assert code == 0, err
+    assert (tmp_path / "runs" / "dp.fixed.pth").exists()
+    # once that name is taken, the next command writes a fresh one
+    code, out, _ = run_cli("diagnose", "runs/dp.pth", "--device-count", "0", "--json")
+    assert '"fix_output": "runs/dp.fixed2.pth"' in out
+
+
+@pytest.mark.parametrize(("src", "out"), [
+    ("model.pth", "model.fixed.pth"),
+    ("runs/x.pth.tar", "runs/x.fixed.pth.tar"),
+    ("a.b.safetensors", "a.b.fixed.safetensors"),
+    ("weights", "weights.fixed"),
+    ("ckpt.v2", "ckpt.fixed.v2"),
+])
+def test_default_output_goes_before_the_checkpoint_suffixes(src: str, out: str) -> None:
+    assert default_output(src) == out
+
+
+def test_fresh_output_never_names_an_existing_file(tmp_path: Path) -> None:
+    src = tmp_path / "m.pth"
+    assert fresh_output(str(src)) == str(tmp_path / "m.fixed.pth")
+    (tmp_path / "m.fixed.pth").touch()
+    (tmp_path / "m.fixed2.pth").symlink_to(tmp_path / "nowhere")  # a dangling link counts
+    assert fresh_output(str(src)) == str(tmp_path / "m.fixed3.pth")
+
+
+def test_extraction_alone_renames_nothing() -> None:
+    import ckptool
+
+    ckpt = ckptool.open(str(SAMPLES / "dataparallel_cuda2.pth"))
+    assert preview(ckpt, FixOptions(extract="state_dict")).renamed == 0
+    both = preview(ckpt, FixOptions(extract="state_dict", strip_prefixes=("module.",)))
+    assert both.renamed == 9
+
+
+@pytest.mark.parametrize(("made", "named"), [("safetensors", "out.pth"),
+                                            ("torch", "out.safetensors")])
+def test_fix_refuses_an_output_named_for_the_other_format(made: str, named: str,
+                                                          tmp_path: Path,
+                                                          run_cli: RunCli) -> None:
+    src = tmp_path / ("in.safetensors" if made == "safetensors" else "in.pth")
+    if made == "safetensors":
+        from safetensors.torch import save_file
+        save_file({"module.w": torch.zeros(2)}, src)
+    else:
+        torch.save({"module.w": torch.zeros(2)}, src)
+    for extra in ([], ["--dry-run"]):
+        code, out, err = run_cli("fix", str(src), "--strip-module", "-o",
+                                 str(tmp_path / named), *extra)
+        assert (code, out) == (2, "")
+        assert "named for" in err and "ckptool convert" in err
+    assert not (tmp_path / named).exists()
