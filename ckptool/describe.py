@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from ckptool.model import TensorInfo
+from ckptool.model import StateDictInfo, TensorInfo
 
 
 def shape_text(shape: Iterable[int]) -> str:
@@ -44,6 +44,16 @@ def human_count(n: int) -> str:
         if n >= div:
             return f"{n / div:.1f}{unit}"
     return str(n)
+
+
+def parameters_text(sd: StateDictInfo, short: bool = False) -> str:
+    """``472 (+12 in buffers)``, short ``472 params +12 buffers``: what
+    ``model.parameters()`` would count, buffers apart (``ckptool.read.params``
+    says how they are told)."""
+    params, buffers = human_count(sd.num_parameters), human_count(sd.num_buffers)
+    if short:
+        return f"{params} params" + (f" +{buffers} buffers" if sd.num_buffers else "")
+    return params + (f" (+{buffers} in buffers)" if sd.num_buffers else "")
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:

@@ -96,8 +96,9 @@ class StateDictInfo:
     prefix: str  # wrapper prefix shared by every key: "module.", "_orig_mod.module."...
     common_prefix: str  # longest dotted prefix shared by every key
     num_tensors: int
-    num_parameters: int  # elements of its floating-point tensors
+    num_parameters: int  # elements of its parameters, a tied one once (read/params.py)
     nbytes: int
+    num_buffers: int = 0  # elements of its buffers (running statistics, counters...)
 
     def tensor_key(self, name: str) -> str:
         """The checkpoint-wide key of state-dict entry ``name``."""

@@ -92,7 +92,7 @@ def test_opens_with_summary_tree_and_findings() -> None:
         assert "dataparallel_cuda2.pth · torch-zip" in summary
         assert "15 tensors" in summary and "saved on cuda:2" in summary
         # the model's parameters, not the optimizer's moments as well (676)
-        assert "'state_dict' · prefix module. · 9 tensors · 346 params" in summary
+        assert "'state_dict' · prefix module. · 9 tensors · 330 params (+17 in buffers)" in summary
         assert "676" not in summary
         # single-child chains open by themselves: state_dict > module > conv...
         assert row_keys(app)[:4] == ["state_dict", "state_dict/module",

@@ -158,3 +158,36 @@ def test_sparse_statistics_are_of_the_stored_values(
         stats = tensor_stats(data, ckpt.tensors[0])
     assert stats.numel == 9 and stats.note and "stored values" in stats.note
     assert stats.max == pytest.approx(float(sd["sp"].values().max()))
+
+
+class Tied(torch.nn.Module):
+    """A language-model head tied to its embedding, a norm with running
+    statistics, and a float buffer that no name tells from a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(10, 4)
+        self.bn = torch.nn.BatchNorm1d(4)
+        self.head = torch.nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("scale", torch.ones(3))
+
+
+@pytest.mark.parametrize("whole_module", [False, True])
+def test_parameters_are_counted_as_model_parameters_counts_them(
+        whole_module: bool, tmp_path: Path, run_cli: RunCli) -> None:
+    net = Tied()
+    path = tmp_path / "tied.pth"
+    torch.save(net if whole_module else {"model": net.state_dict()}, path)
+    code, out, _ = run_cli("inspect", "--json", str(path))
+    assert code == 0
+    sd = json.loads(out)["main_state_dict"]
+    params = sum(p.numel() for p in net.parameters())  # the tie once: 40 + 4 + 4
+    buffers = sum(b.numel() for b in net.buffers())  # 4 + 4 + 1 + 3
+    assert (params, buffers) == (48, 12)
+    # the state dict alone cannot tell 'scale' from a weight; the module can
+    unknown = 0 if whole_module else 3
+    assert (sd["num_parameters"], sd["num_buffers"]) == (params + unknown, buffers - unknown)
+    assert run_cli("inspect", str(path))[0] == 0
+    out = run_cli("inspect", str(path))[1]
+    assert f"parameters  {params + unknown} (+{buffers - unknown} in buffers)" in out

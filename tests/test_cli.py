@@ -31,7 +31,8 @@ def test_inspect_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     out, err = capsys.readouterr()
     assert err == ""
     assert "state_dict/module.conv.weight" in out
-    assert "prefix 'module.'" in out
+    assert "'state_dict' · prefix 'module.' · 9 tensors" in out
+    assert "parameters  330 (+17 in buffers)" in out
     assert "cuda:2" in out
     assert "argparse.Namespace(arch='tinynet'" in out
 

@@ -79,7 +79,8 @@ def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]
         "main_state_dict": None if sd is None else {
             "path": sd.path, "kind": sd.kind, "prefix": sd.prefix,
             "common_prefix": sd.common_prefix, "num_tensors": sd.num_tensors,
-            "num_parameters": sd.num_parameters, "nbytes": sd.nbytes,
+            "num_parameters": sd.num_parameters, "num_buffers": sd.num_buffers,
+            "nbytes": sd.nbytes,
         },
         "tensors": [tensor_dict(t) for t in ckpt.tensors if matches(t.key, pattern)],
         "storages": [

@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.cli.common import fold_key, key_width
-from ckptool.describe import human_bytes, human_count, tensor_shape
+from ckptool.describe import human_bytes, human_count, parameters_text, plural, tensor_shape
 from ckptool.describe import shown as shown_text
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 
@@ -49,8 +49,8 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
             where += (", a TorchScript module" if ckpt.format == "torchscript"
                       else ", a pickled nn.Module")
         prefix = f" · prefix '{sd.prefix}'" if sd.prefix else ""
-        grid.add_row("state dict", f"{where} · {sd.num_tensors} tensors · "
-                     f"{human_count(sd.num_parameters)} parameters{prefix}")
+        grid.add_row("state dict", f"{where}{prefix} · {plural(sd.num_tensors, 'tensor')}")
+        grid.add_row("parameters", parameters_text(sd))
     grid.add_row("by dtype", _tally_line(ckpt.bytes_by_dtype))
     by_loc = _tally_line(ckpt.bytes_by_location, ckpt.tensors_by_location)
     if set(ckpt.bytes_by_location) == {NO_LOCATION}:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import formats, observe, policy, prefixes
+from ckptool.read import formats, observe, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
@@ -159,11 +159,13 @@ def _main_state_dict(cands: list[Candidate], tensors: list[TensorInfo]) -> State
         return None
     best, ts = max(scored, key=lambda cm: (_rank(cm[0]), sum(t.numel for t in cm[1])))
     common = prefixes.common_prefix(best.names)
+    counted = params.count(ts, module=best.kind == "module")
     return StateDictInfo(
         path=best.path, kind=best.kind, keys=tuple(best.names),
         prefix=prefixes.wrapper_prefix(best.names, common),
         common_prefix=common,
         num_tensors=len(ts),
-        num_parameters=sum(t.numel for t in ts if t.is_floating),
+        num_parameters=counted.parameters,
+        num_buffers=counted.buffers,
         nbytes=sum(t.nbytes for t in ts),
     )

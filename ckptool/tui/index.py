@@ -23,6 +23,7 @@ from collections.abc import Iterable, Sequence
 from itertools import compress
 
 from ckptool.model import NO_LOCATION, TensorInfo
+from ckptool.read.params import ParameterCount
 from ckptool.tui.rows import TENSOR_KEYS, FilteredTree, FlatRows, Layout, Node, natural, walk_tree
 
 __all__ = ["SORTS", "Filter", "FilteredTree", "Index", "Node", "Rows", "leaf_name", "natural"]
@@ -102,6 +103,7 @@ class Index:
         self._sorted: dict[str, tuple[list[TensorInfo], list[str], list[str]]] = {}
         self._layouts: dict[str, Layout] = {}
         self._by_key: dict[str, list[Node | TensorInfo]] | None = None
+        self._params = ParameterCount()
         self.extend(tensors)
 
     def __len__(self) -> int:
@@ -113,7 +115,7 @@ class Index:
         for t in tensors:
             self.tensors.append(t)
             parts = SPLIT.split(t.key)
-            params = t.numel if t.is_floating else 0
+            params = self._params.add(t)[0]  # a tied weight once, buffers not
             loc = t.location or NO_LOCATION
             node = root
             self._count(node, t.nbytes, params, loc)

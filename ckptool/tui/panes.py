@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.stats import TensorStats
-from ckptool.describe import human_bytes, human_count, shown, tensor_shape
+from ckptool.describe import human_bytes, human_count, parameters_text, shown, tensor_shape
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 from ckptool.tui.index import Node
 
@@ -67,7 +67,7 @@ def summary(ckpt: Checkpoint) -> Text:
             text.append(" · prefix ")
             text.append(shown(sd.prefix), style="bold yellow")
         # the model's parameters: the optimizer's moments are no parameters
-        text.append(f" · {sd.num_tensors:,} tensors · {human_count(sd.num_parameters)} params")
+        text.append(f" · {sd.num_tensors:,} tensors · {parameters_text(sd, short=True)}")
     return text
 
 
