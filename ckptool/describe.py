@@ -56,6 +56,14 @@ def parameters_text(sd: StateDictInfo, short: bool = False) -> str:
     return params + (f" (+{buffers} in buffers)" if sd.num_buffers else "")
 
 
+def shell_word(path: str) -> str:
+    """``path`` as a shell word that no command takes for an option, for the
+    commands ckptool prints."""
+    import shlex
+
+    return shlex.quote(f"./{path}" if path.startswith("-") else path)
+
+
 def plural(count: int, noun: str, many: str | None = None) -> str:
     """``1 tensor``, ``2 tensors``, ``0 tensors``; ``many`` for irregular nouns."""
     return f"{count} {noun if count == 1 else many or noun + 's'}"

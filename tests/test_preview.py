@@ -169,7 +169,7 @@ def test_safetensors_and_torchscript_refuse_as_the_fix_does() -> None:
     with pytest.raises(CkptoolError, match="safetensors files record no device"):
         preview(st, FixOptions(to="cpu"))
     assert preview(st, FixOptions(add_prefix="m.")).renamed == len(st.tensors)
-    with pytest.raises(CkptoolError, match="this is torchscript"):
+    with pytest.raises(CkptoolError, match="this is a TorchScript archive"):
         preview(ckptool.open(SAMPLES / "tinynet_script.pt"), FixOptions())
 
 

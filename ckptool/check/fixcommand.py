@@ -14,6 +14,7 @@ import os
 import shlex
 from dataclasses import dataclass
 
+from ckptool.describe import shell_word
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
 from ckptool.write.plan import FixOptions
@@ -72,7 +73,7 @@ def command_flags(opts: FixOptions) -> list[str]:
 def shell_name(path: str) -> str:
     """``path`` as the user gave it, as a shell word that no command takes for
     an option."""
-    return shlex.quote(f"./{path}" if path.startswith("-") else path)
+    return shell_word(path)
 
 
 def stem(path: str) -> str:

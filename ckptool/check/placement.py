@@ -9,10 +9,10 @@ text and the JSON of ``ckptool devices`` say the same thing.
 from __future__ import annotations
 
 import json
-import shlex
 from dataclasses import dataclass
 
 from ckptool.check.gpus import Machine, fits, pick
+from ckptool.describe import shell_word
 from ckptool.model import Checkpoint
 
 # formats whose saved devices `ckptool fix --to` can rewrite
@@ -56,4 +56,4 @@ def fix_command(ckpt: Checkpoint, device: str) -> str | None:
         return None
     if device == "cpu" and not [loc for loc in ckpt.locations if loc != "cpu"]:
         return None
-    return f"ckptool fix {shlex.quote(ckpt.path)} --to {device}"
+    return f"ckptool fix {shell_word(ckpt.path)} --to {device}"

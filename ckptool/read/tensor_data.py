@@ -4,9 +4,10 @@ from the checkpoint file only when asked, only the bytes asked for.
 Everything else in the core reads metadata; this is the one module that
 reads tensor bytes. It finds where a storage's bytes lie (a stored zip
 record's data offset, or the absolute ``@offset`` that legacy and
-safetensors files record), checks them against the file, and reads the
-byte range a tensor views into a fresh buffer. torch is imported inside the
-functions that build tensors, never at import time.
+safetensors files, and the storages embedded in a plain pickle, record),
+checks them against the file, and reads the byte range a tensor views into
+a fresh buffer. torch is imported inside the functions that build tensors,
+never at import time.
 
 ``TensorData(ckpt)`` keeps one open file (and one parsed zip directory) for
 many reads; the module functions are one-shot conveniences.
@@ -41,10 +42,6 @@ class TensorData:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
-        if ckpt.format == "pickle":
-            raise UnsupportedCheckpointError(
-                f"{ckpt.path}: tensor values in plain pickles are not readable yet "
-                "(their bytes are embedded in the pickle)", _HINT)
         self.byteswap = _is_big_endian(ckpt)
         self._f = open(ckpt.path, "rb")  # noqa: SIM115 -- closed by close()
         self._zip: ZipArchive | None = None
@@ -80,6 +77,12 @@ class TensorData:
             return self._spans[storage_id]
         info = self.storage(storage_id)
         record = info.record
+        if record is None and self.ckpt.format == "pickle":
+            raise UnsupportedCheckpointError(
+                f"storage {storage_id} of {self.ckpt.path} is spelled as text in the pickle "
+                "(as pickle protocols 0 to 2 write bytes), not stored as it is",
+                "save the file again with pickle protocol 3 or later, or with torch.save, "
+                "to read its values")
         if record is None or record.startswith("@view:"):
             raise UnsupportedCheckpointError(
                 f"storage {storage_id} has no readable bytes in {self.ckpt.path}", _HINT)

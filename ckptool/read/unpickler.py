@@ -30,7 +30,9 @@ use the plain dispatch table and cost nothing extra.
 Tensors pickled with plain pickle carry their storage as an embedded legacy
 torch file (``torch.storage._load_from_bytes``). The format reader that
 meets them passes ``read_embedded``, which parses those bytes in memory:
-this layer knows no file format.
+this layer knows no file format. It only says where in the stream those
+bytes lie (the bytes opcodes record where each ``bytes`` object's data
+starts), so that a storage's bytes can later be read in place.
 """
 
 from __future__ import annotations
@@ -51,8 +53,10 @@ from ckptool.read.treecheck import HINT
 from ckptool.read.values import StandIn
 
 PersistentLoader = Callable[[tuple[Any, ...]], Any]
-# (bytes of an embedded legacy torch file, storage id prefix) -> its RawRead
-EmbeddedReader = Callable[[bytes, str], Any]
+# (bytes of an embedded legacy torch file, storage id prefix, the offset in
+# the stream where those bytes lie as they are, or None where the pickle
+# spells them otherwise: protocols 0 to 2 write bytes as text) -> its RawRead
+EmbeddedReader = Callable[[bytes, str, int | None], Any]
 
 MAX_GLOBALS = 10_000  # distinct globals one file may name: each becomes a class
 MAX_EMBEDDED_DEPTH = 2  # legacy files inside storages inside legacy files...
@@ -96,6 +100,9 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         # storages of tensors pickled with plain pickle, keyed by storage id
         self.embedded = embedded if embedded is not None else {}
         self._read_embedded = read_embedded
+        self._tell = file.tell
+        # id of each bytes object read -> (it, the stream offset of its data)
+        self._bytes_at: dict[int, tuple[bytes, int]] = {}
         self._dispatch = self.dispatch
         self._observer = None
         watch = observe.claim(persistent is not None or embedded is not None)
@@ -164,10 +171,12 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         depth = _embedded_depth.get()
         if depth >= MAX_EMBEDDED_DEPTH:
             raise CorruptCheckpointError("embedded torch files nest too deeply", HINT)
+        placed = self._bytes_at.get(id(data))
+        at = placed[1] if placed is not None and placed[0] is data else None
         token = _embedded_depth.set(depth + 1)
         try:
             with observe.unobserved():  # its keys are not the outer file's
-                raw = self._read_embedded(data, f"embedded{len(self.embedded)}/")
+                raw = self._read_embedded(data, f"embedded{len(self.embedded)}/", at)
         finally:
             _embedded_depth.reset(token)
         self.embedded.update(raw.storages)
@@ -209,6 +218,26 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
 
     def _load_frame(self) -> None:
         self.read(8)  # frame length: the opcodes inside are read as they come
+
+    # bytes as they are in the stream (protocol 3 and later): where each
+    # object's data starts is kept, for an embedded torch file's storages
+    def _load_short_binbytes(self) -> None:
+        self._bytes(self.read(1)[0])
+
+    def _load_binbytes(self) -> None:
+        self._bytes(_U32(self.read(4))[0])
+
+    def _load_binbytes8(self) -> None:
+        self._bytes(struct.unpack("<Q", self.read(8))[0])
+
+    def _bytes(self, n: int) -> None:
+        at = self._tell()
+        data = self.read(n)  # never more than the stream holds, whatever n claims
+        if len(data) < n:
+            raise pickle.UnpicklingError("pickle data was truncated")
+        if n > 1:  # the empty and one-byte objects are shared singletons
+            self._bytes_at[id(data)] = (data, at)
+        self.append(data)
 
     def _load_bytearray8(self) -> None:
         (n,) = struct.unpack("<Q", self.read(8))
@@ -328,6 +357,9 @@ SafeUnpickler.dispatch = _Dispatch(pickle._Unpickler.dispatch)
 SafeUnpickler.dispatch.update({
     pickle.STOP[0]: SafeUnpickler._load_stop,
     pickle.FRAME[0]: SafeUnpickler._load_frame,
+    pickle.SHORT_BINBYTES[0]: SafeUnpickler._load_short_binbytes,
+    pickle.BINBYTES[0]: SafeUnpickler._load_binbytes,
+    pickle.BINBYTES8[0]: SafeUnpickler._load_binbytes8,
     pickle.BYTEARRAY8[0]: SafeUnpickler._load_bytearray8,
     pickle.DICT[0]: SafeUnpickler._load_dict,
     pickle.SETITEM[0]: SafeUnpickler._load_setitem,

@@ -133,7 +133,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         with faithful():
             raw = formats.read_zip(src, early.archive) if early else formats.read(src)
         check_unchanged(src, identity)
-        check_rewritable(raw.format, opts)
+        check_rewritable(raw.format, opts, src)
         source = assemble(src, raw)
         # 2. plan
         plan = make_plan(source, opts)

@@ -122,9 +122,11 @@ def tensor_segment(reader: TensorData, t: TensorInfo, dtype: str, at: int,
 
     A tensor kept as it is and laid out densely in its storage is a
     ``Span`` of the input; its CRC comes from the zip directory when it
-    fills its record. Casts and strided views are made through torch."""
+    fills its record. Casts, strided views and the values of a big-endian
+    file (written little-endian) are made through torch."""
     size = t.numel * dtypes.itemsize(dtype)
-    if dtype == t.dtype and t.storage is not None and is_dense(t):
+    swapped = reader.byteswap and dtypes.itemsize(t.dtype) > 1
+    if dtype == t.dtype and t.storage is not None and is_dense(t) and not swapped:
         src = reader.storage_offset(t.storage) + t.storage_offset * dtypes.itemsize(t.dtype)
         whole = t.storage_offset == 0 and size == reader.storage(t.storage).nbytes
         crc = reader.record_crc(t.storage) if whole else None

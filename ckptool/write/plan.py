@@ -85,13 +85,22 @@ class Plan:
                     or self.retargets or self.casts)
 
 
-def check_rewritable(fmt: str, opts: FixOptions) -> None:
-    """What ``fix`` refuses for a file of format ``fmt``, before any plan."""
+def check_rewritable(fmt: str, opts: FixOptions, path: str = "FILE") -> None:
+    """What ``fix`` refuses for a file of format ``fmt`` (at ``path``), before any plan."""
     if fmt not in REWRITABLE:
+        import os.path
+
+        from ckptool.describe import shell_word
+
+        what = {"torchscript": "a TorchScript archive", "pickle": "a plain pickle"}.get(fmt, fmt)
+        stem = os.path.splitext(path)[0]
+        pth = f"{stem}.pth" if f"{stem}.pth" != path else f"{stem}.weights.pth"
+        src, pth, st = (shell_word(p) for p in (path, pth, f"{stem}.safetensors"))
         raise UnsupportedCheckpointError(
-            f"ckptool fix rewrites torch.save files and safetensors; this is {fmt}",
-            "for TorchScript, take the weights out first: "
-            "`ckptool convert FILE.pt FILE.safetensors`")
+            f"ckptool fix rewrites torch.save files and safetensors; this is {what}",
+            f"take its weights out into a torch.save file that fix rewrites: "
+            f"`ckptool convert {src} {pth}` (or into safetensors: "
+            f"`ckptool convert {src} {st}`)")
     if fmt == SAFETENSORS and (opts.to or opts.maps):
         raise UsageError("safetensors files record no device: there is nothing to retarget",
                          "pick the device when loading: load_file(path, device='cuda:0')")

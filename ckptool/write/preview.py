@@ -92,7 +92,7 @@ class Previewer:
 
     def preview(self, opts: FixOptions) -> FixPreview:
         with self._lock:
-            plans.check_rewritable(self.ckpt.format, opts)
+            plans.check_rewritable(self.ckpt.format, opts, self.ckpt.path)
             plan = plans.make_plan(
                 dataclasses.replace(self.ckpt, root=copy_tree(self.ckpt.root)), opts)
             plans.refuse_unsafe(plan.unsafe)

@@ -3,7 +3,11 @@
 Read with the same safe unpickler as torch files, with no persistent ids.
 Tensors pickled this way carry their storage as an embedded legacy torch
 file (``torch.storage._load_from_bytes``); those bytes are parsed in memory
-by the legacy reader, so their location tags are still reported.
+by the legacy reader, so their location tags are still reported. The pickle
+is read from the file itself, so each storage's record is the offset in the
+file where its bytes lie as they are (protocol 3 and later write ``bytes``
+verbatim): tensor values are read in place, as from a legacy file. Protocols
+0 to 2 spell bytes as text: those storages have no record.
 
 A file may hold several pickles back to back (``pickle.dump`` called twice;
 a payload placed after a harmless first object): every one is read, and

@@ -155,6 +155,14 @@ def header_end(f: IO[bytes]) -> int:
     return f.tell()
 
 
-def read_bytes(data: bytes, id_prefix: str) -> RawRead:
-    """A legacy file held in memory (``torch.storage._load_from_bytes``)."""
-    return read_stream(io.BytesIO(data), len(data), id_prefix)
+def read_bytes(data: bytes, id_prefix: str, at: int | None = None) -> RawRead:
+    """A legacy file held in memory (``torch.storage._load_from_bytes``),
+    whose bytes lie as they are from offset ``at`` of the stream its pickle
+    is read from. Its storage records (``@offset``) are made offsets into
+    that stream; with no ``at`` (a protocol 0-2 pickle spells bytes as text)
+    its storages have no record: their bytes lie nowhere as they are."""
+    raw = read_stream(io.BytesIO(data), len(data), id_prefix)
+    for ref in raw.storages.values():
+        if ref.record is not None:  # "@offset" into ``data`` (views are not listed)
+            ref.record = None if at is None else f"@{at + int(ref.record[1:])}"
+    return raw
