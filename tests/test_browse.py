@@ -92,7 +92,7 @@ def test_opens_with_summary_tree_and_findings() -> None:
         assert "dataparallel_cuda2.pth · torch-zip" in summary
         assert "15 tensors" in summary and "saved on cuda:2" in summary
         # the model's parameters, not the optimizer's moments as well (676)
-        assert "'state_dict' · prefix module. · 9 tensors · 330 params (+17 in buffers)" in summary
+        assert "'state_dict' · prefix module. · 9 tensors · 330 params +17 buffers" in summary
         assert "676" not in summary
         # single-child chains open by themselves: state_dict > module > conv...
         assert row_keys(app)[:4] == ["state_dict", "state_dict/module",
@@ -737,18 +737,23 @@ def test_closing_the_fix_dialog_while_it_plans(monkeypatch: pytest.MonkeyPatch) 
     from ckptool.write.preview import Previewer
 
     real = Previewer.preview
+    release = threading.Event()  # the dialog's first plan ends once it closed
+    armed = threading.Event()  # (the findings' own plans before it run free)
 
     def slow(self: Previewer, opts: Any) -> Any:
-        time.sleep(0.3)
+        if armed.is_set():
+            release.wait(10)
         return real(self, opts)
 
     monkeypatch.setattr(Previewer, "preview", slow)
 
     async def script(app: BrowseApp, pilot: Pilot) -> None:
+        armed.set()
         await pilot.press("x")
         screen: Any = app.screen
         await pilot.press("escape")
         assert type(app.screen).__name__ == "Screen"
+        release.set()
         await pilot.pause(0.5)  # the plan it dropped ends: nothing to show it in
         assert screen.preview is None
         await pilot.press("x")  # again: the same previewer serves it

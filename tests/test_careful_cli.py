@@ -132,3 +132,108 @@ def test_fix_refuses_an_output_named_for_the_other_format(made: str, named: str,
         assert (code, out) == (2, "")
         assert "named for" in err and "ckptool convert" in err
     assert not (tmp_path / named).exists()
+
+
+def _stdin(monkeypatch: pytest.MonkeyPatch, data: bytes) -> None:
+    import io
+    import sys
+
+    class Stdin(io.TextIOWrapper):
+        def isatty(self) -> bool:
+            return False
+
+    monkeypatch.setattr(sys, "stdin", Stdin(io.BytesIO(data)))
+
+
+def test_standard_input_is_read_through_a_temporary_copy(run_cli: RunCli, tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    data = (SAMPLES / "dataparallel_cuda2.pth").read_bytes()
+    _stdin(monkeypatch, data)
+    code, out, err = run_cli("inspect", "-", "--json")
+    assert (code, err) == (0, "")
+    assert '"path": "<stdin>"' in out and '"num_tensors": 15' in out
+    _stdin(monkeypatch, data)
+    code, out, err = run_cli("fix", "-", "--strip-module", "-o", str(tmp_path / "out.pth"))
+    assert code == 0, err
+    assert "conv.weight" in torch.load(tmp_path / "out.pth", map_location="cpu",
+                                       weights_only=False)["state_dict"]
+    _stdin(monkeypatch, b"garbage\n")
+    code, out, err = run_cli("inspect", "-")
+    assert code == 3 and err.startswith("ckptool: error: <stdin> is not a checkpoint")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.pth"]  # copies removed
+    for command, why in (("diagnose", "read the file again"), ("browse", "terminal")):
+        code, _, err = run_cli(command, "-")
+        assert code == 2 and why in err
+    _stdin(monkeypatch, data)
+    code, _, err = run_cli("fix", "-", "--strip-module")
+    assert code == 2 and "-o OUT" in err
+
+
+def test_a_pipe_and_devices(run_cli: RunCli, tmp_path: Path) -> None:
+    import os
+    import threading
+
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    data = (SAMPLES / "dataparallel_cuda2.pth").read_bytes()
+    writer = threading.Thread(target=fifo.write_bytes, args=(data,))
+    writer.start()
+    code, out, err = run_cli("inspect", str(fifo), "--json")
+    writer.join()
+    assert (code, err) == (0, "") and f'"path": "{fifo}"' in out
+    code, out, err = run_cli("inspect", "/dev/zero")
+    assert (code, out) == (3, "")
+    assert "/dev/zero is a character device, not a checkpoint file" in err and "hint:" in err
+
+
+def test_an_unreadable_file_is_a_bad_input(run_cli: RunCli, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    import builtins
+
+    from ckptool.read import formats
+
+    path = tmp_path / "secret.pth"
+    shutil.copy(SAMPLES / "dataparallel_cuda2.pth", path)
+    os_access = __import__("os").access
+    monkeypatch.setattr("os.access", lambda p, mode, **kw: p != str(path)
+                        and os_access(p, mode, **kw))  # as for another user
+
+    def refuse(file: object, *args: object, **kwargs: object) -> object:
+        if str(file) == str(path):
+            raise PermissionError(13, "Permission denied", str(file))
+        return builtins.open(file, *args, **kwargs)  # type: ignore[call-overload]
+
+    monkeypatch.setattr(formats, "open", refuse, raising=False)
+    code, out, err = run_cli("inspect", str(path))
+    assert (code, out) == (3, "")
+    assert f"{path}: permission denied" in err and "hint:" in err
+
+
+@pytest.mark.parametrize(("pattern", "count"), [
+    ("module.conv*", 2), ("*.bias", 3), ("BN", 0), ("bn", 5), ("*running_*", 2), ("running_*", 0),
+    ("state_dict/*", 9), ("momentum", 6), ("optimizer/state/0/*", 1)])
+def test_inspect_filter_is_the_browsers(pattern: str, count: int, run_cli: RunCli) -> None:
+    import json
+
+    from ckptool.keys import Filter
+
+    code, out, _ = run_cli("inspect", str(SAMPLES / "dataparallel_cuda2.pth"), "--json",
+                           "--filter", pattern)
+    assert code == 0
+    report = json.loads(out)
+    keys = [t["key"] for t in report["tensors"]]
+    assert len(keys) == count
+    code, everything, _ = run_cli("inspect", str(SAMPLES / "dataparallel_cuda2.pth"), "--json")
+    keep = Filter(pattern)
+    assert keys == [t["key"] for t in json.loads(everything)["tensors"] if keep.test(t["key"])]
+
+
+def test_limit_applies_to_groups(run_cli: RunCli) -> None:
+    code, out, _ = run_cli("inspect", str(SAMPLES / "dataparallel_cuda2.pth"),
+                           "--depth", "3", "--limit", "2")
+    assert code == 0
+    rows = [line for line in out.splitlines() if "│" in line]
+    assert len(rows) == 2 and "more" in out.splitlines()[-1]

@@ -203,8 +203,9 @@ def test_checkpoint_with_wrappers_and_odd_values(tmp_path: Path) -> None:
     sd = ckpt.main_state_dict
     assert sd is not None and sd.path == "state_dict" and sd.prefix == "module."
     assert sd.num_tensors == len(model.state_dict())
-    assert sd.num_parameters == sum(v.numel() for v in model.state_dict().values()
-                                    if v.is_floating_point())
+    # as model.parameters() counts: the running statistics are buffers
+    assert sd.num_parameters == sum(p.numel() for p in model.parameters())
+    assert sd.num_buffers == sum(b.numel() for b in model.buffers())
     keys = {t.key for t in ckpt.tensors}
     assert "optimizer/state/0/exp_avg" in keys
     sparse = next(t for t in ckpt.tensors if t.key == "sparse")  # one tensor, its parts under it

@@ -12,10 +12,11 @@ import sys
 import click
 
 from ckptool.cli.common import model_loader, target_options
+from ckptool.cli.inputs import InputPath
 
 
 @click.command()
-@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("path", type=InputPath(streams=False, why="it reads keys from the terminal"))
 @target_options
 def browse(path: str, model_spec: str | None, model_args: tuple[str, ...],
            reference: str | None, device_count: int | None) -> int:

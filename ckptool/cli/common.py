@@ -44,7 +44,9 @@ def dumps(data: dict[str, Any]) -> str:
 
 
 def write_json(data: dict[str, Any]) -> None:
-    sys.stdout.write(dumps(data))
+    from ckptool.cli.inputs import unspool
+
+    sys.stdout.write(unspool(dumps(data)))
 
 
 def console() -> Any:
@@ -55,6 +57,7 @@ def console() -> Any:
     from rich.console import Console
     from rich.segment import Segment
 
+    from ckptool.cli.inputs import unspool
     from ckptool.describe import shown
 
     class Faithful(Console):
@@ -71,6 +74,7 @@ def console() -> Any:
                 else Segment("\n".join(shown(part) for part in seg.text.split("\n")),
                              seg.style, seg.control)
                 for seg in buffer))
+            text = unspool(text)  # the input as given ("-"), not its temporary copy
             if self.is_terminal:
                 return text
             # into a pipe or a file: no padding after the last cell of a line

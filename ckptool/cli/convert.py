@@ -1,5 +1,6 @@
-"""``ckptool convert``: between torch files and safetensors; the command
-and its JSON report (the text view: ``fix_text.py``, beside fix's).
+"""``ckptool convert``: between torch files and safetensors, and TorchScript
+archives and plain pickles into torch files; the command and its JSON
+report (the text view: ``fix_text.py``, beside fix's).
 """
 
 from __future__ import annotations
@@ -9,13 +10,14 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptool.cli.common import FSYNC_HELP, SCHEMA_VERSION, console, progress, write_json
+from ckptool.cli.inputs import InputPath
 
 if TYPE_CHECKING:
     from ckptool.write.convert import ConvertResult
 
 
 @click.command()
-@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("path", type=InputPath())
 @click.argument("output", metavar="OUT", type=click.Path(path_type=str))
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--fsync", is_flag=True, help=FSYNC_HELP)
@@ -23,7 +25,8 @@ if TYPE_CHECKING:
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def convert(path: str, output: str, force: bool, fsync: bool, quiet: bool,
             as_json: bool) -> None:
-    """Convert between torch files and safetensors (direction from OUT's extension)."""
+    """Convert between torch files and safetensors, or TorchScript and pickles to
+    torch (direction from OUT's extension)."""
     from ckptool.write.convert import convert as run_convert
 
     with progress(quiet) as update:

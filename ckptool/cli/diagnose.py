@@ -14,10 +14,11 @@ import click
 from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.gpus import describe_machine
 from ckptool.cli.common import SCHEMA_VERSION, console, model_loader, target_options, write_json
+from ckptool.cli.inputs import InputPath
 
 
 @click.command()
-@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("path", type=InputPath(streams=False, why="its commands read the file again"))
 @target_options
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],

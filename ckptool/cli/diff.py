@@ -15,12 +15,13 @@ import click
 from ckptool.check.diff import Change, DiffReport, Side
 from ckptool.check.tensor_compare import ValueDiff
 from ckptool.cli.common import SCHEMA_VERSION, console, write_json
+from ckptool.cli.inputs import InputPath
 from ckptool.model import TensorInfo
 
 
 @click.command()
-@click.argument("path_a", metavar="A", type=click.Path(dir_okay=True, path_type=str))
-@click.argument("path_b", metavar="B", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("path_a", metavar="A", type=InputPath())
+@click.argument("path_b", metavar="B", type=InputPath())
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--no-values", is_flag=True,
               help="Compare metadata only (shape, dtype, location); read no tensor bytes.")

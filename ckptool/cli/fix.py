@@ -9,13 +9,14 @@ from typing import TYPE_CHECKING, Any
 import click
 
 from ckptool.cli.common import FSYNC_HELP, SCHEMA_VERSION, console, progress, write_json
+from ckptool.cli.inputs import InputPath
 
 if TYPE_CHECKING:
     from ckptool.write.fix import FixResult
 
 
 @click.command()
-@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("path", type=InputPath())
 @click.option("-o", "--output", metavar="OUT",
               help="Where to write (default: IN.fixed.EXT beside IN).")
 @click.option("--strip-module", is_flag=True,
@@ -45,8 +46,15 @@ def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[s
         dry_run: bool, force: bool, in_place: bool, fsync: bool, quiet: bool,
         as_json: bool) -> None:
     """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
+    from ckptool.cli.inputs import is_spooled, shown_path
+    from ckptool.errors import UsageError
     from ckptool.write import plan as planning
     from ckptool.write.fix import fix as run_fix
+
+    if is_spooled(path) and (in_place or not output):
+        raise UsageError(f"fix reads {shown_path(path)} as a stream: there is no file "
+                         f"{'to replace' if in_place else 'to write beside'}",
+                         "name the output: -o OUT")
 
     opts = planning.FixOptions(
         strip_module=strip_module, strip_prefixes=strip_prefix, add_prefix=add_prefix,

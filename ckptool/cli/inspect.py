@@ -7,20 +7,22 @@ so the schema is one function that tests and the docs describe.
 
 from __future__ import annotations
 
-import fnmatch
 from typing import Any
 
 import click
 
 from ckptool.cli.common import SCHEMA_VERSION, console, write_json
+from ckptool.cli.inputs import InputPath
+from ckptool.keys import Filter
 from ckptool.model import Checkpoint, TensorInfo
 
 
 @click.command()
-@click.argument("path", type=click.Path(dir_okay=True, path_type=str))
+@click.argument("path", type=InputPath())
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--filter", "-f", "pattern", metavar="GLOB",
-              help="Only tensors whose key matches (glob, or substring without wildcards).")
+              help="Only tensors whose key matches, as browse's filter: a substring, or a glob "
+                   "matching the whole key or what follows a /; case-blind in lower case.")
 @click.option("--depth", "-d", type=click.IntRange(min=1), metavar="N",
               help="Group tensors by the first N key components (split on / and .).")
 @click.option("--limit", "-n", type=click.IntRange(min=0), default=200, show_default=True,
@@ -36,20 +38,21 @@ def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
         return
     from ckptool.cli.inspect_text import render_inspect
 
-    tensors = [t for t in ckpt.tensors if matches(t.key, pattern)]
+    tensors = matching(ckpt.tensors, pattern)
     render_inspect(console(), ckpt, tensors, pattern, depth, limit)
 
 
 command = inspect
 
 
-def matches(key: str, pattern: str | None) -> bool:
-    """Glob match on the key; a pattern without wildcards matches substrings."""
-    if not pattern:
-        return True
-    if any(c in pattern for c in "*?["):
-        return fnmatch.fnmatchcase(key, pattern)
-    return pattern in key
+def matching(tensors: list[TensorInfo], pattern: str | None) -> list[TensorInfo]:
+    """The tensors whose key matches ``pattern`` as the browser's filter
+    would match it (``ckptool.keys``)."""
+    keep = Filter(pattern or "")
+    if not keep:
+        return tensors
+    keys = [t.key.lower() if keep.fold else t.key for t in tensors]
+    return [t for t, ok in zip(tensors, keep.mask(keys), strict=True) if ok]
 
 
 def tensor_dict(t: TensorInfo) -> dict[str, Any]:
@@ -82,7 +85,7 @@ def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]
             "num_parameters": sd.num_parameters, "num_buffers": sd.num_buffers,
             "nbytes": sd.nbytes,
         },
-        "tensors": [tensor_dict(t) for t in ckpt.tensors if matches(t.key, pattern)],
+        "tensors": [tensor_dict(t) for t in matching(ckpt.tensors, pattern)],
         "storages": [
             {"id": s.id, "dtype": s.dtype, "location": s.location, "nbytes": s.nbytes,
              "record": s.record, "tensors": list(s.tensors)}

@@ -52,7 +52,9 @@ def cli(ctx: click.Context, show_traceback: bool) -> None:
 
 
 def _fail(message: str, hint: str, code: int) -> int:
-    click.echo(f"ckptool: error: {message}", err=True)
+    from ckptool.cli.inputs import unspool
+
+    click.echo(f"ckptool: error: {unspool(message)}", err=True)
     if hint:
         click.echo(f"hint: {hint}", err=True)
     return code

@@ -17,11 +17,11 @@ looked at (``ckptool.tui.rows``).
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Iterable, Sequence
 from itertools import compress
 
+from ckptool.keys import Filter
 from ckptool.model import NO_LOCATION, TensorInfo
 from ckptool.read.params import ParameterCount
 from ckptool.tui.rows import TENSOR_KEYS, FilteredTree, FlatRows, Layout, Node, natural, walk_tree
@@ -30,7 +30,6 @@ __all__ = ["SORTS", "Filter", "FilteredTree", "Index", "Node", "Rows", "leaf_nam
 
 SORTS = ("file", "name", "size", "device")  # the order `o` cycles through
 SPLIT = re.compile(r"[/.]")
-GLOB_CHARS = frozenset("*?[")
 
 
 Item = "Node | TensorInfo"  # a row of the list: a module node or a tensor
@@ -40,54 +39,6 @@ def leaf_name(t: TensorInfo) -> str:
     """A tensor's label in the tree: its key's last part."""
     parts = SPLIT.split(t.key)
     return parts[-1] if parts[-1] else t.key
-
-
-class Filter:
-    """What the filter box holds, compiled once per keystroke.
-
-    Without ``* ? [`` the pattern is a substring; with them, a glob that must
-    match the whole key or the part after its last ``/`` (``*.bias``,
-    ``layer1.*``). Either way matching ignores case unless the pattern has a
-    capital letter."""
-
-    def __init__(self, pattern: str) -> None:
-        self.pattern = pattern = pattern.strip()
-        self.fold = pattern == pattern.lower()
-        self.glob = not GLOB_CHARS.isdisjoint(pattern)
-        # the whole key, or what follows a "/" in it (a state-dict name)
-        self._rx = (re.compile(r"(?:.*/)?" + fnmatch.translate(pattern),
-                               re.IGNORECASE | re.DOTALL if self.fold else re.DOTALL)
-                    if self.glob else None)
-        # the usual globs need no regex (a tenth of the time on 100,000 keys):
-        # *X ends the key; X* starts it or a part after a "/"; *X* is inside
-        core = pattern.strip("*")
-        self._plain = None
-        if self.glob and GLOB_CHARS.isdisjoint(core):
-            lead, trail = pattern.startswith("*"), pattern.endswith("*")
-            self._plain = "in" if lead and trail else "end" if lead else "start"
-            self._core = core
-
-    def __bool__(self) -> bool:
-        return bool(self.pattern)
-
-    def mask(self, keys: list[str]) -> list[bool]:
-        """Which of ``keys`` (lower-cased when ``fold``) match."""
-        if self._plain is not None:
-            core = self._core
-            if self._plain == "end":
-                return [k.endswith(core) for k in keys]
-            if self._plain == "start":
-                after = "/" + core
-                return [k.startswith(core) or after in k for k in keys]
-            return [core in k for k in keys]
-        if self._rx is not None:
-            match = self._rx.match
-            return [match(k) is not None for k in keys]
-        p = self.pattern
-        return [p in k for k in keys]
-
-    def test(self, key: str) -> bool:
-        return self.mask([key.lower() if self.fold else key])[0]
 
 
 Rows = Sequence["Node | TensorInfo"]

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ckptool.tui.index import SORTS, Filter, FilteredTree, Index, Node, Rows
+from ckptool.keys import Filter
+from ckptool.tui.index import SORTS, FilteredTree, Index, Node, Rows
 
 
 @dataclass

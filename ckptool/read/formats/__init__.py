@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 from collections.abc import Callable, Iterator
 
 from ckptool.errors import (
@@ -120,6 +121,7 @@ def _peek(path: str) -> tuple[bytes, bytes, int]:
             )
         raise InputError(f"{path} is a directory, not a file",
                          "point ckptool at a checkpoint file inside it")
+    _check_regular(path)
     try:
         with open(path, "rb") as f:
             size = os.fstat(f.fileno()).st_size
@@ -134,6 +136,27 @@ def _peek(path: str) -> tuple[bytes, bytes, int]:
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})", "check the path") from exc
     return head, tail, size
+
+
+def _check_regular(path: str) -> None:
+    """A checkpoint is a file: refuse a device or a pipe with the reason
+    rather than reading it as an empty or endless one."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return  # missing or unreadable: open() says which
+    if stat.S_ISREG(mode):
+        return
+    if stat.S_ISCHR(mode) or stat.S_ISBLK(mode):
+        with contextlib.suppress(OSError), open(path, "rb") as f:
+            if os.isatty(f.fileno()):
+                raise InputError(f"{path} is a terminal, not a checkpoint file",
+                                 "pipe a checkpoint in, or give its path")
+        kind = "character" if stat.S_ISCHR(mode) else "block"
+        raise InputError(f"{path} is a {kind} device, not a checkpoint file",
+                         "give the path of a checkpoint file")
+    raise InputError(f"{path} is a pipe or socket, not a file ckptool can seek in",
+                     "save it to a file first, or pass it to the command line as `-`")
 
 
 def _explain_tar(path: str) -> None:
