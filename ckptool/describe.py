@@ -65,8 +65,9 @@ def shell_word(path: str) -> str:
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:
-    """``1 tensor``, ``2 tensors``, ``0 tensors``; ``many`` for irregular nouns."""
-    return f"{count} {noun if count == 1 else many or noun + 's'}"
+    """``1 tensor``, ``2 tensors``, ``0 tensors``, ``1,024 tensors``; ``many``
+    for irregular nouns (``1 entry``, ``2 entries``)."""
+    return f"{count:,} {noun if count == 1 else many or noun + 's'}"
 
 
 def shown(text: str) -> str:

@@ -1,5 +1,14 @@
-"""Which keys a pattern matches: one rule for ``inspect --filter`` and the
-browser's filter box.
+"""Keys: how ckptool writes and splits them, and which keys a pattern
+matches (one rule for ``inspect --filter`` and the browser's filter box).
+
+A key is the container path of a tensor or entry, its components joined
+by ``/``: ``state_dict/module.conv.weight``, ``optimizer/state/0/exp_avg``.
+A component that itself holds ``/`` or ``\\`` has them escaped as ``\\/`` and
+``\\\\`` (``{"a/b": t}`` is ``a\\/b``, ``{"a": {"b": t}}`` is ``a/b``), so
+every key names one place and splits back into the names it was made of.
+Only ckptool's key text is escaped: a file is always written with its own
+names. ``join_key``, ``key_of`` and ``escape`` make keys; ``split_key`` and
+``pieces`` take them apart; nothing else joins or splits on ``/``.
 
 A pattern without ``* ? [`` matches any key that contains it; with them,
 it is a glob that must match the whole key or the part after one of its
@@ -14,6 +23,53 @@ import fnmatch
 import re
 
 GLOB_CHARS = frozenset("*?[")
+_PIECES = {False: re.compile(r"\\.|(/)", re.DOTALL), True: re.compile(r"\\.|([/.])", re.DOTALL)}
+_UNESCAPE = re.compile(r"\\([\\/])")
+
+
+def escape(name: str) -> str:
+    """One component (a dict key, a state-dict name) as key text."""
+    if "/" in name or "\\" in name:
+        return name.replace("\\", "\\\\").replace("/", "\\/")
+    return name
+
+
+def unescape(text: str) -> str:
+    """The name an escaped component stands for. A ``\\`` before any other
+    character (or at the end) is kept as it is: a path typed by hand."""
+    return _UNESCAPE.sub(r"\1", text) if "\\" in text else text
+
+
+def join_key(path: str, name: str) -> str:
+    """The key of ``name`` (a raw component) in the container at key ``path``
+    ("" for the root: the key of a name of the file's own dict is the name)."""
+    name = escape(name)
+    return f"{path}/{name}" if path else name
+
+
+def key_of(names: list[str]) -> str:
+    """The key of a chain of raw components, outermost first."""
+    return "/".join([escape(n) for n in names])
+
+
+def pieces(key: str, dots: bool = False) -> list[str]:
+    """``key`` cut at each ``/`` that is not escaped (and each ``.``, with
+    ``dots``: the browser's tree levels). The pieces stay escaped, and are
+    slices of ``key`` one separator apart."""
+    if "\\" not in key:
+        return key.replace(".", "/").split("/") if dots else key.split("/")
+    out, start = [], 0
+    for m in _PIECES[dots].finditer(key):
+        if m.group(1) is not None:
+            out.append(key[start:m.start()])
+            start = m.end()
+    out.append(key[start:])
+    return out
+
+
+def split_key(key: str) -> list[str]:
+    """The raw components ``key`` was made of (none for "", the root)."""
+    return [unescape(p) for p in pieces(key)] if key else []
 
 
 class Filter:

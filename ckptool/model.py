@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool import dtypes
+from ckptool.keys import join_key
 
 NO_LOCATION = "unrecorded"  # bucket for formats that save no device (safetensors)
 
@@ -19,7 +20,9 @@ NO_LOCATION = "unrecorded"  # bucket for formats that save no device (safetensor
 class TensorInfo:
     """One tensor: where it sits in the file and what it is."""
 
-    key: str  # container path joined by "/": "state_dict/module.conv.weight"
+    # container path joined by "/": "state_dict/module.conv.weight"; a "/" or
+    # "\\" inside one name is escaped ("a\\/b" is {"a/b": t}: ckptool.keys)
+    key: str
     shape: tuple[int, ...]
     dtype: str  # canonical torch name: "float32", "bfloat16", "float8_e4m3fn"...
     stride: tuple[int, ...] | None
@@ -90,9 +93,9 @@ class GlobalInfo:
 class StateDictInfo:
     """The main state dict: the weights a user wants to load."""
 
-    path: str  # container path ("" when the file is the state dict itself)
+    path: str  # its key ("" when the file is the state dict itself)
     kind: str  # "dict", or "module" for a pickled nn.Module / TorchScript
-    keys: tuple[str, ...]  # its names, in file order
+    keys: tuple[str, ...]  # its names as they are (never escaped), in file order
     prefix: str  # wrapper prefix shared by every key: "module.", "_orig_mod.module."...
     common_prefix: str  # longest dotted prefix shared by every key
     num_tensors: int
@@ -101,8 +104,10 @@ class StateDictInfo:
     num_buffers: int = 0  # elements of its buffers (running statistics, counters...)
 
     def tensor_key(self, name: str) -> str:
-        """The checkpoint-wide key of state-dict entry ``name``."""
-        return f"{self.path}/{name}" if self.path else name
+        """The checkpoint-wide key of state-dict entry ``name`` (escaped as
+        ``ckptool.keys.join_key`` does: ``name`` itself when it has no ``/``
+        or ``\\`` and the file is the state dict)."""
+        return join_key(self.path, name)
 
 
 @dataclass

@@ -13,6 +13,7 @@ import torch
 import torch.serialization
 
 import ckptool
+from ckptool.keys import join_key
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
@@ -32,8 +33,12 @@ saved_on = make_samples.saved_on
 
 def flatten(obj: Any, path: str = "") -> dict[str, torch.Tensor]:
     """Tensors in a torch-loaded object, keyed like ckptool: '/' between
-    containers, modules as their state dict (dotted names)."""
-    join = (lambda k: f"{path}/{k}") if path else (lambda k: str(k))
+    containers (a name's own '/' and '\\' escaped), modules as their state
+    dict (dotted names)."""
+
+    def join(k: Any) -> str:
+        return join_key(path, str(k))
+
     out: dict[str, torch.Tensor] = {}
     if isinstance(obj, torch.Tensor):
         out[path] = obj

@@ -237,3 +237,81 @@ def test_limit_applies_to_groups(run_cli: RunCli) -> None:
     assert code == 0
     rows = [line for line in out.splitlines() if "│" in line]
     assert len(rows) == 2 and "more" in out.splitlines()[-1]
+
+
+def test_extract_that_took_the_file_says_so(run_cli: RunCli) -> None:
+    sample = str(SAMPLES / "dataparallel_cuda2.pth")
+    code, out, err = run_cli("fix", "--extract", sample)
+    assert (code, out) == (2, "")
+    assert f"--extract took {sample} for the entry to extract" in err
+    assert f"ckptool fix {sample} --extract" in err and "--extract=PATH" in err
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--to", "cpu", "--map", "cuda:2=cpu"], "--to moves every storage and --map only some"),
+    (["--map", "cuda:2=cpu", "--map", "cuda:2=cuda:0"], "--map gives cuda:2 more than one"),
+    (["--extract", "--drop", "state_dict"], "--drop state_dict removes the entry --extract keeps"),
+    (["--extract=state_dict/module.conv.weight", "--drop", "state_dict"],
+     "removes the entry --extract keeps"),
+])
+def test_conflicting_options_are_errors(args: list[str], message: str, run_cli: RunCli,
+                                        tmp_path: Path) -> None:
+    src = tmp_path / "dp.pth"
+    shutil.copy(SAMPLES / "dataparallel_cuda2.pth", src)
+    for dry in ([], ["--dry-run"]):
+        code, out, err = run_cli("fix", str(src), *args, *dry)
+        assert (code, out) == (2, "") and message in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["dp.pth"]
+
+
+def test_a_drop_outside_the_extracted_entry_is_noted(run_cli: RunCli) -> None:
+    code, out, _ = run_cli("fix", str(SAMPLES / "dataparallel_cuda2.pth"), "--extract",
+                           "--drop", "optimizer", "--dry-run")
+    assert code == 0
+    assert "--drop optimizer: left out anyway, --extract keeps only state_dict" in out
+
+
+def test_a_reference_compares_as_diff_does(run_cli: RunCli, tmp_path: Path) -> None:
+    """diagnose --reference dp.pth takes dp.pth's own wrapper prefix off, as
+    `ckptool diff` does, and never asks to add it."""
+    plain = tmp_path / "plain.pth"
+    code, _, err = run_cli("fix", str(SAMPLES / "dataparallel_cuda2.pth"), "--extract",
+                           "--strip-module", "-o", str(plain))
+    assert code == 0, err
+    code, out, _ = run_cli("diagnose", str(plain), "--reference",
+                           str(SAMPLES / "dataparallel_cuda2.pth"), "--device-count", "4")
+    assert code == 0 and "--add-prefix" not in out
+    assert "(without its 'module.' prefix): 9 expected · 9 match as saved" in " ".join(
+        out.split())
+    assert run_cli("diff", str(plain), str(SAMPLES / "dataparallel_cuda2.pth"))[0] == 0
+
+
+def test_help_names_only_the_commands_own_options(run_cli: RunCli) -> None:
+    code, out, _ = run_cli("convert", "--help")
+    assert code == 0 and "--in-place" not in out and "--force" in out
+    code, out, _ = run_cli("fix", "--help")
+    assert "(--force, --in-place)" in " ".join(out.split())
+
+
+def test_declared_dependencies_cover_what_is_imported() -> None:
+    import tomllib
+
+    data = tomllib.loads((Path(__file__).parent.parent / "pyproject.toml").read_text())
+    declared = {re.split(r"[<>=!~ \[]", d)[0].lower() for d in data["project"]["dependencies"]}
+    imported = set()
+    for module in (Path(__file__).parent.parent / "ckptool").rglob("*.py"):
+        imported |= set(re.findall(r"^\s*(?:from|import) (\w+)", module.read_text(), re.M))
+    third_party = imported & {"torch", "safetensors", "textual", "click", "rich", "numpy"}
+    assert third_party - {"numpy"} <= declared  # numpy: only when a file holds arrays
+
+
+def test_counts_of_one_are_singular(run_cli: RunCli, tmp_path: Path) -> None:
+    one = tmp_path / "one.pth"
+    torch.save({"w": torch.ones(2)}, one)
+    code, out, _ = run_cli("inspect", str(one))
+    assert "1 in 1 storage ·" in out and "(1 tensor)" in out
+    code, out, _ = run_cli("fix", str(one), "--to", "cpu", "-o", str(tmp_path / "o.pth"))
+    assert code == 0 and "1 storage verified" in out
+    code, out, _ = run_cli("convert", str(one), str(tmp_path / "o.safetensors"))
+    assert code == 0 and "1 tensor verified" in out
+    assert "1 tensors" not in out and "1 storages" not in out

@@ -269,9 +269,18 @@ def test_pickled_module(tmp_path: Path) -> None:
 def test_torchscript_gets_convert() -> None:
     d = run(SAMPLES / "tinynet_script.pt")
     f = finding(d, "torchscript")
+    # into a torch.save state dict, which torch.load and fix take
     assert f.fix == (f"ckptool convert {SAMPLES}/tinynet_script.pt "
-                     f"{SAMPLES}/tinynet_script.safetensors")
+                     f"{SAMPLES}/tinynet_script.pth")
     assert d.fix_command is None
+
+
+def test_a_torchscript_archive_named_pth_gets_another_name(tmp_path: Path) -> None:
+    import shutil
+
+    shutil.copy(SAMPLES / "tinynet_script.pt", tmp_path / "net.pth")
+    f = finding(run(tmp_path / "net.pth"), "torchscript")
+    assert f.fix == f"ckptool convert {tmp_path}/net.pth {tmp_path}/net.weights.pth"
 
 
 def test_no_state_dict(tmp_path: Path) -> None:

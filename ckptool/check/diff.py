@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from ckptool.check.tensor_compare import DIFFERENT, NOT_COMPARED, ValueDiff, not_compared
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK, UnsupportedCheckpointError, UsageError
+from ckptool.keys import split_key
 from ckptool.model import Checkpoint, StateDictInfo, TensorInfo
 from ckptool.read.tensor_data import TensorData
 
@@ -135,8 +136,8 @@ def _compare_parts(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) -> 
     """Two sparse tensors, part by part (never made dense: a sparse tensor's
     dense form can be far larger than the file): the same indices and the
     values compared, or a different sparsity pattern."""
-    names_a = [p.key.rsplit("/", 1)[-1] for p in ta.parts]
-    names_b = [p.key.rsplit("/", 1)[-1] for p in tb.parts]
+    names_a = [split_key(p.key)[-1] for p in ta.parts]
+    names_b = [split_key(p.key)[-1] for p in tb.parts]
     if ta.layout != tb.layout or names_a != names_b:
         return not_compared(f"a {ta.layout} tensor and a {tb.layout} one")
     results = {name: _compare_values(ra, rb, pa, pb)
@@ -152,7 +153,7 @@ def _compare_parts(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) -> 
 
 class _Values:
     """A side's ``TensorData``, opened on first use; a file whose values cannot
-    be read at all (a plain pickle) gives every tensor the same reason."""
+    be read at all gives every tensor the same reason."""
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt

@@ -19,6 +19,7 @@ from ckptool.check.loadcheck import TagLoad
 from ckptool.check.modelspec import ModelKeys
 from ckptool.check.reconcile import KeyReport, ShapeHint
 from ckptool.describe import human_bytes, plural
+from ckptool.keys import pieces, split_key
 from ckptool.model import Checkpoint, GlobalInfo
 from ckptool.read import policy
 from ckptool.read.policy import UNSAFE
@@ -45,8 +46,15 @@ def format_findings(ckpt: Checkpoint, name: str) -> list[Finding]:
         "torchscript", WARNING,
         "this is a TorchScript archive: plain torch.load refuses it (weights_only) and "
         "load_state_dict cannot take it; torch.jit.load runs its code",
-        f"ckptool convert {name} {shell_name(stem(ckpt.path) + '.safetensors')}",
+        # its weights as a torch.save state dict, which torch.load and fix take
+        f"ckptool convert {name} {shell_name(_weights_name(ckpt.path))}",
         f"torch.jit.load({ckpt.path!r}, map_location='cpu').state_dict()")]
+
+
+def _weights_name(path: str) -> str:
+    """``x.pt`` -> ``x.pth``; ``x.pth`` (a TorchScript archive so named) -> ``x.weights.pth``."""
+    pth = stem(path) + ".pth"
+    return pth if pth != path else stem(path) + ".weights.pth"
 
 
 def device_findings(ckpt: Checkpoint, tags: list[TagLoad], machine: Machine, opts: FixOptions,
@@ -102,7 +110,7 @@ def wrapping_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Fin
                         "there are no keys to compare with a model")]
     # the entry's place as Python indexing: ['model'], [0]['state_dict']...
     index = "".join(f"[{p}]" if p.isdigit() else f"[{p!r}]"
-                    for p in sd.path.split("/")) if sd.path else ""
+                    for p in split_key(sd.path))
     if sd.kind == "module" and ckpt.format != "torchscript":
         opts.extract = "auto"
         where = f"'{sd.path}'" if sd.path else "the file"
@@ -115,7 +123,7 @@ def wrapping_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Fin
     if not sd.path:
         return []
     opts.extract = "auto"
-    others = [k for k in _top_keys(ckpt) if k != sd.path.split("/")[0]]
+    others = [k for k in _top_keys(ckpt) if k != pieces(sd.path)[0]]
     beside = f" next to {', '.join(others[:6])}" if others else ""
     return [Finding(
         "wrapped-state-dict", WARNING,
@@ -125,8 +133,8 @@ def wrapping_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Fin
 
 
 def _top_keys(ckpt: Checkpoint) -> list[str]:
-    seen = [t.key.split("/")[0] for t in ckpt.tensors] + [e.key.split("/")[0]
-                                                          for e in ckpt.entries]
+    seen = [pieces(t.key)[0] for t in ckpt.tensors] + [pieces(e.key)[0]
+                                                       for e in ckpt.entries]
     return list(dict.fromkeys(seen))
 
 
@@ -222,7 +230,7 @@ def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], mo
         out.append(Finding(
             "key-prefix", ERROR,
             f"{model.source} expects its keys {' and '.join(changes)}: "
-            f"{report.before} of {total} keys match as saved, "
+            f"{report.before} of {plural(total, 'key')} match as saved, "
             f"{len(report.matched) + len(report.mismatched)} after the rewrite",
             f"ckptool fix {name} {flags}"))
     tied = report.tied_missing
@@ -230,13 +238,16 @@ def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], mo
     if missing:
         out.append(Finding(
             "missing-keys", ERROR,
-            f"{len(missing)} of {total} keys of {model.source} are not in the file: "
+            f"{len(missing)} of {plural(total, 'key')} of {model.source} "
+            f"{'is' if len(missing) == 1 else 'are'} not in the file: "
             f"{_some(missing)}{_why_missing(missing)}", None, None, tuple(missing)))
     if tied:
         pairs = ", ".join(f"{k} (tied to {v})" for k, v in list(tied.items())[:3])
         out.append(Finding(
             "tied-keys", WARNING,
-            f"{len(tied)} missing keys are tied weights whose twin the file has: {pairs}; "
+            f"{plural(len(tied), 'missing key')} "
+            f"{'is a tied weight' if len(tied) == 1 else 'are tied weights'} whose twin the "
+            f"file has: {pairs}; "
             "strict loading still wants them",
             None, "model.load_state_dict(sd, strict=False)  # the tie fills them",
             tuple(tied)))

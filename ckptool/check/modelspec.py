@@ -190,14 +190,19 @@ def reference_keys(path: str) -> ModelKeys:
     if ref.main_state_dict is None:
         raise UsageError(f"{path}: no state dict found to compare against",
                          "give a checkpoint that holds a model's weights")
-    tensors = ref.state_dict()
-    shapes = {name: tensors[name].shape if name in tensors else None
+    # the names a model would expect: without the reference's own wrapper
+    # prefix (module., _orig_mod., model.), as `ckptool diff` compares them
+    prefix = ref.main_state_dict.prefix
+    bare = (lambda name: name.removeprefix(prefix)) if prefix else (lambda name: name)
+    tensors = {bare(name): t for name, t in ref.state_dict().items()}
+    shapes = {bare(name): tensors[bare(name)].shape if bare(name) in tensors else None
               for name in ref.main_state_dict.keys}
     groups: dict[tuple[str | None, int, tuple[int, ...]], list[str]] = {}
     for name, t in tensors.items():
         if t.storage is not None:
             groups.setdefault((t.storage, t.storage_offset, t.shape), []).append(name)
-    return ModelKeys(f"reference {path}", shapes, _ties(groups.values()))
+    label = f"reference {path}" + (f" (without its {prefix!r} prefix)" if prefix else "")
+    return ModelKeys(label, shapes, _ties(groups.values()))
 
 
 # entries where training scripts keep their settings: constructor values

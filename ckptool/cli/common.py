@@ -20,8 +20,12 @@ import click
 # every --json report carries it; it changes only when a field changes
 # meaning or goes away (new fields may be added)
 SCHEMA_VERSION = 1
-FSYNC_HELP = ("Return only once OUT is on disk, safe from a power cut (as cp + sync). "
-              "Replacing a file (--force, --in-place) always waits.")
+
+
+def fsync_help(replacing: str) -> str:
+    """--fsync's help, naming the options of this command that replace a file."""
+    return ("Return only once OUT is on disk, safe from a power cut (as cp + sync). "
+            f"Replacing a file ({replacing}) always waits.")
 
 
 def dumps(data: dict[str, Any]) -> str:

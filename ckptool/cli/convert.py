@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from ckptool.cli.common import FSYNC_HELP, SCHEMA_VERSION, console, progress, write_json
+from ckptool.cli.common import SCHEMA_VERSION, console, fsync_help, progress, write_json
 from ckptool.cli.inputs import InputPath
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 @click.argument("path", type=InputPath())
 @click.argument("output", metavar="OUT", type=click.Path(path_type=str))
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
-@click.option("--fsync", is_flag=True, help=FSYNC_HELP)
+@click.option("--fsync", is_flag=True, help=fsync_help("--force"))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def convert(path: str, output: str, force: bool, fsync: bool, quiet: bool,

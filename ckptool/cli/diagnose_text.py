@@ -15,7 +15,7 @@ from rich.text import Text
 from ckptool.check.diagnosis import ERROR, WARNING, Diagnosis, describe_keys
 from ckptool.check.gpus import describe_target
 from ckptool.check.loadcheck import describe_landing
-from ckptool.describe import human_bytes
+from ckptool.describe import human_bytes, plural
 
 _STYLE = {ERROR: "bold red", WARNING: "yellow"}
 
@@ -36,7 +36,7 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
     if sd is not None:
         where = f"'{sd.path}'" if sd.path else "the file itself"
         prefix = f" · prefix {sd.prefix!r}" if sd.prefix else ""
-        grid.add_row("state dict", f"{where} · {sd.num_tensors} tensors{prefix}")
+        grid.add_row("state dict", f"{where} · {plural(sd.num_tensors, 'tensor')}{prefix}")
     keys = describe_keys(d)
     if keys is not None:
         grid.add_row("keys", keys)

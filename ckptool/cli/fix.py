@@ -4,11 +4,11 @@ its JSON report (the text view: ``fix_text.py``).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import click
 
-from ckptool.cli.common import FSYNC_HELP, SCHEMA_VERSION, console, progress, write_json
+from ckptool.cli.common import SCHEMA_VERSION, console, fsync_help, progress, write_json
 from ckptool.cli.inputs import InputPath
 
 if TYPE_CHECKING:
@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 
 
 @click.command()
-@click.argument("path", type=InputPath())
+@click.argument("path", type=InputPath(), required=False)
 @click.option("-o", "--output", metavar="OUT",
               help="Where to write (default: IN.fixed.EXT beside IN).")
 @click.option("--strip-module", is_flag=True,
@@ -37,10 +37,10 @@ if TYPE_CHECKING:
 @click.option("--dry-run", is_flag=True, help="Show the plan and write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--in-place", is_flag=True, help="Replace IN itself (atomically).")
-@click.option("--fsync", is_flag=True, help=FSYNC_HELP)
+@click.option("--fsync", is_flag=True, help=fsync_help("--force, --in-place"))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan and result as JSON.")
-def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[str, ...],
+def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: str | None, rename: tuple[str, ...], extract: str | None,
         drop: tuple[str, ...], dtype: str | None, to: str | None, maps: tuple[str, ...],
         dry_run: bool, force: bool, in_place: bool, fsync: bool, quiet: bool,
@@ -51,6 +51,8 @@ def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[s
     from ckptool.write import plan as planning
     from ckptool.write.fix import fix as run_fix
 
+    if path is None:
+        _missing_path(extract)
     if is_spooled(path) and (in_place or not output):
         raise UsageError(f"fix reads {shown_path(path)} as a stream: there is no file "
                          f"{'to replace' if in_place else 'to write beside'}",
@@ -77,6 +79,21 @@ def fix(path: str, output: str | None, strip_module: bool, strip_prefix: tuple[s
 
 
 command = fix
+
+
+def _missing_path(extract: str | None) -> NoReturn:
+    """No checkpoint named: most often ``--extract FILE``, where click took
+    the file for the entry to extract (--extract's PATH is optional)."""
+    import os
+
+    from ckptool.errors import UsageError
+
+    if extract not in (None, "auto") and os.path.exists(extract):
+        raise UsageError(f"--extract took {extract} for the entry to extract, and no "
+                         "checkpoint was named",
+                         f"put the checkpoint first: `ckptool fix {extract} --extract ...`, "
+                         "or write --extract=PATH")
+    raise UsageError("missing the checkpoint to fix", "ckptool fix CKPT [OPTIONS]")
 
 
 def fix_dict(result: FixResult) -> dict[str, Any]:

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.describe import human_bytes
+from ckptool.describe import human_bytes, plural
 from ckptool.write.convert import ConvertResult
 from ckptool.write.fix import FixResult
 
@@ -30,7 +30,7 @@ def render_fix(console: Console, result: FixResult, shown: int = 20) -> None:
     else:
         grid.add_row("wrote", f"{result.output} · {result.source.format} · "
                      f"{human_bytes(result.bytes_written)} · "
-                     f"{result.verified_storages} storages verified")
+                     f"{plural(result.verified_storages, 'storage')} verified")
     if plan.extracted is not None:
         grid.add_row("extract", f"kept only '{plan.extracted or '(root)'}'")
     for path in plan.dropped:
@@ -43,9 +43,11 @@ def render_fix(console: Console, result: FixResult, shown: int = 20) -> None:
             grid.add_row("", f"… {len(plan.renames) - shown} more (--json lists all)")
     devices, casts = result.moves()
     for move in devices:
-        grid.add_row("devices", f"{move['storages']} storages {move['from']} → {move['to']}")
+        grid.add_row("devices",
+                     f"{plural(move['storages'], 'storage')} {move['from']} → {move['to']}")
     for cast in casts:
-        grid.add_row("dtype", f"{cast['storages']} storages {cast['from']} → {cast['to']}")
+        grid.add_row("dtype",
+                     f"{plural(cast['storages'], 'storage')} {cast['from']} → {cast['to']}")
     for note in plan.notes:
         grid.add_row("note", Text(note, style="yellow"))
     if plan.empty:
@@ -62,7 +64,7 @@ def render_convert(console: Console, result: ConvertResult) -> None:
     grid.add_column(overflow="fold")
     fmt = "safetensors" if result.direction == "safetensors" else "torch-zip"
     grid.add_row("wrote", f"{result.output} · {fmt} · {human_bytes(result.bytes_written)} · "
-                 f"{result.tensors} tensors verified")
+                 f"{plural(result.tensors, 'tensor')} verified")
     if result.aliases:
         pairs = ", ".join(f"{a} = {k}" for a, k in list(result.aliases.items())[:6])
         where = "kept in __metadata__" if fmt == "safetensors" else "restored as shared"

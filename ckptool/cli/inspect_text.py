@@ -7,7 +7,6 @@ Rich honours ``NO_COLOR`` and the terminal width by itself.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 
 from rich.console import Console
@@ -17,15 +16,14 @@ from rich.text import Text
 from ckptool.cli.common import fold_key, key_width
 from ckptool.describe import human_bytes, human_count, parameters_text, plural, tensor_shape
 from ckptool.describe import shown as shown_text
+from ckptool.keys import pieces
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
-
-_SEP = re.compile(r"[/.]")
 
 
 def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:
     parts = []
     for name, nbytes in tally.items():
-        extra = f" ({counts[name]} tensors)" if counts and name in counts else ""
+        extra = f" ({plural(counts[name], 'tensor')})" if counts and name in counts else ""
         parts.append(f"{name} {human_bytes(nbytes)}{extra}")
     return " · ".join(parts) or "none"
 
@@ -38,7 +36,7 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     fmt = ckpt.format + (f" (archive root '{root}')" if root else "")
     grid.add_row("file", f"{ckpt.path} · {human_bytes(ckpt.file_size)}")
     grid.add_row("format", fmt)
-    grid.add_row("tensors", f"{len(ckpt.tensors)} in {len(ckpt.storages)} storages · "
+    grid.add_row("tensors", f"{len(ckpt.tensors)} in {plural(len(ckpt.storages), 'storage')} · "
                  f"{human_bytes(ckpt.total_bytes)}")
     sd = ckpt.main_state_dict
     if sd is None:
@@ -128,8 +126,9 @@ def render_groups(console: Console, tensors: Iterable[TensorInfo], depth: int,
                   limit: int) -> None:
     groups: dict[str, list[TensorInfo]] = {}
     for t in tensors:
-        cuts = [m.start() for m in _SEP.finditer(t.key)]
-        name = t.key[: cuts[depth - 1]] if len(cuts) >= depth else t.key
+        # the first ``depth`` parts (split on / and ., never on an escaped /)
+        parts = pieces(t.key, dots=True)
+        name = t.key[: sum(map(len, parts[:depth])) + depth - 1] if len(parts) > depth else t.key
         groups.setdefault(name, []).append(t)
     names = list(groups)
     shown = names if limit <= 0 else names[:limit]

@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ckptool.keys import escape, join_key, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
 from ckptool.read import formats, observe, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
@@ -53,9 +54,10 @@ def open_checkpoint(path: str | os.PathLike[str],
 
 def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.Observer:
     def added(path: tuple[str, ...], pairs: list[tuple[Any, Any]]) -> None:
-        # as walk.path_of: every name joined by "/" (walk.key_text of a str is itself)
-        prefix = "".join(f"{name}/" for name in path)
-        infos = [tensor_info(prefix + key, value) for key, value in pairs
+        # as walk.path_of: every name escaped, joined by "/" (walk.key_text
+        # of a str is itself)
+        prefix = "".join(f"{escape(name)}/" for name in path)
+        infos = [tensor_info(prefix + escape(key), value) for key, value in pairs
                  if type(key) is str and isinstance(value, TENSORS)]
         if infos:
             on_tensors(infos)
@@ -100,7 +102,7 @@ def tensor_info(key: str, rec: Any) -> TensorInfo:
     """The TensorInfo of a TensorRecord, of a StorageRef saved on its own, or
     of a sparse or nested tensor (its parts under it)."""
     if isinstance(rec, CompositeTensor):
-        parts = tuple(tensor_info(f"{key}/{name}", part) for name, part in rec.parts.items()
+        parts = tuple(tensor_info(join_key(key, name), part) for name, part in rec.parts.items()
                       if isinstance(part, (TensorRecord, StorageRef, CompositeTensor)))
         main = next((p for p in parts if p.key.endswith("/values")), parts[0] if parts else None)
         return TensorInfo(key, rec.shape, main.dtype if main else "?", None, 0, None,
@@ -141,7 +143,7 @@ def _rank(c: Candidate) -> int:
     lowered = c.path.lower()
     if "optim" in lowered or "scheduler" in lowered:
         return -1  # optimizer state is dicts of tensors too, never the weights
-    last = c.path.rsplit("/", 1)[-1]
+    last = split_key(c.path)[-1]
     if last in PREFERRED_NAMES:
         return 90 - PREFERRED_NAMES.index(last)
     return 40 if "ema" in last.lower() else 10
@@ -151,7 +153,7 @@ def _main_state_dict(cands: list[Candidate], tensors: list[TensorInfo]) -> State
     by_key = {t.key: t for t in tensors}
 
     def members(c: Candidate) -> list[TensorInfo]:
-        keys = (f"{c.path}/{n}" if c.path else n for n in c.names)
+        keys = (join_key(c.path, n) for n in c.names)
         return [by_key[k] for k in keys if k in by_key]
 
     scored = [(c, members(c)) for c in cands if _rank(c) >= 0]

@@ -4,7 +4,9 @@ entries, and the dicts and modules that could be its state dict.
 The walk is iterative (hostile files can nest a million levels deep), visits
 each container once (a second reference to the same object is reported as
 an alias, not walked again), and presents pickled ``nn.Module``s and
-TorchScript modules as state dicts with dotted names.
+TorchScript modules as state dicts with dotted names. Names are yielded as
+they are; keys are made from them by ``ckptool.keys`` (which escapes a
+``/`` or ``\\`` inside a name), in ``path_of`` and ``join_key``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptool.keys import escape, join_key
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
 from ckptool.read.values import StandIn
 
@@ -23,9 +26,9 @@ MAX_MODULE_DEPTH = 256
 class Candidate:
     """A dict of tensors, or a module, that may be the main state dict."""
 
-    path: str
+    path: str  # its key (escaped: ckptool.keys)
     kind: str  # "dict" or "module"
-    names: list[str]  # state-dict names, in order
+    names: list[str]  # state-dict names as they are, in order
 
 
 @dataclass
@@ -34,10 +37,6 @@ class Walked:
     entries: list[tuple[str, Any]] = field(default_factory=list)  # (key, value)
     aliases: list[tuple[str, str]] = field(default_factory=list)  # (key, same-as key)
     candidates: list[Candidate] = field(default_factory=list)
-
-
-def join(path: str, name: str) -> str:
-    return f"{path}/{name}" if path else name
 
 
 def key_text(key: Any) -> str:
@@ -166,12 +165,14 @@ Link = tuple[Any, str] | None
 
 
 def path_of(link: Link, base: str) -> str:
+    """The key of a node: its names from ``base`` (a raw name, or "" for the
+    root) down, each escaped (``ckptool.keys``)."""
     names: list[str] = []
     while link is not None:
         link, name = link
-        names.append(name)
+        names.append(escape(name))
     if base:
-        names.append(base)
+        names.append(escape(base))
     return "/".join(reversed(names))
 
 
@@ -208,7 +209,7 @@ def walk(root: Any, base: str = "") -> Walked:
             names = []
             for name, tensor in module_tensors(obj):
                 names.append(name)
-                out.tensors.append((join(path, name), tensor))
+                out.tensors.append((join_key(path, name), tensor))
             if names:
                 _mark(oid, parent, holds_tensors)
                 out.candidates.append(Candidate(path, "module", names))

@@ -28,7 +28,7 @@ from textual.widgets import Button, Checkbox, Input, Label, Log, ProgressBar, St
 
 from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.fixcommand import fix_command_line
-from ckptool.describe import human_bytes, shown
+from ckptool.describe import human_bytes, plural, shown
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
 from ckptool.tui.screens import ConfirmScreen
@@ -266,7 +266,7 @@ class FixScreen(ModalScreen[str | None]):
             self.notify("name the output file", severity="warning")
             return
         exists = os.path.exists(out)
-        question = (f"Write {os.path.basename(out)} ({preview.tensors:,} tensors, about "
+        question = (f"Write {os.path.basename(out)} ({plural(preview.tensors, 'tensor')}, about "
                     f"{human_bytes(preview.nbytes)})?\nIt is verified before it is put in "
                     "place; the input is not touched.")
         if exists:
@@ -351,7 +351,7 @@ class FixScreen(ModalScreen[str | None]):
         bar.update(total=1, progress=1)
         text = Text(f"wrote {shown(result.output or '')}", style="bold green")
         text.append(f"\n{human_bytes(result.bytes_written)}, "
-                    f"{result.verified_storages:,} storages verified. Esc closes.")
+                    f"{plural(result.verified_storages, 'storage')} verified. Esc closes.")
         self.query_one("#fix-summary", Static).update(text)
         self.written = result.output
         self.notify(f"wrote {shown(result.output or '')}", markup=False)

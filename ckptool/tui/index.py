@@ -4,7 +4,9 @@ what this computes, and tests and ``bench/`` drive it on its own.
 
 Keys split into tree levels on ``/`` (containers) and ``.`` (state-dict
 names): ``state_dict/module.fc.weight`` sits under ``state_dict`` >
-``module`` > ``fc``. Every module node carries its tensor count, parameter
+``module`` > ``fc``. A ``/`` escaped inside a name (``a\\/b``, the key of
+``{"a/b": t}``: ``ckptool.keys``) splits nothing, so that key is one leaf
+beside ``a`` > ``b``. Every module node carries its tensor count, parameter
 count (elements of floating tensors), bytes and saved locations.
 
 Cost model, for 100,000 tensors: ``Index.extend`` is a few microseconds
@@ -17,11 +19,10 @@ looked at (``ckptool.tui.rows``).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Sequence
 from itertools import compress
 
-from ckptool.keys import Filter
+from ckptool.keys import Filter, pieces
 from ckptool.model import NO_LOCATION, TensorInfo
 from ckptool.read.params import ParameterCount
 from ckptool.tui.rows import TENSOR_KEYS, FilteredTree, FlatRows, Layout, Node, natural, walk_tree
@@ -29,7 +30,6 @@ from ckptool.tui.rows import TENSOR_KEYS, FilteredTree, FlatRows, Layout, Node, 
 __all__ = ["SORTS", "Filter", "FilteredTree", "Index", "Node", "Rows", "leaf_name", "natural"]
 
 SORTS = ("file", "name", "size", "device")  # the order `o` cycles through
-SPLIT = re.compile(r"[/.]")
 
 
 Item = "Node | TensorInfo"  # a row of the list: a module node or a tensor
@@ -37,7 +37,7 @@ Item = "Node | TensorInfo"  # a row of the list: a module node or a tensor
 
 def leaf_name(t: TensorInfo) -> str:
     """A tensor's label in the tree: its key's last part."""
-    parts = SPLIT.split(t.key)
+    parts = pieces(t.key, dots=True)
     return parts[-1] if parts[-1] else t.key
 
 
@@ -65,7 +65,7 @@ class Index:
         root = self.root
         for t in tensors:
             self.tensors.append(t)
-            parts = SPLIT.split(t.key)
+            parts = pieces(t.key, dots=True)
             params = self._params.add(t)[0]  # a tied weight once, buffers not
             loc = t.location or NO_LOCATION
             node = root
@@ -99,7 +99,7 @@ class Index:
         node = self.root
         if not path:
             return node
-        for part in SPLIT.split(path):
+        for part in pieces(path, dots=True):
             nxt = node.children.get(part)
             if nxt is None:
                 return None
@@ -108,7 +108,7 @@ class Index:
 
     def ancestors(self, key: str) -> list[str]:
         """Paths of the nodes above tensor ``key``, outermost first."""
-        parts = SPLIT.split(key)
+        parts = pieces(key, dots=True)
         out, pos = [], 0
         for part in parts[:-1]:
             pos += len(part) + 1

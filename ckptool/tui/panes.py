@@ -10,7 +10,7 @@ from rich.text import Text
 
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.stats import TensorStats
-from ckptool.describe import human_bytes, human_count, parameters_text, shown, tensor_shape
+from ckptool.describe import human_bytes, human_count, parameters_text, plural, shown, tensor_shape
 from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
 from ckptool.tui.index import Node
 
@@ -49,7 +49,7 @@ def summary(ckpt: Checkpoint) -> Text:
                     style="red")
     text.append(shown(os.path.basename(ckpt.path)), style="bold")
     text.append(f" · {ckpt.format} · {human_bytes(ckpt.file_size)} · "
-                f"{len(ckpt.tensors):,} tensors in the file\n")
+                f"{plural(len(ckpt.tensors), 'tensor')} in the file\n")
     text.append("dtypes ", style="bold")
     text.append(_tally(ckpt.bytes_by_dtype))
     text.append("  saved on ", style="bold")
@@ -67,7 +67,7 @@ def summary(ckpt: Checkpoint) -> Text:
             text.append(" · prefix ")
             text.append(shown(sd.prefix), style="bold yellow")
         # the model's parameters: the optimizer's moments are no parameters
-        text.append(f" · {sd.num_tensors:,} tensors · {parameters_text(sd, short=True)}")
+        text.append(f" · {plural(sd.num_tensors, 'tensor')} · {parameters_text(sd, short=True)}")
     return text
 
 

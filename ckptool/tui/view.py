@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ckptool.describe import plural
 from ckptool.keys import Filter
 from ckptool.tui.index import SORTS, FilteredTree, Index, Node, Rows
 
@@ -74,7 +75,7 @@ class ViewState:
                     f"match{'es' if matches == 1 else ''}")
             parts.append(f"filter {self.filter.pattern!r}: {said}")
         else:
-            parts.append(f"{total:,} tensors")
+            parts.append(plural(total, "tensor"))
         if not loaded:
             parts.append("reading…")
         elif findings:

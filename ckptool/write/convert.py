@@ -38,6 +38,7 @@ from typing import Any
 from ckptool import dtypes
 from ckptool.describe import plural, shell_word
 from ckptool.errors import UnsupportedCheckpointError, UsageError
+from ckptool.keys import unescape
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.reader import open_checkpoint
@@ -198,7 +199,8 @@ def _to_torch(source: Checkpoint, dst: str, output: AtomicOutput,
     # 2. plan: a torch state dict, each tensor written on a storage of its
     # own, and the names that share one of them again (tied weights)
     if source.format == SAFETENSORS:  # its tensors, and the aliases convert recorded
-        kept = {t.key: t for t in source.tensors}
+        # each key is one name of the file's own dict, escaped: written as it is
+        kept = {unescape(t.key): t for t in source.tensors}
         aliases, notes = _aliases(source.metadata.get("metadata", {}), set(kept))
         result = ConvertResult(source, dst, "torch", len(kept), aliases, notes=notes)
         names = [*kept, *aliases]

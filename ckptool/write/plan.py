@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.errors import UnsupportedCheckpointError, UsageError
+from ckptool.keys import split_key
 from ckptool.model import Checkpoint
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_legacy import HEADER_PICKLES, TORCH_LEGACY
@@ -145,11 +146,12 @@ def parse_pair(text: str, what: str) -> tuple[str, str]:
 
 
 def _find(root: Any, path: str) -> tuple[Any, Any, Any]:
-    """(parent container, key in it, object) at a '/'-joined container path."""
+    """(parent container, key in it, object) at a container path: a key as
+    ckptool writes it, a name's own ``/`` and ``\\`` escaped (``ckptool.keys``)."""
     parent: Any = None
     key: Any = None
     obj = root
-    for part in path.split("/") if path else []:
+    for part in split_key(path):
         for raw_key, name, child in _keyed_children(obj):
             if name == part:
                 parent, key, obj = obj, raw_key, child
@@ -237,9 +239,39 @@ def _key_function(opts: FixOptions, wrapper: str) -> Any:
     return rename
 
 
+def check_consistent(opts: FixOptions) -> None:
+    """Options that contradict each other are refused, never settled silently."""
+    if opts.to is not None and opts.maps:
+        raise UsageError("--to moves every storage and --map only some: they conflict",
+                         "use --to alone, or one --map per saved device")
+    sources = [src for src, _ in opts.maps]
+    twice = sorted({src for src in sources if sources.count(src) > 1})
+    if twice:
+        raise UsageError(f"--map gives {twice[0]} more than one target",
+                         "one --map per saved device: --map SRC=DST")
+
+
+def _check_extract_and_drops(plan: Plan, opts: FixOptions, extract: str | None) -> None:
+    """A --drop that would remove what --extract keeps is an error; one
+    outside it is left out anyway (noted)."""
+    if extract is None:
+        return
+    for drop in opts.drop:
+        if drop == extract or extract.startswith(drop + "/"):
+            raise UsageError(f"--drop {drop} removes the entry --extract keeps ({extract})",
+                             "drop entries inside it, or extract another one")
+        if not drop.startswith(extract + "/") and extract != "":
+            plan.notes.append(f"--drop {drop}: left out anyway, --extract keeps only "
+                              f"{extract}")
+
+
 def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
     """Apply ``opts`` to ``ckpt.root`` (read faithfully); ``ckpt`` is its analysis."""
+    check_consistent(opts)
     plan = Plan(ckpt.root)
+    sd_main = ckpt.main_state_dict
+    _check_extract_and_drops(plan, opts, (sd_main.path if sd_main else None)
+                             if opts.extract == "auto" else opts.extract)
     for drop in opts.drop:
         parent, key, _ = _find(plan.root, drop)
         if parent is None or not isinstance(parent, (dict, list)):

@@ -26,6 +26,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ckptool.describe import plural
 from ckptool.model import NO_LOCATION, Checkpoint
 from ckptool.read.tensors import CompositeTensor
 from ckptool.read.values import StandIn
@@ -65,7 +66,7 @@ class FixPreview:
         return self.kept + len(self.added)
 
     def summary(self) -> str:
-        parts = [f"{self.kept:,} tensors kept", f"{self.renamed:,} renamed",
+        parts = [f"{plural(self.kept, 'tensor')} kept", f"{self.renamed:,} renamed",
                  f"{self.moved:,} moved"]
         if self.left_out:
             parts.append(f"{self.left_out:,} left out")
