@@ -29,7 +29,7 @@ $(STAMP): $(DEPS) $(SOURCES)
 DEMO_DIR := $(shell mktemp -d -u /tmp/ckptool-demo.XXXXXX)
 
 demo: $(STAMP)
-	@for f in samples/*.pth samples/*.ckpt samples/*.safetensors samples/*.pt; do \
+	@for f in samples/*.pth samples/*.ckpt samples/*.safetensors samples/*.pt samples/dcp_tinynet; do \
 	  echo; echo "\$$ ckptool inspect $$f"; $(BIN)/ckptool inspect "$$f" || exit $$?; \
 	done
 	@mkdir -p $(DEMO_DIR) && cp samples/dataparallel_cuda2.pth $(DEMO_DIR)/

@@ -37,6 +37,10 @@ class TensorInfo:
     # a sparse (or nested) tensor is one tensor with a dense shape, made of
     # these: "indices" and "values", keyed "<its key>/indices"...
     parts: tuple[TensorInfo, ...] = ()
+    # checkpoints of many files: the file that holds it (an HF shard, relative
+    # to Checkpoint.directory), or the chunks it is saved in (DCP)
+    file: str | None = None
+    chunks: tuple[Chunk, ...] = ()
 
     @property
     def numel(self) -> int:
@@ -53,6 +57,34 @@ class TensorInfo:
         return dtypes.is_floating(self.dtype)
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """One piece of a tensor saved in chunks (DCP): the box it fills in the
+    whole tensor, and where its bytes lie (a ``torch.save`` archive of the
+    piece, embedded in ``file`` at ``byte_offset``)."""
+
+    file: str  # relative to Checkpoint.directory: "__1_0.distcp"
+    offsets: tuple[int, ...]  # where the box starts, per dimension
+    sizes: tuple[int, ...]  # its shape
+    byte_offset: int
+    byte_length: int
+    rank: int | None = None  # the rank that wrote it (from "__<rank>_<n>.distcp")
+    transforms: tuple[str, ...] = ()  # what to undo first ("stream.zstd/1")
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """One file of a checkpoint made of many."""
+
+    path: str  # relative to Checkpoint.directory
+    role: str  # index, shard, metadata (DCP .metadata), data (a .distcp), extra (meta.pt)
+    format: str | None  # how it is read: safetensors, torch-zip... (None: JSON, pickle)
+    size: int
+    num_tensors: int = 0  # tensors (a shard) or tensor chunks (a .distcp) it holds
+    num_values: int = 0  # non-tensor values it holds (DCP's BYTE_IO items)
+    rank: int | None = None  # the rank that wrote it (DCP)
+
+
 @dataclass(slots=True)
 class StorageInfo:
     """One storage record: the bytes that one or more tensors view."""
@@ -63,6 +95,7 @@ class StorageInfo:
     nbytes: int
     record: str | None  # archive record name, or "@offset" into the file
     tensors: tuple[str, ...]  # keys of the tensors viewing it
+    file: str | None = None  # the file it is in, for checkpoints of many files
 
 
 @dataclass(frozen=True)
@@ -113,8 +146,10 @@ class StateDictInfo:
 @dataclass
 class Checkpoint:
     path: str
-    format: str  # torch-zip, torch-legacy, torchscript, safetensors, pickle
-    file_size: int
+    # torch-zip, torch-legacy, torchscript, safetensors, pickle; and layouts of
+    # many files: hf-safetensors, hf-bin (Hugging Face shards + index), dcp
+    format: str
+    file_size: int  # for many files: all of them together
     tensors: list[TensorInfo]
     storages: dict[str, StorageInfo]
     entries: list[Entry]
@@ -124,6 +159,13 @@ class Checkpoint:
     root: Any = None  # the inert object tree, for views that want to dig
     # what the file holds that its format does not (bytes after the end...)
     warnings: list[str] = field(default_factory=list)
+    # checkpoints of many files: the directory holding them, and each file
+    directory: str | None = None
+    files: list[FileInfo] = field(default_factory=list)
+
+    @property
+    def is_multifile(self) -> bool:
+        return self.directory is not None
 
     @property
     def unsafe_globals(self) -> list[str]:

@@ -137,9 +137,32 @@ def main() -> None:
     torch.optim.SGD(v2.parameters(), lr=0.01).step()
     torch.save({"model": {f"_orig_mod.{k}": v for k, v in v2.state_dict().items()},
                 "step": 1300}, HERE / "finetuned_v2.pth")
+    dcp_sample(net, opt)
     for path in sorted(HERE.iterdir()):
         if path.suffix != ".py":
             print(f"{path.name:28} {path.stat().st_size:>8} bytes")
+
+
+def dcp_sample(net: nn.Module, opt: torch.optim.Optimizer) -> None:
+    """A torch.distributed.checkpoint directory, as dcp.save writes it in one
+    process: the net and its optimizer, with the epoch, in .metadata plus
+    one __0_0.distcp."""
+    import os
+    import shutil
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    shutil.rmtree(HERE / "dcp_tinynet", ignore_errors=True)
+    cwd = os.getcwd()
+    os.chdir(HERE)  # .metadata records the path it was saved to: keep it relative
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # no process group: one process saves it all
+            dcp.save({"model": net.state_dict(), "optimizer": opt.state_dict(), "epoch": 12},
+                     checkpoint_id="dcp_tinynet")
+    finally:
+        os.chdir(cwd)
 
 
 if __name__ == "__main__":

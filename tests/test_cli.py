@@ -96,7 +96,7 @@ def test_unsafe_and_custom_globals_are_shown(tmp_path: Path,
 @pytest.mark.parametrize(("args", "code", "message"), [
     (["inspect", "/no/such/file.pth"], 3, "no such file"),
     (["inspect", str(Path(__file__))], 3, "not a checkpoint"),
-    (["inspect", str(SAMPLES)], 3, "is a directory"),
+    (["inspect", str(SAMPLES)], 3, "is a directory holding"),
     (["inspect"], 2, "Missing argument"),
     (["inspect", "--depth", "0", str(DP)], 2, "--depth"),
     (["frobnicate"], 2, "No such command"),

@@ -187,7 +187,7 @@ RANDOM = random.Random(1234).randbytes(4096)
 CASES: dict[str, tuple[Build, str]] = {
     # (how to make the input, pattern its message must match)
     "missing_path": (missing, r"no such file"),
-    "directory": (directory, r"is a directory"),
+    "directory": (directory, r"is an empty directory"),
     "empty_file": (write(b""), r"empty \(0 bytes\)"),
     "one_byte": (write(b"\x80"), r"not a checkpoint"),
     "one_byte_zip_letter": (write(b"P"), r"not a checkpoint"),

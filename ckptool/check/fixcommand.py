@@ -33,6 +33,8 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     """Turn the options the findings asked for into one checked command."""
     if opts == FixOptions():
         return Command()
+    if ckpt.is_multifile:
+        return Command(refused="fix does not take multi-file checkpoints yet")
     from ckptool.write.fix import fresh_output
     from ckptool.write.preview import preview
 

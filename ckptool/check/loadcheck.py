@@ -143,7 +143,10 @@ def weights_only_allows(name: str) -> bool:
 
 
 def refused_globals(ckpt: Checkpoint) -> list[str]:
-    """Globals the file names that plain ``torch.load`` (weights_only) refuses."""
+    """Globals the file names that plain ``torch.load`` (weights_only) refuses.
+    None for DCP: its loader reads ``.metadata`` and its values without weights_only."""
+    if ckpt.format == "dcp":
+        return []
     return [g.name for g in ckpt.globals if not weights_only_allows(g.name)]
 
 

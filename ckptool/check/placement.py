@@ -42,6 +42,11 @@ def recommend(machine: Machine, ckpt: Checkpoint) -> Advice:
 def load_snippet(ckpt: Checkpoint, device: str) -> str:
     """The Python line that loads ``ckpt`` onto ``device``."""
     path = json.dumps(ckpt.path)  # a valid Python string literal, quotes escaped
+    if ckpt.format == "dcp":  # into the tensors of the state dict given, where they are
+        return (f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={path})"
+                f"  # with state_dict's tensors on {device}")
+    if ckpt.format in ("hf-safetensors", "hf-bin"):
+        return f'huggingface_hub.load_torch_model(model, {path}, map_location="{device}")'
     if ckpt.format == "safetensors":
         return f'safetensors.torch.load_file({path}, device="{device}")'
     if ckpt.format == "torchscript":

@@ -14,7 +14,7 @@ import click
 from ckptool.cli.common import SCHEMA_VERSION, console, write_json
 from ckptool.cli.inputs import InputPath
 from ckptool.keys import Filter
-from ckptool.model import Checkpoint, TensorInfo
+from ckptool.model import Checkpoint, Chunk, FileInfo, TensorInfo
 
 
 @click.command()
@@ -63,7 +63,20 @@ def tensor_dict(t: TensorInfo) -> dict[str, Any]:
         "location": t.location, "nbytes": t.nbytes, "requires_grad": t.requires_grad,
         "is_parameter": t.is_parameter, "layout": t.layout, "subclass": t.subclass,
         **({"nnz": t.nnz, "parts": [tensor_dict(p) for p in t.parts]} if t.parts else {}),
+        **({"file": t.file} if t.file is not None else {}),
+        **({"chunks": [chunk_dict(c) for c in t.chunks]} if t.chunks else {}),
     }
+
+
+def chunk_dict(c: Chunk) -> dict[str, Any]:
+    return {"file": c.file, "rank": c.rank, "offsets": list(c.offsets), "sizes": list(c.sizes),
+            "byte_offset": c.byte_offset, "byte_length": c.byte_length,
+            **({"transforms": list(c.transforms)} if c.transforms else {})}
+
+
+def file_dict(f: FileInfo) -> dict[str, Any]:
+    return {"path": f.path, "role": f.role, "format": f.format, "size": f.size,
+            "num_tensors": f.num_tensors, "num_values": f.num_values, "rank": f.rank}
 
 
 def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]:
@@ -88,7 +101,8 @@ def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]
         "tensors": [tensor_dict(t) for t in matching(ckpt.tensors, pattern)],
         "storages": [
             {"id": s.id, "dtype": s.dtype, "location": s.location, "nbytes": s.nbytes,
-             "record": s.record, "tensors": list(s.tensors)}
+             "record": s.record, "tensors": list(s.tensors),
+             **({"file": s.file} if s.file is not None else {})}
             for s in ckpt.storages.values()
         ],
         "entries": [
@@ -103,4 +117,6 @@ def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]
         "unsafe_globals": ckpt.unsafe_globals,
         "metadata": ckpt.metadata,
         "warnings": ckpt.warnings,
+        **({"directory": ckpt.directory, "files": [file_dict(f) for f in ckpt.files]}
+           if ckpt.is_multifile else {}),
     }

@@ -7,6 +7,7 @@ Rich honours ``NO_COLOR`` and the terminal width by itself.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 from rich.console import Console
@@ -35,7 +36,11 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     root = ckpt.metadata.get("archive_root")
     fmt = ckpt.format + (f" (archive root '{root}')" if root else "")
     grid.add_row("file", f"{ckpt.path} · {human_bytes(ckpt.file_size)}")
+    if ckpt.is_multifile:
+        fmt = many_files_format(ckpt)
     grid.add_row("format", fmt)
+    for i, line in enumerate(files_lines(ckpt)):
+        grid.add_row("files" if i == 0 else "", line)
     grid.add_row("tensors", f"{len(ckpt.tensors)} in {plural(len(ckpt.storages), 'storage')} · "
                  f"{human_bytes(ckpt.total_bytes)}")
     sd = ckpt.main_state_dict
@@ -43,6 +48,9 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
         grid.add_row("state dict", Text("none found", style="yellow"))
     else:
         where = f"'{sd.path}'" if sd.path else "the whole file"
+        if ckpt.is_multifile and not sd.path:
+            entry = ckpt.metadata.get("state_dict_entry")
+            where = f"the '{entry}' entry" if entry else "the whole checkpoint"
         if sd.kind == "module":
             where += (", a TorchScript module" if ckpt.format == "torchscript"
                       else ", a pickled nn.Module")
@@ -81,6 +89,96 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     console.print(grid)
 
 
+FILES_SHOWN = 6
+
+
+def many_files_format(ckpt: Checkpoint) -> str:
+    """The format row of a checkpoint of many files: its index, or DCP's
+    version, wrapper and ranks."""
+    meta = ckpt.metadata
+    if ckpt.format == "dcp":
+        wrapper = {"lightning": ", a Lightning .ckpt directory",
+                   "accelerate": ", accelerate's FSDP folders"}.get(meta.get("wrapper", ""), "")
+        version = f" {meta['version']}" if meta.get("version") else ""
+        ranks = meta.get("ranks")
+        written = f" · written by {plural(ranks, 'rank')}" if ranks else ""
+        return f"dcp (torch.distributed.checkpoint{version}{wrapper}){written}"
+    return f"{ckpt.format} (index {meta.get('index')})"
+
+
+def files_lines(ckpt: Checkpoint) -> list[str]:
+    """One line per file of a checkpoint of many files (a few, then a count)."""
+    lines = []
+    for info in ckpt.files[:FILES_SHOWN]:
+        what = [human_bytes(info.size)]
+        if info.rank is not None:
+            what.append(f"rank {info.rank}")
+        if info.role == "data":
+            what.append(plural(info.num_tensors, "chunk"))
+        elif info.role == "shard":
+            what.append(plural(info.num_tensors, "tensor"))
+        elif info.role != "data":
+            what.append(info.role)
+        if info.num_values:
+            what.append(plural(info.num_values, "value"))
+        lines.append(f"{info.path} · {' · '.join(what)}")
+    if len(ckpt.files) > FILES_SHOWN:
+        lines.append(f"… {len(ckpt.files) - FILES_SHOWN} more (see --json)")
+    return lines
+
+
+def where_text(t: TensorInfo) -> str:
+    """Where a tensor of many files lives: its shard, or its chunks."""
+    if len(t.chunks) == 1:
+        return t.chunks[0].file
+    if t.chunks:
+        ranks = sorted({c.rank for c in t.chunks if c.rank is not None})
+        on = f" · ranks {_runs(ranks)}" if ranks else ""
+        return f"{len(t.chunks)} chunks{on}"
+    return t.file or ""
+
+
+def _runs(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``0-2,5``."""
+    runs: list[list[int]] = []
+    for n in numbers:
+        if runs and n == runs[-1][-1] + 1:
+            runs[-1].append(n)
+        else:
+            runs.append([n])
+    return ",".join(f"{r[0]}-{r[-1]}" if len(r) > 2 else ",".join(map(str, r)) for r in runs)
+
+
+def _fit_where(cells: list[list[str]], headers: list[str], width: int, keys: int) -> None:
+    """Shorten the last column (where) so that the others keep their width and
+    the keys keep up to ``KEY_MIN``: long file names keep their ends."""
+    others = sum(max([len(h), *(len(row[i]) for row in cells)])
+                 for i, h in enumerate(headers[:-1]))
+    budget = max(len(headers[-1]) + 4,
+                 width - others - 3 * len(headers) - min(keys, KEY_MIN))
+    for row in cells:
+        row[-1] = _shorten(row[-1], budget)
+
+
+_SHARD = re.compile(r"^.*?(-0*(\d+)-of-0*(\d+)\.[A-Za-z0-9]+)$")
+
+
+def _shorten(text: str, budget: int) -> str:
+    """``text`` in at most ``budget`` characters: an HF shard name keeps its
+    number (``…-00001-of-00004.bin``, then ``shard 1/4``), anything else its end."""
+    if len(text) <= budget:
+        return text
+    shard = _SHARD.match(text)
+    if shard:
+        for short in (f"…{shard.group(1)}", f"shard {shard.group(2)}/{shard.group(3)}"):
+            if len(short) <= budget:
+                return short
+    return "…" + text[-(budget - 1):]
+
+
+KEY_MIN = 24
+
+
 def sharing_labels(tensors: Iterable[TensorInfo]) -> dict[str, str]:
     """'#1', '#2'... for storages viewed by more than one tensor, in key order.
 
@@ -97,7 +195,8 @@ def sharing_labels(tensors: Iterable[TensorInfo]) -> dict[str, str]:
     return labels
 
 
-def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int) -> None:
+def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int,
+                   where: bool = False) -> None:
     rows = list(tensors)
     labels = sharing_labels(rows)
     shown = rows if limit <= 0 else rows[:limit]
@@ -107,8 +206,16 @@ def render_tensors(console: Console, tensors: Iterable[TensorInfo], limit: int) 
         if shares and t.storage_offset:
             shares += f" @{t.storage_offset}"
         cells.append([tensor_shape(t), shown_text(t.dtype), shown_text(t.location or "-"),
-                      human_bytes(t.nbytes), shares])
-    headers = ["shape", "dtype", "device", "size", "shares"]
+                      human_bytes(t.nbytes), shares]
+                     + ([shown_text(where_text(t))] if where else []))
+    headers = ["shape", "dtype", "device", "size", "shares"] + (["where"] if where else [])
+    if where:  # many files: the columns they leave empty make room for where
+        keep = [i for i, h in enumerate(headers) if not (
+            (h == "device" and all(t.location is None for t in shown))
+            or (h == "shares" and not labels))]
+        headers = [headers[i] for i in keep]
+        cells = [[row[i] for i in keep] for row in cells]
+        _fit_where(cells, headers, console.width, max((len(t.key) for t in shown), default=0))
     width = key_width(console, cells, headers)
     table = Table(show_edge=False, pad_edge=False, header_style="bold")
     table.add_column("key", no_wrap=True)
@@ -165,4 +272,4 @@ def render_inspect(console: Console, ckpt: Checkpoint, tensors: list[TensorInfo]
     if depth:
         render_groups(console, tensors, depth, limit)
     else:
-        render_tensors(console, tensors, limit)
+        render_tensors(console, tensors, limit, where=ckpt.is_multifile)

@@ -9,10 +9,16 @@ from the file ever run.
   in place of torch's rebuild functions), ``treecheck`` (bounds on the tree);
 - ``formats/``: one module per file layout, sniffed by content, each
   turning a file into a ``RawRead``; ``ziparchive`` reads zip directories;
+- ``layouts/``: checkpoints of many files (a directory or an index file:
+  Hugging Face shards, ``torch.distributed.checkpoint``), recognised by
+  content, read with the single-file readers and the same unpickler, and
+  merged into one tree; and one logical tensor's bytes from its shard or
+  its chunks (``layouts.tensor_bytes``);
 - the model: ``walk`` (tensors, entries and state-dict candidates of a
   tree), ``prefixes`` (wrapper prefixes), ``summary`` (short text of
   values), ``reader`` (``ckptool.open``: a ``Checkpoint``);
-- ``tensor_data``: tensor bytes, read on demand, the one module that does.
+- ``tensor_data``: tensor bytes of a file, read on demand (``layouts.tensor_bytes``
+  builds on it for many files).
 
 May import the top level (``errors``, ``model``, ``dtypes``, ``describe``)
 and nothing above it.

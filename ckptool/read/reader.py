@@ -4,6 +4,11 @@ Sniffs and reads the file (``ckptool.read.formats``), walks its object tree
 (``ckptool.read.walk``), and assembles a ``Checkpoint``: tensors with their keys,
 storages with the tensors that view them, non-tensor entries, the globals
 the file names, and the main state dict with its key prefix.
+
+A directory or an index file is a checkpoint of many files
+(``ckptool.read.layouts``): its reader gives one merged tree, assembled here
+the same way, with the files, each tensor's shard or chunks, and the names
+an index records as tied.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from ckptool.keys import escape, join_key, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
 from ckptool.read import formats, observe, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
+from ckptool.read.layouts import dcp, hf_sharded, recognise
+from ckptool.read.layouts.base import MultiRead
 from ckptool.read.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
@@ -43,8 +50,17 @@ def open_checkpoint(path: str | os.PathLike[str],
     (``torch.save((sd, opt))``) is sent under the keys it would have outside
     it (see ``ckptool.read.observe``). The returned Checkpoint is complete,
     and the same as without ``on_tensors``.
+
+    ``path`` may be a directory or a shard index (``ckptool.read.layouts``):
+    a checkpoint of many files is read whole (``on_tensors`` is not called),
+    and a directory holding one checkpoint file reads as that file.
     """
     path = os.fspath(path)
+    layout = recognise.recognise(path)
+    if layout is not None and layout.kind != recognise.FILE:
+        return assemble_multi(path, read_layout(layout))
+    if layout is not None and layout.file is not None:
+        path = layout.file  # a directory holding one checkpoint file reads as that file
     if on_tensors is None:
         return assemble(path, formats.read(path))
     with observe.observe(_partial_tensors(on_tensors), TENSORS):
@@ -64,7 +80,44 @@ def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.
     return added
 
 
-def assemble(path: str, raw: RawRead) -> Checkpoint:
+def read_layout(layout: recognise.Layout) -> MultiRead:
+    """The files of a checkpoint of many files, read and merged."""
+    with formats.explained(layout.path):
+        if layout.kind == recognise.HF:
+            return hf_sharded.read(layout)
+        return dcp.read(layout)
+
+
+def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
+    """The Checkpoint of a checkpoint of many files: assembled as one file's,
+    then each tensor and storage told where it lives."""
+    ckpt = assemble(path, multi.raw, file_size=sum(f.size for f in multi.files))
+    ckpt.directory, ckpt.files = multi.directory, multi.files
+    for s in ckpt.storages.values():
+        s.file = multi.storage_files.get(s.id)
+    chunks = {join_key("", name): c for name, c in multi.chunks.items()}  # names -> keys
+    for t in ckpt.tensors:
+        t.chunks = chunks.get(t.key, ())
+        t.file = multi.storage_files.get(t.storage) if t.storage is not None else None
+    ckpt.entries += [Entry(join_key("", name), "alias", f"same tensor as {kept} (the index "
+                           "records it; not stored)") for name, kept in multi.aliases.items()]
+    if multi.groups is not None:
+        # the state dict is one top-level entry's names, ranked by the entry's
+        # name as a file's entries are (tensors saved at the top level rank low)
+        ranked = [(20 if name == "" else _rank(Candidate(escape(name), "dict", [])),
+                   Candidate("", "dict", names)) for name, names in multi.groups.items()]
+        top = max((rank for rank, _ in ranked), default=-1)
+        best = [c for rank, c in ranked if rank == top and rank >= 0]
+        ckpt.main_state_dict = _main_state_dict(best, ckpt.tensors)
+        sd = ckpt.main_state_dict
+        entry = next((name for name, names in multi.groups.items()
+                      if sd and names == list(sd.keys)), None)
+        if sd and entry:  # its keys keep the entry's name as their prefix ("model.")
+            ckpt.metadata["state_dict_entry"] = entry
+    return ckpt
+
+
+def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoint:
     """The Checkpoint of an already read file (rewrites read it faithfully first)."""
     walked = walk(raw.root)
     for name, extra in raw.extra_roots.items():
@@ -86,7 +139,7 @@ def assemble(path: str, raw: RawRead) -> Checkpoint:
     return Checkpoint(
         path=path,
         format=raw.format,
-        file_size=os.path.getsize(path),
+        file_size=os.path.getsize(path) if file_size is None else file_size,
         tensors=tensors,
         storages=_storages(raw.storages, tensors),
         entries=entries,

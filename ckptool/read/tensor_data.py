@@ -41,6 +41,10 @@ class TensorData:
     """
 
     def __init__(self, ckpt: Checkpoint) -> None:
+        if ckpt.is_multifile:  # its tensors: ckptool.read.layouts.tensor_bytes
+            raise UnsupportedCheckpointError(
+                f"{ckpt.path} is a checkpoint of many files: reading its tensor values is "
+                "not supported here yet", _HINT)
         self.ckpt = ckpt
         self.byteswap = _is_big_endian(ckpt)
         self._f = open(ckpt.path, "rb")  # noqa: SIM115 -- closed by close()

@@ -40,6 +40,7 @@ from ckptool.describe import plural, shell_word
 from ckptool.errors import UnsupportedCheckpointError, UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint, TensorInfo
+from ckptool.read import formats
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.tensor_data import TensorData
@@ -82,6 +83,7 @@ def convert(src: str, dst: str, *, force: bool = False,
     if suffix not in (".safetensors", *TORCH_SUFFIXES):
         raise UsageError(f"cannot tell the output format from {dst!r}",
                          "name it *.safetensors, or *.pt / *.pth / *.bin for torch")
+    src = formats.one_file(src, "convert")  # a directory holding one file is that file
     source = open_checkpoint(src)  # 1. read
     if suffix == ".safetensors":
         if source.format == SAFETENSORS:

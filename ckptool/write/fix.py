@@ -120,6 +120,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     this returns when ``fsync`` is set or it replaces a file (``AtomicOutput``)."""
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
+    src = formats.one_file(src, "fix")  # a directory holding one file is that file
     target = src if in_place else (output or default_output(src))
     try:  # the version of the file that is read; every later open must be it
         identity: Identity | None = file_identity(os.stat(src))

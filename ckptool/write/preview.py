@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 from ckptool.describe import plural
 from ckptool.model import NO_LOCATION, Checkpoint
+from ckptool.read import formats
 from ckptool.read.tensors import CompositeTensor
 from ckptool.read.values import StandIn
 from ckptool.read.walk import walk
@@ -93,6 +94,8 @@ class Previewer:
 
     def preview(self, opts: FixOptions) -> FixPreview:
         with self._lock:
+            if self.ckpt.is_multifile:  # refused as fix refuses it, in its words
+                formats.one_file(self.ckpt.path, "fix")
             plans.check_rewritable(self.ckpt.format, opts, self.ckpt.path)
             plan = plans.make_plan(
                 dataclasses.replace(self.ckpt, root=copy_tree(self.ckpt.root)), opts)

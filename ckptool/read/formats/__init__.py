@@ -3,6 +3,10 @@
 Formats are sniffed from the first bytes of the file, never from its name.
 Each reader module offers ``sniff`` and ``read(path) -> RawRead``. Files that
 are not checkpoints get an error saying what they look like instead.
+
+A directory (or an index file) is recognised by ``ckptool.read.layouts.recognise``:
+one holding a single checkpoint file reads as that file here; a checkpoint of
+many files is ``ckptool.read.reader``'s to assemble, and ``read`` refuses it.
 """
 
 from __future__ import annotations
@@ -21,8 +25,9 @@ from ckptool.errors import (
 )
 from ckptool.read.formats import pickle_fmt, safetensors_fmt, torch_legacy, torch_zip
 from ckptool.read.formats.base import RawRead
+from ckptool.read.layouts import recognise
 
-__all__ = ["RawRead", "check", "read"]
+__all__ = ["RawRead", "check", "explained", "one_file", "read"]
 
 # magic bytes of files people mistake for checkpoints
 _LOOKALIKES = (
@@ -55,6 +60,7 @@ _HINTS = (
 def read(path: str) -> RawRead:
     """Read the checkpoint at ``path`` with the reader its bytes call for."""
     with _explained(path):
+        path = one_file(path)
         return _reader_for(path)(path)
 
 
@@ -69,7 +75,24 @@ def check(path: str) -> None:
     """Raise what ``read`` would for a file that is missing, empty or not a
     checkpoint at all, reading only its first and last bytes."""
     with _explained(path):
-        _reader_for(path)
+        layout = recognise.recognise(path)
+        if layout is None or layout.file is not None:
+            _reader_for(layout.file if layout and layout.file else path)
+
+
+def one_file(path: str, command: str = "this") -> str:
+    """``path``, or the one checkpoint file of a directory that holds one;
+    a checkpoint of many files is refused with what it is (``command``
+    does not take those yet)."""
+    layout = recognise.recognise(path)
+    if layout is None:
+        return path
+    if layout.file is not None:
+        return layout.file
+    raise UnsupportedCheckpointError(
+        f"{path} is {recognise.describe(layout)}: {command} does not take multi-file "
+        "checkpoints yet",
+        "inspect, diagnose, devices and browse read it; for the rest, name one file")
 
 
 @contextlib.contextmanager
@@ -83,6 +106,9 @@ def _explained(path: str) -> Iterator[None]:
             exc.message = f"{path}: {exc.message}"
             exc.args = (exc.message,)
         raise
+
+
+explained = _explained  # for the readers of many files (ckptool.read.reader)
 
 
 def _reader_for(path: str) -> Callable[[str], RawRead]:
@@ -113,12 +139,7 @@ def _reader_for(path: str) -> Callable[[str], RawRead]:
 
 
 def _peek(path: str) -> tuple[bytes, bytes, int]:
-    if os.path.isdir(path):
-        if os.path.exists(os.path.join(path, ".metadata")):
-            raise UnsupportedCheckpointError(
-                f"{path} is a torch.distributed.checkpoint directory, not supported yet",
-                "consolidate it with torch.distributed.checkpoint.format_utils.dcp_to_torch_save",
-            )
+    if os.path.isdir(path):  # read and check recognise directories first
         raise InputError(f"{path} is a directory, not a file",
                          "point ckptool at a checkpoint file inside it")
     _check_regular(path)

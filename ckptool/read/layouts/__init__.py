@@ -1,0 +1,26 @@
+"""Checkpoints of many files: a directory (or an index file) read as one checkpoint.
+
+- ``recognise``: what a path holds, by content: Hugging Face shards named by
+  an index's ``weight_map`` (safetensors, or torch zip / legacy ``.bin``), a
+  ``torch.distributed.checkpoint`` (DCP) directory (``.metadata`` + ``.distcp``
+  files), DCP inside known wrappers (a Lightning ``.ckpt`` directory with
+  ``meta.pt``; accelerate's ``pytorch_model_fsdp_0/``), a directory holding
+  exactly one checkpoint file, or a clear error saying what was found;
+- ``base``: ``MultiRead``, what a layout reader returns (one merged object
+  tree, as a single file's ``RawRead``, plus its files, chunks and shards);
+- ``hf_sharded``: an HF index and its shards, each read by the single-file
+  readers of ``ckptool.read.formats``;
+- ``dcp_metadata``: a DCP ``.metadata`` pickle, read with ckptool's own
+  unpickler (never ``pickle.load``), checked into plain records;
+- ``dcp``: a DCP directory as one checkpoint: logical tensors with their
+  chunks, and the non-tensor values (BYTE_IO items) as entries;
+- ``embedded``: a ``torch.save`` archive embedded in a slice of a file (each
+  DCP item is one), read as a file of its own;
+- ``tensor_bytes``: one logical tensor's values, read from its shard or
+  reassembled from its chunks, with memory bounded by that tensor.
+
+``ckptool.read.reader`` turns a ``MultiRead`` into the same ``Checkpoint`` as
+a single file gives, with ``directory``, ``files`` and, per tensor, ``file``
+or ``chunks`` set. This package's ``__init__`` imports nothing, so that
+``ckptool.read.formats`` can use ``recognise`` without a cycle.
+"""

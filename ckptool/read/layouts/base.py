@@ -1,0 +1,61 @@
+"""What a reader of many files returns, and the checks they share.
+
+A ``MultiRead`` is a single file's ``RawRead`` (one object tree: a flat dict
+of tensor records and values, the storages, the globals every pickle named)
+plus what only many files have: the files, where each storage lives, each
+tensor's chunks, and names the index records as tied. ``ckptool.read.reader``
+assembles it into a ``Checkpoint`` the same way as any file.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+from ckptool.errors import CorruptCheckpointError
+from ckptool.model import Chunk, FileInfo
+from ckptool.read.formats.base import RawRead
+
+MISSING_HINT = ("a file of the checkpoint is missing: copy or download the whole directory "
+                "again")
+BROKEN_HINT = ("the checkpoint's files do not agree with each other; it was damaged, or "
+               "written by an interrupted or buggy save")
+
+
+@dataclass
+class MultiRead:
+    raw: RawRead  # the merged tree, storages (ids unique across files), globals
+    directory: str
+    files: list[FileInfo]
+    storage_files: dict[str, str] = field(default_factory=dict)  # storage id -> file
+    chunks: dict[str, tuple[Chunk, ...]] = field(default_factory=dict)  # key -> chunks
+    aliases: dict[str, str] = field(default_factory=dict)  # name -> the name stored (HF)
+    # top-level names of a nested save (DCP's "model", "optim") -> their keys,
+    # so that the main state dict is the model's, not the optimizer's
+    groups: dict[str, list[str]] | None = None
+
+
+def member(directory: str, name: object, named_by: str) -> str:
+    """The path of file ``name`` that ``named_by`` names: a relative path
+    inside ``directory``, never one that leaves it."""
+    if not isinstance(name, str) or not name:
+        raise CorruptCheckpointError(f"{named_by} names a file that is not a string",
+                                     BROKEN_HINT)
+    parts = name.replace("\\", "/").split("/")
+    if os.path.isabs(name) or ".." in parts:
+        raise CorruptCheckpointError(
+            f"{named_by} names {name!r:.80}, outside the checkpoint's directory",
+            "a checkpoint names only files beside it; this one may be made to read others")
+    return os.path.join(directory, *parts)
+
+
+def file_size(path: str, shown: str, named_by: str) -> int:
+    """The size of a file the checkpoint needs, or an error naming it."""
+    try:
+        return os.stat(path).st_size
+    except FileNotFoundError as exc:
+        raise CorruptCheckpointError(f"{shown} is missing (named by {named_by})",
+                                     MISSING_HINT) from exc
+    except OSError as exc:
+        raise CorruptCheckpointError(f"{shown}: cannot read it ({exc.strerror})",
+                                     "check its permissions") from exc

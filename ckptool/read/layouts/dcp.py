@@ -1,0 +1,243 @@
+"""A ``torch.distributed.checkpoint`` directory as one checkpoint.
+
+Read: every ``.metadata`` (one, or one per rank from
+``dcp.save(use_collectives=False)``, or one per accelerate sub-directory),
+merged; then each tensor is one logical tensor under its flattened key
+(``model.layers.0.attn.qkv.weight``) with its global shape and dtype, and
+the chunks it is saved in (file, rank, box, byte range). DCP records no
+device, so no tensor has a location. The files the chunks name must exist
+and hold their byte ranges, each chunk must start with a ``torch.save``
+archive, and the chunks must fill their tensor exactly; anything else is an
+error naming the file or the key.
+
+Non-tensor values (DCP's BYTE_IO items: ``step``, ``epoch``,
+``optim.param_groups.0.lr``...) are ``torch.save`` archives too, read with
+ckptool's unpickler into entries. A Lightning ``meta.pt`` beside the
+``.metadata`` is read as a torch file, its entries under ``<meta.pt>/``.
+No tensor byte is read.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from typing import Any
+
+from ckptool.describe import plural
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.model import Chunk, FileInfo
+from ckptool.read import formats
+from ckptool.read.formats.base import RawRead
+from ckptool.read.formats.safetensors_fmt import sniff as sniff_safetensors
+from ckptool.read.layouts import dcp_metadata, embedded
+from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, file_size, member
+from ckptool.read.layouts.dcp_metadata import Item, Metadata, TensorMeta
+from ckptool.read.layouts.recognise import Layout
+from ckptool.read.seen import GlobalsSeen
+from ckptool.read.tensors import StorageRef, TensorRecord
+from ckptool.read.values import brief
+
+DCP = "dcp"
+RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+MAX_VALUE_BYTES = 64 << 20  # a non-tensor value read for inspect; larger ones are not
+TRUNCATED_HINT = "the file was cut short while copying or downloading; copy it again"
+
+
+class Unread:
+    """A non-tensor value ckptool did not read (too large, or compressed)."""
+
+    def __init__(self, why: str) -> None:
+        self.why = why
+
+    def __repr__(self) -> str:
+        return f"<not read: {self.why}>"
+
+
+def read(layout: Layout) -> MultiRead:
+    seen = GlobalsSeen()
+    metas = [dcp_metadata.parse(layout.directory, name, seen) for name in layout.metadata]
+    warnings = list(layout.notes)
+    merged, others = _merge(metas, warnings)
+    sizes = _data_files(layout, merged)
+    root: dict[str, Any] = {}
+    storages: dict[str, StorageRef] = {}
+    storage_files: dict[str, str] = {}
+    chunks: dict[str, tuple[Chunk, ...]] = {}
+    for fqn, tm in merged.tensors.items():
+        problem = dcp_metadata.check_cover(tm.shape, [(o, s) for o, s, _ in tm.boxes])
+        if problem:
+            raise CorruptCheckpointError(f"{fqn} is not whole: {problem}", BROKEN_HINT)
+        ref = StorageRef(fqn, tm.dtype, None, math.prod(tm.shape))
+        storages[fqn] = ref
+        root[fqn] = TensorRecord(tm.shape, tm.dtype, _contiguous(tm.shape), 0, ref, None,
+                                 requires_grad=tm.requires_grad)
+        chunks[fqn] = tuple(_chunk(o, s, item) for o, s, item in tm.boxes)
+    for fqn, item in merged.values.items():
+        root[fqn] = _value(layout, fqn, item, seen, storages, storage_files)
+    extra_roots: dict[str, Any] = {f"<{n}>": obj for n, obj in others}
+    files = [FileInfo(n, "metadata", None, os.path.getsize(os.path.join(layout.directory, n)))
+             for n in layout.metadata]
+    files += _file_infos(merged, sizes)
+    for name in layout.extras:
+        raw = formats.read(os.path.join(layout.directory, name))
+        extra_roots[name] = raw.root
+        for key, ref in raw.storages.items():
+            ref.key = f"{name}:{key}"
+            storages[ref.key], storage_files[ref.key] = ref, name
+        seen.merge(raw.seen, name)
+        warnings += [f"{name}: {w}" for w in raw.warnings]
+        files.append(FileInfo(name, "extra", raw.format,
+                              os.path.getsize(os.path.join(layout.directory, name))))
+    ranks = {f.rank for f in files if f.rank is not None}
+    meta: dict[str, Any] = {"version": merged.version, "ranks": len(ranks) or None,
+                            "metadata_files": list(layout.metadata)}
+    if layout.wrapper:
+        meta["wrapper"] = layout.wrapper
+    groups = _groups(merged)
+    raw_all = RawRead(DCP, root, storages, seen, meta, extra_roots, warnings)
+    return MultiRead(raw_all, layout.directory, files, storage_files, chunks, groups=groups)
+
+
+def _merge(metas: list[Metadata], warnings: list[str]) -> tuple[Metadata, list[tuple[str, Any]]]:
+    """One Metadata from several (ranks that wrote their own, accelerate's
+    sub-directories): a tensor saved whole by more than one keeps the first."""
+    out, others, repeated = Metadata(), [], 0
+    for i, md in enumerate(metas):
+        if md.other is not None:
+            others.append((f".metadata{i}" if len(metas) > 1 else ".metadata", md.other))
+            warnings.append(f"{others[-1][0]} holds {brief(md.other)}, not a "
+                            "torch.distributed.checkpoint Metadata: it describes no tensors")
+            continue
+        out.version = out.version or md.version
+        out.planner.update(md.planner)
+        for fqn, item in md.values.items():
+            out.values.setdefault(fqn, item)
+        for fqn, tm in md.tensors.items():
+            have = out.tensors.get(fqn)
+            if have is None:
+                out.tensors[fqn] = TensorMeta(fqn, tm.shape, tm.dtype, tm.requires_grad,
+                                              list(tm.boxes))
+                continue
+            if (have.shape, have.dtype) != (tm.shape, tm.dtype):
+                raise CorruptCheckpointError(
+                    f"{fqn} is {list(have.shape)} {have.dtype} in one .metadata and "
+                    f"{list(tm.shape)} {tm.dtype} in another", BROKEN_HINT)
+            known = {o for o, _, _ in have.boxes}
+            repeated += any(o in known for o, _, _ in tm.boxes)
+            have.boxes += [b for b in tm.boxes if b[0] not in known]
+    if repeated:
+        warnings.append(f"{plural(repeated, 'tensor')} saved by more than one rank's "
+                        ".metadata (dcp.save(use_collectives=False)): the first is read")
+    return out, others
+
+
+def _data_files(layout: Layout, md: Metadata) -> dict[str, int]:
+    """The size of every file an item names, each checked: it exists, holds
+    the items' byte ranges, and starts a tensor item with a torch.save archive."""
+    items = [item for tm in md.tensors.values() for _, _, item in tm.boxes]
+    items += list(md.values.values())
+    named_by = layout.metadata[0]
+    sizes: dict[str, int] = {}
+    for item in items:
+        if item.file not in sizes:
+            path = member(layout.directory, item.file, named_by)
+            sizes[item.file] = file_size(path, item.file, named_by)
+        if item.offset + item.length > sizes[item.file]:
+            raise CorruptCheckpointError(
+                f"{item.file} is {sizes[item.file]} bytes long, but an item lies at bytes "
+                f"{item.offset}..{item.offset + item.length} (truncated)", TRUNCATED_HINT)
+    first: dict[str, Item] = {}
+    for tm in md.tensors.values():
+        for _, _, item in tm.boxes:
+            first.setdefault(item.file, item)
+    for name, item in first.items():
+        _check_archive(os.path.join(layout.directory, name), name, item)
+    for folder in {os.path.dirname(m) for m in layout.metadata}:
+        for name in os.listdir(os.path.join(layout.directory, folder) if folder
+                               else layout.directory):
+            rel = os.path.join(folder, name) if folder else name
+            if name.endswith(".distcp") and rel not in sizes:
+                sizes[rel] = os.path.getsize(os.path.join(layout.directory, rel))
+    return sizes
+
+
+def _check_archive(path: str, shown: str, item: Item) -> None:
+    if item.transforms or item.length == 0:
+        return
+    with open(path, "rb") as f:
+        f.seek(item.offset)
+        head = f.read(16)
+        f.seek(0)
+        start = f.read(16)
+    if head.startswith(embedded.ZIP_MAGIC):
+        return
+    if sniff_safetensors(start):
+        raise UnsupportedCheckpointError(
+            f"{shown} holds safetensors, not torch.save archives: a DCP checkpoint saved "
+            "with SerializationFormat.SAFETENSORS, which ckptool does not read yet",
+            "save it with the default FileSystemWriter, or consolidate it with torch")
+    raise CorruptCheckpointError(
+        f"{shown} holds no torch.save archive at byte {item.offset}, where .metadata puts "
+        "a tensor chunk", BROKEN_HINT)
+
+
+def _file_infos(md: Metadata, sizes: dict[str, int]) -> list[FileInfo]:
+    tensors: dict[str, int] = {}
+    values: dict[str, int] = {}
+    for tm in md.tensors.values():
+        for _, _, item in tm.boxes:
+            tensors[item.file] = tensors.get(item.file, 0) + 1
+    for item in md.values.values():
+        values[item.file] = values.get(item.file, 0) + 1
+    return [FileInfo(name, "data", DCP, size, tensors.get(name, 0), values.get(name, 0),
+                     _rank(name)) for name, size in sorted(sizes.items(), key=_file_order)]
+
+
+def _file_order(pair: tuple[str, int]) -> tuple[str, int, int, str]:
+    folder, name = os.path.split(pair[0])
+    m = RANK_FILE.match(name)
+    return (folder, int(m.group(1)), int(m.group(2)), "") if m else (folder, -1, -1, name)
+
+
+def _rank(name: str) -> int | None:
+    m = RANK_FILE.match(os.path.basename(name))
+    return int(m.group(1)) if m else None
+
+
+def _chunk(offsets: tuple[int, ...], sizes: tuple[int, ...], item: Item) -> Chunk:
+    return Chunk(item.file, offsets, sizes, item.offset, item.length, _rank(item.file),
+                 item.transforms)
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+
+
+def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,
+           storages: dict[str, StorageRef], storage_files: dict[str, str]) -> Any:
+    """A BYTE_IO item's object, read with ckptool's unpickler; tensors inside
+    it keep where their bytes lie in the .distcp file."""
+    if item.transforms:
+        return Unread(f"stored through {', '.join(item.transforms)}")
+    if item.length > MAX_VALUE_BYTES:
+        return Unread(f"{item.length} bytes")
+    path = os.path.join(layout.directory, item.file)
+    shown = f"{item.file} (item {fqn})"
+    raw, offsets = embedded.read_item(path, shown, item.offset, item.length)
+    for key, ref in raw.storages.items():
+        ref.key, ref.record = f"{fqn}:{key}", f"@{offsets[key]}"
+        storages[ref.key], storage_files[ref.key] = ref, item.file
+    seen.merge(raw.seen, f"{item.file}: {fqn}")
+    return raw.root
+
+
+def _groups(md: Metadata) -> dict[str, list[str]]:
+    """Tensor keys by the top-level entry they were saved under (from
+    planner_data); tensors saved at the top level are the group ""."""
+    groups: dict[str, list[str]] = {}
+    for fqn in md.tensors:
+        path = md.planner.get(fqn)
+        top = str(path[0]) if path is not None and len(path) > 1 else ""
+        groups.setdefault(top, []).append(fqn)
+    return groups

@@ -1,0 +1,220 @@
+"""A ``torch.distributed.checkpoint`` ``.metadata`` file, read safely and
+checked into plain records.
+
+torch reads this pickle with plain ``pickle.load``; ckptool reads it with its
+own unpickler (``ckptool.read.pickles``), which imports and calls nothing:
+DCP's dataclasses (``Metadata``, ``TensorStorageMetadata``, ``MetadataIndex``,
+``_StorageInfo``...) come back as inert stand-ins whose ``BUILD`` state is
+read here field by field, every field checked (a dataclass field left out
+of the pickle takes its default, as it does in torch). Every global is
+recorded in the checkpoint's ``GlobalsSeen``, so a hostile ``.metadata`` is
+reported like any unsafe pickle.
+
+``check_cover`` says whether a tensor's chunks fill it exactly, without
+gaps or overlaps.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool.errors import CorruptCheckpointError
+from ckptool.read import pickles
+from ckptool.read.layouts.base import BROKEN_HINT
+from ckptool.read.seen import GlobalsSeen
+from ckptool.read.tensors import MAX_INT64
+from ckptool.read.values import StandIn, TorchDtype, brief
+
+MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.checkpoint.")
+HINT = ("the .metadata file is not what torch.distributed.checkpoint writes; it is damaged, "
+        "or was made to look like one")
+MAX_GRID = 1 << 22  # cells of the coverage grid checked exactly; beyond, by volume
+
+
+@dataclass(frozen=True)
+class Item:
+    """Where one saved item's bytes lie."""
+
+    file: str  # relative to the checkpoint's directory
+    offset: int
+    length: int
+    transforms: tuple[str, ...] = ()
+
+
+@dataclass
+class TensorMeta:
+    fqn: str
+    shape: tuple[int, ...]
+    dtype: str
+    requires_grad: bool
+    boxes: list[tuple[tuple[int, ...], tuple[int, ...], Item]] = field(default_factory=list)
+
+
+@dataclass
+class Metadata:
+    tensors: dict[str, TensorMeta] = field(default_factory=dict)
+    values: dict[str, Item] = field(default_factory=dict)  # BYTE_IO items
+    planner: dict[str, tuple[Any, ...]] = field(default_factory=dict)
+    version: str | None = None
+    other: Any = None  # what the pickle held, when it is no DCP Metadata
+
+
+def parse(directory: str, name: str, seen: GlobalsSeen) -> Metadata:
+    """Read ``directory/name``; item files are relative to ``directory``."""
+    with open(os.path.join(directory, name), "rb") as f:
+        data = f.read()
+    seen.part = name
+    with seen.naming_unsafe():
+        obj = pickles.load(data, None, seen)
+        if not _is(obj, "metadata.Metadata"):
+            return Metadata(other=obj)
+        return _metadata(obj, os.path.dirname(name), name)
+
+
+def _is(obj: Any, suffix: str) -> bool:
+    return isinstance(obj, StandIn) and any(obj.qualname == m + suffix for m in MODULES)
+
+
+def _state(obj: Any, what: str, shown: str) -> dict[str, Any]:
+    if not isinstance(obj, StandIn):
+        raise CorruptCheckpointError(f"{shown}: {what} is {brief(obj)}, not a DCP record", HINT)
+    return obj.state_dict_view()
+
+
+def _metadata(obj: StandIn, sub: str, shown: str) -> Metadata:
+    state = _state(obj, "Metadata", shown)
+    sdm, storage = state.get("state_dict_metadata"), state.get("storage_data")
+    if not isinstance(sdm, dict) or not isinstance(storage, dict):
+        raise CorruptCheckpointError(f"{shown} has no state_dict_metadata and storage_data "
+                                     "dicts", HINT)
+    items = _items(storage, sub, shown)
+    out = Metadata(version=state.get("version") if isinstance(state.get("version"), str)
+                   else None)
+    planner = state.get("planner_data")
+    if isinstance(planner, dict):
+        out.planner = {k: v for k, v in planner.items()
+                       if isinstance(k, str) and isinstance(v, tuple)}
+    for fqn, md in sdm.items():
+        if not isinstance(fqn, str):
+            raise CorruptCheckpointError(f"{shown} names an entry {brief(fqn)}", HINT)
+        if _is(md, "metadata.BytesStorageMetadata"):
+            item = items.get((fqn, None))
+            if item is None:
+                raise CorruptCheckpointError(f"{shown}: value {fqn} has no storage record",
+                                             BROKEN_HINT)
+            out.values[fqn] = item
+        elif _is(md, "metadata.TensorStorageMetadata"):
+            out.tensors[fqn] = _tensor(fqn, md, items, shown)
+        else:
+            raise CorruptCheckpointError(f"{shown}: entry {fqn} is {brief(md)}", HINT)
+    return out
+
+
+def _items(storage: dict[Any, Any], sub: str, shown: str) -> dict[tuple[str, Any], Item]:
+    out: dict[tuple[str, Any], Item] = {}
+    for index, info in storage.items():
+        key = _state(index, "a storage index", shown)
+        fqn, offset = key.get("fqn"), key.get("offset")
+        st = _state(info, "a storage record", shown)
+        path, start, length = st.get("relative_path"), st.get("offset", -1), st.get("length", -1)
+        transforms = st.get("transform_descriptors") or ()
+        if not (isinstance(fqn, str) and isinstance(path, str) and _size(start)
+                and _size(length) and isinstance(transforms, (list, tuple))
+                and all(isinstance(t, str) for t in transforms)):
+            raise CorruptCheckpointError(f"{shown}: a storage record is malformed: "
+                                         f"{brief(st, 120)}", HINT)
+        where = (fqn, None if offset is None else _dims(offset, f"{fqn}'s offset", shown))
+        out.setdefault(where, Item(os.path.join(sub, path) if sub else path, int(start),
+                                   int(length), tuple(transforms)))
+    return out
+
+
+def _tensor(fqn: str, md: StandIn, items: dict[tuple[str, Any], Item],
+            shown: str) -> TensorMeta:
+    state = _state(md, f"{fqn}'s metadata", shown)
+    shape = _dims(state.get("size"), f"{fqn}'s size", shown)
+    if math.prod(shape) > MAX_INT64:
+        raise CorruptCheckpointError(f"{shown}: {fqn} claims {brief(shape)} elements", HINT)
+    props = state.get("properties")
+    pstate = props.state if isinstance(props, StandIn) else None
+    if isinstance(pstate, tuple) and pstate:  # TensorProperties.__getstate__: a tuple
+        dtype, grad = pstate[0], pstate[2] if len(pstate) > 2 else False
+    elif isinstance(pstate, dict):
+        dtype, grad = pstate.get("dtype"), pstate.get("requires_grad", False)
+    else:
+        dtype, grad = None, False
+    if not isinstance(dtype, TorchDtype):
+        raise CorruptCheckpointError(f"{shown}: {fqn} has no dtype ({brief(props)})", HINT)
+    chunks = state.get("chunks")
+    if not isinstance(chunks, list):
+        raise CorruptCheckpointError(f"{shown}: {fqn} lists no chunks", HINT)
+    out = TensorMeta(fqn, shape, str(dtype), grad is True)
+    for chunk in chunks:
+        cs = _state(chunk, f"a chunk of {fqn}", shown)
+        offsets = _dims(cs.get("offsets"), f"a chunk of {fqn}'s offsets", shown)
+        sizes = _dims(cs.get("sizes"), f"a chunk of {fqn}'s sizes", shown)
+        if len(offsets) != len(shape) or len(sizes) != len(shape) or any(
+                o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+            raise CorruptCheckpointError(
+                f"{shown}: a chunk of {fqn} (offsets {list(offsets)}, sizes {list(sizes)}) "
+                f"lies outside its shape {list(shape)}", BROKEN_HINT)
+        item = items.get((fqn, offsets))
+        if item is None:
+            raise CorruptCheckpointError(
+                f"{shown}: the chunk of {fqn} at offsets {list(offsets)} has no storage "
+                "record", BROKEN_HINT)
+        out.boxes.append((offsets, sizes, item))
+    return out
+
+
+def _dims(value: Any, what: str, shown: str) -> tuple[int, ...]:
+    if isinstance(value, (tuple, list)) and all(_size(v) for v in value):
+        return tuple(value)
+    raise CorruptCheckpointError(f"{shown}: {what} is {brief(value)}, not a list of sizes", HINT)
+
+
+def _size(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_INT64
+
+
+def check_cover(shape: tuple[int, ...],
+                boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
+    """None when ``boxes`` (offsets, sizes) fill ``shape`` exactly; else what
+    is wrong: a gap (with the first element no chunk holds), or an overlap."""
+    if math.prod(shape) == 0:
+        return None
+    if len(boxes) == 1 and boxes[0][1] == shape:  # saved whole (offsets are then zeros)
+        return None
+    full = [(o, s) for o, s in boxes if math.prod(s) > 0]
+    cuts = [sorted({0, d, *(o[i] for o, _ in full), *(o[i] + s[i] for o, s in full)})
+            for i, d in enumerate(shape)]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > MAX_GRID:
+        held = sum(math.prod(s) for _, s in full)
+        total = math.prod(shape)
+        return None if held == total else f"its chunks hold {held} of its {total} elements"
+    strides = [math.prod(len(c) - 1 for c in cuts[i + 1:]) for i in range(len(cuts))]
+    filled = bytearray(cells)
+    for offsets, sizes in full:
+        ranges = [range(bisect.bisect_left(c, o), bisect.bisect_left(c, o + s))
+                  for c, o, s in zip(cuts, offsets, sizes, strict=True)]
+        for cell in itertools.product(*ranges):
+            at = sum(i * st for i, st in zip(cell, strides, strict=True))
+            if filled[at]:
+                start = [c[i] for c, i in zip(cuts, cell, strict=True)]
+                return f"two of its chunks both hold the element at {start}"
+            filled[at] = 1
+    gap = filled.find(0)
+    if gap < 0:
+        return None
+    coords = []
+    for st in strides:
+        coords.append(gap // st)
+        gap %= st
+    start = [c[i] for c, i in zip(cuts, coords, strict=True)]
+    return f"no chunk holds the element at {start}"

@@ -1,0 +1,208 @@
+"""What a path holds, when it is a directory or an index file: recognised by
+content, and a clear error for anything else.
+
+- an index file (JSON with a ``weight_map``), or a directory holding one
+  (``*.index.json``, ``*.index.<variant>.json``): Hugging Face shards. Where a
+  directory holds several, ``model.safetensors.index.json`` wins, then
+  ``pytorch_model.bin.index.json``, as transformers chooses;
+- a directory with a ``.metadata`` pickle (or one ``__<rank>.metadata`` per
+  rank, from ``dcp.save(use_collectives=False)``): DCP, Lightning's sharded
+  ``.ckpt`` directory when a ``meta.pt`` sits beside it;
+- a directory whose DCP checkpoints sit in accelerate's sub-directories
+  (``pytorch_model_fsdp_0/``, ``optimizer_0/``): those, read together;
+- a directory holding exactly one checkpoint file (by its first bytes:
+  torch zip, legacy torch, safetensors): that file.
+
+Nothing here reads more than an index's JSON and a few bytes of each file,
+and nothing here imports a format reader beyond their ``sniff`` functions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+from dataclasses import dataclass
+
+from ckptool.describe import plural
+from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
+from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
+
+FILE, HF, DCP = "file", "hf", "dcp"
+METADATA = ".metadata"
+RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+ACCELERATE_DIRS = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?$")
+INDEX_NAME = re.compile(r"\.index(\.[^./]+)?\.json$")
+PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+MAX_INDEX_BYTES = 256 << 20  # an index of a million names is ~60 MB
+MAX_SNIFFED = 4096  # files whose first bytes are read to find a lone checkpoint
+LIST_SHOWN = 6
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What ``recognise`` found: one file, HF shards, or DCP."""
+
+    kind: str  # FILE, HF or DCP
+    path: str  # as given
+    directory: str  # the folder every file name below is relative to
+    file: str | None = None  # FILE: the one checkpoint file (a full path)
+    index: str | None = None  # HF: the index's file name
+    metadata: tuple[str, ...] = ()  # DCP: the .metadata files ("sub/.metadata"...)
+    extras: tuple[str, ...] = ()  # files read beside (Lightning's meta.pt)
+    wrapper: str | None = None  # "lightning" or "accelerate" (DCP)
+    notes: tuple[str, ...] = ()  # what else the directory holds, said as warnings
+
+
+def recognise(path: str) -> Layout | None:
+    """The layout at ``path``; None for a path that is not a directory or an
+    index file (a single checkpoint file, or something the format readers
+    explain: missing, empty, not a checkpoint)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        index = _index_json(path)
+        if index is None:
+            return None
+        return Layout(HF, path, os.path.dirname(path) or ".", index=os.path.basename(path))
+    if not stat.S_ISDIR(mode):
+        return None
+    return _directory(path)
+
+
+def _directory(path: str) -> Layout:
+    try:
+        with os.scandir(path) as it:
+            entries = sorted((e.name, e.is_dir(), e.is_file()) for e in it)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot list the directory ({exc.strerror})",
+                         "check its permissions") from exc
+    files = [name for name, _, is_file in entries if is_file]
+    dirs = [name for name, is_dir, _ in entries if is_dir]
+    metadata = [n for n in files if n == METADATA] or [n for n in files
+                                                       if RANK_METADATA.match(n)]
+    if metadata:
+        return _dcp(path, files, metadata)
+    indexes = [n for n in files if INDEX_NAME.search(n) and _index_json(os.path.join(path, n))]
+    if indexes:
+        return _hf(path, indexes)
+    wrapped = sorted((d for d in dirs if ACCELERATE_DIRS.match(d)
+                      and _holds_dcp(os.path.join(path, d))),
+                     key=lambda d: (not d.startswith("pytorch_model"), d))  # the model first
+    if wrapped:
+        metas = tuple(f"{d}/{METADATA}" for d in wrapped)
+        notes = (f"{path} also holds {_names(files)}, not part of the sharded model: "
+                 "inspect them by name",) if files else ()
+        return Layout(DCP, path, path, metadata=metas, wrapper="accelerate", notes=notes)
+    return _lone_file(path, files, dirs)
+
+
+def _dcp(path: str, files: list[str], metadata: list[str]) -> Layout:
+    for name in metadata:
+        with open(os.path.join(path, name), "rb") as f:
+            head = f.read(2)
+        if not head.startswith(b"\x80"):
+            raise CorruptCheckpointError(
+                f"{os.path.join(path, name)} is not a pickle: a torch.distributed.checkpoint "
+                f"directory's {name} is one",
+                "the directory is damaged, or was not written by torch.distributed.checkpoint")
+    extras = ("meta.pt",) if "meta.pt" in files else ()
+    return Layout(DCP, path, path, metadata=tuple(metadata), extras=extras,
+                  wrapper="lightning" if extras else None)
+
+
+def _hf(path: str, indexes: list[str]) -> Layout:
+    chosen = next((n for n in PREFERRED_INDEXES if n in indexes), None)
+    if chosen is None and len(indexes) == 1:
+        chosen = indexes[0]
+    if chosen is None:
+        raise InputError(
+            f"{path} holds {len(indexes)} shard indexes ({_names(indexes)}): ckptool cannot "
+            "tell which one is the model",
+            f"name one: ckptool inspect {os.path.join(path, indexes[0])}")
+    others = [n for n in indexes if n != chosen]
+    notes = (f"{path} also holds {_names(others)}; read {chosen}, as transformers would "
+             "(name an index to read another)",) if others else ()
+    return Layout(HF, path, path, index=chosen, notes=notes)
+
+
+def _lone_file(path: str, files: list[str], dirs: list[str]) -> Layout:
+    found = [n for n in files[:MAX_SNIFFED] if _is_checkpoint_file(os.path.join(path, n))]
+    if len(found) == 1:
+        return Layout(FILE, path, path, file=os.path.join(path, found[0]))
+    if found:
+        raise InputError(
+            f"{path} is a directory holding {len(found)} checkpoint files "
+            f"({_names(found)}) and no shard index or .metadata that joins them",
+            f"name the one to read: ckptool inspect {os.path.join(path, found[0])}")
+    dcp_dirs = [d for d in dirs if _holds_dcp(os.path.join(path, d))]
+    if dcp_dirs:
+        raise InputError(
+            f"{path} is a directory holding {plural(len(dcp_dirs), 'DCP checkpoint')} in "
+            f"sub-directories ({_names([d + '/' for d in dcp_dirs])})",
+            f"name the one to read: ckptool inspect {os.path.join(path, dcp_dirs[0])}")
+    if not files and not dirs:
+        raise NotACheckpointError(f"{path} is an empty directory",
+                                  "point ckptool at a checkpoint file or a checkpoint directory")
+    what = _names(files + [d + "/" for d in dirs])
+    raise NotACheckpointError(
+        f"{path} is a directory with no checkpoint in it: it holds {what}",
+        "ckptool reads a checkpoint file, a directory of Hugging Face shards with their "
+        "*.index.json, or a torch.distributed.checkpoint directory (.metadata + *.distcp)")
+
+
+def _holds_dcp(folder: str) -> bool:
+    return os.path.isfile(os.path.join(folder, METADATA)) or any(
+        RANK_METADATA.match(n) for n in _listing(folder))
+
+
+def _listing(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def _is_checkpoint_file(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return False
+    return torch_zip.sniff(head) or torch_legacy.sniff(head) or safetensors_fmt.sniff(head)
+
+
+def _index_json(path: str) -> dict[str, object] | None:
+    """The JSON of a shard index (an object with a ``weight_map`` object), or None."""
+    try:
+        with open(path, "rb") as f:
+            if not f.read(64).lstrip().startswith(b"{"):
+                return None
+            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
+                return None
+            f.seek(0)
+            data = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
+        return data
+    return None
+
+
+def _names(names: list[str]) -> str:
+    shown = ", ".join(names[:LIST_SHOWN])
+    return shown + (f", … {len(names) - LIST_SHOWN} more" if len(names) > LIST_SHOWN else "")
+
+
+def describe(layout: Layout) -> str:
+    """``a Hugging Face sharded checkpoint (model.safetensors.index.json)``..."""
+    if layout.kind == HF:
+        return f"a Hugging Face sharded checkpoint ({layout.index})"
+    if layout.kind == DCP:
+        wrapper = {"lightning": " (Lightning, with meta.pt)",
+                   "accelerate": " (accelerate FSDP)"}.get(layout.wrapper or "", "")
+        return f"a torch.distributed.checkpoint directory{wrapper}"
+    return f"a directory holding one checkpoint file ({layout.file})"

@@ -1,0 +1,123 @@
+"""One logical tensor's values from a checkpoint of many files: read from its
+shard, or reassembled from its chunks.
+
+- An HF shard's tensor (``TensorInfo.file``) is read as in a single file, by
+  ``TensorData`` on a view of the checkpoint that is that shard alone (its
+  storage records, its format and byte order).
+- A DCP tensor (``TensorInfo.chunks``) is made whole: an empty tensor of its
+  global shape, then each chunk's ``torch.save`` archive is opened in place
+  (``embedded``), its pickle read with ckptool's unpickler, checked (one
+  tensor of the chunk's shape and the tensor's dtype, whose bytes lie inside
+  the item), its bytes read and copied into the chunk's box. Row- and
+  column-sharded chunks, replicated and empty ones, and several per rank
+  are all boxes.
+
+Memory is the tensor plus one chunk; nothing else of the checkpoint is read.
+torch is imported by the functions that make tensors, never at import time.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo, TensorInfo
+from ckptool.read.layouts import embedded
+from ckptool.read.layouts.base import BROKEN_HINT
+from ckptool.read.tensor_data import TensorData
+from ckptool.read.tensors import TensorRecord
+
+if TYPE_CHECKING:
+    import torch
+
+HINT = "metadata (inspect) is still available for this checkpoint"
+
+
+def read_tensor(ckpt: Checkpoint, tensor: TensorInfo) -> torch.Tensor:
+    """``tensor``'s values as one contiguous CPU tensor of its global shape."""
+    if ckpt.directory is None:
+        raise UnsupportedCheckpointError(f"{ckpt.path} is a single file: use TensorData")
+    if tensor.chunks:
+        return _assemble(ckpt, tensor)
+    if tensor.file is None or tensor.storage is None:
+        raise UnsupportedCheckpointError(
+            f"{tensor.key} has no bytes in {ckpt.path}", HINT)
+    with TensorData(_file_view(ckpt, tensor.file)) as data:
+        return data.values(tensor).contiguous()
+
+
+def tensor_bytes(ckpt: Checkpoint, tensor: TensorInfo) -> bytes:
+    """``tensor``'s bytes, row-major and little-endian, as one file would hold them."""
+    import torch
+
+    values = read_tensor(ckpt, tensor)
+    return values.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def _file_view(ckpt: Checkpoint, name: str) -> Checkpoint:
+    """``ckpt`` as if it were only its file ``name`` (for ``TensorData``)."""
+    info = _file_info(ckpt, name)
+    assert ckpt.directory is not None
+    order = ckpt.metadata.get("byteorder", {})
+    big = isinstance(order, dict) and order.get(name) == "big"
+    return replace(ckpt, path=os.path.join(ckpt.directory, name),
+                   format=info.format or "torch-zip", file_size=info.size,
+                   metadata={"byteorder": "big" if big else "little"},
+                   directory=None, files=[])
+
+
+def _file_info(ckpt: Checkpoint, name: str) -> FileInfo:
+    for info in ckpt.files:
+        if info.path == name:
+            return info
+    raise CorruptCheckpointError(f"{name} is not one of {ckpt.path}'s files", BROKEN_HINT)
+
+
+def _assemble(ckpt: Checkpoint, tensor: TensorInfo) -> torch.Tensor:
+    import torch
+
+    dtype = getattr(torch, tensor.dtype, None)
+    if not isinstance(dtype, torch.dtype):
+        raise UnsupportedCheckpointError(f"this torch has no dtype {tensor.dtype}",
+                                         "upgrade torch to read these values")
+    out = torch.empty(tensor.shape, dtype=dtype)
+    for chunk in tensor.chunks:
+        if math.prod(chunk.sizes) == 0:
+            continue
+        part = _read_chunk(ckpt, tensor, chunk)
+        box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
+        out[box] = part
+    return out
+
+
+def _read_chunk(ckpt: Checkpoint, tensor: TensorInfo, chunk: Chunk) -> torch.Tensor:
+    assert ckpt.directory is not None
+    path = os.path.join(ckpt.directory, chunk.file)
+    shown = f"{chunk.file} (chunk of {tensor.key} at {list(chunk.offsets)})"
+    raw, offsets = embedded.read_item(path, shown, chunk.byte_offset, chunk.byte_length,
+                                      chunk.transforms)
+    rec = raw.root
+    if not (isinstance(rec, TensorRecord) and rec.storage is not None
+            and rec.stride is not None and rec.layout == "strided"):
+        raise CorruptCheckpointError(f"{shown} is not a plain tensor", BROKEN_HINT)
+    if rec.shape != chunk.sizes or rec.dtype != tensor.dtype:
+        raise CorruptCheckpointError(
+            f"{shown} holds a {list(rec.shape)} {rec.dtype} tensor; .metadata says "
+            f"{list(chunk.sizes)} {tensor.dtype}", BROKEN_HINT)
+    ref = rec.storage
+    start = offsets[ref.key]
+    if start + ref.nbytes > chunk.byte_offset + chunk.byte_length:
+        raise CorruptCheckpointError(f"{shown}: its bytes run past the item", BROKEN_HINT)
+    sid = "chunk"
+    view = Checkpoint(
+        path=path, format="torch-zip", file_size=os.path.getsize(path), tensors=[],
+        storages={sid: StorageInfo(sid, ref.dtype, ref.location, ref.nbytes, f"@{start}", ())},
+        entries=[], globals=[], main_state_dict=None,
+        metadata={"byteorder": raw.metadata.get("byteorder", "little")})
+    info = TensorInfo(tensor.key, rec.shape, rec.dtype, rec.stride, rec.storage_offset, sid,
+                      None, rec.nbytes)
+    with TensorData(view) as data:
+        return data.values(info)
