@@ -162,6 +162,11 @@ class Checkpoint:
     # checkpoints of many files: the directory holding them, and each file
     directory: str | None = None
     files: list[FileInfo] = field(default_factory=list)
+    # DCP: where each key sat in the nested dict that was saved (its
+    # planner_data: "model.fc.weight" -> ("model", "fc.weight")); aliases: names
+    # an HF index records as the same tensor as a stored one (alias -> stored)
+    tree_paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    aliases: dict[str, str] = field(default_factory=dict)
 
     @property
     def is_multifile(self) -> bool:

@@ -149,13 +149,13 @@ def test_what_is_left_out_is_said(tmp_path: Path, run_cli: CliRun) -> None:
     assert code == 0
     report = json.loads(stdout)
     assert report["left_out"] == [
-        "state_dict/norm._extra_state (dict)",
-        "epoch (int)",
         "sp (a sparse_coo tensor: convert writes dense tensors only; "
         ".to_dense() it first to keep it)",
         "q (a quantized tensor: convert writes plain tensors only; "
         ".dequantize() it first to keep it)",
         "1 tensor outside 'state_dict' (e.g. opt/m)",
+        "state_dict/norm._extra_state (dict)",
+        "epoch (int)",
     ]
     assert report["notes"] == ["storages saved on cuda:1 are written as on cpu "
                                "(`ckptool fix --to DEVICE` retargets them)"]

@@ -161,11 +161,12 @@ def test_reporting_commands_take_it(command: str, run_cli: Callable[..., CliResu
     assert code in (0, 1) and err == "" and json.loads(out)
 
 
-def test_fix_and_convert_refuse_it(run_cli: Callable[..., CliResult], tmp_path: Path) -> None:
-    for args in (["fix", str(FOUR), "--to", "cpu"], ["convert", str(FOUR), str(tmp_path / "x.pt")]):
-        code, out, err = run_cli(*args)
-        assert code == 3 and out == "" and "Traceback" not in err
-        assert "does not take multi-file checkpoints yet" in err
+def test_fix_refuses_it_with_the_command_that_consolidates(
+        run_cli: Callable[..., CliResult]) -> None:
+    code, out, err = run_cli("fix", str(FOUR), "--to", "cpu")
+    assert code == 3 and out == "" and "Traceback" not in err
+    assert "torch.distributed.checkpoint directory" in err
+    assert f"ckptool convert {FOUR} {FOUR}.safetensors" in err
 
 
 # -- hostile pickles: nothing runs, the call is reported -------------------

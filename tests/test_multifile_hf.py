@@ -142,18 +142,6 @@ def test_one_checkpoint_file_in_a_directory_is_that_file(
     assert code == 0 and json.loads(out)["output"] == str(tmp_path / "model.fixed.safetensors")
 
 
-@pytest.mark.parametrize("command", [("fix", "--strip-module"), ("convert", "out.pth")])
-def test_fix_and_convert_refuse_many_files(hf_dirs: dict[str, Path], tmp_path: Path,
-                                           run_cli: Callable[..., CliResult],
-                                           command: tuple[str, str]) -> None:
-    name, arg = command
-    args = [name, str(hf_dirs["bin"]), str(tmp_path / arg) if name == "convert" else arg]
-    code, out, err = run_cli(*args)
-    assert code == 3 and out == ""
-    assert f"{name} does not take multi-file checkpoints yet" in err
-    assert "Traceback" not in err
-
-
 # -- layouts that do not hold together: exit 3, the file or key named ------
 
 def edit_index(folder: Path, name: str, change: Callable[[dict], None]) -> None:

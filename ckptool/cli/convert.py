@@ -1,6 +1,7 @@
-"""``ckptool convert``: between torch files and safetensors, and TorchScript
-archives and plain pickles into torch files; the command and its JSON
-report (the text view: ``fix_text.py``, beside fix's).
+"""``ckptool convert``: any layout into any other (one torch file, one
+safetensors file, a Hugging Face directory of shards, a DCP directory), and
+TorchScript archives and plain pickles into torch files; the command and
+its JSON report (the text view: ``fix_text.py``, beside fix's).
 """
 
 from __future__ import annotations
@@ -19,18 +20,30 @@ if TYPE_CHECKING:
 @click.command()
 @click.argument("path", type=InputPath())
 @click.argument("output", metavar="OUT", type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=click.Choice(["hf", "hf-bin", "dcp"]),
+              help="Write OUT as a directory: hf (safetensors shards + "
+              "model.safetensors.index.json; the default for a name without an "
+              "extension), hf-bin (torch shards + pytorch_model.bin.index.json), dcp "
+              "(torch.distributed.checkpoint).")
+@click.option("--max-shard-size", "max_shard", metavar="SIZE", default=None,
+              help="Largest shard of --format hf / hf-bin, e.g. 5GB, 500MB (as Hugging Face "
+              "means it: a tensor larger than SIZE gets a shard of its own). Default 5GB.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--fsync", is_flag=True, help=fsync_help("--force"))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert(path: str, output: str, force: bool, fsync: bool, quiet: bool,
-            as_json: bool) -> None:
-    """Convert between torch files and safetensors, or TorchScript and pickles to
-    torch (direction from OUT's extension)."""
+def convert(path: str, output: str, fmt: str | None, max_shard: str | None, force: bool,
+            fsync: bool, quiet: bool, as_json: bool) -> None:
+    """Convert PATH (a file, a Hugging Face directory, a DCP directory) into OUT:
+    one file (safetensors or torch, from OUT's extension) or a directory
+    (--format)."""
     from ckptool.write.convert import convert as run_convert
+    from ckptool.write.shards import parse_size
 
+    max_shard_size = parse_size(max_shard) if max_shard is not None else None
     with progress(quiet) as update:
-        result = run_convert(path, output, force=force, progress=update, fsync=fsync)
+        result = run_convert(path, output, force=force, progress=update, fsync=fsync, fmt=fmt,
+                             max_shard_size=max_shard_size)
     if as_json:
         write_json(convert_dict(result))
     elif not quiet:
@@ -49,7 +62,8 @@ def convert_dict(result: ConvertResult) -> dict[str, Any]:
         "input": result.source.path,
         "input_format": result.source.format,
         "output": result.output,
-        "output_format": "safetensors" if result.direction == "safetensors" else "torch-zip",
+        "output_format": result.output_format,
+        "files": result.files,
         "tensors": result.tensors,
         "aliases": result.aliases,
         "copied_views": result.copied_views,

@@ -57,25 +57,36 @@ def render_fix(console: Console, result: FixResult, shown: int = 20) -> None:
     console.print(grid)
 
 
+LEFT_OUT_SHOWN = 6
+
+
 def render_convert(console: Console, result: ConvertResult) -> None:
     """What ``ckptool convert`` wrote, and what it could not carry over."""
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column(overflow="fold")
-    fmt = "safetensors" if result.direction == "safetensors" else "torch-zip"
-    grid.add_row("wrote", f"{result.output} · {fmt} · {human_bytes(result.bytes_written)} · "
+    fmt = result.output_format
+    files = f" · {plural(len(result.files), 'file')}" if result.files else ""
+    grid.add_row("wrote", f"{result.output} · {fmt}{files} · "
+                 f"{human_bytes(result.bytes_written)} · "
                  f"{plural(result.tensors, 'tensor')} verified")
     if result.aliases:
         pairs = ", ".join(f"{a} = {k}" for a, k in list(result.aliases.items())[:6])
-        where = "kept in __metadata__" if fmt == "safetensors" else "restored as shared"
+        where = {"safetensors": "kept in __metadata__", "torch-zip": "restored as shared",
+                 "hf-bin": "restored as shared"}.get(fmt, "recorded in the index's metadata")
         grid.add_row("tied", f"{pairs} ({where})")
     if result.copied_views:
         grid.add_row("copied", f"{', '.join(result.copied_views[:6])} (views of shared "
                      "storage, written as their own tensors)")
     if result.kept_entries:
-        grid.add_row("metadata", f"{', '.join(result.kept_entries[:8])} "
-                     "(in __metadata__ 'ckptool.entries')")
-    for item in result.left_out:
+        where = "in __metadata__ 'ckptool.entries'" if fmt == "safetensors" else "as values"
+        more = " …" if len(result.kept_entries) > 4 else ""
+        grid.add_row("kept", f"{plural(len(result.kept_entries), 'value')} ({where}): "
+                     f"{', '.join(result.kept_entries[:4])}{more}")
+    shown = result.left_out if len(result.left_out) <= LEFT_OUT_SHOWN else \
+        [*result.left_out[:LEFT_OUT_SHOWN - 1],
+         f"… and {len(result.left_out) - LEFT_OUT_SHOWN + 1} more (--json lists them all)"]
+    for item in shown:
         grid.add_row("left out", Text(item, style="yellow"))
     for note in result.notes:
         grid.add_row("note", Text(note, style="yellow"))

@@ -93,6 +93,7 @@ def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     then each tensor and storage told where it lives."""
     ckpt = assemble(path, multi.raw, file_size=sum(f.size for f in multi.files))
     ckpt.directory, ckpt.files = multi.directory, multi.files
+    ckpt.tree_paths, ckpt.aliases = multi.paths, dict(multi.aliases)
     for s in ckpt.storages.values():
         s.file = multi.storage_files.get(s.id)
     chunks = {join_key("", name): c for name, c in multi.chunks.items()}  # names -> keys

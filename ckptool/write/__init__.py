@@ -17,5 +17,13 @@ each a module the driver (``fix.py``, ``convert.py``) calls in turn:
    verified; durable where it replaces a file).
 
 ``inplace`` is the one other path: ``fix --in-place`` that rewrites only a
-zip's pickle. May import the top level and ``ckptool.read``.
+zip's pickle.
+
+Checkpoints of many files: ``convert_plan`` (what a conversion writes),
+``sources`` (each tensor's bytes from a file, a shard or DCP chunks),
+``convert_files`` (one output file), ``convert_dir`` (a directory: HF shards
+split by ``shards``, or DCP through torch's writer), ``outdir`` (a
+directory that appears whole or not at all), ``fix_shards`` (``fix`` on HF
+shards); ``results`` holds what ``fix`` and ``convert`` report. May import
+the top level and ``ckptool.read``.
 """

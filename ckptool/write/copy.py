@@ -211,7 +211,7 @@ class Copier:
         except EOFError as exc:
             raise CorruptCheckpointError(f"{exc}, inside its tensor bytes", _SHORT) from exc
 
-    def _pwrite(self, data: bytes, at: int) -> None:
+    def _pwrite(self, data: bytes | memoryview, at: int) -> None:
         done = 0
         while done < len(data):
             done += os.pwrite(self.out_fd, memoryview(data)[done:], at + done)

@@ -38,7 +38,8 @@ from ckptool.read.formats import torch_legacy as legacy_reader
 from ckptool.read.formats import torch_zip as zip_reader
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_zip import TORCH_ZIP
-from ckptool.read.reader import assemble
+from ckptool.read.layouts import recognise
+from ckptool.read.reader import assemble, open_checkpoint
 from ckptool.read.resolve import faithful
 from ckptool.read.tensor_data import Identity, TensorData, check_unchanged, file_identity
 from ckptool.read.ziparchive import ZipArchive, ZipError
@@ -48,32 +49,9 @@ from ckptool.write.commit import AtomicOutput
 from ckptool.write.formats import safetensors, torch_legacy, torch_zip
 from ckptool.write.layout import checked_cast
 from ckptool.write.plan import FixOptions, Plan, check_rewritable, make_plan, new_pid, refuse_unsafe
+from ckptool.write.results import FixResult
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-
-
-@dataclass
-class FixResult:
-    plan: Plan
-    source: Checkpoint
-    target: str = ""  # the path written, or that a dry run would write
-    output: str | None = None  # None for a dry run
-    bytes_written: int = 0
-    verified_storages: int = 0
-    metadata_only: bool = False  # --in-place appended a new pickle, bytes untouched
-
-    def moves(self) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-        """Device moves and casts, grouped: ``{"from", "to", "storages"}`` each."""
-        storages = self.source.storages
-        moves: dict[tuple[str, str], int] = {}
-        for sid, tag in self.plan.retargets.items():
-            old = (storages[sid].location if sid in storages else None) or "unrecorded"
-            moves[(old, tag)] = moves.get((old, tag), 0) + 1
-        casts: dict[tuple[str, str], int] = {}
-        for pair in self.plan.casts.values():
-            casts[pair] = casts.get(pair, 0) + 1
-        return ([{"from": a, "to": b, "storages": n} for (a, b), n in moves.items()],
-                [{"from": a, "to": b, "storages": n} for (a, b), n in casts.items()])
 
 
 # what checkpoint files end with: ".fixed" goes before all of them (x.pth.tar)
@@ -120,7 +98,16 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     this returns when ``fsync`` is set or it replaces a file (``AtomicOutput``)."""
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
-    src = formats.one_file(src, "fix")  # a directory holding one file is that file
+    layout = recognise.recognise(src)
+    if layout is not None and layout.kind != recognise.FILE:  # HF shards, DCP
+        from ckptool.write import fix_shards
+
+        source = open_checkpoint(src)
+        return fix_shards.fix(source, opts, output or fix_shards.default_output(src),
+                              fix_file=fix, force=force, in_place=in_place, dry_run=dry_run,
+                              progress=progress, fsync=fsync)
+    if layout is not None and layout.file is not None:
+        src = layout.file  # a directory holding one checkpoint file is that file
     target = src if in_place else (output or default_output(src))
     try:  # the version of the file that is read; every later open must be it
         identity: Identity | None = file_identity(os.stat(src))
@@ -301,7 +288,7 @@ def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
         items.append((name, t, plan.casts.get(t.storage or "", (t.dtype, t.dtype))[1]))
     meta = source.metadata.get("metadata") or {}
     reader = stack.enter_context(TensorData(source))
-    layout, starts = safetensors.lay_out(items, dict(meta), reader)
+    layout, starts = safetensors.lay_out(items, dict(meta), safetensors.of_file(reader))
     copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)
     out.sync_in_background()
     verify.check_offsets(out.read_path, {n: (t.shape, d) for n, t, d in items}, starts)

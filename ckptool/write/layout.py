@@ -77,7 +77,7 @@ class Made:
     at: int
     size: int
     name: str
-    make: Callable[[], bytes]
+    make: Callable[[], bytes | memoryview]
     crc: int | None = None  # set once made
 
 

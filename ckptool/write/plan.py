@@ -33,7 +33,7 @@ from ckptool.read.walk import children, module_kind, module_metadata, module_ten
 
 DTYPE_NAMES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32",
                "bfloat16": "bfloat16", "float16": "float16", "float32": "float32"}
-_CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
+CASTABLE = frozenset({"float64", "float32", "float16", "bfloat16"})
 _STORAGE_CLASS = {"float32": "FloatStorage", "float16": "HalfStorage",
                   "bfloat16": "BFloat16Storage"}
 _TAG = re.compile(r"^[a-z][a-z0-9_]*(:\d+)?$")  # a tag as files write it
@@ -218,7 +218,7 @@ def _rename_all(sd: Any, rename: Any) -> tuple[Any, list[tuple[str, str]]]:
     return new, changes
 
 
-def _key_function(opts: FixOptions, wrapper: str) -> Any:
+def key_function(opts: FixOptions, wrapper: str) -> Any:
     patterns = []
     for regex, repl in opts.renames:
         try:
@@ -298,7 +298,7 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
             raise UsageError(
                 f"'{sd_info.path or 'the file'}' is a whole pickled module, not a state dict",
                 "add --extract to turn it into a state dict first")
-        new_sd, plan.renames = _rename_all(sd, _key_function(opts, sd_info.prefix))
+        new_sd, plan.renames = _rename_all(sd, key_function(opts, sd_info.prefix))
         plan.root = _replace(plan.root, parent, key, new_sd)
         if opts.strip_module and not sd_info.prefix:
             plan.notes.append("--strip-module: no module./_orig_mod./model. prefix found")
@@ -367,7 +367,7 @@ def _plan_storages(plan: Plan, opts: FixOptions, ckpt: Checkpoint) -> None:
         tag = opts.to if opts.to is not None else maps.get(ref.location or "")
         if tag is not None and tag != ref.location:
             plan.retargets[sid] = tag
-        if opts.dtype is not None and ref.dtype in _CASTABLE and ref.dtype != opts.dtype:
+        if opts.dtype is not None and ref.dtype in CASTABLE and ref.dtype != opts.dtype:
             plan.casts[sid] = (ref.dtype, opts.dtype)
     for src in maps:
         if not any(r.location == src for r in used.values()):

@@ -123,12 +123,14 @@ def check_directory(path: str, records: list[Written]) -> None:
 
 
 def check_offsets(path: str, expect: dict[str, tuple[tuple[int, ...], str]],
-                  starts: dict[str, int]) -> None:
+                  starts: dict[str, int], by_key: bool = False) -> None:
     """A written state dict (``convert``'s output): names, shapes and dtypes
-    from a fresh read of ``path``; each tensor's bytes were re-read and
-    CRC-checked as they were written, and here the file must point at them."""
+    from a fresh read of ``path`` (``by_key``: every tensor of a nested tree,
+    by key); each tensor's bytes were re-read and CRC-checked as they were
+    written, and here the file must point at them."""
     written = open_checkpoint(path)
-    got = written.state_dict() or {t.key: t for t in written.tensors}
+    got = {t.key: t for t in written.tensors} if by_key else \
+        written.state_dict() or {t.key: t for t in written.tensors}
     if {k: (t.shape, t.dtype) for k, t in got.items()} != expect:
         raise CorruptCheckpointError("the converted file's tensors differ from the input's",
                                      _BUG)

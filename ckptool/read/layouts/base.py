@@ -33,6 +33,7 @@ class MultiRead:
     # top-level names of a nested save (DCP's "model", "optim") -> their keys,
     # so that the main state dict is the model's, not the optimizer's
     groups: dict[str, list[str]] | None = None
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # DCP planner_data
 
 
 def member(directory: str, name: object, named_by: str) -> str:

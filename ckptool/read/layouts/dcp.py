@@ -96,7 +96,10 @@ def read(layout: Layout) -> MultiRead:
         meta["wrapper"] = layout.wrapper
     groups = _groups(merged)
     raw_all = RawRead(DCP, root, storages, seen, meta, extra_roots, warnings)
-    return MultiRead(raw_all, layout.directory, files, storage_files, chunks, groups=groups)
+    paths = {fqn: tuple(p) for fqn, p in merged.planner.items()
+             if all(isinstance(x, (str, int)) for x in p) and p}
+    return MultiRead(raw_all, layout.directory, files, storage_files, chunks, groups=groups,
+                     paths=paths)
 
 
 def _merge(metas: list[Metadata], warnings: list[str]) -> tuple[Metadata, list[tuple[str, Any]]]:

@@ -45,7 +45,7 @@ def read_tensor(ckpt: Checkpoint, tensor: TensorInfo) -> torch.Tensor:
     if tensor.file is None or tensor.storage is None:
         raise UnsupportedCheckpointError(
             f"{tensor.key} has no bytes in {ckpt.path}", HINT)
-    with TensorData(_file_view(ckpt, tensor.file)) as data:
+    with TensorData(file_view(ckpt, tensor.file)) as data:
         return data.values(tensor).contiguous()
 
 
@@ -57,7 +57,7 @@ def tensor_bytes(ckpt: Checkpoint, tensor: TensorInfo) -> bytes:
     return values.reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-def _file_view(ckpt: Checkpoint, name: str) -> Checkpoint:
+def file_view(ckpt: Checkpoint, name: str) -> Checkpoint:
     """``ckpt`` as if it were only its file ``name`` (for ``TensorData``)."""
     info = _file_info(ckpt, name)
     assert ckpt.directory is not None

@@ -7,20 +7,29 @@ back, in the order given, with no gaps (the format forbids them).
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 from ckptool import dtypes
 from ckptool.model import TensorInfo
 from ckptool.read.tensor_data import TensorData
-from ckptool.write.layout import Data, Layout, tensor_segment
+from ckptool.write.layout import Data, Layout, Segment, tensor_segment
 
 ST_CODES = {v: k for k, v in dtypes.SAFETENSORS_DTYPES.items()}
 Item = tuple[str, TensorInfo, str]  # (name to write it under, tensor, dtype to write it as)
+# a tensor's bytes as a dtype, written at an offset: (tensor, dtype, at, name) -> segments
+SegmentsAt = Callable[[TensorInfo, str, int, str], list[Segment]]
+
+
+def of_file(reader: TensorData) -> SegmentsAt:
+    """Tensor segments from one file's reader."""
+    return lambda t, dtype, at, name: [tensor_segment(reader, t, dtype, at, name)]
 
 
 def lay_out(items: list[Item], meta: dict[str, str],
-            reader: TensorData) -> tuple[Layout, dict[str, int]]:
-    """The file holding ``items`` and ``meta``; and where each tensor's bytes start."""
+            segments_at: SegmentsAt) -> tuple[Layout, dict[str, int]]:
+    """The file holding ``items`` and ``meta``; and where each tensor's bytes
+    start (``segments_at`` gives them: ``of_file``, or ``TensorSource.segments``)."""
     header: dict[str, Any] = {}
     offset = 0
     for name, t, dtype in items:
@@ -36,6 +45,7 @@ def lay_out(items: list[Item], meta: dict[str, str],
     starts = {}
     for name, t, dtype in items:
         at = base + header[name]["data_offsets"][0]
-        layout.add(tensor_segment(reader, t, dtype, at, f"tensor {name}"))
+        for segment in segments_at(t, dtype, at, f"tensor {name}"):
+            layout.add(segment)
         starts[name] = at
     return layout, starts

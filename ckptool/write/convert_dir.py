@@ -1,0 +1,220 @@
+"""``convert`` into a directory: Hugging Face shards (``hf``: safetensors,
+``hf-bin``: torch zips, each with its index) or a ``torch.distributed.checkpoint``
+directory (``dcp``), from any checkpoint ckptool reads.
+
+The directory is written beside the target and renamed into place when it
+is complete and verified (``ckptool.write.outdir``). Each shard is written
+as ``convert`` writes one file (every byte re-read, names, shapes and dtypes
+read back), the index last; then the whole directory is read back as a
+checkpoint and must hold what was planned.
+
+DCP is written by ``torch.distributed.checkpoint``'s own ``FileSystemWriter``
+in this one process, so that ``dcp.load`` and ``dcp_to_torch_save`` read it
+as theirs. The state dict it is handed holds ``meta`` tensors (shape and
+dtype only); each tensor's values are made when the writer asks for them
+(``resolve_data``) and dropped once written, so memory is one tensor. Their
+CRCs are kept, and every tensor is read back from the written files and must
+match.
+"""
+
+from __future__ import annotations
+
+import json
+import warnings
+import zlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckptool.errors import CorruptCheckpointError
+from ckptool.keys import escape, unescape
+from ckptool.model import Checkpoint
+from ckptool.read.formats.safetensors_fmt import SAFETENSORS
+from ckptool.read.layouts import tensor_bytes
+from ckptool.read.layouts.dcp import DCP
+from ckptool.read.reader import open_checkpoint
+from ckptool.write import convert_plan, shards
+from ckptool.write.convert_files import write_safetensors, write_torch
+from ckptool.write.convert_plan import TORCH, WHOLE, Written
+from ckptool.write.outdir import AtomicDirectory
+from ckptool.write.results import ConvertResult
+from ckptool.write.sources import TensorSource
+
+if TYPE_CHECKING:
+    import torch
+
+Progress = Callable[[int, int], None]
+_BUG = "this is a bug in ckptool; nothing was written"
+FORMATS = {"hf": "hf-safetensors", "hf-bin": "hf-bin", "dcp": "dcp"}
+
+
+def convert(source: Checkpoint, dst: str, kind: str, *, force: bool = False,
+            progress: Progress | None = None, fsync: bool = False,
+            max_shard_size: int | None = None) -> ConvertResult:
+    """Write ``source`` as a directory ``dst`` of ``kind`` (hf, hf-bin, dcp)."""
+    if kind == "dcp":
+        written = convert_plan.plan(source, WHOLE if source.format == DCP else TORCH)
+    else:
+        written = convert_plan.plan(source, SAFETENSORS if kind == "hf" else TORCH,
+                                    keep_entries=False)
+    result = ConvertResult.of(source, dst, FORMATS[kind], written)
+    if kind == "dcp" and written.aliases:
+        pairs = ", ".join(f"{a} = {k}" for a, k in list(written.aliases.items())[:4])
+        result.notes.append(f"DCP cannot share storage: each tied name is written as its "
+                            f"own copy ({pairs})")
+    result.files, result.bytes_written = write_directory(
+        source, written, kind, dst, force=force, fsync=fsync, progress=progress,
+        planned=None if kind == "dcp" else shards.plan(
+            written, kind, max_shard_size or shards.DEFAULT_MAX))
+    return result
+
+
+def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *,
+                    force: bool = False, fsync: bool = False, progress: Progress | None = None,
+                    planned: list[shards.Shard] | None = None) -> tuple[list[str], int]:
+    """Write ``written`` (of ``source``) as directory ``dst`` of ``kind``, in
+    the ``planned`` shards (hf, hf-bin); returns its files and their bytes."""
+    total = sum(written.nbytes(n) for n in written.tensors)
+    with AtomicDirectory(dst, force, fsync) as outdir, TensorSource(source) as tensors:
+        crcs: dict[str, int] = {}
+        if kind == "dcp":
+            files = _write_dcp(written, tensors, outdir, _Overall(progress, total), crcs)
+        else:
+            assert planned is not None
+            files = _write_hf(written, kind, tensors, outdir, planned, _Overall(progress, total))
+        back = _check_whole(outdir.path, written, kind)
+        _check_values(back, crcs)
+        outdir.commit()
+    return files, back.file_size
+
+
+class _Overall:
+    """Progress over the whole job (the tensor bytes of every file), from
+    each file's own; it never goes back."""
+
+    def __init__(self, progress: Progress | None, total: int) -> None:
+        self.progress, self.total, self.base, self.shown = progress, max(total, 1), 0, 0
+
+    def _show(self, done: int) -> None:
+        self.shown = max(self.shown, min(done, self.total))
+        if self.progress is not None:
+            self.progress(self.shown, self.total)
+
+    def part(self, nbytes: int) -> Progress | None:
+        """The progress of a file holding ``nbytes`` of tensors (and headers)."""
+        if self.progress is None:
+            return None
+        base = self.base
+        return lambda done, _total: self._show(base + min(done, nbytes))
+
+    def advance(self, nbytes: int) -> None:
+        self.base += nbytes
+        self._show(self.base)
+
+
+def _write_hf(written: Written, kind: str, tensors: TensorSource, outdir: AtomicDirectory,
+              planned: list[shards.Shard], overall: _Overall) -> list[str]:
+    for shard in planned:
+        part = Written({n: written.tensors[n] for n in shard.tensors},
+                       {a: written.aliases[a] for a in shard.aliases},
+                       cast=written.cast, location=written.location)
+        if kind == "hf":
+            meta = {"format": "pt"}
+            if len(planned) == 1:
+                meta.update(written.aliases)
+            write_safetensors(part, meta, tensors, outdir.file(shard.name),
+                              overall.part(shard.nbytes))
+        else:
+            write_torch(part, tensors, outdir.file(shard.name), overall.part(shard.nbytes))
+        overall.advance(shard.nbytes)
+    names = [s.name for s in planned]
+    if len(planned) > 1:
+        text = json.dumps(shards.index(planned, written.aliases, kind), indent=2) + "\n"
+        with outdir.file(shards.index_name(kind)) as out:
+            out.file.write(text.encode())
+            out.file.flush()
+            out.commit()
+        names.append(shards.index_name(kind))
+    return names
+
+
+def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
+               overall: _Overall, crcs: dict[str, int]) -> list[str]:
+    """Write through torch's FileSystemWriter; ``crcs`` gets each tensor's
+    values' CRC by its DCP key."""
+    import os
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    metas = {n: torch.empty(t.shape, dtype=_dtype(t.dtype), device="meta")
+             for n, t in written.tensors.items()}
+    flat: dict[str, Any] = dict(metas)
+    flat.update((a, metas[k]) for a, k in written.aliases.items())
+    flat.update(written.entries)
+    state = convert_plan.nest(flat, written.paths) if written.paths else flat
+    by_path = {written.paths.get(n, (n,)): n for n in flat}
+
+    class Planner(DefaultSavePlanner):
+        """Values made when the writer asks for them, one tensor at a time."""
+
+        def resolve_data(self, write_item: WriteItem) -> Any:
+            if write_item.type == WriteItemType.BYTE_IO:
+                return super().resolve_data(write_item)
+            name = by_path[tuple(self.mappings[write_item.index.fqn])]
+            name = written.aliases.get(name, name)
+            values = tensors.values(written.tensors[name])
+            crcs[write_item.index.fqn] = _crc(values)
+            overall.advance(written.nbytes(name))
+            return values
+
+    writer = dcp.FileSystemWriter(outdir.path, single_file_per_rank=True,
+                                  sync_files=outdir.durable, thread_count=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled..." and the like
+        dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+    return sorted(os.listdir(outdir.path))
+
+
+def _dtype(name: str) -> torch.dtype:
+    import torch
+
+    dtype = getattr(torch, name, None)
+    assert isinstance(dtype, torch.dtype), name
+    return dtype
+
+
+def _crc(values: torch.Tensor) -> int:
+    import torch
+
+    return zlib.crc32(values.reshape(-1).view(torch.uint8).numpy().data)
+
+
+def _check_whole(path: str, written: Written, kind: str) -> Checkpoint:
+    """The written directory, read back as a checkpoint: it holds the
+    planned names, shapes and dtypes (torch shards and DCP: aliases too)."""
+    back = open_checkpoint(path)
+    expect = {n: (t.shape, written.dtype(n)) for n, t in written.tensors.items()}
+    if kind != "hf":  # safetensors shards cannot share: the index records them
+        expect.update({a: expect[k] for a, k in written.aliases.items()})
+    want = {escape(".".join(str(p) for p in written.paths.get(n, (n,)))): v
+            for n, v in expect.items()}
+    have = {t.key: (t.shape, t.dtype) for t in back.tensors
+            if kind != "dcp" or t.chunks}
+    if have != want:
+        odd = sorted(set(want) ^ set(have)) or sorted(k for k in want if want[k] != have[k])
+        raise CorruptCheckpointError(
+            f"the written directory's tensors differ from the plan (e.g. {odd[0]})", _BUG)
+    return back
+
+
+def _check_values(back: Checkpoint, crcs: dict[str, int]) -> None:
+    """Every tensor written through torch's DCP writer reads back with the
+    CRC of the values handed to it."""
+    for t in back.tensors:
+        crc = crcs.get(unescape(t.key))
+        if crc is not None and _crc(tensor_bytes.read_tensor(back, t)) != crc:
+            raise CorruptCheckpointError(
+                f"{t.key} reads back from the written DCP directory with other values "
+                "than were written", _BUG)

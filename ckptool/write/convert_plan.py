@@ -1,0 +1,275 @@
+"""What ``convert`` writes, decided before a byte is written: the tensors
+under their names, the names that share one of them (tied weights), the
+plain values kept, and what is left out, said rather than dropped.
+
+- A model file (safetensors, a Hugging Face directory, a torch file from a
+  torch file) holds the main state dict. Of a DCP checkpoint saved as
+  ``{"model": ..., "optim": ...}`` that is the model's, under its own names
+  (``fc.weight``, not ``model.fc.weight``): what ``model.load_state_dict``
+  takes, and what ``torch.load(dcp_to_torch_save(...))["model"]`` holds.
+- A torch file or a DCP directory made from a DCP checkpoint holds all of it,
+  nested as it was saved (``tree``): every tensor, and the plain values
+  (step, epoch, param_groups) as values, as ``dcp_to_torch_save`` writes it.
+- From safetensors: every tensor, and the aliases ``convert`` recorded.
+  From Hugging Face shards: the aliases the index records.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Collection
+from dataclasses import dataclass, field
+from typing import Any
+
+from ckptool import dtypes
+from ckptool.describe import plural
+from ckptool.errors import UnsupportedCheckpointError
+from ckptool.keys import unescape
+from ckptool.model import Checkpoint, TensorInfo
+from ckptool.read.formats.safetensors_fmt import SAFETENSORS
+from ckptool.read.layouts.dcp import DCP
+from ckptool.write.formats.safetensors import ST_CODES
+
+TORCH, WHOLE = "torch", "whole"  # into a torch file; into a torch file or DCP, all of it
+
+
+@dataclass
+class Written:
+    """What one conversion writes."""
+
+    tensors: dict[str, TensorInfo]  # name -> tensor, each written once
+    aliases: dict[str, str] = field(default_factory=dict)  # another name -> the name kept
+    copies: list[str] = field(default_factory=list)  # views written as their own copy
+    entries: dict[str, Any] = field(default_factory=dict)  # plain values kept
+    left_out: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    # a nested tree (DCP into a torch file or DCP): each name's path in it
+    paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    order: list[str] = field(default_factory=list)  # tensors and aliases, as in the source
+    # fix on shards: the dtype a tensor is written as, the device tag it is saved on
+    cast: dict[str, str] = field(default_factory=dict)
+    location: dict[str, str] = field(default_factory=dict)
+
+    def dtype(self, name: str) -> str:
+        return self.cast.get(name) or self.tensors[name].dtype
+
+    def nbytes(self, name: str) -> int:
+        """The bytes tensor ``name`` is written as."""
+        return self.tensors[name].numel * dtypes.itemsize(self.dtype(name))
+
+    def names(self) -> list[str]:
+        """Every name a torch file holds, tensors and aliases, in the source's order."""
+        return self.order or [*self.tensors, *self.aliases]
+
+
+def plan(source: Checkpoint, into: str, keep_entries: bool = True) -> Written:
+    """What ``source`` becomes ``into`` SAFETENSORS, TORCH (a model file) or
+    WHOLE (a torch file or DCP directory holding everything a DCP checkpoint
+    does). Into one safetensors file, plain entries are kept in its
+    ``__metadata__`` (not with ``keep_entries=False``: Hugging Face shards)."""
+    if source.format == DCP and into == WHOLE:
+        return _whole_dcp(source)
+    if source.format == SAFETENSORS:
+        kept = {unescape(t.key): t for t in source.tensors}
+        aliases, notes = recorded_aliases(source.metadata.get("metadata", {}), set(kept))
+        return Written(kept, aliases, notes=notes)
+    kind = SAFETENSORS if into == SAFETENSORS else TORCH
+    kept, aliases, copies = _plan_names(source, kind)
+    written = Written(kept, aliases, copies, left_out=_left_out(source, kind))
+    for alias, stored in source.aliases.items():  # an HF index's tied names
+        if stored in kept and alias not in kept:
+            written.aliases[alias] = stored
+    written.order = [n for n in source.state_dict() if n in kept or n in written.aliases]
+    written.order += [a for a in written.aliases if a not in written.order]
+    entry = source.metadata.get("state_dict_entry")
+    if source.format == DCP and isinstance(entry, str):  # the model's own names
+        _rename(written, {n: n.removeprefix(f"{entry}.") for n in kept})
+        written.notes.append(f"the '{entry}' entry's tensors, under the names the model "
+                             f"gives them (without '{entry}.')")
+    if into == SAFETENSORS:
+        bad = sorted({t.dtype for t in written.tensors.values() if t.dtype not in ST_CODES})
+        if bad:
+            raise UnsupportedCheckpointError(
+                f"safetensors cannot hold {', '.join(bad)} tensors",
+                "cast them first, e.g. `ckptool fix --dtype fp32`")
+        for e in source.entries if keep_entries else ():
+            if e.type != "alias" and (e.value is not None or e.summary == "None"):
+                written.entries[e.key] = e.value
+        written.left_out = _left_out(source, kind, written.entries)
+    return written
+
+
+def _rename(written: Written, names: dict[str, str]) -> None:
+    written.tensors = {names.get(n, n): t for n, t in written.tensors.items()}
+    written.aliases = {names.get(a, a): names.get(k, k) for a, k in written.aliases.items()}
+    written.copies = [names.get(n, n) for n in written.copies]
+    written.order = [names.get(n, n) for n in written.order]
+
+
+def _whole_dcp(source: Checkpoint) -> Written:
+    """Every tensor and plain value of a DCP checkpoint, nested as saved."""
+    written = Written({t.key: t for t in source.tensors if t.chunks})
+    root = source.root if isinstance(source.root, dict) else {}
+    for fqn, value in root.items():
+        if fqn in written.tensors or not isinstance(fqn, str):
+            continue
+        if is_plain(value):
+            written.entries[fqn] = value
+        else:
+            written.left_out.append(f"{fqn} ({type(value).__name__}: not plain data)")
+    written.paths = {fqn: source.tree_paths.get(fqn, (fqn,))
+                     for fqn in [*written.tensors, *written.entries]}
+    extra = [t.key for t in source.tensors if not t.chunks]
+    if extra:
+        written.left_out.append(f"{plural(len(extra), 'tensor')} inside values or meta.pt "
+                                f"(e.g. {extra[0]})")
+    return written
+
+
+def is_plain(obj: Any, depth: int = 0) -> bool:
+    """Data that ``torch.load(weights_only=True)`` takes: None, numbers,
+    strings, bytes, and lists, tuples and dicts of them."""
+    if depth > 50:
+        return False
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(is_plain(v, depth + 1) for v in obj)
+    if type(obj) is dict:
+        return all(isinstance(k, (str, int)) and is_plain(v, depth + 1)
+                   for k, v in obj.items())
+    return False
+
+
+def nest(items: dict[str, Any], paths: dict[str, tuple[str | int, ...]]) -> dict[str, Any]:
+    """The nested dict the flat ``items`` came from (DCP's planner paths; an
+    int step is a list index, as ``torch.distributed.checkpoint`` unflattens)."""
+    tree: dict[str, Any] = {}
+    for name, value in items.items():
+        path = paths.get(name, (name,))
+        node: Any = tree
+        for step, after in itertools.pairwise(path):
+            node = _child(node, step, [] if isinstance(after, int) else {})
+        _set(node, path[-1], value)
+    return tree
+
+
+def _child(node: Any, step: str | int, empty: Any) -> Any:
+    if isinstance(node, list) and isinstance(step, int):
+        node.extend([None] * (step + 1 - len(node)))
+        if node[step] is None:
+            node[step] = empty
+        return node[step]
+    return node.setdefault(step, empty)
+
+
+def _set(node: Any, step: str | int, value: Any) -> None:
+    if isinstance(node, list) and isinstance(step, int):
+        node.extend([None] * (step + 1 - len(node)))
+    node[step] = value
+
+
+def _unwritten(t: TensorInfo, into: str) -> str | None:
+    """Why a tensor of the state dict is not written ``into`` safetensors or
+    torch, or None. (safetensors refuses quantized dtypes outright.)"""
+    if t.parts:
+        holds = "safetensors holds" if into == SAFETENSORS else "convert writes"
+        return (f"a {t.layout} tensor: {holds} dense tensors only; .to_dense() it first "
+                "to keep it")
+    if t.layout == "quantized" and into != SAFETENSORS:
+        return "a quantized tensor: convert writes plain tensors only; .dequantize() it " \
+               "first to keep it"
+    return None
+
+
+def _plan_names(source: Checkpoint, into: str) -> tuple[
+        dict[str, TensorInfo], dict[str, str], list[str]]:
+    """Of the main state dict written ``into`` safetensors or torch: (tensors
+    to write, aliases, names written as copies of shared storage)."""
+    every = source.state_dict()
+    sd = {name: t for name, t in every.items() if _unwritten(t, into) is None}
+    if not sd:
+        raise _nothing_to_convert(every, into)
+    kept: dict[str, TensorInfo] = {}
+    aliases: dict[str, str] = {}
+    first: dict[tuple[Any, ...], str] = {}
+    share_count: dict[str | None, int] = {}
+    for t in sd.values():
+        share_count[t.storage] = share_count.get(t.storage, 0) + 1
+    copies = []
+    for name, t in sd.items():
+        ident = (t.storage, t.storage_offset, t.shape, t.stride, t.dtype)
+        if t.storage is not None and ident in first:
+            aliases[name] = first[ident]
+            continue
+        first[ident] = name
+        kept[name] = t
+        if t.storage is not None and share_count[t.storage] > 1:
+            copies.append(name)
+    copies = [n for n in copies if n not in set(aliases.values())]
+    return kept, aliases, copies
+
+
+def _nothing_to_convert(every: dict[str, TensorInfo], into: str) -> UnsupportedCheckpointError:
+    """The error for a file with no state dict, or none of whose tensors is written."""
+    name = next(iter(every), None)
+    why = ("no dict in the file holds tensors only" if name is None else
+           f"{name} ({_unwritten(every[name], into)})"
+           + (f" and {len(every) - 1} more" if len(every) > 1 else ""))
+    return UnsupportedCheckpointError(f"no dense state dict to convert: {why}",
+                                      "see `ckptool inspect` for what the file holds")
+
+
+def _left_out(source: Checkpoint, into: str, kept_entries: Collection[str] = ()) -> list[str]:
+    """What the output does not hold, never dropped silently: the state
+    dict's tensors not written, the tensors outside it, the entries not kept."""
+    out = []  # tensors first: what a reader of a long list most needs to see
+    values = [f"{e.key} ({e.type})" for e in source.entries
+              if e.key not in kept_entries and e.type != "alias"]
+    for name, t in source.state_dict().items():
+        why = _unwritten(t, into)
+        if why is not None:
+            out.append(f"{name} ({why})")
+    sd = source.main_state_dict
+    if sd is None:
+        return out + values
+    if sd.path:
+        outside = [t.key for t in source.tensors if not t.key.startswith(f"{sd.path}/")]
+    elif source.is_multifile:  # a flat dict of many entries (DCP): by key
+        keys = {sd.tensor_key(k) for k in sd.keys}
+        outside = [t.key for t in source.tensors if t.key not in keys]
+    else:
+        outside = []
+    if outside:
+        where = f"'{sd.path}'" if sd.path else "the state dict"
+        out.append(f"{plural(len(outside), 'tensor')} outside {where} (e.g. {outside[0]})")
+    return out + values
+
+
+def recorded_aliases(meta: dict[str, str], names: set[str]) -> tuple[dict[str, str], list[str]]:
+    """The ``ckptool.aliases`` a safetensors file records (``convert`` wrote
+    them: alias -> the tensor it shares), as far as they make sense: the
+    file's metadata is input, not instructions. Returns (aliases, notes on
+    what was ignored)."""
+    text = meta.get("ckptool.aliases")
+    if text is None:
+        return {}, []
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return {}, ["__metadata__ 'ckptool.aliases' is not JSON: ignored"]
+    if not isinstance(raw, dict):
+        return {}, ["__metadata__ 'ckptool.aliases' is not a JSON object: ignored"]
+    aliases: dict[str, str] = {}
+    bad = []
+    for alias, kept in raw.items():
+        # an alias of a tensor the file has, under a name no tensor has: an
+        # alias of an alias (or of itself) is no tensor at all
+        if isinstance(kept, str) and kept in names and alias not in names:
+            aliases[alias] = kept
+        else:
+            bad.append(alias)
+    notes = [f"__metadata__ 'ckptool.aliases' names {len(bad)} alias(es) that are not "
+             f"a new name for a tensor of the file: ignored ({', '.join(bad[:3])})"] if bad else []
+    return aliases, notes

@@ -1,0 +1,132 @@
+"""A directory output that appears complete or not at all.
+
+Its files are written into a temporary directory beside the target
+(``.NAME.ckptool-<pid>-<random>.partial``), each through ``AtomicOutput``
+and verified there; then the directory is renamed to the target in one
+step. A failure removes the temporary directory. ``kill -9`` cannot be
+cleaned up after by the process it kills: the target never appears, and
+the next ckptool run that writes beside it removes the leftovers of runs
+whose process is gone (the pid in the name says whose it was).
+
+``--force`` over an existing directory: the old one is renamed aside, the
+new one into place, then the old one removed; a crash between the renames
+leaves the old one under ``.NAME.ckptool-<pid>-<random>.old`` (never removed
+by ckptool: it is the user's data). Durable
+(``fsync``, or when it replaces something): every file is fsynced, then
+the temporary directory and, after the rename, the parent.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import shutil
+from pathlib import Path
+from types import TracebackType
+
+from ckptool.errors import InputError, UsageError
+from ckptool.write.commit import AtomicOutput
+
+_LEFTOVER = re.compile(r"^\.(?P<name>.+)\.ckptool-(?P<pid>\d+)-[0-9a-f]+\.partial$")
+
+
+class AtomicDirectory:
+    """Use as ``with AtomicDirectory(target) as out``: write files through
+    ``out.file(name)`` (an ``AtomicOutput``), then ``out.commit()``."""
+
+    def __init__(self, target: str, force: bool = False, fsync: bool = False) -> None:
+        self.target = Path(target.rstrip("/") or target)
+        self.force = force
+        self.durable = fsync
+        self.temp: Path | None = None
+        self._committed = False
+
+    def __enter__(self) -> AtomicDirectory:
+        parent = self.target.parent
+        if self.target.exists() or self.target.is_symlink():
+            if not self.force:
+                raise UsageError(f"{self.target} already exists",
+                                 "pass --force to replace it, or name another output")
+            if not self.target.is_dir() or self.target.is_symlink():
+                raise UsageError(f"{self.target} exists and is not a directory",
+                                 "remove it, or name another output")
+            self.durable = True
+        if not parent.is_dir():
+            raise InputError(f"cannot write {self.target}: {parent} is not a directory",
+                             "create the directory first")
+        remove_leftovers(parent, self.target.name)
+        token = f"{os.getpid()}-{secrets.token_hex(4)}"
+        self.temp = parent / f".{self.target.name}.ckptool-{token}.partial"
+        try:
+            self.temp.mkdir()
+        except OSError as exc:
+            raise InputError(f"cannot write into {parent}: {exc.strerror}",
+                             "check the directory's permissions and free space") from exc
+        return self
+
+    def file(self, name: str) -> AtomicOutput:
+        """A file of the directory, written atomically inside it."""
+        assert self.temp is not None
+        return AtomicOutput(self.temp / name, fsync=self.durable)
+
+    @property
+    def path(self) -> str:
+        """Where the files are, until ``commit``."""
+        assert self.temp is not None
+        return str(self.temp)
+
+    def commit(self) -> None:
+        assert self.temp is not None
+        if self.durable:
+            _fsync(self.temp)
+        old = None
+        if self.target.exists():
+            old = self.temp.with_name(self.temp.name.removesuffix(".partial") + ".old")
+            os.rename(self.target, old)
+        os.rename(self.temp, self.target)
+        self._committed = True
+        if self.durable:
+            _fsync(self.target.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if not self._committed and self.temp is not None:
+            shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def remove_leftovers(parent: Path, name: str) -> list[str]:
+    """Remove what runs killed while writing ``parent/name`` left behind
+    (their process is gone); returns what was removed."""
+    removed: list[str] = []
+    try:
+        entries = os.listdir(parent)
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _LEFTOVER.match(entry)
+        if m is None or m.group("name") != name or _alive(int(m.group("pid"))):
+            continue
+        shutil.rmtree(parent / entry, ignore_errors=True)
+        removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _fsync(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,151 @@
+"""Where a writer gets a tensor's bytes, for a checkpoint of one file or many.
+
+``TensorSource(ckpt)`` gives the segments (``ckptool.write.layout``) that
+write one tensor of ``ckpt``, C-contiguous and little-endian, as a dtype:
+
+- one file: ``tensor_segment`` on the file (a ``Span`` of it when the bytes
+  lie as they are, else made through torch);
+- Hugging Face shards: the same, on the shard that holds the tensor (each
+  shard is opened once, and kept open until ``close``);
+- a DCP directory: where every chunk of the tensor is a run of whole rows
+  (``Shard(0)``, or the tensor whole), saved densely and as the tensor's
+  dtype, the chunks' bytes are ``Span``\\ s of their ``.distcp`` files, one
+  after the other in row order: nothing passes through memory. Anything else
+  (column-sharded chunks, a cast) is made whole when its turn comes
+  (``ckptool.read.layouts.tensor_bytes``): memory is that tensor and one chunk.
+
+``values(t)`` gives the tensor itself (for the DCP writer), ``single(...)``
+one segment whose CRC is the record's (a zip record needs one).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import TYPE_CHECKING
+
+from ckptool import dtypes
+from ckptool.model import Checkpoint, Chunk, TensorInfo
+from ckptool.read.layouts import embedded, tensor_bytes
+from ckptool.read.tensor_data import TensorData
+from ckptool.read.tensors import TensorRecord
+from ckptool.write.layout import Made, Segment, Span, cast_bytes, tensor_segment
+
+if TYPE_CHECKING:
+    import torch
+
+
+class TensorSource:
+    """The bytes of ``ckpt``'s tensors, for the writers; use as a context manager."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self._readers: dict[str | None, TensorData] = {}
+        self._fds: dict[str, int] = {}
+
+    def __enter__(self) -> TensorSource:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for reader in self._readers.values():
+            reader.close()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._readers.clear()
+        self._fds.clear()
+
+    def reader(self, t: TensorInfo) -> TensorData:
+        """The single-file reader of the file that holds ``t`` (not DCP)."""
+        key = t.file if self.ckpt.is_multifile else None
+        if key not in self._readers:
+            view = self.ckpt if key is None else tensor_bytes.file_view(self.ckpt, key)
+            self._readers[key] = TensorData(view)
+        return self._readers[key]
+
+    def segments(self, t: TensorInfo, dtype: str, at: int, name: str) -> list[Segment]:
+        """``t``'s bytes as ``dtype`` written at ``at``: one segment, or for a
+        row-sharded DCP tensor one ``Span`` per chunk."""
+        if t.chunks:
+            spans = self._row_spans(t, dtype, at, name)
+            return spans if spans is not None else [self._made(t, dtype, at, name)]
+        return [tensor_segment(self.reader(t), t, dtype, at, name)]
+
+    def single(self, t: TensorInfo, dtype: str, at: int, name: str) -> Segment:
+        """``t``'s bytes as one segment (a zip record's CRC is one segment's)."""
+        if t.chunks:
+            spans = self._row_spans(t, dtype, at, name)
+            return spans[0] if spans is not None and len(spans) == 1 else \
+                self._made(t, dtype, at, name)
+        return tensor_segment(self.reader(t), t, dtype, at, name)
+
+    def values(self, t: TensorInfo) -> torch.Tensor:
+        """``t`` as one contiguous CPU tensor."""
+        if self.ckpt.is_multifile:
+            return tensor_bytes.read_tensor(self.ckpt, t)
+        return self.reader(t).values(t).contiguous()
+
+    def _made(self, t: TensorInfo, dtype: str, at: int, name: str) -> Made:
+        size = t.numel * dtypes.itemsize(dtype)
+
+        def make() -> bytes | memoryview:
+            import torch
+
+            values = self.values(t).reshape(-1)
+            if dtype == t.dtype:  # the tensor's own memory, written as it is
+                return values.view(torch.uint8).numpy().data
+            data = values.view(torch.uint8).numpy().tobytes()
+            return cast_bytes(data, t.dtype, dtype)
+
+        return Made(at, size, name, make)
+
+    def _row_spans(self, t: TensorInfo, dtype: str, at: int, name: str) -> list[Segment] | None:
+        """Spans of the ``.distcp`` files, when each chunk is whole rows laid
+        out densely as ``t``'s dtype; None when it must be made."""
+        if dtype != t.dtype or self.ckpt.directory is None or not t.shape:
+            return None
+        chunks = sorted((c for c in t.chunks if math.prod(c.sizes)), key=lambda c: c.offsets)
+        itemsize = dtypes.itemsize(t.dtype)
+        row = math.prod(t.shape[1:]) * itemsize
+        spans: list[Segment] = []
+        expect = 0
+        for c in chunks:
+            if c.offsets[0] != expect or tuple(c.offsets[1:]) != (0,) * (len(t.shape) - 1) or \
+                    tuple(c.sizes[1:]) != tuple(t.shape[1:]) or c.transforms:
+                return None
+            src = self._chunk_data(t, c)
+            if src is None:
+                return None
+            spans.append(Span(at + c.offsets[0] * row, self._fd(c.file), src,
+                              c.sizes[0] * row, f"{name} [rows {c.offsets[0]}..]"))
+            expect += c.sizes[0]
+        if expect != t.shape[0] or not spans:
+            return None
+        return spans
+
+    def _chunk_data(self, t: TensorInfo, c: Chunk) -> int | None:
+        """Where a chunk's elements start in its file, when they lie there
+        densely, little-endian, as the tensor's dtype; else None."""
+        assert self.ckpt.directory is not None
+        path = os.path.join(self.ckpt.directory, c.file)
+        raw, offsets = embedded.read_item(path, f"{c.file} (chunk of {t.key})",
+                                          c.byte_offset, c.byte_length)
+        rec = raw.root
+        if not (isinstance(rec, TensorRecord) and rec.storage is not None
+                and rec.dtype == t.dtype and rec.shape == c.sizes
+                and rec.stride == tuple(math.prod(c.sizes[i + 1:]) for i in range(len(c.sizes)))
+                and raw.metadata.get("byteorder", "little") == "little"):
+            return None
+        start = offsets[rec.storage.key] + rec.storage_offset * dtypes.itemsize(t.dtype)
+        if start + math.prod(c.sizes) * dtypes.itemsize(t.dtype) > \
+                c.byte_offset + c.byte_length:
+            return None
+        return start
+
+    def _fd(self, name: str) -> int:
+        if name not in self._fds:
+            assert self.ckpt.directory is not None
+            self._fds[name] = os.open(os.path.join(self.ckpt.directory, name), os.O_RDONLY)
+        return self._fds[name]
