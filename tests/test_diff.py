@@ -223,7 +223,8 @@ def test_cli_json_schema(run_cli: CliRun, pair: tuple[Path, Path]) -> None:
     data = json.loads(out)
     assert list(data)[:3] == ["schema_version", "a", "b"] and data["schema_version"] == 1
     assert data["a"] == {"path": str(pair[0]), "format": "torch-zip",
-                         "state_dict": "state_dict", "prefix": ""}
+                         "state_dict": "state_dict", "prefix": "", "directory": False,
+                         "entry": None}
     assert data["b"]["prefix"] == "module."
     assert (data["mode"], data["values_compared"], data["has_differences"]) == (
         "state_dict", True, True)

@@ -261,7 +261,7 @@ def test_an_existing_output_needs_force(tmp_path: Path,
                                         run_cli: Callable[..., CliResult]) -> None:
     (tmp_path / "hf").mkdir()
     (tmp_path / "hf" / "old.txt").write_text("mine")
-    code, out, err = run_cli("convert", str(FOUR), str(tmp_path / "hf"))
+    code, _, err = run_cli("convert", str(FOUR), str(tmp_path / "hf"))
     assert code == 2 and "already exists" in err and "--force" in err
     assert (tmp_path / "hf" / "old.txt").exists()
     code, _, err = run_cli("convert", str(FOUR), str(tmp_path / "hf"), "--force", "-q")

@@ -107,7 +107,8 @@ def test_cuda_saved_shards_give_the_device_finding(
     assert code == 1 and err == ""
     data = json.loads(out)
     assert "device-unavailable" in [f["code"] for f in data["findings"]]
-    assert data["fix_command"] is None  # fix does not take these yet
+    assert data["fix_command"] == (f"ckptool fix {hf_dirs['cuda']} --to cpu "
+                                   f"-o {hf_dirs['cuda']}.fixed")
 
 
 def test_inspect_json_and_text(hf_dirs: dict[str, Path],

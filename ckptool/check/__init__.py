@@ -5,7 +5,8 @@
   problem) and plans their fix as one checked command (``fixcommand``);
 - ``loadcheck`` predicts what plain ``torch.load`` does on a machine;
   ``gpus`` finds the machine's GPUs as torch numbers them; ``placement``
-  says where to load a checkpoint here;
+  says where to load a checkpoint here; ``manyfiles`` says how a checkpoint
+  of many files loads (its loader, its devices, DCP's entry prefix);
 - ``modelspec`` builds the keys a model expects (on the meta device) and
   ``reconcile`` compares them with a state dict's;
 - ``diff`` and ``tensor_compare`` compare two checkpoints; ``stats``

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ckptool.check import findings, loadcheck
+from ckptool.check import findings, loadcheck, manyfiles
 from ckptool.check.findings import ERROR, WARNING, Finding
 from ckptool.check.fixcommand import plan_command, shell_name
 from ckptool.check.gpus import Machine, probe
@@ -51,8 +51,11 @@ class Diagnosis:
                 if not (fixed and f.fix and f.fix.startswith("ckptool fix "))]
 
     def load_errors(self) -> list[str]:
-        """What plain ``torch.load(path)`` raises here, one line per cause."""
+        """What plain ``torch.load(path)`` raises here, one line per cause
+        (for Hugging Face ``.bin`` shards: ``torch.load`` of a shard)."""
         out = [f"RuntimeError: {t.error}" for t in self.tags if t.error]
+        if self.checkpoint.format == "dcp":  # dcp.load: no weights_only, no device
+            return out
         refused = loadcheck.refused_globals(self.checkpoint)
         if not loadcheck.weights_only_default():
             return out
@@ -81,17 +84,20 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     result.findings += findings.wrapping_findings(ckpt, opts, name)
     result.findings += findings.global_findings(ckpt, opts, name)
     result.findings += findings.content_findings(ckpt)
+    # DCP: the keys carry the entry they were saved under ("model."), which
+    # is how they are loaded (dcp.load({"model": sd})): compared without it
+    entry = manyfiles.entry_prefix(ckpt)
     if ckpt.main_state_dict is not None and model is not None:
         tensors = ckpt.state_dict()
         names = ckpt.main_state_dict.keys  # extra-state entries too: strict loading checks them
-        result.keys = reconcile({n: tensors[n].shape if n in tensors else None for n in names},
-                                model.shapes, model.tied)
+        result.keys = reconcile({n[len(entry):]: tensors[n].shape if n in tensors else None
+                                 for n in names}, model.shapes, model.tied)
         result.shape_hints = explain_shapes(result.keys.mismatched, model.arguments,
                                             saved_settings(ckpt.root))
         result.findings += findings.key_findings(ckpt, result.keys, result.shape_hints, model,
                                                  opts, name)
     elif ckpt.main_state_dict is not None:
-        result.findings += findings.prefix_findings(ckpt, opts, name)
+        result.findings += findings.prefix_findings(ckpt, opts, name, entry)
     command = plan_command(ckpt, opts)
     if command.refused is not None:
         result.fix_refused = command.refused

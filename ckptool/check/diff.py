@@ -6,8 +6,18 @@ off, so that a DataParallel save and a Lightning save of one model line up.
 ``all_tensors`` compares every tensor by its full key instead. For each
 matched pair the report says what changed (shape, dtype, saved location,
 layout) and, when values are compared, whether the values differ
-(``ckptool.check.tensor_compare``). Values are read one pair at a time from one
-open file per side, so memory follows the largest tensor, not the files.
+(``ckptool.check.tensor_compare``). Values are read one pair at a time
+(``ckptool.read.tensor_source``: one open file per side, or, for a
+checkpoint of many files, each tensor from its shard or its chunks), so
+memory follows the largest tensor, not the files.
+
+Checkpoints of many files pair as their single-file equivalents would: a
+name a Hugging Face index records as tied to a stored tensor (huggingface_hub
+drops it from the shards) stands for that tensor, as the second name of a
+tied weight in a ``torch.save`` file does; with ``all_tensors``, a DCP key
+(``model.fc.weight``, flattened) is compared under the nested key it was
+saved as (``model/fc.weight``, from ``.metadata``'s planner data), the key
+``dcp_to_torch_save`` and ``torch.save`` of that dict give.
 
 The report owns the exit-code policy: 1 when anything differs, else 0.
 """
@@ -16,16 +26,12 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from ckptool.check.tensor_compare import DIFFERENT, NOT_COMPARED, ValueDiff, not_compared
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK, UnsupportedCheckpointError, UsageError
-from ckptool.keys import split_key
+from ckptool.keys import join_key, key_of, split_key
 from ckptool.model import Checkpoint, StateDictInfo, TensorInfo
-from ckptool.read.tensor_data import TensorData
-
-if TYPE_CHECKING:
-    import torch
+from ckptool.read.tensor_source import TensorValues
 
 STATE_DICT, ALL = "state_dict", "all"
 
@@ -38,6 +44,8 @@ class Side:
     format: str
     state_dict: str | None  # container path of the state dict; None with all_tensors
     prefix: str  # the wrapper prefix taken off its names ("" if none)
+    directory: bool = False  # a checkpoint of many files (a directory)
+    entry: str | None = None  # DCP: the top-level entry its state dict was saved under
 
 
 @dataclass(frozen=True)
@@ -64,6 +72,7 @@ class DiffReport:
     changed: list[Change] = field(default_factory=list)
     # matched names with equal metadata whose values could not be read
     not_compared: list[tuple[str, str]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # how names were paired, where not plain
 
     @property
     def has_differences(self) -> bool:
@@ -77,31 +86,32 @@ class DiffReport:
 def diff_checkpoints(a: Checkpoint, b: Checkpoint, compare_values: bool = True,
                      all_tensors: bool = False) -> DiffReport:
     """Compare ``a`` with ``b``; values are read from ``a.path`` and ``b.path``."""
+    notes: list[str] = []
     if all_tensors:
-        names_a = {t.key: t for t in a.tensors}
-        names_b = {t.key: t for t in b.tensors}
+        names_a, names_b = _all_keys(a, "A", notes), _all_keys(b, "B", notes)
         side_a, side_b = _side(a, None, ""), _side(b, None, "")
     else:
-        sd_a, sd_b = _state_dict(a, "A"), _state_dict(b, "B")
+        sd_a, sd_b = _state_dict(a, "A", notes), _state_dict(b, "B", notes)
         pa, pb = _pick_prefixes(a, b, sd_a, sd_b)
         names_a, names_b = _strip(sd_a, pa), _strip(sd_b, pb)
         side_a, side_b = _side(a, a.main_state_dict, pa), _side(b, b.main_state_dict, pb)
     report = DiffReport(side_a, side_b, ALL if all_tensors else STATE_DICT, compare_values)
+    report.notes = notes
     report.only_in_a = [(n, t) for n, t in names_a.items() if n not in names_b]
     report.only_in_b = [(n, t) for n, t in names_b.items() if n not in names_a]
     pairs = [(n, t, names_b[n]) for n, t in names_a.items() if n in names_b]
     report.num_matched = len(pairs)
     with ExitStack() as stack:
-        readers: list[_Values] = []
+        readers: list[TensorValues] = []
         if compare_values and pairs:
-            readers = [stack.enter_context(_Values(c)) for c in (a, b)]
+            readers = [stack.enter_context(TensorValues(c)) for c in (a, b)]
         for name, ta, tb in pairs:
             _compare_pair(report, name, ta, tb, readers)
     return report
 
 
 def _compare_pair(report: DiffReport, name: str, ta: TensorInfo, tb: TensorInfo,
-                  readers: list[_Values]) -> None:
+                  readers: list[TensorValues]) -> None:
     changes = [what for what, x, y in (
         ("shape", ta.shape, tb.shape), ("dtype", ta.dtype, tb.dtype),
         ("location", ta.location, tb.location), ("layout", ta.layout, tb.layout),
@@ -119,7 +129,8 @@ def _compare_pair(report: DiffReport, name: str, ta: TensorInfo, tb: TensorInfo,
         report.num_identical += 1
 
 
-def _compare_values(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) -> ValueDiff:
+def _compare_values(ra: TensorValues, rb: TensorValues, ta: TensorInfo,
+                    tb: TensorInfo) -> ValueDiff:
     from ckptool.check.tensor_compare import compare_values
 
     if ta.parts or tb.parts:
@@ -132,7 +143,8 @@ def _compare_values(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) ->
     return compare_values(va, vb, ta.dtype, tb.dtype)
 
 
-def _compare_parts(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) -> ValueDiff:
+def _compare_parts(ra: TensorValues, rb: TensorValues, ta: TensorInfo,
+                   tb: TensorInfo) -> ValueDiff:
     """Two sparse tensors, part by part (never made dense: a sparse tensor's
     dense form can be far larger than the file): the same indices and the
     values compared, or a different sparsity pattern."""
@@ -151,39 +163,44 @@ def _compare_parts(ra: _Values, rb: _Values, ta: TensorInfo, tb: TensorInfo) -> 
     return values
 
 
-class _Values:
-    """A side's ``TensorData``, opened on first use; a file whose values cannot
-    be read at all gives every tensor the same reason."""
-
-    def __init__(self, ckpt: Checkpoint) -> None:
-        self.ckpt = ckpt
-        self.data: TensorData | None = None
-        self.error: UnsupportedCheckpointError | None = None
-
-    def __enter__(self) -> _Values:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.data is not None:
-            self.data.close()
-
-    def values(self, t: TensorInfo) -> torch.Tensor:
-        if self.error is not None:
-            raise self.error
-        if self.data is None:
-            try:
-                self.data = TensorData(self.ckpt)
-            except UnsupportedCheckpointError as exc:
-                self.error = exc
-                raise
-        return self.data.values(t)
-
-
-def _state_dict(ckpt: Checkpoint, label: str) -> dict[str, TensorInfo]:
+def _state_dict(ckpt: Checkpoint, label: str, notes: list[str]) -> dict[str, TensorInfo]:
     if ckpt.main_state_dict is None:
         raise UsageError(f"{label} ({ckpt.path}) has no state dict ckptool can find",
                          "compare every tensor by its key with --all")
-    return ckpt.state_dict()
+    names = ckpt.state_dict()
+    if ckpt.main_state_dict.path:  # an index's names are those of the root
+        return names
+    tied = {alias: names[kept] for alias, kept in ckpt.aliases.items()
+            if kept in names and alias not in names}
+    if tied:
+        notes.append(f"{label}: {_some(list(tied))} compared as the tensor its index records "
+                     "it tied to (not stored itself)")
+    return {**names, **tied}
+
+
+def _all_keys(ckpt: Checkpoint, label: str, notes: list[str]) -> dict[str, TensorInfo]:
+    """Every tensor by its key; a DCP key by the nested key it was saved as,
+    and an HF alias as the tensor it is tied to."""
+    by_key = {t.key: t for t in ckpt.tensors}
+    out: dict[str, TensorInfo] = {}
+    nested = 0
+    for t in ckpt.tensors:
+        path = ckpt.tree_paths.get(split_key(t.key)[0]) if len(split_key(t.key)) == 1 else None
+        key = key_of([str(p) for p in path]) if path else t.key
+        nested += key != t.key
+        out.setdefault(key, t)
+    if nested:
+        notes.append(f"{label}: DCP keys compared as the nested keys they were saved as "
+                     "(model.fc.weight as model/fc.weight)")
+    for alias, kept in ckpt.aliases.items():
+        stored = by_key.get(join_key("", kept))
+        if stored is not None:
+            out.setdefault(join_key("", alias), stored)
+    return out
+
+
+def _some(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" (and {len(names) - 3} more)" if len(names) > 3 else "")
 
 
 def _pick_prefixes(a: Checkpoint, b: Checkpoint, sd_a: dict[str, TensorInfo],
@@ -203,4 +220,6 @@ def _strip(names: dict[str, TensorInfo], prefix: str) -> dict[str, TensorInfo]:
 
 
 def _side(ckpt: Checkpoint, sd: StateDictInfo | None, prefix: str) -> Side:
-    return Side(ckpt.path, ckpt.format, sd.path if sd is not None else None, prefix)
+    entry = ckpt.metadata.get("state_dict_entry") if sd is not None else None
+    return Side(ckpt.path, ckpt.format, sd.path if sd is not None else None, prefix,
+                ckpt.is_multifile, entry if isinstance(entry, str) else None)

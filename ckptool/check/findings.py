@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptool.check import loadcheck
+from ckptool.check import loadcheck, manyfiles
 from ckptool.check.fixcommand import command_flags, shell_name, stem
 from ckptool.check.gpus import Machine, describe_machine, fits, pick
 from ckptool.check.loadcheck import TagLoad
@@ -23,7 +23,7 @@ from ckptool.keys import pieces, split_key
 from ckptool.model import Checkpoint, GlobalInfo
 from ckptool.read import policy
 from ckptool.read.policy import UNSAFE
-from ckptool.read.prefixes import describe_wrapper
+from ckptool.read.prefixes import common_prefix, describe_wrapper, wrapper_prefix
 from ckptool.write.plan import FixOptions
 
 ERROR, WARNING = "error", "warning"  # error: loading fails; warning: not as wanted
@@ -74,6 +74,13 @@ def device_findings(ckpt: Checkpoint, tags: list[TagLoad], machine: Machine, opt
         where = "{" + ", ".join(f"{t.location!r}: {target!r}" for t in failing) + "}"
     saved = ", ".join(f"{plural(t.tensors, 'tensor')} ({human_bytes(t.nbytes)}) on {t.location}"
                       for t in failing)
+    if ckpt.is_multifile:  # .bin shards: each a torch file; their loaders map them
+        return [Finding(
+            "device-unavailable", WARNING,
+            f"plain torch.load of its shards fails on {describe_machine(machine)}: the shards "
+            f"saved {saved}; {manyfiles.loader(ckpt)} and from_pretrained load them to the "
+            "CPU unless told otherwise",
+            f"ckptool fix {name} {flags}", manyfiles.load_snippet(ckpt, target))]
     return [Finding(
         "device-unavailable", ERROR,
         f"plain torch.load fails on {describe_machine(machine)}: the file saved {saved}",
@@ -189,21 +196,33 @@ def content_findings(ckpt: Checkpoint) -> list[Finding]:
     """What the file holds that its format does not (bytes after the end of
     a pickle): torch ignores it, but nothing a writer of checkpoints puts
     there; a rewrite leaves it behind."""
+    if ckpt.is_multifile:  # what reading its files noticed (a rank saved twice...)
+        return [Finding("layout-warning", WARNING, warning) for warning in ckpt.warnings]
     rewrites = ckpt.format in ("torch-zip", "torch-legacy")
     return [Finding("trailing-data", WARNING, warning,
                     f"ckptool fix {shell_name(ckpt.path)}" if rewrites else None)
             for warning in ckpt.warnings]
 
 
-def prefix_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:
+def prefix_findings(ckpt: Checkpoint, opts: FixOptions, name: str,
+                    entry: str = "") -> list[Finding]:
+    """A wrapper prefix every key shares; ``entry``: the DCP entry the keys
+    were saved under (``model.``), which is no wrapper."""
     sd = ckpt.main_state_dict
     if sd is None or not sd.prefix:
         return []
+    prefix = sd.prefix
+    if entry:
+        names = [k[len(entry):] for k in sd.keys]
+        prefix = wrapper_prefix(names, common_prefix(names))
+        if not prefix:
+            return []
     opts.strip_module = True
     return [Finding(
         "key-prefix", WARNING,
-        f"every key starts with {sd.prefix!r} ({describe_wrapper(sd.prefix)}): the bare model "
-        "expects them without it (pass --model to check against yours)",
+        f"every key starts with {prefix!r} ({describe_wrapper(prefix)})"
+        f"{f' after the {entry[:-1]!r} entry they were saved under' if entry else ''}: "
+        "the bare model expects them without it (pass --model to check against yours)",
         f"ckptool fix {name} --strip-module")]
 
 
@@ -239,22 +258,22 @@ def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], mo
         out.append(Finding(
             "missing-keys", ERROR,
             f"{len(missing)} of {plural(total, 'key')} of {model.source} "
-            f"{'is' if len(missing) == 1 else 'are'} not in the file: "
+            f"{'is' if len(missing) == 1 else 'are'} not in {_it(ckpt)}: "
             f"{_some(missing)}{_why_missing(missing)}", None, None, tuple(missing)))
     if tied:
         pairs = ", ".join(f"{k} (tied to {v})" for k, v in list(tied.items())[:3])
         out.append(Finding(
             "tied-keys", WARNING,
             f"{plural(len(tied), 'missing key')} "
-            f"{'is a tied weight' if len(tied) == 1 else 'are tied weights'} whose twin the "
-            f"file has: {pairs}; "
+            f"{'is a tied weight' if len(tied) == 1 else 'are tied weights'} whose twin "
+            f"{_it(ckpt)} has: {pairs}; "
             "strict loading still wants them",
             None, "model.load_state_dict(sd, strict=False)  # the tie fills them",
             tuple(tied)))
     if report.unexpected:
         out.append(Finding(
             "unexpected-keys", ERROR,
-            f"{plural(len(report.unexpected), 'key')} in the file "
+            f"{plural(len(report.unexpected), 'key')} in {_it(ckpt)} "
             f"{'is' if len(report.unexpected) == 1 else 'are'} not in {model.source}: "
             f"{_some(report.unexpected)}", None,
             "model.load_state_dict(sd, strict=False)  # ignores them",
@@ -270,6 +289,10 @@ def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], mo
             + "".join(f"; {explain(h, len(hints) == 1)}" for h in hints[:2]),
             _argument_fix(hints, model), None, tuple(k for k, _, _ in report.mismatched)))
     return out
+
+
+def _it(ckpt: Checkpoint) -> str:
+    return "the checkpoint" if ckpt.is_multifile else "the file"
 
 
 def _why_missing(missing: list[str]) -> str:

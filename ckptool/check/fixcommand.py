@@ -33,10 +33,11 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     """Turn the options the findings asked for into one checked command."""
     if opts == FixOptions():
         return Command()
-    if ckpt.is_multifile:
-        return Command(refused="fix does not take multi-file checkpoints yet")
     from ckptool.write.fix import fresh_output
     from ckptool.write.preview import preview
+
+    if ckpt.is_multifile:  # HF shards: a new directory beside it; DCP: refused
+        return _directory_command(ckpt, opts)
 
     output = fresh_output(ckpt.path)  # one new file: never one fix would refuse to replace
     try:
@@ -44,6 +45,18 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
         # than from a second read of the file (tests/test_preview.py holds
         # the two to the same plan)
         preview(ckpt, opts)
+    except CkptoolError as exc:
+        return Command(refused=f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
+    return Command(fix_command_line(ckpt.path, opts, output), output)
+
+
+def _directory_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
+    """``fix``'s dry run on a checkpoint of many files, into a fresh directory."""
+    from ckptool.write.fix import fix, fresh_output
+
+    output = fresh_output(ckpt.path.rstrip("/"))
+    try:
+        fix(ckpt.path, opts, output, dry_run=True)
     except CkptoolError as exc:
         return Command(refused=f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
     return Command(fix_command_line(ckpt.path, opts, output), output)

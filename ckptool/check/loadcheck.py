@@ -82,8 +82,10 @@ def plan_tags(ckpt: Checkpoint, machine: Machine) -> list[TagLoad]:
     met = [s.location or NO_LOCATION for s in ckpt.storages.values()]  # storage order
     out = []
     for tag in dict.fromkeys([*met, *counts]):
-        if tag == NO_LOCATION:  # safetensors: the loader picks the device
-            out.append(TagLoad(tag, counts.get(tag, 0), sizes.get(tag, 0), "cpu", None))
+        if tag == NO_LOCATION:  # safetensors: the loader picks the device (cpu by default);
+            # DCP: the state dict passed to dcp.load does (none here to say where)
+            lands = None if ckpt.format == "dcp" else "cpu"
+            out.append(TagLoad(tag, counts.get(tag, 0), sizes.get(tag, 0), lands, None))
             continue
         lands, error = restore_error(tag, machine)
         physical = None

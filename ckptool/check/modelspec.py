@@ -194,9 +194,14 @@ def reference_keys(path: str) -> ModelKeys:
     # prefix (module., _orig_mod., model.), as `ckptool diff` compares them
     prefix = ref.main_state_dict.prefix
     bare = (lambda name: name.removeprefix(prefix)) if prefix else (lambda name: name)
-    tensors = {bare(name): t for name, t in ref.state_dict().items()}
+    stored = ref.state_dict()
+    # names an HF index records as tied to a stored tensor are the model's too
+    aliases = {a: k for a, k in ref.aliases.items()
+               if k in stored and a not in stored and not ref.main_state_dict.path}
+    tensors = {bare(name): t for name, t in stored.items()}
+    tensors.update({bare(a): stored[k] for a, k in aliases.items()})
     shapes = {bare(name): tensors[bare(name)].shape if bare(name) in tensors else None
-              for name in ref.main_state_dict.keys}
+              for name in (*ref.main_state_dict.keys, *aliases)}
     groups: dict[tuple[str | None, int, tuple[int, ...]], list[str]] = {}
     for name, t in tensors.items():
         if t.storage is not None:

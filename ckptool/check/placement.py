@@ -16,7 +16,7 @@ from ckptool.describe import shell_word
 from ckptool.model import Checkpoint
 
 # formats whose saved devices `ckptool fix --to` can rewrite
-_RETARGETABLE = ("torch-zip", "torch-legacy")
+_RETARGETABLE = ("torch-zip", "torch-legacy", "hf-bin")
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,10 @@ def load_snippet(ckpt: Checkpoint, device: str) -> str:
     if ckpt.format == "dcp":  # into the tensors of the state dict given, where they are
         return (f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={path})"
                 f"  # with state_dict's tensors on {device}")
-    if ckpt.format in ("hf-safetensors", "hf-bin"):
+    if ckpt.format == "hf-bin":  # pickles: only with safe=False, and never running code
+        return (f'huggingface_hub.load_torch_model(model, {path}, safe=False, '
+                f'weights_only=True, map_location="{device}")')
+    if ckpt.format == "hf-safetensors":
         return f'huggingface_hub.load_torch_model(model, {path}, map_location="{device}")'
     if ckpt.format == "safetensors":
         return f'safetensors.torch.load_file({path}, device="{device}")'

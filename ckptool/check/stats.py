@@ -9,7 +9,9 @@ unreadable layout are handled exactly as there), converted to float64 and
 folded into running totals; means and variances of pieces are combined
 with Chan's parallel formula. Peak extra memory is a few times
 ``chunk_elems`` float64 values, whatever the tensor's size: a 1 GB bf16
-tensor never becomes 4 GB of float64.
+tensor never becomes 4 GB of float64. A checkpoint of many files
+(``checkpoint_stats``) is the exception: its tensor is read whole once
+(``ckptool.read.tensor_source``), so memory is that tensor plus the pieces.
 
 Element order does not matter for statistics, so a non-contiguous view
 (transposed, sliced, with a storage offset) is read in storage order: its
@@ -28,8 +30,9 @@ from typing import TYPE_CHECKING
 
 from ckptool import dtypes
 from ckptool.errors import UnsupportedCheckpointError
-from ckptool.model import TensorInfo
+from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read.tensor_data import TensorData
+from ckptool.read.tensor_source import ValueSource, WholeTensors, contiguous
 
 if TYPE_CHECKING:
     import torch
@@ -80,7 +83,18 @@ class TensorStats:
     note: str | None = None  # "bool: 12 true of 40", "complex: ...", "empty tensor"...
 
 
-def tensor_stats(data: TensorData, tensor: TensorInfo, chunk_elems: int = CHUNK_ELEMS,
+def checkpoint_stats(ckpt: Checkpoint, tensor: TensorInfo,
+                     cancelled: Callable[[], bool] | None = None) -> TensorStats:
+    """``tensor_stats`` of one of ``ckpt``'s tensors, whatever its layout: a
+    single file in pieces through ``TensorData``; a checkpoint of many files
+    read whole once (its shard, or its chunks made whole), then in pieces."""
+    if not ckpt.is_multifile:
+        with TensorData(ckpt) as data:
+            return tensor_stats(data, tensor, cancelled=cancelled)
+    return tensor_stats(WholeTensors(ckpt), contiguous(tensor), cancelled=cancelled)
+
+
+def tensor_stats(data: ValueSource, tensor: TensorInfo, chunk_elems: int = CHUNK_ELEMS,
                  cancelled: Callable[[], bool] | None = None) -> TensorStats:
     """Statistics of ``tensor``'s values, read from ``data`` ``chunk_elems`` at a time.
 

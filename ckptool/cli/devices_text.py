@@ -68,6 +68,9 @@ def render_gpu_table(console: Console, gpus: tuple[Gpu, ...]) -> None:
 
 def _saved_on(machine: Machine, ckpt: Checkpoint) -> Text:
     where = [loc for loc in ckpt.locations if loc != NO_LOCATION]
+    if ckpt.format == "dcp":
+        return Text("no device recorded (DCP saves none: dcp.load puts each tensor where "
+                    "the state dict you pass has it)")
     if not where:
         return Text("no device recorded (loads where you ask)")
     missing = missing_devices(machine, where)
@@ -76,6 +79,9 @@ def _saved_on(machine: Machine, ckpt: Checkpoint) -> Text:
     lacks = ", ".join(missing)
     said = (f"{lacks}, which this machine lacks" if missing == where
             else f"{', '.join(where)}; this machine lacks {lacks}")
+    if ckpt.format == "hf-bin":
+        return Text(f"{said}: a plain torch.load of a shard fails here (huggingface_hub and "
+                    "transformers load shards to the CPU unless told otherwise)", style="yellow")
     return Text(f"{said}: a plain torch.load fails here", style="yellow")
 
 
@@ -98,7 +104,8 @@ def _use_line(ckpt: Checkpoint, advice: Advice) -> Text:
 def render_advice(console: Console, machine: Machine, ckpt: Checkpoint) -> None:
     advice = recommend(machine, ckpt)
     grid = _grid()
-    grid.add_row("checkpoint", f"{ckpt.path} · {human_bytes(ckpt.total_bytes)} of tensors")
+    files = f" in {len(ckpt.files)} files" if ckpt.is_multifile else ""
+    grid.add_row("checkpoint", f"{ckpt.path} · {human_bytes(ckpt.total_bytes)} of tensors{files}")
     grid.add_row("saved on", _saved_on(machine, ckpt))
     grid.add_row("use", _use_line(ckpt, advice))
     grid.add_row("load", load_snippet(ckpt, advice.device))

@@ -11,6 +11,7 @@ from typing import Any
 
 import click
 
+from ckptool.check import manyfiles
 from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.gpus import describe_machine
 from ckptool.cli.common import SCHEMA_VERSION, console, model_loader, target_options, write_json
@@ -65,13 +66,14 @@ def diagnose_dict(d: Diagnosis) -> dict[str, Any]:
                       "total_bytes": g.total_bytes, "free_bytes": g.free_bytes}
                      for g in machine.gpus],
         },
-        "load": {"succeeds": not d.load_errors(), "errors": d.load_errors()},
+        "load": {"succeeds": not d.load_errors(), "errors": d.load_errors(),
+                 "loader": manyfiles.loader(ckpt)},
         "devices": [{"location": t.location, "tensors": t.tensors, "nbytes": t.nbytes,
                      "lands": t.lands, "physical": t.physical, "error": t.error}
                     for t in d.tags],
         "main_state_dict": None if sd is None else {
             "path": sd.path, "kind": sd.kind, "prefix": sd.prefix,
-            "num_tensors": sd.num_tensors},
+            "num_tensors": sd.num_tensors, "entry_prefix": manyfiles.entry_prefix(ckpt)},
         "keys": None if keys is None or d.model is None else {
             "against": d.model.source,
             "rewrite": {"strip": keys.rewrite.strip, "add": keys.rewrite.add},

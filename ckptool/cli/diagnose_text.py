@@ -12,6 +12,7 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
+from ckptool.check import manyfiles
 from ckptool.check.diagnosis import ERROR, WARNING, Diagnosis, describe_keys
 from ckptool.check.gpus import describe_target
 from ckptool.check.loadcheck import describe_landing
@@ -25,17 +26,23 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column(overflow="fold")
-    grid.add_row("file", f"{ckpt.path} · {ckpt.format} · {human_bytes(ckpt.file_size)}")
+    if ckpt.is_multifile:
+        grid.add_row("checkpoint", f"{ckpt.path} · {ckpt.format} · "
+                     f"{plural(len(ckpt.files), 'file')} · {human_bytes(ckpt.file_size)}")
+    else:
+        grid.add_row("file", f"{ckpt.path} · {ckpt.format} · {human_bytes(ckpt.file_size)}")
     grid.add_row("target", describe_target(machine))
     errors = d.load_errors()
-    grid.add_row("torch.load", Text("fails: " + errors[0], style="red") if errors
-                 else Text("loads", style="green"))
+    grid.add_row(manyfiles.load_label(ckpt),
+                 Text(manyfiles.fails_prefix(ckpt) + errors[0], style="red") if errors
+                 else Text(manyfiles.loads_text(ckpt), style="green"))
     for more in errors[1:]:
         grid.add_row("", Text("and: " + more, style="red"))
     sd = ckpt.main_state_dict
     if sd is not None:
-        where = f"'{sd.path}'" if sd.path else "the file itself"
-        prefix = f" · prefix {sd.prefix!r}" if sd.prefix else ""
+        where = manyfiles.state_dict_place(ckpt)
+        prefix = f" · prefix {sd.prefix!r}" if sd.prefix and sd.prefix != manyfiles.entry_prefix(
+            ckpt) else ""
         grid.add_row("state dict", f"{where} · {plural(sd.num_tensors, 'tensor')}{prefix}")
     keys = describe_keys(d)
     if keys is not None:
@@ -44,8 +51,7 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
     _devices(console, d)
     console.print()
     if not d.findings:
-        console.print(Text("no problems found: plain torch.load and load_state_dict will "
-                           "take this file", style="green"))
+        console.print(Text(manyfiles.no_problems(ckpt), style="green"))
         return
     for f in d.findings:
         head = Text(f"{f.severity:<8}", style=_STYLE.get(f.severity, ""))
@@ -71,13 +77,13 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
 
 
 def _devices(console: Console, d: Diagnosis) -> None:
-    if not d.tags:
-        return
+    if not d.tags or not manyfiles.records_devices(d.checkpoint):
+        return  # DCP: the load row says it records none
     table = Table(box=None, padding=(0, 2), show_edge=False)
     table.add_column("saved on", style="bold")
     table.add_column("tensors", justify="right")
     table.add_column("bytes", justify="right")
-    table.add_column("plain torch.load here")
+    table.add_column(manyfiles.landing_header(d.checkpoint))
     for t in d.tags:
         lands = (Text("fails", style="red") if t.error
                  else Text(describe_landing(d.machine, t)))

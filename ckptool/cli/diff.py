@@ -51,7 +51,8 @@ command = diff
 
 
 def _side(s: Side) -> dict[str, Any]:
-    return {"path": s.path, "format": s.format, "state_dict": s.state_dict, "prefix": s.prefix}
+    return {"path": s.path, "format": s.format, "state_dict": s.state_dict, "prefix": s.prefix,
+            "directory": s.directory, "entry": s.entry}
 
 
 def _tensor(t: TensorInfo) -> dict[str, Any]:
@@ -94,4 +95,5 @@ def diff_dict(report: DiffReport) -> dict[str, Any]:
         "only_in_b": [{"name": n, **_tensor(t)} for n, t in report.only_in_b],
         "changed": [_change(c) for c in report.changed],
         "not_compared": [{"name": n, "reason": r} for n, r in report.not_compared],
+        "notes": report.notes,
     }

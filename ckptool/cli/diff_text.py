@@ -22,7 +22,12 @@ from ckptool.model import TensorInfo
 def _what(side: Side, mode: str) -> str:
     if mode == ALL:
         return f"{side.path} · all tensors"
-    scope = f"state dict '{side.state_dict}'" if side.state_dict else "state dict: the whole file"
+    if side.state_dict:
+        scope = f"state dict '{side.state_dict}'"
+    elif side.entry:  # DCP: its keys carry the entry's name ("model.")
+        scope = f"state dict: the '{side.entry}' entry"
+    else:
+        scope = f"state dict: the whole {'checkpoint' if side.directory else 'file'}"
     prefix = f", prefix '{side.prefix}'" if side.prefix else ""
     return f"{side.path} · {scope}{prefix}"
 
@@ -54,6 +59,8 @@ def render_summary(console: Console, report: DiffReport) -> None:
         more = f" (and {len(report.not_compared) - 1} more)" if len(report.not_compared) > 1 else ""
         grid.add_row("unread", Text(f"values of {name}{more} not compared: {reason}",
                                     style="yellow"))
+    for i, note in enumerate(report.notes):
+        grid.add_row("" if i else "paired", note)
     console.print(grid)
 
 

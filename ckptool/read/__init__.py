@@ -18,7 +18,8 @@ from the file ever run.
   tree), ``prefixes`` (wrapper prefixes), ``summary`` (short text of
   values), ``reader`` (``ckptool.open``: a ``Checkpoint``);
 - ``tensor_data``: tensor bytes of a file, read on demand (``layouts.tensor_bytes``
-  builds on it for many files).
+  builds on it for many files); ``tensor_source``: values of any checkpoint's
+  tensors, one file or many, for the views.
 
 May import the top level (``errors``, ``model``, ``dtypes``, ``describe``)
 and nothing above it.

@@ -236,14 +236,12 @@ class BrowseApp(LoadingApp):
 
     @work(thread=True, group="stats")
     def _compute_stats(self, ckpt: Checkpoint, tensor: TensorInfo) -> None:
-        from ckptool.check.stats import StatsCancelled, tensor_stats
-        from ckptool.read.tensor_data import TensorData
+        from ckptool.check.stats import StatsCancelled, checkpoint_stats
 
         worker = get_current_worker()
         result: TensorStats | str
         try:
-            with TensorData(ckpt) as data:
-                result = tensor_stats(data, tensor, cancelled=lambda: worker.is_cancelled)
+            result = checkpoint_stats(ckpt, tensor, cancelled=lambda: worker.is_cancelled)
         except StatsCancelled:
             return
         except CkptoolError as exc:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from rich.text import Text
 
+from ckptool.check import manyfiles
 from ckptool.check.diagnosis import ERROR, Diagnosis, describe_keys
 from ckptool.check.gpus import describe_target
 from ckptool.check.loadcheck import describe_landing
@@ -31,7 +32,8 @@ def findings(diag: Diagnosis | None, error: str | None = None) -> Text:
     _keys(text, diag)
     if not diag.findings:
         text.append("✓ no findings: ", style="bold green")
-        text.append("plain torch.load and load_state_dict will take this file\n")
+        said = manyfiles.no_problems(diag.checkpoint)
+        text.append(said.removeprefix("no problems found: ") + "\n")
     for f in diag.findings:
         mark, style = ("✗", "bold red") if f.severity == ERROR else ("!", "bold yellow")
         text.append(f"{mark} {f.code}", style=style)
@@ -78,10 +80,14 @@ def _machine(text: Text, d: Diagnosis) -> None:
     text.append("\n")
     _row(text, "target", describe_target(d.machine))
     errors = d.load_errors()
-    _row(text, "torch.load", Text("fails: " + shown(errors[0]), style="red") if errors
-         else Text("loads", style="green"))
+    ckpt = d.checkpoint
+    _row(text, manyfiles.load_label(ckpt),
+         Text(manyfiles.fails_prefix(ckpt) + shown(errors[0]), style="red") if errors
+         else Text(manyfiles.loads_text(ckpt), style="green"))
     for more in errors[1:]:
         _row(text, "", Text("and: " + shown(more), style="red"))
+    if not manyfiles.records_devices(ckpt):
+        return  # DCP: the row above says it records none
     for i, t in enumerate(d.tags):
         if t.error:
             lands = Text("torch.load fails here", style="red")

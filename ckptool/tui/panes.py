@@ -8,6 +8,7 @@ import os
 
 from rich.text import Text
 
+from ckptool.check import manyfiles
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.stats import TensorStats
 from ckptool.describe import human_bytes, human_count, parameters_text, plural, shown, tensor_shape
@@ -48,8 +49,9 @@ def summary(ckpt: Checkpoint) -> Text:
         text.append(" · torch.load(weights_only=False) would run code from this file\n",
                     style="red")
     text.append(shown(os.path.basename(ckpt.path)), style="bold")
+    where = f"in {plural(len(ckpt.files), 'file')}" if ckpt.is_multifile else "in the file"
     text.append(f" · {ckpt.format} · {human_bytes(ckpt.file_size)} · "
-                f"{plural(len(ckpt.tensors), 'tensor')} in the file\n")
+                f"{plural(len(ckpt.tensors), 'tensor')} {where}\n")
     text.append("dtypes ", style="bold")
     text.append(_tally(ckpt.bytes_by_dtype))
     text.append("  saved on ", style="bold")
@@ -59,11 +61,12 @@ def summary(ckpt: Checkpoint) -> Text:
     if sd is None:
         text.append("none found", style="yellow")
     else:
-        where = f"'{shown(sd.path)}'" if sd.path else "the whole file"
+        where = shown(manyfiles.state_dict_place(ckpt, "the whole file"))
         if sd.kind == "module":
             where += " (a whole module)"
         text.append(where)
-        if sd.prefix:  # before the counts: a narrow header cuts those first
+        if sd.prefix and sd.prefix != manyfiles.entry_prefix(ckpt):  # before the counts:
+            # a narrow header cuts those first
             text.append(" · prefix ")
             text.append(shown(sd.prefix), style="bold yellow")
         # the model's parameters: the optimizer's moments are no parameters
@@ -115,11 +118,27 @@ def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLo
     layout = "contiguous" if _contiguous(t.shape, t.stride) else "not contiguous"
     _row(text, "stride", f"{stride} · offset {t.storage_offset} · {layout}")
     _storage(text, ckpt, t)
+    if t.file is not None or t.chunks:
+        _row(text, "file", _where(t))
     loc = t.location or NO_LOCATION
     landing = Text(f"{shown(loc)} → ")
-    landing.append_text(_landing(t, loads))
+    landing.append_text(_landing(ckpt, t, loads))
     _row(text, "saved on", landing)
     return text
+
+
+def _where(t: TensorInfo) -> str:
+    """The shard that holds a tensor of many files, or its chunks."""
+    if t.file is not None:
+        return shown(t.file)
+    files = list(dict.fromkeys(c.file for c in t.chunks))
+    ranks = sorted({c.rank for c in t.chunks if c.rank is not None})
+    said = f"{plural(len(t.chunks), 'chunk')} in {shown(', '.join(files[:3]))}"
+    said += f" +{len(files) - 3} more" if len(files) > 3 else ""
+    if ranks:
+        said += f" · rank{'s' if len(ranks) > 1 else ''} " + (
+            f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0]))
+    return said
 
 
 def _storage(text: Text, ckpt: Checkpoint | None, t: TensorInfo) -> None:
@@ -141,17 +160,23 @@ def _storage(text: Text, ckpt: Checkpoint | None, t: TensorInfo) -> None:
     _row(text, "storage", line)
 
 
-def _landing(t: TensorInfo, loads: dict[str, TagLoad] | None) -> Text:
+def _landing(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLoad] | None) -> Text:
     loc = t.location or NO_LOCATION
+    fmt = ckpt.format if ckpt is not None else None
+    if fmt == "dcp":
+        return Text("DCP records no device: dcp.load puts it where the state dict you pass "
+                    "has it")
     if loads is None:
         return Text("checking this machine…", style="italic")
     load = loads.get(loc)
     if loc == NO_LOCATION:
+        if fmt == "hf-safetensors":
+            return Text("safetensors shard: the loader picks (map_location=...)")
         return Text("safetensors: the loader picks (load_file(..., device=...))")
     if load is None:
         return Text("unknown")
     if load.lands:
-        where = f"plain torch.load puts it on {load.lands}"
+        where = f"plain torch.load{' of its shard' if t.file else ''} puts it on {load.lands}"
         if load.physical is not None:
             where += f" (physical GPU {load.physical})"
         return Text(where, style="green")

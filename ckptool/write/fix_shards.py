@@ -51,13 +51,7 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
     """Rewrite the sharded checkpoint ``source`` as ``opts`` ask, into ``output``
     (``in_place``: each shard through ``fix_file``, then the index)."""
     path = source.path
-    if source.format not in (HF_SAFETENSORS, "hf-bin"):
-        stem = path.rstrip("/")
-        raise UnsupportedCheckpointError(
-            f"{path} is a torch.distributed.checkpoint directory: fix rewrites single files "
-            "and Hugging Face shards",
-            f"consolidate it first: `ckptool convert {shell_word(path)} "
-            f"{shell_word(stem + '.safetensors')}`, then fix that file")
+    refuse_unsharded(source)
     kind = "hf" if source.format == HF_SAFETENSORS else "hf-bin"
     check_consistent(opts)
     if opts.extract is not None:
@@ -96,6 +90,18 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
     result.output = output
     result.verified_storages = len(written.tensors)
     return result
+
+
+def refuse_unsharded(source: Checkpoint) -> None:
+    """``fix`` takes Hugging Face shards of the checkpoints of many files; a
+    DCP directory is refused with the command that consolidates it."""
+    if source.format not in (HF_SAFETENSORS, "hf-bin"):
+        path = source.path
+        raise UnsupportedCheckpointError(
+            f"{path} is a torch.distributed.checkpoint directory: fix rewrites single files "
+            "and Hugging Face shards",
+            f"consolidate it first: `ckptool convert {shell_word(path)} "
+            f"{shell_word(path.rstrip('/') + '.safetensors')}`, then fix that file")
 
 
 def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan,

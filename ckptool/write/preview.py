@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from ckptool.describe import plural
+from ckptool.errors import UnsupportedCheckpointError
 from ckptool.model import NO_LOCATION, Checkpoint
-from ckptool.read import formats
 from ckptool.read.tensors import CompositeTensor
 from ckptool.read.values import StandIn
 from ckptool.read.walk import walk
@@ -94,8 +94,14 @@ class Previewer:
 
     def preview(self, opts: FixOptions) -> FixPreview:
         with self._lock:
-            if self.ckpt.is_multifile:  # refused as fix refuses it, in its words
-                formats.one_file(self.ckpt.path, "fix")
+            if self.ckpt.is_multifile:  # the dialog previews one file's fix
+                from ckptool.write.fix_shards import refuse_unsharded
+
+                refuse_unsharded(self.ckpt)  # as fix refuses DCP, in its words
+                raise UnsupportedCheckpointError(
+                    f"{self.ckpt.path} is a checkpoint of many files: the browser's fix "
+                    "dialog rewrites single files",
+                    "fix it from the shell: `ckptool diagnose` prints the command")
             plans.check_rewritable(self.ckpt.format, opts, self.ckpt.path)
             plan = plans.make_plan(
                 dataclasses.replace(self.ckpt, root=copy_tree(self.ckpt.root)), opts)

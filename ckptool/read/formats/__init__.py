@@ -80,19 +80,19 @@ def check(path: str) -> None:
             _reader_for(layout.file if layout and layout.file else path)
 
 
-def one_file(path: str, command: str = "this") -> str:
+def one_file(path: str) -> str:
     """``path``, or the one checkpoint file of a directory that holds one;
-    a checkpoint of many files is refused with what it is (``command``
-    does not take those yet)."""
+    a checkpoint of many files is refused with what it is (the readers of
+    one file cannot take it; ``ckptool.read.reader`` reads it whole)."""
     layout = recognise.recognise(path)
     if layout is None:
         return path
     if layout.file is not None:
         return layout.file
     raise UnsupportedCheckpointError(
-        f"{path} is {recognise.describe(layout)}: {command} does not take multi-file "
-        "checkpoints yet",
-        "inspect, diagnose, devices and browse read it; for the rest, name one file")
+        f"{path} is {recognise.describe(layout)}, not one file",
+        "read it whole with ckptool.open (every ckptool command takes it), or name "
+        "one of its files")
 
 
 @contextlib.contextmanager

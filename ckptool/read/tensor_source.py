@@ -1,0 +1,121 @@
+"""Tensor values of any checkpoint, one tensor at a time, whatever its layout.
+
+Views that read values (``diff``, the browser's statistics) take a
+``Checkpoint`` and should not care how many files it is:
+
+- ``TensorValues(ckpt).values(t)``: ``t``'s values as its file holds them.
+  A single file is read through one open ``TensorData``; a checkpoint of
+  many files through ``layouts.tensor_bytes.read_tensor`` (the tensor's
+  shard, or its chunks made whole), so memory follows that one tensor.
+- ``WholeTensors(ckpt)`` with ``contiguous(t)``: for code that reads a
+  tensor in pieces (``ckptool.check.stats``): on a checkpoint of many files
+  the logical tensor is read once, whole, and the pieces are views into it,
+  addressed as if it were saved contiguous from offset 0. Only the last
+  tensor read is kept.
+
+A sparse tensor's parts carry no file of their own; they live where their
+storage does. torch is imported by the functions that make tensors.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from types import TracebackType
+from typing import TYPE_CHECKING, Protocol
+
+from ckptool.errors import UnsupportedCheckpointError
+from ckptool.model import Checkpoint, TensorInfo
+from ckptool.read.layouts.tensor_bytes import read_tensor
+from ckptool.read.tensor_data import TensorData
+
+if TYPE_CHECKING:
+    import torch
+
+
+class ValueSource(Protocol):
+    """What reads values by ``TensorInfo``: ``TensorData``, ``WholeTensors``."""
+
+    def values(self, tensor: TensorInfo) -> torch.Tensor: ...
+
+
+class TensorValues:
+    """Values of ``ckpt``'s tensors, read on demand; a context manager.
+
+    A single file is opened on first use (its ``UnsupportedCheckpointError``
+    is raised then, and again for every later tensor)."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.ckpt = ckpt
+        self._data: TensorData | None = None
+        self._error: UnsupportedCheckpointError | None = None
+
+    def __enter__(self) -> TensorValues:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._data is not None:
+            self._data.close()
+            self._data = None
+
+    def values(self, tensor: TensorInfo) -> torch.Tensor:
+        """``tensor``'s values as a CPU tensor of its shape."""
+        if self.ckpt.is_multifile:
+            return read_tensor(self.ckpt, located(self.ckpt, tensor))
+        if self._error is not None:
+            raise self._error
+        if self._data is None:
+            try:
+                self._data = TensorData(self.ckpt)
+            except UnsupportedCheckpointError as exc:
+                self._error = exc
+                raise
+        return self._data.values(tensor)
+
+
+def located(ckpt: Checkpoint, tensor: TensorInfo) -> TensorInfo:
+    """``tensor`` with the file that holds it (a sparse tensor's part: its storage's)."""
+    if tensor.file is not None or tensor.chunks or tensor.storage is None:
+        return tensor
+    storage = ckpt.storages.get(tensor.storage)
+    return replace(tensor, file=storage.file) if storage is not None else tensor
+
+
+def contiguous(tensor: TensorInfo) -> TensorInfo:
+    """``tensor`` (and its parts) as if saved contiguous from offset 0: how
+    ``WholeTensors`` addresses the pieces of a tensor of many files."""
+    if tensor.stride is None:
+        return replace(tensor, parts=tuple(contiguous(p) for p in tensor.parts))
+    shape = tensor.shape
+    stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return replace(tensor, stride=stride, storage_offset=0,
+                   parts=tuple(contiguous(p) for p in tensor.parts))
+
+
+class WholeTensors:
+    """A ``ValueSource`` over a checkpoint of many files for readers of pieces:
+    ``values(piece)`` of a tensor addressed by ``contiguous`` reads that
+    tensor whole (once) and returns the piece as a view of it."""
+
+    def __init__(self, ckpt: Checkpoint) -> None:
+        self.source = TensorValues(ckpt)
+        self.by_key = {t.key: t for top in ckpt.tensors for t in (top, *top.parts)}
+        self._key: str | None = None
+        self._flat: torch.Tensor | None = None
+
+    def values(self, tensor: TensorInfo) -> torch.Tensor:
+        original = self.by_key.get(tensor.key)
+        if original is None:
+            raise UnsupportedCheckpointError(f"{tensor.key} is no tensor of "
+                                             f"{self.source.ckpt.path}")
+        if tensor.stride is None or tensor.storage is None:
+            return self.source.values(original)  # read_tensor says what it cannot read
+        if self._key != tensor.key or self._flat is None:
+            self._flat = None  # the last tensor goes before the next is read
+            self._flat = self.source.values(original).reshape(-1)
+            self._key = tensor.key
+        return self._flat.as_strided(tensor.shape, tensor.stride, tensor.storage_offset)
