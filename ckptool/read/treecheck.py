@@ -44,7 +44,10 @@ def check_tree(root: Any) -> None:
     while frames:
         frame = frames[-1]
         for child in frame[1]:
-            if not _is_node(child):
+            kind = type(child)
+            if kind in _PLAIN:  # most of a tree: no container, no long int
+                continue
+            if kind is int or not _is_node(child):
                 _check_leaf(child)
                 continue
             known = heights.get(id(child))
@@ -67,6 +70,9 @@ def check_tree(root: Any) -> None:
 
 _NODES = (dict, list, tuple, set, frozenset, slice, values.StandIn, constructors.NDArray,
           tensors.CompositeTensor)
+
+
+_PLAIN = frozenset({str, float, bool, bytes, type(None)})
 
 
 def _is_node(obj: Any) -> bool:
