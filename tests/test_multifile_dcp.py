@@ -161,12 +161,38 @@ def test_reporting_commands_take_it(command: str, run_cli: Callable[..., CliResu
     assert code in (0, 1) and err == "" and json.loads(out)
 
 
-def test_fix_refuses_it_with_the_command_that_consolidates(
-        run_cli: Callable[..., CliResult]) -> None:
-    code, out, err = run_cli("fix", str(FOUR), "--to", "cpu")
-    assert code == 3 and out == "" and "Traceback" not in err
-    assert "torch.distributed.checkpoint directory" in err
-    assert f"ckptool convert {FOUR} {FOUR}.safetensors" in err
+def test_fix_writes_a_fixed_dcp_directory(tmp_path: Path,
+                                          run_cli: Callable[..., CliResult]) -> None:
+    out = tmp_path / "fixed"
+    code, stdout, err = run_cli("fix", str(FOUR), "--add-prefix", "net.", "--dtype", "bf16",
+                                "--drop", "step", "-o", str(out), "--json")
+    assert code == 0 and err == ""
+    report = json.loads(stdout)
+    assert report["dropped"] == ["step"] and report["renamed"][0]["to"].startswith("model.net.")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(FOUR, tmp_path / "ref.pt")
+        dcp_to_torch_save(out, tmp_path / "got.pt")
+    ref, got = torch.load(tmp_path / "ref.pt"), torch.load(tmp_path / "got.pt")
+    assert "step" not in got and got["epoch"] == ref["epoch"]  # the rest is kept whole
+    assert set(got["model"]) == {f"net.{k}" for k in ref["model"]}  # inside the entry
+    for key, value in ref["model"].items():
+        want = value.to(torch.bfloat16) if value.is_floating_point() else value
+        assert torch.equal(got["model"][f"net.{key}"], want)
+    assert got["optim"].keys() == ref["optim"].keys()
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--to", "cpu"], "DCP records no device"),
+    (["--strip-module", "--in-place"], "--in-place on a torch.distributed.checkpoint"),
+    (["--extract"], "--extract is convert's"),
+    (["--drop", "nope"], "no tensor or value of that name"),
+])
+def test_what_fix_refuses_on_dcp(args: list[str], message: str,
+                                 run_cli: Callable[..., CliResult]) -> None:
+    code, out, err = run_cli("fix", str(FOUR), *args)
+    assert (code, out) == (2, "") and message in err and "Traceback" not in err
+    assert not Path(f"{FOUR}.fixed").exists()
 
 
 # -- hostile pickles: nothing runs, the call is reported -------------------

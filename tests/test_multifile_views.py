@@ -27,6 +27,7 @@ from ckptool.check import gpus
 from ckptool.check.diagnosis import diagnose
 from ckptool.check.diff import diff_checkpoints
 from ckptool.check.stats import checkpoint_stats
+from ckptool.cli import main
 from ckptool.tui import make_app
 from ckptool.tui.app import BrowseApp
 from ckptool.tui.textshot import screen_text
@@ -267,9 +268,21 @@ def test_diagnose_dcp_of_a_wrapped_model_names_the_wrapper(tmp_path: Path) -> No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": sd}, checkpoint_id=tmp_path / "ddp")
-    (finding,) = diagnose(ckptool.open(tmp_path / "ddp"), gpus.assumed(0)).findings
+    result = diagnose(ckptool.open(tmp_path / "ddp"), gpus.assumed(0))
+    (finding,) = result.findings
     assert finding.code == "key-prefix" and "'module.'" in finding.message
-    assert "'model' entry" in finding.message and finding.fix is None
+    assert "'model' entry" in finding.message
+    # the command it prints writes a DCP directory whose model loads bare
+    assert result.fix_command == f"ckptool fix {tmp_path / 'ddp'} --strip-module -o " \
+        f"{tmp_path / 'ddp'}.fixed"
+    assert main([*shlex.split(result.fix_command)[1:], "-q"]) == 0
+    net, target = Small(), {"model": {k: torch.zeros_like(v)
+                                      for k, v in Small().state_dict().items()}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(target, checkpoint_id=f"{tmp_path / 'ddp'}.fixed", no_dist=True)
+    net.load_state_dict(target["model"], strict=True)
+    assert all(torch.equal(v, sd[f"module.{k}"]) for k, v in target["model"].items())
 
 
 # -- devices -----------------------------------------------------------------

@@ -38,7 +38,8 @@ OPTIONS = {
                              maps=(("cuda:1", "cpu"),)),
     "collide": FixOptions(strip_prefixes=("module.conv.", "module.fc.")),
 }
-SAMPLE_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix != ".py")
+# the browser's fix dialog previews one file's fix; a directory's is fix's own
+SAMPLE_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix != ".py" and p.is_file())
 
 
 def expected(path: Path, opts: FixOptions) -> tuple[Any, ...]:
@@ -194,3 +195,9 @@ def test_an_unsafe_global_in_a_tensors_attributes_refuses_as_the_fix_does(
     with pytest.raises(CkptoolError, match=r"unsafe globals: posix\.system"):
         preview(ckptool.open(path), FixOptions(extract="auto"))
     assert not canary.exists()
+
+
+def test_a_directory_is_not_previewed() -> None:
+    ckpt = ckptool.open(SAMPLES / "dcp_tinynet")
+    with pytest.raises(CkptoolError, match="the browser's fix dialog rewrites single files"):
+        Previewer(ckpt).preview(FixOptions(strip_module=True))

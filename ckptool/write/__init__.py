@@ -24,6 +24,6 @@ Checkpoints of many files: ``convert_plan`` (what a conversion writes),
 ``convert_files`` (one output file), ``convert_dir`` (a directory: HF shards
 split by ``shards``, or DCP through torch's writer), ``outdir`` (a
 directory that appears whole or not at all), ``fix_shards`` (``fix`` on HF
-shards); ``results`` holds what ``fix`` and ``convert`` report. May import
-the top level and ``ckptool.read``.
+shards), ``fix_dcp`` (``fix`` on a DCP directory); ``results`` holds what
+``fix`` and ``convert`` report. May import the top level and ``ckptool.read``.
 """

@@ -148,7 +148,7 @@ def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    metas = {n: torch.empty(t.shape, dtype=_dtype(t.dtype), device="meta")
+    metas = {n: torch.empty(t.shape, dtype=_dtype(written.dtype(n)), device="meta")
              for n, t in written.tensors.items()}
     flat: dict[str, Any] = dict(metas)
     flat.update((a, metas[k]) for a, k in written.aliases.items())
@@ -165,6 +165,8 @@ def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
             name = by_path[tuple(self.mappings[write_item.index.fqn])]
             name = written.aliases.get(name, name)
             values = tensors.values(written.tensors[name])
+            if name in written.cast:  # fix --dtype
+                values = values.to(_dtype(written.cast[name]))
             crcs[write_item.index.fqn] = _crc(values)
             overall.advance(written.nbytes(name))
             return values

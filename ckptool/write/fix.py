@@ -100,12 +100,16 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         raise UsageError("--in-place and -o both name the output", "use one of them")
     layout = recognise.recognise(src)
     if layout is not None and layout.kind != recognise.FILE:  # HF shards, DCP
-        from ckptool.write import fix_shards
+        from ckptool.write import fix_dcp, fix_shards
 
         source = open_checkpoint(src)
-        return fix_shards.fix(source, opts, output or fix_shards.default_output(src),
-                              fix_file=fix, force=force, in_place=in_place, dry_run=dry_run,
-                              progress=progress, fsync=fsync)
+        output = output or fix_shards.default_output(src)
+        if layout.kind == recognise.DCP:
+            return fix_dcp.fix(source, opts, output, force=force, in_place=in_place,
+                               dry_run=dry_run, progress=progress, fsync=fsync)
+        return fix_shards.fix(source, opts, output, fix_file=fix, force=force,
+                              in_place=in_place, dry_run=dry_run, progress=progress,
+                              fsync=fsync)
     if layout is not None and layout.file is not None:
         src = layout.file  # a directory holding one checkpoint file is that file
     target = src if in_place else (output or default_output(src))

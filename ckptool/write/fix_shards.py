@@ -17,8 +17,7 @@ target, every file verified, the whole read back, then renamed into place.
 file (a torch zip: a new pickle appended, tensor bytes untouched, crash-safe
 per file), then rewrites the index atomically, last. Every shard is given
 the checkpoint's prefix to strip, not one it would find alone. DCP
-directories are refused with the command that consolidates them
-(``convert``), which ``fix`` then takes.
+directories are ``fix_dcp``'s.
 """
 
 from __future__ import annotations
@@ -28,8 +27,7 @@ import os
 from collections.abc import Callable
 from dataclasses import replace
 
-from ckptool.describe import shell_word
-from ckptool.errors import UnsupportedCheckpointError, UsageError
+from ckptool.errors import UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
@@ -51,7 +49,6 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
     """Rewrite the sharded checkpoint ``source`` as ``opts`` ask, into ``output``
     (``in_place``: each shard through ``fix_file``, then the index)."""
     path = source.path
-    refuse_unsharded(source)
     kind = "hf" if source.format == HF_SAFETENSORS else "hf-bin"
     check_consistent(opts)
     if opts.extract is not None:
@@ -75,9 +72,6 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
     result = FixResult(plan, source, target=source.path if in_place else output)
     if dry_run:
         return result
-    if plan.empty:
-        raise UsageError("nothing to change: every option leaves the shards as they are",
-                         "see `ckptool diagnose` for what this checkpoint needs")
     if in_place:
         result.bytes_written, result.metadata_only = _in_place(
             source, opts, written, plan, file_of, fix_file, fsync)
@@ -92,24 +86,14 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
     return result
 
 
-def refuse_unsharded(source: Checkpoint) -> None:
-    """``fix`` takes Hugging Face shards of the checkpoints of many files; a
-    DCP directory is refused with the command that consolidates it."""
-    if source.format not in (HF_SAFETENSORS, "hf-bin"):
-        path = source.path
-        raise UnsupportedCheckpointError(
-            f"{path} is a torch.distributed.checkpoint directory: fix rewrites single files "
-            "and Hugging Face shards",
-            f"consolidate it first: `ckptool convert {shell_word(path)} "
-            f"{shell_word(path.rstrip('/') + '.safetensors')}`, then fix that file")
-
-
 def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan,
               file_of: dict[str, str], fix_file: FixFile, fsync: bool) -> tuple[int, bool]:
     """Each shard fixed in place as one file is (a torch zip: its pickle
     only, crash-safe), then the index, atomically, last. Returns the bytes
     written, and whether every shard kept its tensor bytes where they were."""
     assert source.directory is not None
+    if plan.empty:  # as one file's: nothing to change, and in place nothing to write
+        return 0, True
     renames = dict(plan.renames)
     prefix = source.main_state_dict.prefix if source.main_state_dict else ""
     strip = (prefix,) if opts.strip_module and prefix else ()

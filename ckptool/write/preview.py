@@ -95,9 +95,6 @@ class Previewer:
     def preview(self, opts: FixOptions) -> FixPreview:
         with self._lock:
             if self.ckpt.is_multifile:  # the dialog previews one file's fix
-                from ckptool.write.fix_shards import refuse_unsharded
-
-                refuse_unsharded(self.ckpt)  # as fix refuses DCP, in its words
                 raise UnsupportedCheckpointError(
                     f"{self.ckpt.path} is a checkpoint of many files: the browser's fix "
                     "dialog rewrites single files",

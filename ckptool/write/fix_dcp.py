@@ -1,0 +1,112 @@
+"""``fix`` on a ``torch.distributed.checkpoint`` directory: the same layout,
+fixed, written to a new directory by torch's own writer.
+
+The whole checkpoint is kept (every tensor, the optimizer state, the
+values), nested as it was saved (``convert_plan``'s WHOLE plan). Key options
+rename the model's keys: the names inside the entry the state dict was saved
+under (``model.module.fc.weight`` is ``fc.weight`` of ``model`` after
+``--strip-module``), as they rename a single file's state-dict keys; the
+entry's own name is how it loads (``dcp.load({"model": sd})``) and stays.
+``--drop KEY`` takes a tensor or a value out; ``--dtype`` casts floating
+tensors. DCP records no device, so ``--to`` / ``--map`` are refused, and
+``--extract`` is ``convert``'s (one file of the model's state dict).
+``--in-place`` is refused: the ``.distcp`` files would stay, but a new
+``.metadata`` would have to be pickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ckptool.describe import shell_word
+from ckptool.errors import UsageError
+from ckptool.keys import unescape
+from ckptool.model import Checkpoint
+from ckptool.read.prefixes import common_prefix, wrapper_prefix
+from ckptool.write import convert_plan
+from ckptool.write.convert_dir import write_directory
+from ckptool.write.convert_plan import WHOLE, Written
+from ckptool.write.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
+from ckptool.write.results import FixResult
+
+Progress = Callable[[int, int], None]
+
+
+def fix(source: Checkpoint, opts: FixOptions, output: str, *, force: bool = False,
+        in_place: bool = False, dry_run: bool = False, progress: Progress | None = None,
+        fsync: bool = False) -> FixResult:
+    """Rewrite the DCP checkpoint ``source`` as ``opts`` ask, into the directory ``output``."""
+    path = shell_word(source.path)
+    check_consistent(opts)
+    if in_place:
+        raise UsageError("--in-place on a torch.distributed.checkpoint directory is not "
+                         "supported", f"write a fixed copy: ckptool fix {path} ... -o DIR")
+    if opts.to or opts.maps:
+        raise UsageError("DCP records no device: there is nothing to retarget",
+                         "torch.distributed.checkpoint.load puts each tensor where the state "
+                         "dict you pass has it")
+    if opts.extract is not None:
+        raise UsageError("fix keeps a DCP checkpoint whole: --extract is convert's",
+                         f"the model's state dict in one file: ckptool convert {path} "
+                         "model.safetensors")
+    written = convert_plan.plan(source, WHOLE)
+    plan = Plan(None)
+    _drop(written, opts, plan)
+    if opts.changes_keys():
+        _rename(source, written, opts, plan)
+    for name, t in written.tensors.items():
+        if opts.dtype is not None and t.dtype in CASTABLE and t.dtype != opts.dtype:
+            written.cast[name] = opts.dtype
+            plan.casts[t.storage or name] = (t.dtype, opts.dtype)
+    result = FixResult(plan, source, target=output)
+    if dry_run:
+        return result
+    _, result.bytes_written = write_directory(source, written, "dcp", output, force=force,
+                                              fsync=fsync, progress=progress)
+    result.output = output
+    result.verified_storages = len(written.tensors)
+    return result
+
+
+def _drop(written: Written, opts: FixOptions, plan: Plan) -> None:
+    for drop in opts.drop:
+        name = unescape(drop)
+        if name in written.tensors:
+            del written.tensors[name]
+        elif name in written.entries:
+            del written.entries[name]
+        else:
+            raise UsageError(f"cannot drop {drop!r}: the checkpoint has no tensor or value of "
+                             "that name", "see `ckptool inspect` for its keys")
+        plan.dropped.append(drop)
+
+
+def _rename(source: Checkpoint, written: Written, opts: FixOptions, plan: Plan) -> None:
+    """Rename the main state dict's names inside their entry."""
+    sd = source.main_state_dict
+    if sd is None:
+        raise UsageError("no state dict to rename keys in", "see `ckptool inspect`")
+    entry = source.metadata.get("state_dict_entry")
+    head = f"{entry}." if isinstance(entry, str) and entry else ""
+    inner = {k: k[len(head):] for k in sd.keys if k.startswith(head) and k in written.tensors}
+    wrapper = wrapper_prefix(inner.values(), common_prefix(inner.values()))
+    rename = key_function(opts, wrapper)
+    names: dict[str, str] = {}
+    for fqn, name in inner.items():
+        new = head + rename(name)
+        if new in names.values() or (new not in inner and new in written.tensors):
+            raise UsageError(f"two keys would both become {new!r}",
+                             "check the prefixes and --rename patterns")
+        names[fqn] = new
+        if new != fqn:
+            plan.renames.append((fqn, new))
+    if opts.strip_module and not wrapper:
+        plan.notes.append("--strip-module: no module./_orig_mod./model. prefix found")
+    written.tensors = {names.get(n, n): t for n, t in written.tensors.items()}
+    paths = {}
+    for n, p in written.paths.items():
+        new = names.get(n, n)
+        if new != n:  # the entry stays; the name inside it is the new one
+            p = (p[0], new[len(head):]) if head and p[0] == entry else (new,)
+        paths[new] = p
+    written.paths = paths
