@@ -387,3 +387,19 @@ def test_hostile_value_runs_nothing(tmp_path: Path, run_cli: Callable[..., CliRe
     unsafe = next(g for g in data["globals"] if g["name"] == "posix.system")
     assert unsafe["where"] == ["__0_0.distcp: callback"] and unsafe["uses"] == ["called"]
     assert not marker.exists()
+
+
+def test_ranks_that_wrote_their_own_metadata(tmp_path: Path) -> None:
+    """dcp.save(use_collectives=False) under torchrun: one __<rank>.metadata
+    per rank, merged; the tensor every rank saved whole is read once."""
+    folder = FIXTURES / "dcp_2ranks_nocollectives"
+    ckpt = ckptool.open(folder)
+    assert ckpt.metadata["ranks"] == 2 and len(ckpt.metadata["metadata_files"]) == 2
+    assert any("more than one rank's .metadata" in w for w in ckpt.warnings)
+    torch.manual_seed(0)
+    want = {"rows": torch.randn(6, 4), "cols": torch.randn(3, 8), "repl": torch.randn(5)}
+    out = tmp_path / "whole.pt"
+    ckptool.convert(str(folder), str(out))
+    got = torch.load(out, weights_only=True)
+    assert got["step"] == 3 and got["model"].keys() == want.keys()
+    assert all(torch.equal(got["model"][k], v) for k, v in want.items())
