@@ -292,3 +292,26 @@ def test_progress_covers_the_whole_job(tmp_path: Path) -> None:
     totals = {total for _, total in seen}
     assert len(totals) == 1 and seen[-1][0] == seen[-1][1]  # one bar, ending full
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never going back
+
+
+def test_the_dcp_writer_is_handed_one_tensor_at_a_time(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's writer keeps a reference to every tensor of a file: each one's
+    memory is given back once the next is asked for (its CRC, taken in place,
+    must not pin it as a numpy view would)."""
+    single = tmp_path / "model.pth"
+    torch.save(model_sd(), single)
+    held: list[torch.Tensor] = []
+    real = TensorSource.values
+
+    def values(self: TensorSource, t: Any) -> torch.Tensor:
+        # every tensor handed over before this one has no memory left
+        assert [h.untyped_storage().size() for h in held] == [0] * len(held)
+        out = real(self, t).clone()  # resizable, as a tensor made whole from chunks is
+        held.append(out)
+        return out
+
+    monkeypatch.setattr(TensorSource, "values", values)
+    convert(str(single), str(tmp_path / "dcp"), fmt="dcp")
+    sizes = [h.untyped_storage().size() for h in held]  # never the tensors: freed
+    assert len(sizes) == 6 and sizes == [0] * 6  # 5 tensors and the tie, each copied

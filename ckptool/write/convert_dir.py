@@ -12,13 +12,18 @@ DCP is written by ``torch.distributed.checkpoint``'s own ``FileSystemWriter``
 in this one process, so that ``dcp.load`` and ``dcp_to_torch_save`` read it
 as theirs. The state dict it is handed holds ``meta`` tensors (shape and
 dtype only); each tensor's values are made when the writer asks for them
-(``resolve_data``) and dropped once written, so memory is one tensor. Their
-CRCs are kept, and every tensor is read back from the written files and must
-match.
+(``resolve_data``). The writer keeps a reference to every tensor of a
+``.distcp`` file until it closes the file (it would hand them to safetensors
+in that format), and, with one thread and no copy-ahead, asks for the next
+tensor only once the last one is written: so the last one's memory is given
+back then (its storage resized to nothing; the writer never reads a written
+tensor again), and memory stays one tensor. Their CRCs are kept, and every tensor
+is read back from the written files and must match.
 """
 
 from __future__ import annotations
 
+import ctypes
 import json
 import warnings
 import zlib
@@ -155,11 +160,22 @@ def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
     flat.update(written.entries)
     state = convert_plan.nest(flat, written.paths) if written.paths else flat
     by_path = {written.paths.get(n, (n,)): n for n in flat}
+    last: list[torch.Tensor] = []  # the tensor handed over last, written by now
+
+    def release() -> None:
+        """The last tensor's memory back: the writer asks for the next item
+        only once it has written that one, but keeps a reference to it."""
+        for values in last:
+            storage = values.untyped_storage()
+            if storage.resizable():
+                storage.resize_(0)
+        last.clear()
 
     class Planner(DefaultSavePlanner):
         """Values made when the writer asks for them, one tensor at a time."""
 
         def resolve_data(self, write_item: WriteItem) -> Any:
+            release()
             if write_item.type == WriteItemType.BYTE_IO:
                 return super().resolve_data(write_item)
             name = by_path[tuple(self.mappings[write_item.index.fqn])]
@@ -169,13 +185,18 @@ def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
                 values = values.to(_dtype(written.cast[name]))
             crcs[write_item.index.fqn] = _crc(values)
             overall.advance(written.nbytes(name))
+            last.append(values)
             return values
 
+    # no copy-ahead: with CUDA present torch would otherwise ask for tensors
+    # before writing the ones it has, and release() must free only written ones
     writer = dcp.FileSystemWriter(outdir.path, single_file_per_rank=True,
-                                  sync_files=outdir.durable, thread_count=1)
+                                  sync_files=outdir.durable, thread_count=1,
+                                  per_thread_copy_ahead=0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "torch.distributed is disabled..." and the like
         dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+    release()
     return sorted(os.listdir(outdir.path))
 
 
@@ -188,9 +209,12 @@ def _dtype(name: str) -> torch.dtype:
 
 
 def _crc(values: torch.Tensor) -> int:
-    import torch
-
-    return zlib.crc32(values.reshape(-1).view(torch.uint8).numpy().data)
+    """The CRC of a contiguous tensor's bytes, read in place (through ctypes:
+    a numpy view would pin its storage, which ``release`` must free)."""
+    nbytes = values.numel() * values.element_size()
+    if nbytes == 0:
+        return zlib.crc32(b"")
+    return zlib.crc32((ctypes.c_char * nbytes).from_address(values.data_ptr()))
 
 
 def _check_whole(path: str, written: Written, kind: str) -> Checkpoint:

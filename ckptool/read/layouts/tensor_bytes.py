@@ -12,7 +12,8 @@ shard, or reassembled from its chunks.
   column-sharded chunks, replicated and empty ones, and several per rank
   are all boxes.
 
-Memory is the tensor plus one chunk; nothing else of the checkpoint is read.
+Memory is the tensor plus one chunk (a tensor saved whole, in one chunk, is
+that chunk); nothing else of the checkpoint is read.
 torch is imported by the functions that make tensors, never at import time.
 """
 
@@ -83,6 +84,9 @@ def _assemble(ckpt: Checkpoint, tensor: TensorInfo) -> torch.Tensor:
     if not isinstance(dtype, torch.dtype):
         raise UnsupportedCheckpointError(f"this torch has no dtype {tensor.dtype}",
                                          "upgrade torch to read these values")
+    filled = [c for c in tensor.chunks if math.prod(c.sizes)]
+    if len(filled) == 1 and filled[0].sizes == tensor.shape:  # saved whole: no second copy
+        return _read_chunk(ckpt, tensor, filled[0]).contiguous()
     out = torch.empty(tensor.shape, dtype=dtype)
     for chunk in tensor.chunks:
         if math.prod(chunk.sizes) == 0:
