@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import warnings
@@ -259,14 +260,40 @@ def test_kill_9_leaves_no_directory_and_the_next_run_cleans_up(tmp_path: Path) -
 
 def test_an_existing_output_needs_force(tmp_path: Path,
                                         run_cli: Callable[..., CliResult]) -> None:
-    (tmp_path / "hf").mkdir()
-    (tmp_path / "hf" / "old.txt").write_text("mine")
-    code, _, err = run_cli("convert", str(FOUR), str(tmp_path / "hf"))
+    out = tmp_path / "hf"
+    assert run_cli("convert", str(FOUR), str(out), "--format", "hf-bin", "-q")[0] == 0
+    code, _, err = run_cli("convert", str(FOUR), str(out))
     assert code == 2 and "already exists" in err and "--force" in err
-    assert (tmp_path / "hf" / "old.txt").exists()
-    code, _, err = run_cli("convert", str(FOUR), str(tmp_path / "hf"), "--force", "-q")
-    assert code == 0 and not (tmp_path / "hf" / "old.txt").exists()
-    assert (tmp_path / "hf" / "model.safetensors").exists() and leftovers(tmp_path) == []
+    assert (out / "pytorch_model.bin").exists()
+    code, _, err = run_cli("convert", str(FOUR), str(out), "--force", "-q")
+    assert code == 0 and not (out / "pytorch_model.bin").exists()
+    assert (out / "model.safetensors").exists() and leftovers(tmp_path) == []
+
+
+def test_force_never_replaces_what_is_not_a_checkpoint(tmp_path: Path,
+                                                      run_cli: Callable[..., CliResult]) -> None:
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
+    code, _, err = run_cli("convert", str(FOUR), str(tmp_path / "mine"), "--force")
+    assert code == 2 and "holds no checkpoint" in err
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["same", "around", "inside"])
+def test_the_output_is_never_the_input_or_around_it(
+        where: str, tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    src = tmp_path / "ckpt"
+    shutil.copytree(FOUR, src)
+    before = sorted(p.name for p in src.iterdir())
+    dst = {"same": src, "around": tmp_path, "inside": src / "sub"}[where]
+    for args in (["convert", str(src), str(dst), "--force"],
+                 ["convert", str(src), str(src / "model.safetensors")],
+                 ["fix", str(src), "--dtype", "bf16", "-o", str(dst), "--force"]):
+        if where != "inside" and args[2].endswith(".safetensors"):
+            continue
+        code, out, err = run_cli(*args)
+        assert (code, out) == (2, "") and "the input" in err, args
+    assert sorted(p.name for p in src.iterdir()) == before
 
 
 @pytest.mark.parametrize(("args", "message"), [
@@ -315,3 +342,48 @@ def test_the_dcp_writer_is_handed_one_tensor_at_a_time(tmp_path: Path,
     convert(str(single), str(tmp_path / "dcp"), fmt="dcp")
     sizes = [h.untyped_storage().size() for h in held]  # never the tensors: freed
     assert len(sizes) == 6 and sizes == [0] * 6  # 5 tensors and the tie, each copied
+
+
+def test_names_with_slashes_keep_their_place(tmp_path: Path) -> None:
+    """A DCP name is its own: '/' and '\\' in it are not key separators."""
+    src = tmp_path / "slash.pt"
+    sd = {"model": {"a/b": torch.ones(2), "x\\y": torch.zeros(3)}, "step": 1}
+    torch.save(sd, src)
+    convert(str(src), str(tmp_path / "dcp"), fmt="dcp")  # the main state dict, flat
+    result = convert(str(tmp_path / "dcp"), str(tmp_path / "back.pt"))
+    assert result.left_out == []
+    back = torch.load(tmp_path / "back.pt", weights_only=True)
+    assert back.keys() == {"a/b", "x\\y"} and torch.equal(back["a/b"], torch.ones(2))
+    nested = tmp_path / "nested"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.distributed.checkpoint.save(sd, checkpoint_id=nested, no_dist=True)
+    convert(str(nested), str(tmp_path / "nested.pt"))
+    assert_same_tree(torch.load(tmp_path / "nested.pt", weights_only=True), sd)
+
+
+def test_a_tie_in_one_hf_file_comes_back(tmp_path: Path) -> None:
+    """huggingface_hub records a tied name it leaves out in the one file's
+    __metadata__ (and ckptool writes it the same way): read back as a tie."""
+    for name, writer in (("hub", None), ("ours", "convert")):
+        sd = model_sd()  # huggingface_hub takes the tied name out of the dict it is given
+        folder = tmp_path / name
+        if writer is None:
+            folder.mkdir()
+            hub.save_torch_state_dict(sd, folder)
+        else:
+            torch.save(sd, tmp_path / "model.pth")
+            convert(str(tmp_path / "model.pth"), str(folder))
+        assert os.listdir(folder) == ["model.safetensors"]
+        result = convert(str(folder / "model.safetensors"), str(tmp_path / f"{name}.pth"))
+        # the tie either way round: huggingface_hub keeps the name it prefers
+        assert [sorted(p) for p in result.aliases.items()] == [["embed.weight", "head.weight"]]
+        back = torch.load(tmp_path / f"{name}.pth", weights_only=True)
+        assert back["head.weight"].data_ptr() == back["embed.weight"].data_ptr()
+
+
+def test_a_trailing_slash_names_a_directory(tmp_path: Path) -> None:
+    single = tmp_path / "model.pth"
+    torch.save(model_sd(), single)
+    result = convert(str(single), f"{tmp_path / 'out.safetensors'}/")
+    assert result.output_format == "hf-safetensors" and (tmp_path / "out.safetensors").is_dir()

@@ -186,7 +186,7 @@ def test_fix_writes_a_fixed_dcp_directory(tmp_path: Path,
     (["--to", "cpu"], "DCP records no device"),
     (["--strip-module", "--in-place"], "--in-place on a torch.distributed.checkpoint"),
     (["--extract"], "--extract is convert's"),
-    (["--drop", "nope"], "no tensor or value of that name"),
+    (["--drop", "nope"], "no tensor, value or entry of that name"),
 ])
 def test_what_fix_refuses_on_dcp(args: list[str], message: str,
                                  run_cli: Callable[..., CliResult]) -> None:
@@ -403,3 +403,36 @@ def test_ranks_that_wrote_their_own_metadata(tmp_path: Path) -> None:
     got = torch.load(out, weights_only=True)
     assert got["step"] == 3 and got["model"].keys() == want.keys()
     assert all(torch.equal(got["model"][k], v) for k, v in want.items())
+
+
+def test_fix_keeps_what_it_cannot_write_back_unless_dropped(
+        tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    """A value that is not plain data (an argparse.Namespace) cannot go back
+    through torch's writer: fix refuses until it is dropped, and --drop takes
+    a whole entry (the optimizer state) too."""
+    import argparse
+
+    folder = tmp_path / "ns"
+    state = {"model": {"w": torch.ones(2, 2)}, "optim": {"m": torch.zeros(2)},
+             "args": argparse.Namespace(lr=0.1), "step": 5}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=folder, no_dist=True)
+    code, out, err = run_cli("fix", str(folder), "--dtype", "bf16", "-o", str(tmp_path / "a"))
+    assert (code, out) == (2, "") and "args is not plain data" in err and "--drop args" in err
+    code, _, err = run_cli("fix", str(folder), "--dtype", "bf16", "--drop", "args",
+                           "--drop", "optim", "-o", str(tmp_path / "b"), "-q")
+    assert (code, err) == (0, "")
+    got = {t.key for t in ckptool.open(tmp_path / "b").tensors}
+    assert got == {"model.w"}
+    assert [e.key for e in ckptool.open(tmp_path / "b").entries] == ["step"]
+
+
+def test_fix_of_a_lightning_directory_keeps_its_meta_pt(tmp_path: Path,
+                                                        run_cli: Callable[..., CliResult]) -> None:
+    src = FIXTURES / "lightning_fsdp.ckpt"
+    out = tmp_path / "fixed.ckpt"
+    code, _, err = run_cli("fix", str(src), "--dtype", "bf16", "-o", str(out), "-q")
+    assert (code, err) == (0, "")
+    assert (out / "meta.pt").read_bytes() == (src / "meta.pt").read_bytes()
+    assert ckptool.open(out).metadata.get("wrapper") == "lightning"

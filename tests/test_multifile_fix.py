@@ -163,3 +163,26 @@ def test_a_prefix_one_shard_has_alone_is_not_stripped(tmp_path: Path,
     code, out, _ = run_cli("fix", str(folder), "--strip-module", "--in-place")
     assert code == 0 and "no module./_orig_mod./model. prefix found" in out
     assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+
+
+def test_in_place_refuses_to_drop_the_stored_name_of_a_tie(
+        shards: dict[str, Path], run_cli: Callable[..., CliResult]) -> None:
+    folder = shards["st"]
+    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    code, out, err = run_cli("fix", str(folder), "--drop", "module.embed.weight", "--in-place")
+    assert (code, out) == (2, "") and "module.head.weight is tied to module.embed.weight" in err
+    assert "-o DIR" in err
+    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+
+
+def test_in_place_keeps_the_rest_of_the_index_metadata(
+        shards: dict[str, Path], run_cli: Callable[..., CliResult]) -> None:
+    folder = shards["st"]
+    path = folder / "model.safetensors.index.json"
+    index = json.loads(path.read_text())
+    index["metadata"]["format"] = "pt"
+    path.write_text(json.dumps(index))
+    assert run_cli("fix", str(folder), "--strip-module", "--in-place", "-q")[0] == 0
+    metadata = json.loads(path.read_text())["metadata"]
+    assert metadata["format"] == "pt" and metadata["head.weight"] == "embed.weight"
+    assert "module.head.weight" not in metadata

@@ -73,7 +73,9 @@ def render_convert(console: Console, result: ConvertResult) -> None:
     if result.aliases:
         pairs = ", ".join(f"{a} = {k}" for a, k in list(result.aliases.items())[:6])
         where = {"safetensors": "kept in __metadata__", "torch-zip": "restored as shared",
-                 "hf-bin": "restored as shared"}.get(fmt, "recorded in the index's metadata")
+                 "hf-bin": "restored as shared", "dcp": "written as copies",
+                 "hf-safetensors": "recorded in the index's metadata"
+                 if len(result.files) > 1 else "recorded in __metadata__"}[fmt]
         grid.add_row("tied", f"{pairs} ({where})")
     if result.copied_views:
         grid.add_row("copied", f"{', '.join(result.copied_views[:6])} (views of shared "

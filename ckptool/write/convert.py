@@ -47,6 +47,7 @@ from ckptool.write import convert_plan
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.convert_files import write_safetensors, write_torch
 from ckptool.write.convert_plan import TORCH, WHOLE, Written
+from ckptool.write.outdir import check_apart
 from ckptool.write.plan import REWRITABLE
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
@@ -64,11 +65,15 @@ def output_format(dst: str, fmt: str | None) -> str:
     suffix = Path(dst).suffix.lower()
     one = "safetensors" if suffix == ".safetensors" else "torch" if suffix in TORCH_SUFFIXES \
         else None
+    if dst.endswith(("/", "\\")):  # named as a directory
+        one = None
     if fmt is not None:
         if one is not None:
             raise UsageError(f"--format {fmt} writes a directory, and {dst!r} is named as "
                              f"a {one} file", "name the output directory without an extension")
         return fmt
+    if one is None and dst.endswith(("/", "\\")):
+        return "hf"
     if one is None and suffix and not dst.endswith(("/", "\\")):
         raise UsageError(f"cannot tell the output format from {dst!r}",
                          "name it *.safetensors, or *.pt / *.pth / *.bin for torch, or give "
@@ -87,6 +92,8 @@ def convert(src: str, dst: str, *, force: bool = False, progress: Progress | Non
         raise UsageError("--max-shard-size sizes the shards of --format hf or hf-bin",
                          "leave it out, or write a Hugging Face directory")
     source = open_checkpoint(src)  # 1. read
+    if source.directory is not None:  # never written into the directory it reads
+        check_apart(Path(source.directory), Path(dst))
     if kind in DIRECTORY_FORMATS:
         from ckptool.write import convert_dir
 

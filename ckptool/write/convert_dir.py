@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
+import shutil
 import warnings
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import CorruptCheckpointError
@@ -75,17 +77,28 @@ def convert(source: Checkpoint, dst: str, kind: str, *, force: bool = False,
 
 def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *,
                     force: bool = False, fsync: bool = False, progress: Progress | None = None,
-                    planned: list[shards.Shard] | None = None) -> tuple[list[str], int]:
+                    planned: list[shards.Shard] | None = None,
+                    extras: Sequence[str] = ()) -> tuple[list[str], int]:
     """Write ``written`` (of ``source``) as directory ``dst`` of ``kind``, in
-    the ``planned`` shards (hf, hf-bin); returns its files and their bytes."""
+    the ``planned`` shards (hf, hf-bin), with ``source``'s files ``extras``
+    copied as they are; returns its files and their bytes."""
     total = sum(written.nbytes(n) for n in written.tensors)
-    with AtomicDirectory(dst, force, fsync) as outdir, TensorSource(source) as tensors:
+    with AtomicDirectory(dst, force, fsync, source=source.directory or source.path) as outdir, \
+            TensorSource(source) as tensors:
         crcs: dict[str, int] = {}
         if kind == "dcp":
             files = _write_dcp(written, tensors, outdir, _Overall(progress, total), crcs)
         else:
             assert planned is not None
             files = _write_hf(written, kind, tensors, outdir, planned, _Overall(progress, total))
+        for name in extras:
+            assert source.directory is not None
+            with open(os.path.join(source.directory, name), "rb") as f, \
+                    outdir.file(name) as out:
+                shutil.copyfileobj(f, out.file)
+                out.file.flush()
+                out.commit()
+            files.append(name)
         back = _check_whole(outdir.path, written, kind)
         _check_values(back, crcs)
         outdir.commit()
@@ -146,8 +159,6 @@ def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
                overall: _Overall, crcs: dict[str, int]) -> list[str]:
     """Write through torch's FileSystemWriter; ``crcs`` gets each tensor's
     values' CRC by its DCP key."""
-    import os
-
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner

@@ -46,6 +46,7 @@ class Written:
     notes: list[str] = field(default_factory=list)
     # a nested tree (DCP into a torch file or DCP): each name's path in it
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
+    unplain: list[str] = field(default_factory=list)  # DCP values that are not plain data
     order: list[str] = field(default_factory=list)  # tensors and aliases, as in the source
     # fix on shards: the dtype a tensor is written as, the device tag it is saved on
     cast: dict[str, str] = field(default_factory=dict)
@@ -108,8 +109,10 @@ def _rename(written: Written, names: dict[str, str]) -> None:
 
 
 def _whole_dcp(source: Checkpoint) -> Written:
-    """Every tensor and plain value of a DCP checkpoint, nested as saved."""
-    written = Written({t.key: t for t in source.tensors if t.chunks})
+    """Every tensor and plain value of a DCP checkpoint, nested as saved;
+    names are the raw fully qualified names (``.metadata``'s, as the tree's
+    paths are keyed), not key text."""
+    written = Written({unescape(t.key): t for t in source.tensors if t.chunks})
     root = source.root if isinstance(source.root, dict) else {}
     for fqn, value in root.items():
         if fqn in written.tensors or not isinstance(fqn, str):
@@ -117,6 +120,7 @@ def _whole_dcp(source: Checkpoint) -> Written:
         if is_plain(value):
             written.entries[fqn] = value
         else:
+            written.unplain.append(fqn)
             written.left_out.append(f"{fqn} ({type(value).__name__}: not plain data)")
     written.paths = {fqn: source.tree_paths.get(fqn, (fqn,))
                      for fqn in [*written.tensors, *written.entries]}
@@ -249,12 +253,15 @@ def _left_out(source: Checkpoint, into: str, kept_entries: Collection[str] = ())
 
 def recorded_aliases(meta: dict[str, str], names: set[str]) -> tuple[dict[str, str], list[str]]:
     """The ``ckptool.aliases`` a safetensors file records (``convert`` wrote
-    them: alias -> the tensor it shares), as far as they make sense: the
-    file's metadata is input, not instructions. Returns (aliases, notes on
-    what was ignored)."""
+    them: alias -> the tensor it shares), or else the entries of
+    ``__metadata__`` that name a tensor of the file under a name it does not
+    hold (huggingface_hub records a tied name it drops that way), as far as
+    they make sense: the file's metadata is input, not instructions. Returns
+    (aliases, notes on what was ignored)."""
     text = meta.get("ckptool.aliases")
-    if text is None:
-        return {}, []
+    if text is None:  # huggingface_hub's form: a dropped name -> the name kept
+        return {k: v for k, v in meta.items() if isinstance(v, str) and v in names
+                and k not in names and not k.startswith("ckptool.")}, []
     try:
         raw = json.loads(text)
     except (json.JSONDecodeError, RecursionError):

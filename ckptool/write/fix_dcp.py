@@ -7,8 +7,11 @@ rename the model's keys: the names inside the entry the state dict was saved
 under (``model.module.fc.weight`` is ``fc.weight`` of ``model`` after
 ``--strip-module``), as they rename a single file's state-dict keys; the
 entry's own name is how it loads (``dcp.load({"model": sd})``) and stays.
-``--drop KEY`` takes a tensor or a value out; ``--dtype`` casts floating
-tensors. DCP records no device, so ``--to`` / ``--map`` are refused, and
+``--drop KEY`` takes a tensor, a value, or a whole entry (``--drop optim``)
+out; ``--dtype`` casts floating tensors. A value that is not plain data
+cannot be written back through torch's writer: fix refuses until it is
+dropped. Files beside the checkpoint that it reads (Lightning's ``meta.pt``)
+are copied as they are. DCP records no device, so ``--to`` / ``--map`` are refused, and
 ``--extract`` is ``convert``'s (one file of the model's state dict).
 ``--in-place`` is refused: the ``.distcp`` files would stay, but a new
 ``.metadata`` would have to be pickled.
@@ -20,7 +23,7 @@ from collections.abc import Callable
 
 from ckptool.describe import shell_word
 from ckptool.errors import UsageError
-from ckptool.keys import unescape
+from ckptool.keys import escape, unescape
 from ckptool.model import Checkpoint
 from ckptool.read.prefixes import common_prefix, wrapper_prefix
 from ckptool.write import convert_plan
@@ -52,6 +55,14 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, force: bool = Fals
     written = convert_plan.plan(source, WHOLE)
     plan = Plan(None)
     _drop(written, opts, plan)
+    if written.unplain:
+        raise UsageError(
+            f"{written.unplain[0]} is not plain data: fix cannot write it back into a DCP "
+            "checkpoint" + (f" (nor {len(written.unplain) - 1} more)"
+                            if len(written.unplain) > 1 else ""),
+            f"leave it out with --drop {escape(written.unplain[0])}, or convert the model "
+            f"into one file: ckptool convert {path} model.safetensors")
+    extras = [f.path for f in source.files if f.role == "extra"]  # Lightning's meta.pt
     if opts.changes_keys():
         _rename(source, written, opts, plan)
     for name, t in written.tensors.items():
@@ -62,23 +73,36 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, force: bool = Fals
     if dry_run:
         return result
     _, result.bytes_written = write_directory(source, written, "dcp", output, force=force,
-                                              fsync=fsync, progress=progress)
+                                              fsync=fsync, progress=progress, extras=extras)
     result.output = output
     result.verified_storages = len(written.tensors)
     return result
 
 
 def _drop(written: Written, opts: FixOptions, plan: Plan) -> None:
+    """Each ``--drop NAME``: a tensor or a value, or every one saved under an
+    entry (``--drop optim``: the optimizer state)."""
     for drop in opts.drop:
         name = unescape(drop)
-        if name in written.tensors:
-            del written.tensors[name]
-        elif name in written.entries:
-            del written.entries[name]
-        else:
-            raise UsageError(f"cannot drop {drop!r}: the checkpoint has no tensor or value of "
-                             "that name", "see `ckptool inspect` for its keys")
+        found = 0
+        for held in (written.tensors, written.entries):
+            for key in [k for k in held if k == name or _under(written, k, name)]:
+                del held[key]
+                found += 1
+        kept = [k for k in written.unplain if not (k == name or _under(written, k, name))]
+        found += len(written.unplain) - len(kept)
+        written.unplain = kept
+        if not found:
+            raise UsageError(f"cannot drop {drop!r}: the checkpoint has no tensor, value or "
+                             "entry of that name", "see `ckptool inspect` for its keys")
         plan.dropped.append(drop)
+
+
+def _under(written: Written, fqn: str, entry: str) -> bool:
+    """Whether ``fqn`` was saved under the entry ``entry`` (its path starts there)."""
+    path = written.paths.get(fqn, (fqn,))
+    steps = entry.split(".")
+    return len(path) > len(steps) and [str(p) for p in path[:len(steps)]] == steps
 
 
 def _rename(source: Checkpoint, written: Written, opts: FixOptions, plan: Plan) -> None:

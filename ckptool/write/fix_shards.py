@@ -27,6 +27,7 @@ import os
 from collections.abc import Callable
 from dataclasses import replace
 
+from ckptool.describe import shell_word
 from ckptool.errors import UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
@@ -61,7 +62,14 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
                                 keep_entries=False)
     plan = Plan(None)
     file_of = {name: t.file or "" for name, t in written.tensors.items()}
-    _drop(written, opts, plan, file_of)
+    promoted = _drop(written, opts, plan, file_of)
+    if in_place and kind == "hf" and promoted:
+        dropped, heir = promoted[0]
+        raise UsageError(
+            f"{heir} is tied to {dropped}: safetensors shards store it under {dropped} only, "
+            "so dropping that name renames the tensor, which --in-place does not do",
+            f"write a fixed copy instead: ckptool fix {shell_word(path)} --drop "
+            f"{shell_word(dropped)} -o DIR")
     if opts.changes_keys():
         _rename(written, key_function(opts, source.main_state_dict.prefix
                                       if source.main_state_dict else ""), plan, file_of)
@@ -112,12 +120,11 @@ def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan
                          fsync=fsync)
         done += fixed.bytes_written
         metadata_only &= fixed.metadata_only
-    index = dict(source.metadata.get("index_metadata") or {})
-    for alias in list(index):
-        if isinstance(index[alias], str) and alias not in renames.values():
-            kept = index.pop(alias)
-            if alias in written.aliases or renames.get(alias) in written.aliases:
-                index[renames.get(alias, alias)] = renames.get(kept, kept)
+    # the index's metadata as it was, but for the ties it recorded: now the plan's
+    index = {k: v for k, v in (source.metadata.get("index_metadata") or {}).items()
+             if k not in source.aliases}
+    if source.format == HF_SAFETENSORS:
+        index.update(written.aliases)
     index["total_size"] = sum(written.nbytes(n) for n in written.tensors)
     stored = written.names() if source.format == "hf-bin" else list(written.tensors)
     weight_map = {name: file_of[written.aliases.get(name, name)] for name in stored}
@@ -131,7 +138,11 @@ def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan
     return done + len(text), metadata_only
 
 
-def _drop(written: Written, opts: FixOptions, plan: Plan, file_of: dict[str, str]) -> None:
+def _drop(written: Written, opts: FixOptions, plan: Plan,
+          file_of: dict[str, str]) -> list[tuple[str, str]]:
+    """Take ``--drop`` names out; returns (dropped, heir) for each stored
+    name whose tied name takes its place."""
+    promoted = []
     for drop in opts.drop:
         name = unescape(drop)
         if name in written.aliases:
@@ -141,6 +152,7 @@ def _drop(written: Written, opts: FixOptions, plan: Plan, file_of: dict[str, str
             if heirs:  # the first name tied to it is stored in its place
                 written.tensors[heirs[0]] = written.tensors[name]
                 file_of[heirs[0]] = file_of[name]
+                promoted.append((name, heirs[0]))
                 del written.aliases[heirs[0]]
                 for alias in heirs[1:]:
                     written.aliases[alias] = heirs[0]
@@ -150,6 +162,7 @@ def _drop(written: Written, opts: FixOptions, plan: Plan, file_of: dict[str, str
                              "see `ckptool inspect` for its keys")
         written.order = [n for n in written.order if n != name]
         plan.dropped.append(drop)
+    return promoted
 
 
 def _rename(written: Written, rename: Callable[[str], str], plan: Plan,

@@ -35,8 +35,10 @@ class AtomicDirectory:
     """Use as ``with AtomicDirectory(target) as out``: write files through
     ``out.file(name)`` (an ``AtomicOutput``), then ``out.commit()``."""
 
-    def __init__(self, target: str, force: bool = False, fsync: bool = False) -> None:
+    def __init__(self, target: str, force: bool = False, fsync: bool = False,
+                 source: str | None = None) -> None:
         self.target = Path(target.rstrip("/") or target)
+        self.source = source  # what is read: never replaced, never written into
         self.force = force
         self.durable = fsync
         self.temp: Path | None = None
@@ -44,6 +46,8 @@ class AtomicDirectory:
 
     def __enter__(self) -> AtomicDirectory:
         parent = self.target.parent
+        if self.source is not None:
+            check_apart(Path(self.source), self.target)
         if self.target.exists() or self.target.is_symlink():
             if not self.force:
                 raise UsageError(f"{self.target} already exists",
@@ -51,6 +55,7 @@ class AtomicDirectory:
             if not self.target.is_dir() or self.target.is_symlink():
                 raise UsageError(f"{self.target} exists and is not a directory",
                                  "remove it, or name another output")
+            _check_replaceable(self.target)
             self.durable = True
         if not parent.is_dir():
             raise InputError(f"cannot write {self.target}: {parent} is not a directory",
@@ -95,6 +100,32 @@ class AtomicDirectory:
                  tb: TracebackType | None) -> None:
         if not self._committed and self.temp is not None:
             shutil.rmtree(self.temp, ignore_errors=True)
+
+
+def check_apart(source: Path, target: Path) -> None:
+    """The output is neither the input, nor inside it, nor around it: --force
+    would replace the input, and a directory written into one is read as it."""
+    src, dst = os.path.realpath(source), os.path.realpath(target)
+    if src == dst or src.startswith(dst + os.sep) or dst.startswith(src + os.sep):
+        where = "is" if src == dst else "holds" if src.startswith(dst + os.sep) else "is inside"
+        raise UsageError(f"the output {target} {where} the input {source}",
+                         "write the output beside the input, under another name")
+
+
+def _check_replaceable(target: Path) -> None:
+    """``--force`` replaces a checkpoint directory (or an empty one), never
+    one that holds something else."""
+    from ckptool.errors import CkptoolError
+    from ckptool.read.layouts import recognise
+
+    try:
+        found = not os.listdir(target) or recognise.recognise(str(target)) is not None
+    except (CkptoolError, OSError):  # unreadable, or several checkpoints: not one to replace
+        found = False
+    if found:
+        return
+    raise UsageError(f"{target} is a directory that holds no checkpoint: --force replaces "
+                     "only a checkpoint directory", "remove it yourself, or name another output")
 
 
 def remove_leftovers(parent: Path, name: str) -> list[str]:

@@ -3,7 +3,7 @@
 shard, and the shards, each read by the single-file reader its bytes call
 for (safetensors, torch zip, legacy torch).
 
-The shards' tensors become one flat dict in shard order; storage ids are
+The shards' tensors become one flat dict in the index's order; storage ids are
 made unique across shards (``<shard>:<id>``) and remember their shard. The
 index and the shards must agree: every shard it names exists, every tensor
 is where it says, none is stored twice, and no shard holds a tensor it does
@@ -67,6 +67,8 @@ def read(layout: Layout) -> MultiRead:
             byteorder[shard] = "big"
         files.append(FileInfo(shard, "shard", raw.format, size, len(tensors)))
     _check_index(weight_map, holder, layout.index)
+    # the model's order, as the index lists it (shards are read by file name)
+    root = {**{k: root[k] for k in weight_map if k in root}, **root}
     metadata = index.get("metadata")
     aliases = _aliases(metadata, weight_map)
     total = sum(ref.nbytes for ref in storages.values())
