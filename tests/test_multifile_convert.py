@@ -324,24 +324,29 @@ def test_progress_covers_the_whole_job(tmp_path: Path) -> None:
 def test_the_dcp_writer_is_handed_one_tensor_at_a_time(tmp_path: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's writer keeps a reference to every tensor of a file: each one's
-    memory is given back once the next is asked for (its CRC, taken in place,
-    must not pin it as a numpy view would)."""
+    memory is given back once the next is asked for, whatever read it (one
+    file's bytes, a DCP chunk), and its CRC, taken in place, must not pin it
+    as a numpy view would."""
+    import torch.distributed.checkpoint.filesystem as fs
+
     single = tmp_path / "model.pth"
     torch.save(model_sd(), single)
-    held: list[torch.Tensor] = []
-    real = TensorSource.values
+    written: list[torch.Tensor] = []
+    real = fs._write_item
 
-    def values(self: TensorSource, t: Any) -> torch.Tensor:
-        # every tensor handed over before this one has no memory left
-        assert [h.untyped_storage().size() for h in held] == [0] * len(held)
-        out = real(self, t).clone()  # resizable, as a tensor made whole from chunks is
-        held.append(out)
-        return out
+    def write_item(*args: Any, **kwargs: Any) -> Any:
+        # every tensor written before this one has no memory left
+        assert [w.untyped_storage().size() for w in written] == [0] * len(written)
+        if isinstance(args[2], torch.Tensor):
+            written.append(args[2])
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(TensorSource, "values", values)
-    convert(str(single), str(tmp_path / "dcp"), fmt="dcp")
-    sizes = [h.untyped_storage().size() for h in held]  # never the tensors: freed
-    assert len(sizes) == 6 and sizes == [0] * 6  # 5 tensors and the tie, each copied
+    monkeypatch.setattr(fs, "_write_item", write_item)
+    for src, dst in ((single, tmp_path / "dcp"), (tmp_path / "dcp", tmp_path / "again")):
+        written.clear()
+        convert(str(src), str(dst), fmt="dcp")
+        sizes = [w.untyped_storage().size() for w in written]  # never the tensors: freed
+        assert len(sizes) == 6 and sizes == [0] * 6  # 5 tensors and the tie, each a copy
 
 
 def test_names_with_slashes_keep_their_place(tmp_path: Path) -> None:

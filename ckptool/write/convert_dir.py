@@ -194,6 +194,8 @@ def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
             values = tensors.values(written.tensors[name])
             if name in written.cast:  # fix --dtype
                 values = values.to(_dtype(written.cast[name]))
+            if not values.untyped_storage().resizable():  # bytes read into a buffer
+                values = values.clone()  # torch's own memory, which release() can free
             crcs[write_item.index.fqn] = _crc(values)
             overall.advance(written.nbytes(name))
             last.append(values)
