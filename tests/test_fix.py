@@ -364,7 +364,8 @@ def test_disk_full_is_one_clean_error_and_leaves_nothing(
     assert captured.out == ""
     assert captured.err.splitlines() == [
         "ckptool: error: No space left on device",
-        "hint: check free space and permissions; nothing was left half-written"]
+        "hint: check that the path is readable (and, for a write, free space): nothing "
+        "was left half-written"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]
 
 

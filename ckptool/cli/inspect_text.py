@@ -41,7 +41,7 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     grid.add_row("format", fmt)
     for i, line in enumerate(files_lines(ckpt)):
         grid.add_row("files" if i == 0 else "", line)
-    grid.add_row("tensors", f"{len(ckpt.tensors)} in {plural(len(ckpt.storages), 'storage')} · "
+    grid.add_row("tensors", f"{len(ckpt.tensors):,} in {plural(len(ckpt.storages), 'storage')} · "
                  f"{human_bytes(ckpt.total_bytes)}")
     sd = ckpt.main_state_dict
     if sd is None:
@@ -84,6 +84,8 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
                                      style="yellow"))
     for warning in ckpt.warnings:
         grid.add_row(Text("warning", style="yellow"), Text(warning, style="yellow"))
+    for note in ckpt.metadata.get("notes", ()):
+        grid.add_row("note", note)
     if not unsafe and not custom:
         grid.add_row("globals", Text("only tensor and plain-data types", style="green"))
     console.print(grid)
@@ -133,7 +135,7 @@ def where_text(t: TensorInfo) -> str:
         return t.chunks[0].file
     if t.chunks:
         ranks = sorted({c.rank for c in t.chunks if c.rank is not None})
-        on = f" · ranks {_runs(ranks)}" if ranks else ""
+        on = f" · {'ranks' if len(ranks) > 1 else 'rank'} {_runs(ranks)}" if ranks else ""
         return f"{len(t.chunks)} chunks{on}"
     return t.file or ""
 

@@ -87,8 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         if show_tb:
             traceback.print_exc()
         where = f"{exc.filename}: " if exc.filename else ""
-        return _fail(f"{where}{exc.strerror or exc}", "check free space and permissions; "
-                     "nothing was left half-written", EXIT_BAD_INPUT)
+        return _fail(f"{where}{exc.strerror or exc}", "check that the path is readable (and, "
+                     "for a write, free space): nothing was left half-written", EXIT_BAD_INPUT)
     return result if isinstance(result, int) else 0
 
 

@@ -94,6 +94,8 @@ def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     ckpt = assemble(path, multi.raw, file_size=sum(f.size for f in multi.files))
     ckpt.directory, ckpt.files = multi.directory, multi.files
     ckpt.tree_paths, ckpt.aliases = multi.paths, dict(multi.aliases)
+    if multi.notes:  # inspect says them; diagnose does not count them as problems
+        ckpt.metadata["notes"] = list(multi.notes)
     for s in ckpt.storages.values():
         s.file = multi.storage_files.get(s.id)
     chunks = {join_key("", name): c for name, c in multi.chunks.items()}  # names -> keys

@@ -10,6 +10,7 @@ assembles it into a ``Checkpoint`` the same way as any file.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass, field
 
 from ckptool.errors import CorruptCheckpointError
@@ -34,6 +35,7 @@ class MultiRead:
     # so that the main state dict is the model's, not the optimizer's
     groups: dict[str, list[str]] | None = None
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # DCP planner_data
+    notes: list[str] = field(default_factory=list)  # what else is there: no problem
 
 
 def member(directory: str, name: object, named_by: str) -> str:
@@ -41,6 +43,9 @@ def member(directory: str, name: object, named_by: str) -> str:
     inside ``directory``, never one that leaves it."""
     if not isinstance(name, str) or not name:
         raise CorruptCheckpointError(f"{named_by} names a file that is not a string",
+                                     BROKEN_HINT)
+    if "\0" in name:
+        raise CorruptCheckpointError(f"{named_by} names {name!r:.80}, with a NUL byte in it",
                                      BROKEN_HINT)
     parts = name.replace("\\", "/").split("/")
     if os.path.isabs(name) or ".." in parts:
@@ -51,9 +56,15 @@ def member(directory: str, name: object, named_by: str) -> str:
 
 
 def file_size(path: str, shown: str, named_by: str) -> int:
-    """The size of a file the checkpoint needs, or an error naming it."""
+    """The size of a file the checkpoint needs (a regular file: not a
+    directory), or an error naming it."""
     try:
-        return os.stat(path).st_size
+        info = os.stat(path)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptCheckpointError(
+                f"{shown} (named by {named_by}) is not a file",
+                "a checkpoint's files are regular files: copy the checkpoint again")
+        return info.st_size
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{shown} is missing (named by {named_by})",
                                      MISSING_HINT) from exc

@@ -24,6 +24,7 @@ import os
 import re
 from typing import Any
 
+from ckptool import dtypes
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Chunk, FileInfo
@@ -57,8 +58,14 @@ class Unread:
 def read(layout: Layout) -> MultiRead:
     seen = GlobalsSeen()
     metas = [dcp_metadata.parse(layout.directory, name, seen) for name in layout.metadata]
-    warnings = list(layout.notes)
-    merged, others = _merge(metas, warnings)
+    warnings: list[str] = []
+    notes = list(layout.notes)  # what else is there: said, not a problem
+    for name, md in zip(layout.metadata, metas, strict=True):
+        if md.other is not None and not seen.unsafe():  # a hostile one is reported instead
+            raise CorruptCheckpointError(
+                f"{name} holds {brief(md.other)}, not a torch.distributed.checkpoint "
+                "Metadata", BROKEN_HINT)
+    merged, others = _merge(list(zip(layout.metadata, metas, strict=True)), warnings, notes)
     sizes = _data_files(layout, merged)
     root: dict[str, Any] = {}
     storages: dict[str, StorageRef] = {}
@@ -68,6 +75,7 @@ def read(layout: Layout) -> MultiRead:
         problem = dcp_metadata.check_cover(tm.shape, [(o, s) for o, s, _ in tm.boxes])
         if problem:
             raise CorruptCheckpointError(f"{fqn} is not whole: {problem}", BROKEN_HINT)
+        _check_lengths(fqn, tm)
         ref = StorageRef(fqn, tm.dtype, None, math.prod(tm.shape))
         storages[fqn] = ref
         root[fqn] = TensorRecord(tm.shape, tm.dtype, _contiguous(tm.shape), 0, ref, None,
@@ -75,7 +83,7 @@ def read(layout: Layout) -> MultiRead:
         chunks[fqn] = tuple(_chunk(o, s, item) for o, s, item in tm.boxes)
     for fqn, item in merged.values.items():
         root[fqn] = _value(layout, fqn, item, seen, storages, storage_files)
-    extra_roots: dict[str, Any] = {f"<{n}>": obj for n, obj in others}
+    extra_roots: dict[str, Any] = dict(others)
     files = [FileInfo(n, "metadata", None, os.path.getsize(os.path.join(layout.directory, n)))
              for n in layout.metadata]
     files += _file_infos(merged, sizes)
@@ -99,16 +107,17 @@ def read(layout: Layout) -> MultiRead:
     paths = {fqn: tuple(p) for fqn, p in merged.planner.items()
              if all(isinstance(x, (str, int)) for x in p) and p}
     return MultiRead(raw_all, layout.directory, files, storage_files, chunks, groups=groups,
-                     paths=paths)
+                     paths=paths, notes=notes)
 
 
-def _merge(metas: list[Metadata], warnings: list[str]) -> tuple[Metadata, list[tuple[str, Any]]]:
+def _merge(metas: list[tuple[str, Metadata]], warnings: list[str],
+           notes: list[str]) -> tuple[Metadata, list[tuple[str, Any]]]:
     """One Metadata from several (ranks that wrote their own, accelerate's
     sub-directories): a tensor saved whole by more than one keeps the first."""
     out, others, repeated = Metadata(), [], 0
-    for i, md in enumerate(metas):
+    for name, md in metas:
         if md.other is not None:
-            others.append((f".metadata{i}" if len(metas) > 1 else ".metadata", md.other))
+            others.append((name, md.other))
             warnings.append(f"{others[-1][0]} holds {brief(md.other)}, not a "
                             "torch.distributed.checkpoint Metadata: it describes no tensors")
             continue
@@ -130,9 +139,23 @@ def _merge(metas: list[Metadata], warnings: list[str]) -> tuple[Metadata, list[t
             repeated += any(o in known for o, _, _ in tm.boxes)
             have.boxes += [b for b in tm.boxes if b[0] not in known]
     if repeated:
-        warnings.append(f"{plural(repeated, 'tensor')} saved by more than one rank's "
+        notes.append(f"{plural(repeated, 'tensor')} saved by more than one rank's "
                         ".metadata (dcp.save(use_collectives=False)): the first is read")
     return out, others
+
+
+def _check_lengths(fqn: str, tm: TensorMeta) -> None:
+    """Each chunk's item holds at least its elements' bytes (a torch.save
+    archive of them): sizes the file does not back are refused here, before
+    anything is made that large."""
+    itemsize = dtypes.itemsize(tm.dtype)
+    for offsets, sizes, item in tm.boxes:
+        need = math.prod(sizes) * itemsize
+        if need and not item.transforms and item.length < need:
+            raise CorruptCheckpointError(
+                f"{fqn}: its chunk at {list(offsets)} is {list(sizes)} {tm.dtype} "
+                f"({need} bytes), but its item in {item.file} is {item.length} bytes",
+                BROKEN_HINT)
 
 
 def _data_files(layout: Layout, md: Metadata) -> dict[str, int]:
@@ -160,8 +183,9 @@ def _data_files(layout: Layout, md: Metadata) -> dict[str, int]:
         for name in os.listdir(os.path.join(layout.directory, folder) if folder
                                else layout.directory):
             rel = os.path.join(folder, name) if folder else name
-            if name.endswith(".distcp") and rel not in sizes:
-                sizes[rel] = os.path.getsize(os.path.join(layout.directory, rel))
+            path = os.path.join(layout.directory, rel)
+            if name.endswith(".distcp") and rel not in sizes and os.path.isfile(path):
+                sizes[rel] = os.path.getsize(path)  # a rank's file no item names
     return sizes
 
 

@@ -16,7 +16,6 @@ gaps or overlaps.
 
 from __future__ import annotations
 
-import bisect
 import itertools
 import math
 import os
@@ -33,7 +32,8 @@ from ckptool.read.values import StandIn, TorchDtype, brief
 MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.checkpoint.")
 HINT = ("the .metadata file is not what torch.distributed.checkpoint writes; it is damaged, "
         "or was made to look like one")
-MAX_GRID = 1 << 22  # cells of the coverage grid checked exactly; beyond, by volume
+MAX_PAIRS = 1 << 22  # pairs of chunks sharing a slice, checked for overlap
+MAX_GAP_GRID = 1 << 12  # cells searched for the element a gap leaves out
 
 
 @dataclass(frozen=True)
@@ -185,36 +185,53 @@ def _size(value: Any) -> bool:
 def check_cover(shape: tuple[int, ...],
                 boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str | None:
     """None when ``boxes`` (offsets, sizes) fill ``shape`` exactly; else what
-    is wrong: a gap (with the first element no chunk holds), or an overlap."""
-    if math.prod(shape) == 0:
-        return None
-    if len(boxes) == 1 and boxes[0][1] == shape:  # saved whole (offsets are then zeros)
-        return None
+    is wrong: a chunk outside the tensor, two chunks holding one element, or
+    elements no chunk holds. Boxes inside the tensor that do not overlap and
+    whose volumes add up to the tensor's fill it exactly; overlaps are found
+    by a sweep along the dimension the chunks are cut in most, so the cost is
+    the number of chunks (times those sharing a slice of that dimension),
+    never the tensor's size."""
+    total = math.prod(shape)
     full = [(o, s) for o, s in boxes if math.prod(s) > 0]
-    cuts = [sorted({0, d, *(o[i] for o, _ in full), *(o[i] + s[i] for o, s in full)})
-            for i, d in enumerate(shape)]
-    cells = math.prod(len(c) - 1 for c in cuts)
-    if cells > MAX_GRID:
-        held = sum(math.prod(s) for _, s in full)
-        total = math.prod(shape)
-        return None if held == total else f"its chunks hold {held} of its {total} elements"
-    strides = [math.prod(len(c) - 1 for c in cuts[i + 1:]) for i in range(len(cuts))]
-    filled = bytearray(cells)
     for offsets, sizes in full:
-        ranges = [range(bisect.bisect_left(c, o), bisect.bisect_left(c, o + s))
-                  for c, o, s in zip(cuts, offsets, sizes, strict=True)]
-        for cell in itertools.product(*ranges):
-            at = sum(i * st for i, st in zip(cell, strides, strict=True))
-            if filled[at]:
-                start = [c[i] for c, i in zip(cuts, cell, strict=True)]
-                return f"two of its chunks both hold the element at {start}"
-            filled[at] = 1
-    gap = filled.find(0)
-    if gap < 0:
+        if any(o < 0 or o + n > d for o, n, d in zip(offsets, sizes, shape, strict=True)):
+            return f"a chunk at {list(offsets)} of shape {list(sizes)} lies outside it"
+    if total == 0 or (len(full) == 1 and full[0][1] == shape):
         return None
-    coords = []
-    for st in strides:
-        coords.append(gap // st)
-        gap %= st
-    start = [c[i] for c, i in zip(cuts, coords, strict=True)]
-    return f"no chunk holds the element at {start}"
+    if shape:
+        dim = max(range(len(shape)), key=lambda i: len({o[i] for o, _ in full}))
+        full.sort(key=lambda b: b[0][dim])
+        checks = 0
+        for i, (oa, sa) in enumerate(full):
+            end = oa[dim] + sa[dim]
+            for ob, sb in full[i + 1:]:
+                if ob[dim] >= end:
+                    break
+                checks += 1
+                if checks > MAX_PAIRS:
+                    return f"its {len(full)} chunks overlap too much to be checked"
+                if all(x < y + m and y < x + n for x, n, y, m in zip(oa, sa, ob, sb, strict=True)):
+                    start = [max(x, y) for x, y in zip(oa, ob, strict=True)]
+                    return f"two of its chunks both hold the element at {start}"
+    held = sum(math.prod(s) for _, s in full)
+    if held == total:
+        return None
+    gap = _first_gap(shape, full)
+    return (f"no chunk holds the element at {gap}" if gap is not None
+            else f"its chunks hold {held} of its {total} elements")
+
+
+def _first_gap(shape: tuple[int, ...],
+               boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[int] | None:
+    """The first element no box holds, on the grid the boxes' edges cut
+    (when that grid is small: it only names the gap in the error)."""
+    cuts = [sorted({0, d, *(o[i] for o, _ in boxes), *(o[i] + s[i] for o, s in boxes)})
+            for i, d in enumerate(shape)]
+    if math.prod(len(c) - 1 for c in cuts) > MAX_GAP_GRID:
+        return None
+    for cell in itertools.product(*(range(len(c) - 1) for c in cuts)):
+        start = [c[i] for c, i in zip(cuts, cell, strict=True)]
+        if not any(all(o <= x < o + n for x, o, n in zip(start, offs, sizes, strict=True))
+                   for offs, sizes in boxes):
+            return start
+    return None

@@ -46,7 +46,7 @@ def read(layout: Layout) -> MultiRead:
     seen = GlobalsSeen()
     holder: dict[str, str] = {}  # tensor name -> the shard it was found in
     files = [FileInfo(layout.index, "index", None, os.path.getsize(index_path))]
-    warnings = list(layout.notes)
+    warnings: list[str] = []
     shard_formats: set[str] = set()
     byteorder: dict[str, str] = {}
     for shard in sorted(set(weight_map.values())):
@@ -81,7 +81,8 @@ def read(layout: Layout) -> MultiRead:
     if byteorder:
         meta["byteorder"] = byteorder
     raw_all = RawRead(fmt, root, storages, seen, meta, warnings=warnings)
-    return MultiRead(raw_all, layout.directory, files, storage_files, aliases=aliases)
+    return MultiRead(raw_all, layout.directory, files, storage_files, aliases=aliases,
+                     notes=list(layout.notes))
 
 
 def _load_index(path: str, name: str) -> dict[str, Any]:

@@ -32,6 +32,7 @@ from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
 FILE, HF, DCP = "file", "hf", "dcp"
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 ACCELERATE_DIRS = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?$")
 INDEX_NAME = re.compile(r"\.index(\.[^./]+)?\.json$")
 PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -86,16 +87,32 @@ def _directory(path: str) -> Layout:
                                                        if RANK_METADATA.match(n)]
     if metadata:
         return _dcp(path, files, metadata)
-    indexes = [n for n in files if INDEX_NAME.search(n) and _index_json(os.path.join(path, n))]
+    named = [n for n in files if INDEX_NAME.search(n)]
+    indexes = [n for n in named if _index_json(os.path.join(path, n))]
     if indexes:
         return _hf(path, indexes)
+    if named and any(n in PREFERRED_INDEXES for n in named):
+        broken = next(n for n in named if n in PREFERRED_INDEXES)
+        raise CorruptCheckpointError(
+            f"{os.path.join(path, broken)} is not a shard index: no JSON object with a "
+            "\"weight_map\" of tensor names to shard files (damaged, cut short, or over "
+            f"{MAX_INDEX_BYTES >> 20} MiB)",
+            "download or copy the index again; to read one shard alone, name it")
     wrapped = sorted((d for d in dirs if ACCELERATE_DIRS.match(d)
                       and _holds_dcp(os.path.join(path, d))),
                      key=lambda d: (not d.startswith("pytorch_model"), d))  # the model first
     if wrapped:
-        metas = tuple(f"{d}/{METADATA}" for d in wrapped)
-        notes = (f"{path} also holds {_names(files)}, not part of the sharded model: "
-                 "inspect them by name",) if files else ()
+        # accelerate numbers a second model (and its optimizer) _1, _2...: the
+        # first one's are read, the others named (their keys would collide)
+        first = [d for d in wrapped if _accelerate_index(d) == 0]
+        later = [d for d in wrapped if d not in first]
+        metas = tuple(f"{d}/{METADATA}" for d in first or wrapped[:1])
+        notes: tuple[str, ...] = (
+            f"{path} also holds {_names(files)}, not part of the sharded model: "
+            "inspect them by name",) if files else ()
+        if later:
+            notes += (f"{path} also holds {_names([d + '/' for d in later])}: another "
+                      "model's or optimizer's checkpoint, read alone by naming it",)
         return Layout(DCP, path, path, metadata=metas, wrapper="accelerate", notes=notes)
     return _lone_file(path, files, dirs)
 
@@ -130,6 +147,13 @@ def _hf(path: str, indexes: list[str]) -> Layout:
 
 
 def _lone_file(path: str, files: list[str], dirs: list[str]) -> Layout:
+    data = [n for n in files if DATA_FILE.match(n)]
+    if data:  # `cp src/* dst/` leaves .metadata behind; DCP writes it last
+        raise CorruptCheckpointError(
+            f"{path} holds torch.distributed.checkpoint data files ({_names(data)}) but no "
+            ".metadata to say what is in them",
+            "copy the checkpoint's .metadata too (`cp src/* dst/` skips dot files), or wait "
+            "for the save to finish: it writes .metadata last")
     found = [n for n in files[:MAX_SNIFFED] if _is_checkpoint_file(os.path.join(path, n))]
     if len(found) == 1:
         return Layout(FILE, path, path, file=os.path.join(path, found[0]))
@@ -152,6 +176,13 @@ def _lone_file(path: str, files: list[str], dirs: list[str]) -> Layout:
         f"{path} is a directory with no checkpoint in it: it holds {what}",
         "ckptool reads a checkpoint file, a directory of Hugging Face shards with their "
         "*.index.json, or a torch.distributed.checkpoint directory (.metadata + *.distcp)")
+
+
+def _accelerate_index(name: str) -> int:
+    """``pytorch_model_fsdp_1`` -> 1 (accelerate's number of the model or
+    optimizer); no number is 0."""
+    m = ACCELERATE_DIRS.match(name)
+    return int(m.group(2)[1:]) if m and m.group(2) else 0
 
 
 def _holds_dcp(folder: str) -> bool:
