@@ -184,3 +184,43 @@ def test_a_second_accelerate_model_is_named_not_merged(tmp_path: Path) -> None:
         "pytorch_model_fsdp_0/.metadata", "optimizer_0/.metadata"]
     assert any("pytorch_model_fsdp_1/" in n for n in ckpt.metadata["notes"])
     assert ckpt.warnings == []
+
+
+class RunsCode:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_chunk_that_is_a_payload_is_named_unsafe(tmp_path: Path,
+                                                   run_cli: Callable[..., CliResult]) -> None:
+    marker = tmp_path / "ran"
+    folder = build(tmp_path / "evil", {"w": (((2, 2), torch.float32), [
+        ((0, 0), (2, 2), RunsCode(marker))])})
+    code, out, err = run_cli("convert", str(folder), str(tmp_path / "out.pt"))
+    assert (code, out) == (3, "") and "names unsafe globals (posix.system)" in err, err
+    code, out, err = run_cli("diff", str(folder), str(folder))  # values not compared, and why
+    assert "names unsafe globals (posix.system)" in " ".join(out.split()), out
+    assert not marker.exists() and not (tmp_path / "out.pt").exists()
+
+
+def test_an_index_that_names_no_tensors(tmp_path: Path,
+                                        run_cli: Callable[..., CliResult]) -> None:
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    hub.save_torch_state_dict({"a": torch.ones(300, 16), "b": torch.ones(300, 16)}, folder,
+                              max_shard_size="10KB")
+    index = folder / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    refused(run_cli, folder, "names no tensors: its weight_map is empty", tmp_path)
+
+
+def test_a_missing_file_is_named_with_the_metadata_that_names_it(
+        tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    folder = tmp_path / "acc"
+    shutil.copytree(FIXTURES / "accelerate_fsdp", folder)
+    (folder / "optimizer_0" / "__1_0.distcp").unlink()
+    refused(run_cli, folder, "optimizer_0/__1_0.distcp is missing (named by "
+            "optimizer_0/.metadata)", tmp_path)

@@ -163,10 +163,12 @@ def _data_files(layout: Layout, md: Metadata) -> dict[str, int]:
     the items' byte ranges, and starts a tensor item with a torch.save archive."""
     items = [item for tm in md.tensors.values() for _, _, item in tm.boxes]
     items += list(md.values.values())
-    named_by = layout.metadata[0]
     sizes: dict[str, int] = {}
     for item in items:
         if item.file not in sizes:
+            folder = os.path.dirname(item.file)  # accelerate's sub-directories name their own
+            named_by = next((m for m in layout.metadata if os.path.dirname(m) == folder),
+                            layout.metadata[0])
             path = member(layout.directory, item.file, named_by)
             sizes[item.file] = file_size(path, item.file, named_by)
         if item.offset + item.length > sizes[item.file]:

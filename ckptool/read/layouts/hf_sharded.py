@@ -96,6 +96,9 @@ def _load_index(path: str, name: str) -> dict[str, Any]:
             isinstance(v, str) for v in weight_map.values()):
         raise CorruptCheckpointError(f"{name} has no weight_map of tensor names to shard "
                                      "file names", INDEX_HINT)
+    if not weight_map:
+        raise CorruptCheckpointError(f"{name} names no tensors: its weight_map is empty",
+                                     INDEX_HINT)
     return data
 
 

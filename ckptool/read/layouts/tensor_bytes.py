@@ -104,6 +104,11 @@ def _read_chunk(ckpt: Checkpoint, tensor: TensorInfo, chunk: Chunk) -> torch.Ten
     raw, offsets = embedded.read_item(path, shown, chunk.byte_offset, chunk.byte_length,
                                       chunk.transforms)
     rec = raw.root
+    unsafe = raw.seen.unsafe()
+    if unsafe:  # read with ckptool's unpickler: nothing ran; said as what it is
+        raise UnsupportedCheckpointError(
+            f"{shown} names unsafe globals ({', '.join(unsafe)}), not a plain tensor",
+            "the checkpoint was tampered with: do not load it with torch")
     if not (isinstance(rec, TensorRecord) and rec.storage is not None
             and rec.stride is not None and rec.layout == "strided"):
         raise CorruptCheckpointError(f"{shown} is not a plain tensor", BROKEN_HINT)
