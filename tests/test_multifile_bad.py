@@ -71,6 +71,15 @@ def build(folder: Path, tensors: dict[str, tuple[Any, list[Box]]],
     return folder
 
 
+def hf_dir(tmp_path: Path) -> Path:
+    """Two safetensors shards and their index, by huggingface_hub."""
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    hub.save_torch_state_dict({"a": torch.ones(300, 16), "b": torch.ones(300, 16)}, folder,
+                              max_shard_size="10KB")
+    return folder
+
+
 def refused(run_cli: Callable[..., CliResult], path: Path, message: str,
             tmp_path: Path) -> None:
     """Every command refuses ``path`` with ``message``, exit 3, and writes nothing."""
@@ -84,10 +93,7 @@ def refused(run_cli: Callable[..., CliResult], path: Path, message: str,
 
 
 def test_a_nul_byte_in_a_shard_name(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    hub.save_torch_state_dict({"a": torch.ones(300, 16), "b": torch.ones(300, 16)}, folder,
-                              max_shard_size="10KB")
+    folder = hf_dir(tmp_path)
     index = folder / "model.safetensors.index.json"
     data = json.loads(index.read_text())
     data["weight_map"]["a"] = "a\u0000b"
@@ -126,10 +132,7 @@ def test_a_gap_is_named(tmp_path: Path, run_cli: Callable[..., CliResult]) -> No
 
 
 def test_a_shard_that_is_a_directory(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    hub.save_torch_state_dict({"a": torch.ones(300, 16), "b": torch.ones(300, 16)}, folder,
-                              max_shard_size="10KB")
+    folder = hf_dir(tmp_path)
     shard = sorted(folder.glob("model-*.safetensors"))[1]
     inner = tmp_path / "inner.safetensors"
     shard.rename(inner)
@@ -156,10 +159,7 @@ def test_metadata_that_is_some_other_pickle(tmp_path: Path,
 
 
 def test_a_broken_index(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    hub.save_torch_state_dict({"a": torch.ones(300, 16), "b": torch.ones(300, 16)}, folder,
-                              max_shard_size="10KB")
+    folder = hf_dir(tmp_path)
     index = folder / "model.safetensors.index.json"
     index.write_bytes(index.read_bytes()[:40])  # cut short
     refused(run_cli, folder, "model.safetensors.index.json is not a shard index", tmp_path)
@@ -208,10 +208,7 @@ def test_a_chunk_that_is_a_payload_is_named_unsafe(tmp_path: Path,
 
 def test_an_index_that_names_no_tensors(tmp_path: Path,
                                         run_cli: Callable[..., CliResult]) -> None:
-    folder = tmp_path / "hf"
-    folder.mkdir()
-    hub.save_torch_state_dict({"a": torch.ones(300, 16), "b": torch.ones(300, 16)}, folder,
-                              max_shard_size="10KB")
+    folder = hf_dir(tmp_path)
     index = folder / "model.safetensors.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": {}}))
     refused(run_cli, folder, "names no tensors: its weight_map is empty", tmp_path)
