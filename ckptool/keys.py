@@ -80,8 +80,9 @@ class Filter:
         self.pattern = pattern = pattern.strip()
         self.fold = pattern == pattern.lower()
         self.glob = not GLOB_CHARS.isdisjoint(pattern)
-        # the whole key, or what follows a "/" in it (a state-dict name)
-        self._rx = (re.compile(r"(?:.*/)?" + fnmatch.translate(pattern),
+        # the whole key, or what follows a "/" in it (a state-dict name); an
+        # escaped "\/" is part of a name, never where one starts
+        self._rx = (re.compile(r"(?:(?:[^\\]|\\.)*/)?" + fnmatch.translate(pattern),
                                re.IGNORECASE | re.DOTALL if self.fold else re.DOTALL)
                     if self.glob else None)
         # the usual globs need no regex (a tenth of the time on 100,000 keys):
@@ -104,7 +105,9 @@ class Filter:
                 return [k.endswith(core) for k in keys]
             if self._plain == "start":
                 after = "/" + core
-                return [k.startswith(core) or after in k for k in keys]
+                return [k.startswith(core) or (after in k and (
+                    "\\" not in k or any(p.startswith(core) for p in pieces(k))))
+                    for k in keys]
             return [core in k for k in keys]
         if self._rx is not None:
             match = self._rx.match

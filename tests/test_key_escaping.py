@@ -22,7 +22,7 @@ from safetensors import safe_open
 
 import ckptool
 from ckptool.check.diff import diff_checkpoints
-from ckptool.keys import escape, join_key, key_of, pieces, split_key, unescape
+from ckptool.keys import Filter, escape, join_key, key_of, pieces, split_key, unescape
 from ckptool.model import TensorInfo
 from ckptool.tui.index import Index, Node, leaf_name
 
@@ -274,3 +274,11 @@ def test_streaming_preview_keys_match_the_final_read(tmp_path: Path) -> None:
     assert sorted(t.key for t in partial) == sorted(final)
     for t in partial:
         assert t == final[t.key], t.key
+
+
+@pytest.mark.parametrize("pattern", ["b*", "b?w*"])
+def test_a_filter_never_starts_a_name_at_an_escaped_slash(pattern: str) -> None:
+    """'a\\/b.weight' is one name, "a/b.weight": a glob for names starting
+    with b does not match it; after an escaped backslash, '/' separates."""
+    keys = ["a\\/b.weight", "x/b.weight", "b.weight", "q\\\\/b.weight"]
+    assert Filter(pattern).mask(keys) == [False, True, True, True]
