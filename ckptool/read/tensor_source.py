@@ -4,9 +4,10 @@ Views that read values (``diff``, the browser's statistics) take a
 ``Checkpoint`` and should not care how many files it is:
 
 - ``TensorValues(ckpt).values(t)``: ``t``'s values as its file holds them.
-  A single file is read through one open ``TensorData``; a checkpoint of
-  many files through ``layouts.tensor_bytes.read_tensor`` (the tensor's
-  shard, or its chunks made whole), so memory follows that one tensor.
+  A single file is read through one open ``TensorData``, a shard through
+  one per shard (``reader``, kept open until ``close``: the writers copy
+  from them too), and a DCP tensor made whole from its chunks
+  (``layouts.tensor_bytes.read_tensor``), so memory follows that one tensor.
 - ``WholeTensors(ckpt)`` with ``contiguous(t)``: for code that reads a
   tensor in pieces (``ckptool.check.stats``): on a checkpoint of many files
   the logical tensor is read once, whole, and the pieces are views into it,
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ckptool.errors import UnsupportedCheckpointError
 from ckptool.model import Checkpoint, TensorInfo
-from ckptool.read.layouts.tensor_bytes import read_tensor
+from ckptool.read.layouts.tensor_bytes import file_view, read_tensor
 from ckptool.read.tensor_data import TensorData
 
 if TYPE_CHECKING:
@@ -47,8 +48,8 @@ class TensorValues:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
-        self._data: TensorData | None = None
-        self._error: UnsupportedCheckpointError | None = None
+        self._readers: dict[str | None, TensorData] = {}  # by file (None: the one file)
+        self._errors: dict[str | None, UnsupportedCheckpointError] = {}
 
     def __enter__(self) -> TensorValues:
         return self
@@ -58,23 +59,31 @@ class TensorValues:
         self.close()
 
     def close(self) -> None:
-        if self._data is not None:
-            self._data.close()
-            self._data = None
+        for reader in self._readers.values():
+            reader.close()
+        self._readers.clear()
+
+    def reader(self, tensor: TensorInfo) -> TensorData:
+        """The reader of the one file, or of the shard, that holds ``tensor``
+        (not a DCP tensor's: it has chunks), opened on first use."""
+        key = located(self.ckpt, tensor).file if self.ckpt.is_multifile else None
+        if key in self._errors:
+            raise self._errors[key]
+        if key not in self._readers:
+            try:
+                self._readers[key] = TensorData(
+                    self.ckpt if key is None else file_view(self.ckpt, key))
+            except UnsupportedCheckpointError as exc:
+                self._errors[key] = exc
+                raise
+        return self._readers[key]
 
     def values(self, tensor: TensorInfo) -> torch.Tensor:
         """``tensor``'s values as a CPU tensor of its shape."""
-        if self.ckpt.is_multifile:
-            return read_tensor(self.ckpt, located(self.ckpt, tensor))
-        if self._error is not None:
-            raise self._error
-        if self._data is None:
-            try:
-                self._data = TensorData(self.ckpt)
-            except UnsupportedCheckpointError as exc:
-                self._error = exc
-                raise
-        return self._data.values(tensor)
+        if tensor.chunks or (self.ckpt.is_multifile and located(self.ckpt, tensor).file
+                             is None):  # read_tensor makes it whole, or says why not
+            return read_tensor(self.ckpt, tensor)
+        return self.reader(tensor).values(tensor)
 
 
 def located(ckpt: Checkpoint, tensor: TensorInfo) -> TensorInfo:

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING
 
 from ckptool import dtypes
 from ckptool.model import Checkpoint, Chunk, TensorInfo
-from ckptool.read.layouts import embedded, tensor_bytes
+from ckptool.read.layouts import embedded
 from ckptool.read.tensor_data import TensorData
+from ckptool.read.tensor_source import TensorValues
 from ckptool.read.tensors import TensorRecord
 from ckptool.write.layout import Made, Segment, Span, cast_bytes, tensor_segment
 
@@ -40,8 +41,8 @@ class TensorSource:
 
     def __init__(self, ckpt: Checkpoint) -> None:
         self.ckpt = ckpt
-        self._readers: dict[str | None, TensorData] = {}
-        self._fds: dict[str, int] = {}
+        self._values = TensorValues(ckpt)
+        self._fds: dict[str, int] = {}  # the .distcp files whole-row chunks are copied from
 
     def __enter__(self) -> TensorSource:
         return self
@@ -50,20 +51,14 @@ class TensorSource:
         self.close()
 
     def close(self) -> None:
-        for reader in self._readers.values():
-            reader.close()
+        self._values.close()
         for fd in self._fds.values():
             os.close(fd)
-        self._readers.clear()
         self._fds.clear()
 
     def reader(self, t: TensorInfo) -> TensorData:
         """The single-file reader of the file that holds ``t`` (not DCP)."""
-        key = t.file if self.ckpt.is_multifile else None
-        if key not in self._readers:
-            view = self.ckpt if key is None else tensor_bytes.file_view(self.ckpt, key)
-            self._readers[key] = TensorData(view)
-        return self._readers[key]
+        return self._values.reader(t)
 
     def segments(self, t: TensorInfo, dtype: str, at: int, name: str) -> list[Segment]:
         """``t``'s bytes as ``dtype`` written at ``at``: one segment, or for a
@@ -83,9 +78,7 @@ class TensorSource:
 
     def values(self, t: TensorInfo) -> torch.Tensor:
         """``t`` as one contiguous CPU tensor."""
-        if self.ckpt.is_multifile:
-            return tensor_bytes.read_tensor(self.ckpt, t)
-        return self.reader(t).values(t).contiguous()
+        return self._values.values(t).contiguous()
 
     def _made(self, t: TensorInfo, dtype: str, at: int, name: str) -> Made:
         size = t.numel * dtypes.itemsize(dtype)
