@@ -59,9 +59,15 @@ class TensorInfo:
 
 @dataclass(frozen=True)
 class Chunk:
-    """One piece of a tensor saved in chunks (DCP): the box it fills in the
-    whole tensor, and where its bytes lie (a ``torch.save`` archive of the
-    piece, embedded in ``file`` at ``byte_offset``)."""
+    """One piece of a tensor saved in chunks: the box it fills in the whole
+    tensor, and where its bytes lie.
+
+    - DCP: a ``torch.save`` archive of the piece, embedded in ``file`` at
+      ``byte_offset``;
+    - ``flat`` (DeepSpeed ZeRO partitions): ``offsets`` and ``sizes`` are one
+      run of elements of the tensor flattened, whose raw little-endian
+      elements lie at ``byte_offset`` in ``file`` (inside a storage record),
+      as ``dtype`` when that is not the tensor's (a cast on reading)."""
 
     file: str  # relative to Checkpoint.directory: "__1_0.distcp"
     offsets: tuple[int, ...]  # where the box starts, per dimension
@@ -70,6 +76,8 @@ class Chunk:
     byte_length: int
     rank: int | None = None  # the rank that wrote it (from "__<rank>_<n>.distcp")
     transforms: tuple[str, ...] = ()  # what to undo first ("stream.zstd/1")
+    flat: bool = False
+    dtype: str | None = None
 
 
 @dataclass(frozen=True)

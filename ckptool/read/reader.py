@@ -21,7 +21,7 @@ from ckptool.keys import escape, join_key, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
 from ckptool.read import formats, observe, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
-from ckptool.read.layouts import dcp, hf_sharded, recognise
+from ckptool.read.layouts import dcp, deepspeed, hf_sharded, recognise
 from ckptool.read.layouts.base import MultiRead
 from ckptool.read.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
@@ -85,6 +85,8 @@ def read_layout(layout: recognise.Layout) -> MultiRead:
     with formats.explained(layout.path):
         if layout.kind == recognise.HF:
             return hf_sharded.read(layout)
+        if layout.kind == recognise.DEEPSPEED:
+            return deepspeed.read(layout)
         return dcp.read(layout)
 
 

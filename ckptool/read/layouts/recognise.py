@@ -10,6 +10,10 @@ content, and a clear error for anything else.
   ``.ckpt`` directory when a ``meta.pt`` sits beside it;
 - a directory whose DCP checkpoints sit in accelerate's sub-directories
   (``pytorch_model_fsdp_0/``, ``optimizer_0/``): those, read together;
+- DeepSpeed: a tag directory holding ``*_model_states.pt`` (and, under ZeRO,
+  ``*_optim_states.pt``), or the directory above it whose ``latest`` names
+  the tag (Lightning's DeepSpeed ``.ckpt`` directory is one: tag
+  ``checkpoint``); without ``latest``, its one tag directory;
 - a directory holding exactly one checkpoint file (by its first bytes:
   torch zip, legacy torch, safetensors): that file.
 
@@ -29,23 +33,28 @@ from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
 
-FILE, HF, DCP = "file", "hf", "dcp"
+FILE, HF, DCP, DEEPSPEED = "file", "hf", "dcp", "deepspeed"
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 ACCELERATE_DIRS = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?$")
+MODEL_STATES = re.compile(r"_model_states\.pt$")
+LATEST = "latest"
+MAX_TAG_BYTES = 1024
 INDEX_NAME = re.compile(r"\.index(\.[^./]+)?\.json$")
 PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 MAX_INDEX_BYTES = 256 << 20  # an index of a million names is ~60 MB
 MAX_SNIFFED = 4096  # files whose first bytes are read to find a lone checkpoint
 LIST_SHOWN = 6
+# the scripts DeepSpeed copies beside every checkpoint (never run: just files)
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 @dataclass(frozen=True)
 class Layout:
-    """What ``recognise`` found: one file, HF shards, or DCP."""
+    """What ``recognise`` found: one file, HF shards, DCP, or DeepSpeed."""
 
-    kind: str  # FILE, HF or DCP
+    kind: str  # FILE, HF, DCP or DEEPSPEED
     path: str  # as given
     directory: str  # the folder every file name below is relative to
     file: str | None = None  # FILE: the one checkpoint file (a full path)
@@ -54,6 +63,7 @@ class Layout:
     extras: tuple[str, ...] = ()  # files read beside (Lightning's meta.pt)
     wrapper: str | None = None  # "lightning" or "accelerate" (DCP)
     notes: tuple[str, ...] = ()  # what else the directory holds, said as warnings
+    tag: str | None = None  # DEEPSPEED: the tag (the directory's name, or ``latest``'s)
 
 
 def recognise(path: str) -> Layout | None:
@@ -114,7 +124,58 @@ def _directory(path: str) -> Layout:
             notes += (f"{path} also holds {_names([d + '/' for d in later])}: another "
                       "model's or optimizer's checkpoint, read alone by naming it",)
         return Layout(DCP, path, path, metadata=metas, wrapper="accelerate", notes=notes)
+    deepspeed = _deepspeed(path, files, dirs)
+    if deepspeed is not None:
+        return deepspeed
     return _lone_file(path, files, dirs)
+
+
+def _deepspeed(path: str, files: list[str], dirs: list[str]) -> Layout | None:
+    """A DeepSpeed tag directory, or the directory above one."""
+    if any(MODEL_STATES.search(n) for n in files):
+        tag = os.path.basename(os.path.normpath(os.path.abspath(path)))
+        return Layout(DEEPSPEED, path, path, tag=tag)
+    tags = [d for d in dirs if any(MODEL_STATES.search(n)
+                                   for n in _listing(os.path.join(path, d)))]
+    tag = _latest(path) if LATEST in files else None
+    others = [n for n in files if n not in (LATEST, *RECOVERY_SCRIPTS)]
+    notes = (f"{path} also holds {_names(others)}, not part of the DeepSpeed checkpoint: "
+             "inspect them by name",) if others else ()
+    if tag is not None:
+        if tag not in dirs:
+            raise CorruptCheckpointError(
+                f"{os.path.join(path, LATEST)} names the tag {tag!r}, but {path} has no "
+                f"{tag}/ directory" + (f" (it has {_names([d + '/' for d in tags])})"
+                                       if tags else ""),
+                "the save was interrupted, or the tag directory was not copied; name a tag "
+                "directory to read it" if tags else "copy the whole checkpoint directory again")
+        return Layout(DEEPSPEED, path, os.path.join(path, tag), tag=tag, notes=notes)
+    lone = any(_is_checkpoint_file(os.path.join(path, n)) for n in others)
+    if len(tags) == 1 and not lone:
+        return Layout(DEEPSPEED, path, os.path.join(path, tags[0]), tag=tags[0], notes=notes)
+    if tags and not lone:
+        raise InputError(
+            f"{path} holds {plural(len(tags), 'DeepSpeed checkpoint')} "
+            f"({_names([d + '/' for d in tags])}) and no 'latest' file saying which is current",
+            f"name the one to read: ckptool inspect {os.path.join(path, tags[-1])}")
+    return None
+
+
+def _latest(path: str) -> str | None:
+    """The tag a DeepSpeed ``latest`` file names (one line of text), or None."""
+    try:
+        with open(os.path.join(path, LATEST), "rb") as f:
+            data = f.read(MAX_TAG_BYTES + 1)
+    except OSError:
+        return None
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+    if not tag or len(data) > MAX_TAG_BYTES or "\n" in tag or "\0" in tag or "/" in tag \
+            or "\\" in tag or tag in (".", ".."):
+        return None
+    return tag
 
 
 def _dcp(path: str, files: list[str], metadata: list[str]) -> Layout:
@@ -236,4 +297,6 @@ def describe(layout: Layout) -> str:
         wrapper = {"lightning": " (Lightning, with meta.pt)",
                    "accelerate": " (accelerate FSDP)"}.get(layout.wrapper or "", "")
         return f"a torch.distributed.checkpoint directory{wrapper}"
+    if layout.kind == DEEPSPEED:
+        return f"a DeepSpeed checkpoint (tag {layout.tag})"
     return f"a directory holding one checkpoint file ({layout.file})"

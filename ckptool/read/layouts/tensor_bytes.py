@@ -84,6 +84,8 @@ def _assemble(ckpt: Checkpoint, tensor: TensorInfo) -> torch.Tensor:
     if not isinstance(dtype, torch.dtype):
         raise UnsupportedCheckpointError(f"this torch has no dtype {tensor.dtype}",
                                          "upgrade torch to read these values")
+    if tensor.chunks[0].flat:
+        return _assemble_flat(ckpt, tensor, dtype)
     filled = [c for c in tensor.chunks if math.prod(c.sizes)]
     if len(filled) == 1 and filled[0].sizes == tensor.shape:  # saved whole: no second copy
         return _read_chunk(ckpt, tensor, filled[0]).contiguous()
@@ -95,6 +97,41 @@ def _assemble(ckpt: Checkpoint, tensor: TensorInfo) -> torch.Tensor:
         box = tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes, strict=True))
         out[box] = part
     return out
+
+
+def _assemble_flat(ckpt: Checkpoint, tensor: TensorInfo, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor made of runs of raw elements (DeepSpeed's partitions): each
+    run read straight into its place (or read, then cast, where it is
+    stored as another dtype)."""
+    import torch
+
+    assert ckpt.directory is not None
+    out = torch.empty(tensor.numel, dtype=dtype)
+    whole = out.view(torch.uint8).numpy() if tensor.numel else None
+    itemsize = out.element_size()
+    for chunk in tensor.chunks:
+        (at,), (count,) = chunk.offsets, chunk.sizes
+        if not chunk.flat or at < 0 or count < 0 or at + count > tensor.numel:
+            raise CorruptCheckpointError(f"{tensor.key}: a run at {at} of {count} elements "
+                                         "lies outside it", BROKEN_HINT)
+        if count == 0:
+            continue
+        with open(os.path.join(ckpt.directory, chunk.file), "rb") as f:
+            f.seek(chunk.byte_offset)
+            if chunk.dtype is None and whole is not None:
+                view = memoryview(whole)[at * itemsize:(at + count) * itemsize]
+                got = f.readinto(view)
+                data = None
+            else:
+                data = bytearray(chunk.byte_length)
+                got = f.readinto(data)
+        if got != chunk.byte_length:
+            raise CorruptCheckpointError(
+                f"{chunk.file} ends before the bytes of {tensor.key} (truncated)", BROKEN_HINT)
+        if data is not None:
+            stored = getattr(torch, chunk.dtype or tensor.dtype)
+            out[at:at + count] = torch.frombuffer(data, dtype=stored).to(dtype)
+    return out.view(tensor.shape)
 
 
 def _read_chunk(ckpt: Checkpoint, tensor: TensorInfo, chunk: Chunk) -> torch.Tensor:
