@@ -78,3 +78,20 @@ def make_net(width: int = 8) -> nn.Module:
 
 
 NOT_CALLABLE = 3
+
+
+class DSTiny(nn.Module):
+    """The model of the DeepSpeed fixtures (tests/fixtures/deepspeed/make_deepspeed.py)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(32, 8)
+        self.lin = nn.Linear(8, 24)
+        self.norm = nn.LayerNorm(24)
+        self.frozen = nn.Linear(24, 5)
+        self.out = nn.Linear(24, 3)
+        self.head = nn.Linear(8, 32, bias=False)
+        self.head.weight = self.emb.weight
+        self.register_buffer("buf", torch.arange(4.0))
+        self.register_buffer("counts", torch.tensor([1, 2, 3], dtype=torch.int64))
+        self.register_buffer("scratch", torch.ones(2), persistent=False)

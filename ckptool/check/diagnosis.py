@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from ckptool.check import findings, loadcheck, manyfiles
+from ckptool.check import findings, loadcheck, manyfiles, zerofix
 from ckptool.check.findings import ERROR, WARNING, Finding
 from ckptool.check.fixcommand import plan_command, shell_name
 from ckptool.check.gpus import Machine, probe
@@ -48,14 +48,15 @@ class Diagnosis:
         """Codes of findings that ``fix_command`` does not repair."""
         fixed = self.fix_command is not None
         return [f.code for f in self.findings
-                if not (fixed and f.fix and f.fix.startswith("ckptool fix "))]
+                if not (fixed and f.fix and (f.fix.startswith("ckptool fix ")
+                                             or f.fix == self.fix_command))]
 
     def load_errors(self) -> list[str]:
         """What plain ``torch.load(path)`` raises here, one line per cause
         (for Hugging Face ``.bin`` shards: ``torch.load`` of a shard)."""
         out = [f"RuntimeError: {t.error}" for t in self.tags if t.error]
-        if self.checkpoint.format == "dcp":  # dcp.load: no weights_only, no device
-            return out
+        if self.checkpoint.format in ("dcp", "deepspeed"):  # not torch.load's to load
+            return [] if self.checkpoint.format == "deepspeed" else out
         refused = loadcheck.refused_globals(self.checkpoint)
         if not loadcheck.weights_only_default():
             return out
@@ -79,10 +80,14 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     opts = FixOptions()
     name = shell_name(ckpt.path)
     result.findings += findings.format_findings(ckpt, name)
-    result.findings += findings.device_findings(ckpt, tags, machine, opts, name)
-    result.findings += findings.memory_findings(tags, machine)
-    result.findings += findings.wrapping_findings(ckpt, opts, name)
-    result.findings += findings.global_findings(ckpt, opts, name)
+    consolidate = zerofix.plan(ckpt)  # DeepSpeed: convert first; fix then works on that file
+    if consolidate is not None:
+        result.findings.append(consolidate.finding)
+    else:  # (a DeepSpeed checkpoint's devices and classes stay behind in its files)
+        result.findings += findings.device_findings(ckpt, tags, machine, opts, name)
+        result.findings += findings.memory_findings(tags, machine)
+        result.findings += findings.wrapping_findings(ckpt, opts, name)
+        result.findings += findings.global_findings(ckpt, opts, name)
     result.findings += findings.content_findings(ckpt)
     # DCP: the keys carry the entry they were saved under ("model."), which
     # is how they are loaded (dcp.load({"model": sd})): compared without it
@@ -90,6 +95,10 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     if ckpt.main_state_dict is not None and model is not None:
         tensors = ckpt.state_dict()
         names = ckpt.main_state_dict.keys  # extra-state entries too: strict loading checks them
+        if consolidate is not None:  # the converted file holds the tied names too
+            tensors = {**tensors, **{a: tensors[k] for a, k in ckpt.aliases.items()
+                                     if k in tensors}}
+            names = (*names, *(a for a in ckpt.aliases if a in tensors))
         result.keys = reconcile({n[len(entry):]: tensors[n].shape if n in tensors else None
                                  for n in names}, model.shapes, model.tied)
         result.shape_hints = explain_shapes(result.keys.mismatched, model.arguments,
@@ -98,6 +107,8 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
                                                  opts, name)
     elif ckpt.main_state_dict is not None:
         result.findings += findings.prefix_findings(ckpt, opts, name, entry)
+    if consolidate is not None:
+        return zerofix.finish(result, consolidate, opts)
     command = plan_command(ckpt, opts)
     if command.refused is not None:
         result.fix_refused = command.refused

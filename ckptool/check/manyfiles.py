@@ -14,20 +14,28 @@ names its state dict is loaded under, and what ``ckptool`` can repair today.
   (``{"model": model.state_dict()}`` gives ``model.fc.weight``): that is how
   it is loaded (``dcp.load({"model": sd})``), not a wrapper to take off.
 
+- A DeepSpeed checkpoint loads only into a DeepSpeed engine of the same
+  world size (``engine.load_checkpoint``): ``torch.load`` of its files gives
+  partitions (and, under ZeRO 3, 0-element placeholders), not a state dict.
+  ``ckptool convert`` writes the consolidated weights as one file; its
+  devices do not matter (the file records none).
+
 ``ckptool fix`` takes a directory of shards (``ckptool.write.fix_shards``):
 diagnose's command writes a fixed copy beside it; a DCP directory is
-consolidated by ``convert`` first.
+consolidated by ``convert`` first, as a DeepSpeed one always is.
 """
 
 from __future__ import annotations
 
 from ckptool.model import Checkpoint
 
-HF_BIN, HF_SAFETENSORS, DCP = "hf-bin", "hf-safetensors", "dcp"
+HF_BIN, HF_SAFETENSORS, DCP, DEEPSPEED = "hf-bin", "hf-safetensors", "dcp", "deepspeed"
 
 
 def loader(ckpt: Checkpoint) -> str:
     """The call that loads ``ckpt`` (what "will take it" means)."""
+    if ckpt.format == DEEPSPEED:
+        return "a DeepSpeed engine's load_checkpoint"
     if ckpt.format == DCP:
         return "torch.distributed.checkpoint.load"
     if ckpt.format in (HF_BIN, HF_SAFETENSORS):
@@ -50,6 +58,11 @@ def load_label(ckpt: Checkpoint) -> str:
 
 def loads_text(ckpt: Checkpoint) -> str:
     """That row when nothing fails."""
+    if ckpt.format == DEEPSPEED:
+        meta = ckpt.metadata
+        return (f"its files hold ZeRO {meta.get('zero_stage')} partitions of "
+                f"{meta.get('world_size')} rank(s): only a DeepSpeed engine of that size "
+                "loads them")
     if ckpt.format == DCP:
         return ("no device recorded (DCP saves none): tensors load into the state dict "
                 "you pass, on its tensors' devices")
@@ -70,8 +83,9 @@ def landing_header(ckpt: Checkpoint) -> str:
 
 
 def records_devices(ckpt: Checkpoint) -> bool:
-    """Whether saved devices mean anything: not for DCP."""
-    return ckpt.format != DCP
+    """Whether saved devices mean anything: not for DCP, nor for DeepSpeed
+    (its weights are converted into a file that records none)."""
+    return ckpt.format not in (DCP, DEEPSPEED)
 
 
 def entry_prefix(ckpt: Checkpoint) -> str:
@@ -90,6 +104,8 @@ def state_dict_place(ckpt: Checkpoint, whole: str = "the file itself") -> str:
     sd = ckpt.main_state_dict
     if sd is not None and sd.path:
         return f"'{sd.path}'"
+    if ckpt.format == DEEPSPEED:
+        return "the fp32 master weights (consolidated)"
     if entry_prefix(ckpt):
         return f"the '{ckpt.metadata['state_dict_entry']}' entry"
     return "the whole checkpoint" if ckpt.is_multifile else whole
@@ -105,6 +121,8 @@ def load_snippet(ckpt: Checkpoint, device: str) -> str:
         return f"huggingface_hub.load_torch_model(model, {path}, map_location={device!r})"
     if ckpt.format == DCP:
         return f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={path})"
+    if ckpt.format == DEEPSPEED:
+        return f"safetensors.torch.load_file({path[:-1] + '.safetensors' + path[-1]})"
     return f"torch.load({path}, map_location={device!r})"
 
 

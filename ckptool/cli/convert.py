@@ -28,22 +28,31 @@ if TYPE_CHECKING:
 @click.option("--max-shard-size", "max_shard", metavar="SIZE", default=None,
               help="Largest shard of --format hf / hf-bin, e.g. 5GB, 500MB (as Hugging Face "
               "means it: a tensor larger than SIZE gets a shard of its own). Default 5GB.")
+@click.option("--dtype", type=click.Choice(["bf16", "fp16", "fp32"]),
+              help="Cast floating-point tensors (as fix --dtype).")
+@click.option("--weights", type=click.Choice(["fp32", "module"]), default=None,
+              help="Of a DeepSpeed checkpoint: fp32 (the default) writes the consolidated fp32 "
+              "master weights; module the weights the model held (bf16/fp16 in such a run; "
+              "ZeRO 1 and 2 only).")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--fsync", is_flag=True, help=fsync_help("--force"))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def convert(path: str, output: str, fmt: str | None, max_shard: str | None, force: bool,
-            fsync: bool, quiet: bool, as_json: bool) -> None:
-    """Convert PATH (a file, a Hugging Face directory, a DCP directory) into OUT:
+def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtype: str | None,
+            weights: str | None, force: bool, fsync: bool, quiet: bool, as_json: bool) -> None:
+    """Convert PATH (a file, a Hugging Face directory, a DCP or DeepSpeed directory) into OUT:
     one file (safetensors or torch, from OUT's extension) or a directory
     (--format)."""
+    from ckptool.write import plan as planning
     from ckptool.write.convert import convert as run_convert
     from ckptool.write.shards import parse_size
 
     max_shard_size = parse_size(max_shard) if max_shard is not None else None
     with progress(quiet) as update:
         result = run_convert(path, output, force=force, progress=update, fsync=fsync, fmt=fmt,
-                             max_shard_size=max_shard_size)
+                             max_shard_size=max_shard_size,
+                             dtype=planning.DTYPE_NAMES[dtype] if dtype else None,
+                             weights=None if weights == "fp32" else weights)
     if as_json:
         write_json(convert_dict(result))
     elif not quiet:

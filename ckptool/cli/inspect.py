@@ -71,7 +71,9 @@ def tensor_dict(t: TensorInfo) -> dict[str, Any]:
 def chunk_dict(c: Chunk) -> dict[str, Any]:
     return {"file": c.file, "rank": c.rank, "offsets": list(c.offsets), "sizes": list(c.sizes),
             "byte_offset": c.byte_offset, "byte_length": c.byte_length,
-            **({"transforms": list(c.transforms)} if c.transforms else {})}
+            **({"transforms": list(c.transforms)} if c.transforms else {}),
+            **({"flat": True} if c.flat else {}),
+            **({"dtype": c.dtype} if c.dtype else {})}
 
 
 def file_dict(f: FileInfo) -> dict[str, Any]:

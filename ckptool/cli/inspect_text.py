@@ -51,6 +51,10 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
         if ckpt.is_multifile and not sd.path:
             entry = ckpt.metadata.get("state_dict_entry")
             where = f"the '{entry}' entry" if entry else "the whole checkpoint"
+        if ckpt.format == "deepspeed" and not sd.path:
+            where = ("the module's weights (ZeRO 0 keeps no partitions)"
+                     if ckpt.metadata.get("zero_stage") == 0 else
+                     "the fp32 master weights, consolidated from the ranks' partitions")
         if sd.kind == "module":
             where += (", a TorchScript module" if ckpt.format == "torchscript"
                       else ", a pickled nn.Module")
@@ -105,6 +109,14 @@ def many_files_format(ckpt: Checkpoint) -> str:
         ranks = meta.get("ranks")
         written = f" · written by {plural(ranks, 'rank')}" if ranks else ""
         return f"dcp (torch.distributed.checkpoint{version}{wrapper}){written}"
+    if ckpt.format == "deepspeed":
+        said = [f"ZeRO {meta.get('zero_stage')}", plural(meta.get("world_size") or 0, "rank"),
+                f"{meta.get('run_dtype')} run", f"tag {meta.get('tag')}"]
+        if meta.get("optimizer") == "BF16_Optimizer":
+            said.append("BF16_Optimizer")
+        if meta.get("ds_version"):
+            said.append(f"DeepSpeed {meta['ds_version']}")
+        return f"deepspeed ({' · '.join(said)})"
     return f"{ckpt.format} (index {meta.get('index')})"
 
 
@@ -136,7 +148,7 @@ def where_text(t: TensorInfo) -> str:
     if t.chunks:
         ranks = sorted({c.rank for c in t.chunks if c.rank is not None})
         on = f" · {'ranks' if len(ranks) > 1 else 'rank'} {_runs(ranks)}" if ranks else ""
-        return f"{len(t.chunks)} chunks{on}"
+        return f"{len(t.chunks)} {'runs' if t.chunks[0].flat else 'chunks'}{on}"
     return t.file or ""
 
 

@@ -122,6 +122,15 @@ def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     return ckpt
 
 
+def with_state_dict(ckpt: Checkpoint, path: str, names: list[str]) -> Checkpoint:
+    """``ckpt`` with its main state dict the dict at ``path`` (key text)
+    holding ``names`` (DeepSpeed's module weights, instead of its fp32 masters)."""
+    from dataclasses import replace
+
+    return replace(ckpt, main_state_dict=_main_state_dict([Candidate(path, "dict", names)],
+                                                          ckpt.tensors))
+
+
 def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoint:
     """The Checkpoint of an already read file (rewrites read it faithfully first)."""
     walked = walk(raw.root)

@@ -42,7 +42,8 @@ from ckptool.describe import shell_word
 from ckptool.errors import UsageError
 from ckptool.model import TensorInfo
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.reader import open_checkpoint
+from ckptool.read.layouts import deepspeed
+from ckptool.read.reader import open_checkpoint, with_state_dict
 from ckptool.write import convert_plan
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.convert_files import write_safetensors, write_torch
@@ -82,27 +83,34 @@ def output_format(dst: str, fmt: str | None) -> str:
 
 
 def convert(src: str, dst: str, *, force: bool = False, progress: Progress | None = None,
-            fsync: bool = False, fmt: str | None = None,
-            max_shard_size: int | None = None) -> ConvertResult:
+            fsync: bool = False, fmt: str | None = None, max_shard_size: int | None = None,
+            dtype: str | None = None, weights: str | None = None) -> ConvertResult:
     """Convert ``src`` into ``dst``: one file (the format from its extension)
-    or a directory of ``fmt`` (hf, hf-bin, dcp). The output is durable on
-    disk before this returns when ``fsync`` is set or it replaces a file."""
+    or a directory of ``fmt`` (hf, hf-bin, dcp), its floating tensors cast to
+    ``dtype`` if given; of a DeepSpeed checkpoint, ``weights="module"``
+    writes the module's (half-precision) weights instead of the fp32
+    masters. The output is durable on disk before this returns when
+    ``fsync`` is set or it replaces a file."""
     kind = output_format(dst, fmt)
     if max_shard_size is not None and kind not in ("hf", "hf-bin"):
         raise UsageError("--max-shard-size sizes the shards of --format hf or hf-bin",
                          "leave it out, or write a Hugging Face directory")
     source = open_checkpoint(src)  # 1. read
+    if weights == "module":
+        source = with_state_dict(source, *deepspeed.module_weights(source))
     if source.directory is not None:  # never written into the directory it reads
         check_apart(Path(source.directory), Path(dst))
     if kind in DIRECTORY_FORMATS:
         from ckptool.write import convert_dir
 
         return convert_dir.convert(source, dst, kind, force=force, progress=progress,
-                                   fsync=fsync, max_shard_size=max_shard_size)
+                                   fsync=fsync, max_shard_size=max_shard_size, dtype=dtype)
     if kind == "safetensors":
         if source.format == SAFETENSORS:
             raise UsageError(f"{src} is already safetensors", "name a torch output: OUT.pth")
         written = convert_plan.plan(source, SAFETENSORS)  # 2. plan
+        if dtype is not None:
+            convert_plan.cast(written, dtype)
         result = ConvertResult.of(source, dst, "safetensors", written)
         with TensorSource(source) as tensors:
             result.bytes_written = write_safetensors(
@@ -110,11 +118,14 @@ def convert(src: str, dst: str, *, force: bool = False, progress: Progress | Non
                 progress)
         return result
     if source.format != SAFETENSORS and source.format in REWRITABLE:  # a torch.save file
+        # (--dtype too: `fix --extract --dtype` rewrites it)
         raise UsageError(
             f"{src} is already a torch checkpoint ({source.format}): `ckptool fix` rewrites it",
             f"to keep only its state dict: `ckptool fix {shell_word(src)} --extract -o "
             f"{shell_word(dst)}`")
     written = convert_plan.plan(source, WHOLE if source.format == "dcp" else TORCH)
+    if dtype is not None:
+        convert_plan.cast(written, dtype)
     result = ConvertResult.of(source, dst, "torch-zip", written)
     result.notes += _moved(written.tensors)
     with TensorSource(source) as tensors:

@@ -56,13 +56,16 @@ FORMATS = {"hf": "hf-safetensors", "hf-bin": "hf-bin", "dcp": "dcp"}
 
 def convert(source: Checkpoint, dst: str, kind: str, *, force: bool = False,
             progress: Progress | None = None, fsync: bool = False,
-            max_shard_size: int | None = None) -> ConvertResult:
-    """Write ``source`` as a directory ``dst`` of ``kind`` (hf, hf-bin, dcp)."""
+            max_shard_size: int | None = None, dtype: str | None = None) -> ConvertResult:
+    """Write ``source`` as a directory ``dst`` of ``kind`` (hf, hf-bin, dcp),
+    its floating tensors cast to ``dtype`` if given."""
     if kind == "dcp":
         written = convert_plan.plan(source, WHOLE if source.format == DCP else TORCH)
     else:
         written = convert_plan.plan(source, SAFETENSORS if kind == "hf" else TORCH,
                                     keep_entries=False)
+    if dtype is not None:
+        convert_plan.cast(written, dtype)
     result = ConvertResult.of(source, dst, FORMATS[kind], written)
     if kind == "dcp" and written.aliases:
         pairs = ", ".join(f"{a} = {k}" for a, k in list(written.aliases.items())[:4])

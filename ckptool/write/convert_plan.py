@@ -29,7 +29,9 @@ from ckptool.keys import unescape
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.dcp import DCP
+from ckptool.read.layouts.deepspeed import DEEPSPEED
 from ckptool.write.formats.safetensors import ST_CODES
+from ckptool.write.plan import CASTABLE
 
 TORCH, WHOLE = "torch", "whole"  # into a torch file; into a torch file or DCP, all of it
 
@@ -95,10 +97,18 @@ def plan(source: Checkpoint, into: str, keep_entries: bool = True) -> Written:
                 f"safetensors cannot hold {', '.join(bad)} tensors",
                 "cast them first, e.g. `ckptool fix --dtype fp32`")
         for e in source.entries if keep_entries else ():
-            if e.type != "alias" and (e.value is not None or e.summary == "None"):
+            if e.type != "alias" and (e.value is not None or e.summary == "None") \
+                    and not _file_record(source, e.key):
                 written.entries[e.key] = e.value
         written.left_out = _left_out(source, kind, written.entries)
     return written
+
+
+def cast(written: Written, dtype: str) -> None:
+    """``--dtype``: every floating tensor written as ``dtype`` (as ``fix`` casts)."""
+    for name, t in written.tensors.items():
+        if t.dtype in CASTABLE and t.dtype != dtype:
+            written.cast[name] = dtype
 
 
 def _rename(written: Written, names: dict[str, str]) -> None:
@@ -230,7 +240,16 @@ def _left_out(source: Checkpoint, into: str, kept_entries: Collection[str] = ())
     dict's tensors not written, the tensors outside it, the entries not kept."""
     out = []  # tensors first: what a reader of a long list most needs to see
     values = [f"{e.key} ({e.type})" for e in source.entries
-              if e.key not in kept_entries and e.type != "alias"]
+              if e.key not in kept_entries and e.type != "alias"
+              and not _file_record(source, e.key)]
+    records = sorted({e.key.split("/", 1)[0] for e in source.entries
+                      if _file_record(source, e.key)}
+                     | {t.key.split("/", 1)[0] for t in source.tensors
+                        if _file_record(source, t.key)})
+    if records:  # what DeepSpeed keeps to resume training, said once per file
+        values.insert(0, f"what DeepSpeed keeps to resume training, in "
+                      f"{plural(len(records), 'file')}: optimizer states, ds_config, the "
+                      "module as trained")
     for name, t in source.state_dict().items():
         why = _unwritten(t, into)
         if why is not None:
@@ -245,10 +264,17 @@ def _left_out(source: Checkpoint, into: str, kept_entries: Collection[str] = ())
         outside = [t.key for t in source.tensors if t.key not in keys]
     else:
         outside = []
+    outside = [k for k in outside if not _file_record(source, k)]
     if outside:
         where = f"'{sd.path}'" if sd.path else "the state dict"
         out.append(f"{plural(len(outside), 'tensor')} outside {where} (e.g. {outside[0]})")
     return out + values
+
+
+def _file_record(source: Checkpoint, key: str) -> bool:
+    """A key of a DeepSpeed checkpoint's file records (``<name.pt>/...``), beside
+    its state dict."""
+    return source.format == DEEPSPEED and key.startswith("<")
 
 
 def recorded_aliases(meta: dict[str, str], names: set[str]) -> tuple[dict[str, str], list[str]]:

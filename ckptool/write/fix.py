@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 from ckptool import dtypes
-from ckptool.errors import CkptoolError, UsageError
+from ckptool.describe import shell_word
+from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint
 from ckptool.read import formats
 from ckptool.read.formats import torch_legacy as legacy_reader
@@ -102,6 +103,12 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     if layout is not None and layout.kind != recognise.FILE:  # HF shards, DCP
         from ckptool.write import fix_dcp, fix_shards
 
+        if layout.kind == recognise.DEEPSPEED:
+            raise UnsupportedCheckpointError(
+                f"{src} is a DeepSpeed checkpoint: fix rewrites state dicts, and this one is "
+                "partitioned over its ranks' files",
+                f"consolidate it first: ckptool convert {shell_word(src)} "
+                f"{shell_word(src.rstrip('/') + '.safetensors')}, then fix that file")
         source = open_checkpoint(src)
         output = output or fix_shards.default_output(src)
         if layout.kind == recognise.DCP:

@@ -7,6 +7,9 @@ write one tensor of ``ckpt``, C-contiguous and little-endian, as a dtype:
   lie as they are, else made through torch);
 - Hugging Face shards: the same, on the shard that holds the tensor (each
   shard is opened once, and kept open until ``close``);
+- a DeepSpeed checkpoint: its partitions' runs of elements, as ``Span``\\ s
+  of the ranks' files, where they are stored as the dtype written; else
+  made whole (a cast);
 - a DCP directory: where every chunk of the tensor is a run of whole rows
   (``Shard(0)``, or the tensor whole), saved densely and as the tensor's
   dtype, the chunks' bytes are ``Span``\\ s of their ``.distcp`` files, one
@@ -96,8 +99,13 @@ class TensorSource:
 
     def _row_spans(self, t: TensorInfo, dtype: str, at: int, name: str) -> list[Segment] | None:
         """Spans of the ``.distcp`` files, when each chunk is whole rows laid
-        out densely as ``t``'s dtype; None when it must be made."""
-        if dtype != t.dtype or self.ckpt.directory is None or not t.shape:
+        out densely as ``t``'s dtype (or of DeepSpeed's partitions, runs of
+        raw elements stored as ``t``'s dtype); None when it must be made."""
+        if dtype != t.dtype or self.ckpt.directory is None:
+            return None
+        if t.chunks[0].flat:
+            return self._flat_spans(t, at, name)
+        if not t.shape:
             return None
         chunks = sorted((c for c in t.chunks if math.prod(c.sizes)), key=lambda c: c.offsets)
         itemsize = dtypes.itemsize(t.dtype)
@@ -117,6 +125,19 @@ class TensorSource:
         if expect != t.shape[0] or not spans:
             return None
         return spans
+
+    def _flat_spans(self, t: TensorInfo, at: int, name: str) -> list[Segment] | None:
+        itemsize = dtypes.itemsize(t.dtype)
+        spans: list[Segment] = []
+        expect = 0
+        for c in sorted((c for c in t.chunks if c.sizes[0]), key=lambda c: c.offsets):
+            if c.offsets[0] != expect or c.dtype is not None or \
+                    c.byte_length != c.sizes[0] * itemsize:
+                return None
+            spans.append(Span(at + expect * itemsize, self._fd(c.file), c.byte_offset,
+                              c.byte_length, f"{name} [elements {expect}..]"))
+            expect += c.sizes[0]
+        return spans if expect == t.numel and spans else None
 
     def _chunk_data(self, t: TensorInfo, c: Chunk) -> int | None:
         """Where a chunk's elements start in its file, when they lie there

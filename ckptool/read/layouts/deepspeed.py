@@ -39,8 +39,9 @@ from typing import Any
 
 from ckptool import dtypes
 from ckptool.describe import plural
-from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.model import Chunk, FileInfo
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
+from ckptool.keys import join_key, split_key
+from ckptool.model import Checkpoint, Chunk, FileInfo
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import zero
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead
@@ -179,12 +180,41 @@ def _read(layout: Layout, files: Files, offsets: _Offsets) -> MultiRead:
 
 def _metadata(layout: Layout, files: Files, module: dict[str, Any]) -> dict[str, Any]:
     m0 = files.models[0].tree
-    run = next((r.dtype for r in module.values() if isinstance(r, TensorRecord)
-                and dtypes.is_floating(r.dtype)), None)
+    buffers = m0.get("buffer_names")
+    skip = set(buffers) if isinstance(buffers, list) else set()
+    run = next((r.dtype for n, r in module.items() if isinstance(r, TensorRecord)
+                and n not in skip and dtypes.is_floating(r.dtype)), None)
     return {"zero_stage": files.stage, "world_size": files.world_size, "tag": layout.tag,
             "run_dtype": run, "optimizer": files.optimizer,
             "ds_version": m0.get("ds_version"), "global_steps": m0.get("global_steps"),
-            "ranks": files.world_size}
+            "ranks": files.world_size, "model_states": files.models[0].name}
+
+
+def module_weights(ckpt: Checkpoint) -> tuple[str, list[str]]:
+    """Where rank 0's ``module`` is in a DeepSpeed checkpoint (its key path)
+    and its names: the weights as the model held them (half precision in a
+    bf16 or fp16 run), for ``convert --weights module``. ZeRO 3 keeps only
+    0-element placeholders there: refused."""
+    meta = ckpt.metadata
+    if ckpt.format != DEEPSPEED:
+        raise UsageError("--weights chooses between a DeepSpeed checkpoint's weights",
+                         f"{ckpt.path} is {ckpt.format}, with one set of weights: leave it out")
+    if meta.get("zero_stage") == 3:
+        raise UnsupportedCheckpointError(
+            "a ZeRO 3 checkpoint keeps no module weights: its model-states files hold "
+            "0-element placeholders for every partitioned parameter",
+            "convert the fp32 master weights (the default), with --dtype bf16 or fp16 to "
+            "get the run's precision")
+    top = f"<{meta.get('model_states')}>"
+    names = []
+    for t in ckpt.tensors:
+        parts = split_key(t.key)
+        if len(parts) == 3 and parts[:2] == [top, "module"]:
+            names.append(parts[2])
+    if not names:
+        raise CorruptCheckpointError(f"{meta.get('model_states')} holds no module weights",
+                                     BROKEN_HINT)
+    return join_key(top, "module"), names
 
 
 def _check_steps(folder: str, files: Files, offsets: _Offsets) -> None:
@@ -292,8 +322,9 @@ def _frozen(files: Files, module: dict[str, Any], built: dict[str, Any],
         fragments = [f.tree.get("frozen_param_fragments") for f in files.models]
         for name, shape in _shapes(m0, "frozen_param_shapes")[0].items():
             numel = math.prod(shape)
-            recs = [fr.get(name) if isinstance(fr, dict) else None for fr in fragments]
-            if not all(isinstance(r, TensorRecord) and r.storage is not None for r in recs):
+            found = [fr.get(name) if isinstance(fr, dict) else None for fr in fragments]
+            recs = [r for r in found if isinstance(r, TensorRecord) and r.storage is not None]
+            if len(recs) != len(found):
                 raise CorruptCheckpointError(
                     f"the frozen parameter {name} has no fragment in every model-states file",
                     BROKEN_HINT)

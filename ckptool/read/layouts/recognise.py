@@ -133,8 +133,8 @@ def _directory(path: str) -> Layout:
 def _deepspeed(path: str, files: list[str], dirs: list[str]) -> Layout | None:
     """A DeepSpeed tag directory, or the directory above one."""
     if any(MODEL_STATES.search(n) for n in files):
-        tag = os.path.basename(os.path.normpath(os.path.abspath(path)))
-        return Layout(DEEPSPEED, path, path, tag=tag)
+        return Layout(DEEPSPEED, path, path,
+                      tag=os.path.basename(os.path.normpath(os.path.abspath(path))))
     tags = [d for d in dirs if any(MODEL_STATES.search(n)
                                    for n in _listing(os.path.join(path, d)))]
     tag = _latest(path) if LATEST in files else None

@@ -107,7 +107,7 @@ def _assemble_flat(ckpt: Checkpoint, tensor: TensorInfo, dtype: torch.dtype) -> 
 
     assert ckpt.directory is not None
     out = torch.empty(tensor.numel, dtype=dtype)
-    whole = out.view(torch.uint8).numpy() if tensor.numel else None
+    whole = memoryview(out.view(torch.uint8).numpy().data) if tensor.numel else None
     itemsize = out.element_size()
     for chunk in tensor.chunks:
         (at,), (count,) = chunk.offsets, chunk.sizes
@@ -119,7 +119,7 @@ def _assemble_flat(ckpt: Checkpoint, tensor: TensorInfo, dtype: torch.dtype) -> 
         with open(os.path.join(ckpt.directory, chunk.file), "rb") as f:
             f.seek(chunk.byte_offset)
             if chunk.dtype is None and whole is not None:
-                view = memoryview(whole)[at * itemsize:(at + count) * itemsize]
+                view = whole[at * itemsize:(at + count) * itemsize]
                 got = f.readinto(view)
                 data = None
             else:

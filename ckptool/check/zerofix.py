@@ -1,0 +1,87 @@
+"""What ``diagnose`` says of a DeepSpeed checkpoint, and the command it prints.
+
+No model loads a DeepSpeed checkpoint as it is (``ckptool.check.manyfiles``):
+the finding ``zero-checkpoint`` says so, and the fix is the ``ckptool
+convert`` that writes its consolidated weights as one file beside it:
+safetensors, or a torch file where the model ties weights (a torch file
+keeps every tied name; safetensors keeps one, and strict loading wants
+all). Where the keys also need a rewrite to load into ``--model`` (a
+Lightning ``_forward_module.`` prefix...), the same options as for any file
+become a ``ckptool fix`` of that file, run after the convert: one command
+line, ``convert ... && fix ...``, that works as printed.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from ckptool.check.findings import ERROR, Finding
+from ckptool.check.fixcommand import command_flags, shell_name
+from ckptool.model import Checkpoint
+from ckptool.write.plan import FixOptions
+
+if TYPE_CHECKING:
+    from ckptool.check.diagnosis import Diagnosis
+
+DEEPSPEED = "deepspeed"
+
+
+@dataclass
+class Consolidation:
+    finding: Finding
+    output: str  # the file convert writes
+    command: str  # the convert command
+
+
+def plan(ckpt: Checkpoint) -> Consolidation | None:
+    """The finding and convert command for a DeepSpeed checkpoint; None for any other."""
+    if ckpt.format != DEEPSPEED:
+        return None
+    base = ckpt.path.rstrip("/") or ckpt.path
+    # a torch file where the model ties weights: it keeps every tied name
+    # (safetensors drops all but one), so that strict loading takes it
+    ext = ".pt" if ckpt.aliases else ".safetensors"
+    output = fresh(base.removesuffix(".ckpt") if base.endswith(".ckpt") else base, ext)
+    command = f"ckptool convert {shell_name(ckpt.path)} {shell_name(output)}"
+    meta = ckpt.metadata
+    stage, ranks = meta.get("zero_stage"), meta.get("world_size")
+    weights = ("the module's weights" if stage == 0 else
+               "its fp32 master weights are partitioned over the ranks' files"
+               + (" (the model holds 0-element placeholders)" if stage == 3 else ""))
+    message = (f"a DeepSpeed ZeRO {stage} checkpoint of {ranks} rank(s): no model loads it as "
+               f"it is ({weights}); only a DeepSpeed engine of {ranks} rank(s) resumes it")
+    if ckpt.aliases:
+        tied = next(iter(ckpt.aliases.items()))
+        message += (f"; written as a torch file, which keeps the tied names ({tied[0]} = "
+                    f"{tied[1]}) that safetensors would drop")
+    snippet = (f"torch.load({output!r}, weights_only=True)" if ckpt.aliases else
+               f"safetensors.torch.load_file({output!r})")
+    finding = Finding("zero-checkpoint", ERROR, message, command, snippet)
+    return Consolidation(finding, output, command)
+
+
+def fresh(path: str, ext: str) -> str:
+    """``DIR.safetensors``, or the first ``DIR.2.safetensors``... that does not exist."""
+    output, n = f"{path}{ext}", 2
+    while os.path.lexists(output):
+        output, n = f"{path}.{n}{ext}", n + 1
+    return output
+
+
+def finish(result: Diagnosis, plan: Consolidation, opts: FixOptions) -> Diagnosis:
+    """The diagnosis's command: the convert, and a fix of its output where the
+    findings asked for one (each such finding then points at the whole line)."""
+    if opts == FixOptions():
+        result.fix_command, result.fix_output = plan.command, plan.output
+        return result
+    stem, ext = os.path.splitext(plan.output)
+    fixed = f"{stem}.fixed{ext}"
+    line = (f"{plan.command} && ckptool fix {shell_name(plan.output)} "
+            f"{' '.join(command_flags(opts))} -o {shell_name(fixed)}")
+    result.fix_command, result.fix_output, result.fix_options = line, fixed, opts
+    result.findings = [replace(f, fix=line) if f.fix and (f.fix.startswith("ckptool fix")
+                                                          or f is plan.finding) else f
+                       for f in result.findings]
+    return result
