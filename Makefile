@@ -29,7 +29,7 @@ $(STAMP): $(DEPS) $(SOURCES)
 DEMO_DIR := $(shell mktemp -d -u /tmp/ckptool-demo.XXXXXX)
 
 demo: $(STAMP)
-	@for f in samples/*.pth samples/*.ckpt samples/*.safetensors samples/*.pt samples/dcp_tinynet; do \
+	@for f in samples/*.pth samples/*.ckpt samples/*.safetensors samples/*.pt samples/dcp_tinynet samples/deepspeed_zero3; do \
 	  echo; echo "\$$ ckptool inspect $$f"; $(BIN)/ckptool inspect "$$f" || exit $$?; \
 	done
 	@mkdir -p $(DEMO_DIR) && cp samples/dataparallel_cuda2.pth $(DEMO_DIR)/
@@ -46,6 +46,8 @@ demo: $(STAMP)
 	  --model $(CURDIR)/samples/make_samples.py:TinyNet
 	@echo; echo "\$$ ckptool convert dataparallel_cuda2.fixed.pth fixed.safetensors"
 	@cd $(DEMO_DIR) && $(CURDIR)/$(BIN)/ckptool convert dataparallel_cuda2.fixed.pth fixed.safetensors
+	@echo; echo "\$$ ckptool convert samples/deepspeed_zero3 zero3.safetensors"
+	@$(BIN)/ckptool convert samples/deepspeed_zero3 $(DEMO_DIR)/zero3.safetensors
 	@rm -rf $(DEMO_DIR)
 
 lint: $(STAMP)

@@ -7,6 +7,8 @@
   ``gpus`` finds the machine's GPUs as torch numbers them; ``placement``
   says where to load a checkpoint here; ``manyfiles`` says how a checkpoint
   of many files loads (its loader, its devices, DCP's entry prefix);
+  ``zerofix`` says what a DeepSpeed checkpoint needs (a ``convert``, then
+  any ``fix``) as one command;
 - ``modelspec`` builds the keys a model expects (on the meta device) and
   ``reconcile`` compares them with a state dict's;
 - ``diff`` and ``tensor_compare`` compare two checkpoints; ``stats``

@@ -108,7 +108,10 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     elif ckpt.main_state_dict is not None:
         result.findings += findings.prefix_findings(ckpt, opts, name, entry)
     if consolidate is not None:
-        return zerofix.finish(result, consolidate, opts)
+        result.fix_command, result.fix_output = zerofix.command(consolidate, opts)
+        result.fix_options = None if opts == FixOptions() else opts
+        result.findings = zerofix.pointed(result.findings, consolidate, result.fix_command)
+        return result
     command = plan_command(ckpt, opts)
     if command.refused is not None:
         result.fix_refused = command.refused

@@ -27,6 +27,7 @@ consolidated by ``convert`` first, as a DeepSpeed one always is.
 
 from __future__ import annotations
 
+from ckptool.describe import plural
 from ckptool.model import Checkpoint
 
 HF_BIN, HF_SAFETENSORS, DCP, DEEPSPEED = "hf-bin", "hf-safetensors", "dcp", "deepspeed"
@@ -60,9 +61,9 @@ def loads_text(ckpt: Checkpoint) -> str:
     """That row when nothing fails."""
     if ckpt.format == DEEPSPEED:
         meta = ckpt.metadata
-        return (f"its files hold ZeRO {meta.get('zero_stage')} partitions of "
-                f"{meta.get('world_size')} rank(s): only a DeepSpeed engine of that size "
-                "loads them")
+        ranks = plural(meta.get("world_size") or 1, "rank")
+        return (f"its files hold the ZeRO {meta.get('zero_stage')} partitions of {ranks}: "
+                "only a DeepSpeed engine of as many ranks loads them")
     if ckpt.format == DCP:
         return ("no device recorded (DCP saves none): tensors load into the state dict "
                 "you pass, on its tensors' devices")

@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING
 
 from ckptool.check.findings import ERROR, Finding
 from ckptool.check.fixcommand import command_flags, shell_name
+from ckptool.describe import plural
 from ckptool.model import Checkpoint
 from ckptool.write.plan import FixOptions
-
-if TYPE_CHECKING:
-    from ckptool.check.diagnosis import Diagnosis
 
 DEEPSPEED = "deepspeed"
 
@@ -46,15 +43,15 @@ def plan(ckpt: Checkpoint) -> Consolidation | None:
     output = fresh(base.removesuffix(".ckpt") if base.endswith(".ckpt") else base, ext)
     command = f"ckptool convert {shell_name(ckpt.path)} {shell_name(output)}"
     meta = ckpt.metadata
-    stage, ranks = meta.get("zero_stage"), meta.get("world_size")
-    weights = ("the module's weights" if stage == 0 else
+    stage, ranks = meta.get("zero_stage"), plural(meta.get("world_size") or 1, "rank")
+    weights = ("its weights are the module's" if stage == 0 else
                "its fp32 master weights are partitioned over the ranks' files"
-               + (" (the model holds 0-element placeholders)" if stage == 3 else ""))
-    message = (f"a DeepSpeed ZeRO {stage} checkpoint of {ranks} rank(s): no model loads it as "
-               f"it is ({weights}); only a DeepSpeed engine of {ranks} rank(s) resumes it")
+               + (" and its model states hold 0-element placeholders" if stage == 3 else ""))
+    message = (f"a DeepSpeed ZeRO {stage} checkpoint of {ranks}: {weights}, so no model "
+               f"loads it as it is; only a DeepSpeed engine of {ranks} resumes it")
     if ckpt.aliases:
         tied = next(iter(ckpt.aliases.items()))
-        message += (f"; written as a torch file, which keeps the tied names ({tied[0]} = "
+        message += (f". The fix writes a torch file: it keeps the tied names ({tied[0]} = "
                     f"{tied[1]}) that safetensors would drop")
     snippet = (f"torch.load({output!r}, weights_only=True)" if ckpt.aliases else
                f"safetensors.torch.load_file({output!r})")
@@ -70,18 +67,18 @@ def fresh(path: str, ext: str) -> str:
     return output
 
 
-def finish(result: Diagnosis, plan: Consolidation, opts: FixOptions) -> Diagnosis:
-    """The diagnosis's command: the convert, and a fix of its output where the
-    findings asked for one (each such finding then points at the whole line)."""
+def command(plan: Consolidation, opts: FixOptions) -> tuple[str, str]:
+    """The diagnosis's command and the file it leaves: the convert, and a fix
+    of its output where the findings asked for one (``opts``)."""
     if opts == FixOptions():
-        result.fix_command, result.fix_output = plan.command, plan.output
-        return result
+        return plan.command, plan.output
     stem, ext = os.path.splitext(plan.output)
     fixed = f"{stem}.fixed{ext}"
-    line = (f"{plan.command} && ckptool fix {shell_name(plan.output)} "
-            f"{' '.join(command_flags(opts))} -o {shell_name(fixed)}")
-    result.fix_command, result.fix_output, result.fix_options = line, fixed, opts
-    result.findings = [replace(f, fix=line) if f.fix and (f.fix.startswith("ckptool fix")
-                                                          or f is plan.finding) else f
-                       for f in result.findings]
-    return result
+    return (f"{plan.command} && ckptool fix {shell_name(plan.output)} "
+            f"{' '.join(command_flags(opts))} -o {shell_name(fixed)}"), fixed
+
+
+def pointed(found: list[Finding], plan: Consolidation, line: str) -> list[Finding]:
+    """``found`` with every finding the command repairs pointing at all of it."""
+    return [replace(f, fix=line) if f.fix and (f.fix.startswith("ckptool fix")
+                                               or f is plan.finding) else f for f in found]

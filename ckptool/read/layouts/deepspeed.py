@@ -45,11 +45,19 @@ from ckptool.model import Checkpoint, Chunk, FileInfo
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import zero
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead
-from ckptool.read.layouts.deepspeed_files import MIXED_HINT, Files, Saved, read_files, step_tensor
+from ckptool.read.layouts.deepspeed_files import (
+    MIXED_HINT,
+    Files,
+    Offsets,
+    Saved,
+    kept_storages,
+    listed,
+    read_files,
+    step_tensor,
+)
 from ckptool.read.layouts.recognise import Layout
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
-from ckptool.read.ziparchive import ZipArchive, ZipError
 
 DEEPSPEED = "deepspeed"
 # what DeepSpeed itself puts in a model-states file; every other key is client state
@@ -64,53 +72,17 @@ PARTITIONS = {1: "single_partition_of_fp32_groups", 2: "single_partition_of_fp32
 Run = tuple[Saved, TensorRecord, int, int, int]  # file, record, start, count, at
 
 
-class _Offsets:
-    """Where each storage record's bytes start, per file (its zip directory
-    read once); close() closes the files."""
-
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
-        self._zips: dict[str, ZipArchive] = {}
-
-    def close(self) -> None:
-        for archive in self._zips.values():
-            archive.f.close()
-        self._zips.clear()
-
-    def start(self, f: Saved, ref: StorageRef) -> int:
-        try:
-            archive = self._zips.get(f.name)
-            if archive is None:
-                fh = open(os.path.join(self.folder, f.name), "rb")  # noqa: SIM115 (closed by close)
-                try:
-                    archive = ZipArchive(fh, os.fstat(fh.fileno()).st_size)
-                except BaseException:
-                    fh.close()
-                    raise
-                self._zips[f.name] = archive
-            member = archive.members.get(ref.record or "")
-            if member is None or member.method != 0 or member.flags & 0x1 \
-                    or member.size < ref.nbytes:
-                raise CorruptCheckpointError(
-                    f"{f.name}: storage record {ref.record} is missing, compressed or short",
-                    BROKEN_HINT)
-            return archive.data_offset(member)
-        except (OSError, ZipError) as exc:
-            raise CorruptCheckpointError(f"{f.name}: cannot locate {ref.record}: {exc}",
-                                         BROKEN_HINT) from exc
-
-
 def read(layout: Layout) -> MultiRead:
     folder = layout.directory
     files = read_files(folder)
-    offsets = _Offsets(folder)
+    offsets = Offsets(folder)
     try:
         return _read(layout, files, offsets)
     finally:
         offsets.close()
 
 
-def _read(layout: Layout, files: Files, offsets: _Offsets) -> MultiRead:
+def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
     folder = layout.directory
     m0 = files.models[0]
     module = m0.tree.get("module")
@@ -159,8 +131,8 @@ def _read(layout: Layout, files: Files, offsets: _Offsets) -> MultiRead:
     for f in [*files.models, *files.optims]:
         seen.merge(f.raw.seen, f.name)
         warnings += [f"{f.name}: {w}" for w in f.raw.warnings]
-        extra_roots[f.name] = _listed(f, replaced, client if f is m0 else {}, set(root))
-        kept = _kept_storages(extra_roots[f.name])
+        extra_roots[f.name] = listed(f, replaced, client if f is m0 else {}, set(root))
+        kept = kept_storages(extra_roots[f.name])
         for key, s in f.raw.storages.items():
             if id(s) in kept:
                 s.key = f"{f.name}:{key}"
@@ -217,7 +189,7 @@ def module_weights(ckpt: Checkpoint) -> tuple[str, list[str]]:
     return join_key(top, "module"), names
 
 
-def _check_steps(folder: str, files: Files, offsets: _Offsets) -> None:
+def _check_steps(folder: str, files: Files, offsets: Offsets) -> None:
     """Every rank's optimizer took as many steps (its first ``step`` value):
     files of two saves mixed in one directory are refused."""
     values: dict[bytes, str] = {}
@@ -383,7 +355,7 @@ def _dtype(name: str, shape_of: TensorRecord, runs: Sequence[Run], kind: str) ->
     return dtype
 
 
-def _chunk(offsets: _Offsets, name: str, dtype: str, run: Run) -> Chunk:
+def _chunk(offsets: Offsets, name: str, dtype: str, run: Run) -> Chunk:
     f, rec, start, count, at = run
     assert rec.storage is not None
     itemsize = dtypes.itemsize(rec.dtype)
@@ -401,36 +373,3 @@ def _shaped(shape: tuple[int, ...], dtype: str) -> TensorRecord:
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
-
-
-def _listed(f: Saved, replaced: set[int], client: dict[str, Any], names: set[str]) -> Any:
-    """``f``'s tree as listed beside the state dict: the records the state
-    dict is made of replaced by a line saying so; the client state (at the
-    top level already) left out."""
-    def swap(obj: Any, depth: int) -> Any:
-        if id(obj) in replaced:
-            return f"{obj.dtype} [{', '.join(map(str, obj.shape))}]: part of the state dict " \
-                   "(consolidated)"
-        if depth < 3 and isinstance(obj, dict):
-            return {k: swap(v, depth + 1) for k, v in obj.items()}
-        if depth < 3 and isinstance(obj, list):
-            return [swap(v, depth + 1) for v in obj]
-        return obj
-    tree = {k: v for k, v in f.tree.items() if k not in client or k in names}
-    return swap(tree, 0)
-
-
-def _kept_storages(tree: Any) -> set[int]:
-    """Ids of the storages the records left in ``tree`` view."""
-    out: set[int] = set()
-    stack = [tree]
-    while stack:
-        obj = stack.pop()
-        if isinstance(obj, TensorRecord) and obj.storage is not None:
-            out.add(id(obj.storage))
-        elif isinstance(obj, dict):
-            stack.extend(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack.extend(obj)
-    return out
-

@@ -11,6 +11,9 @@ MoE expert files, a rank's file missing (named), files of more ranks than
 the optimizer was split over, ranks that disagree on the world size, the
 ZeRO stage or the step they were saved at (files of two saves mixed).
 Nothing is imported from DeepSpeed: its classes are inert stand-ins.
+
+Also here: ``Offsets``, where each storage record's bytes start in a file,
+and ``listed``, a file's tree as shown beside the state dict.
 """
 
 from __future__ import annotations
@@ -25,8 +28,9 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read import formats
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT
-from ckptool.read.tensors import TensorRecord
+from ckptool.read.tensors import StorageRef, TensorRecord
 from ckptool.read.values import StandIn
+from ckptool.read.ziparchive import ZipArchive, ZipError
 
 MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
 OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
@@ -230,3 +234,72 @@ def step_tensor(f: Saved) -> TensorRecord | None:
         if isinstance(step, TensorRecord) and step.numel == 1:
             return step
     return None
+
+
+class Offsets:
+    """Where each storage record's bytes start, per file (its zip directory
+    read once); close() closes the files."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        self._zips: dict[str, ZipArchive] = {}
+
+    def close(self) -> None:
+        for archive in self._zips.values():
+            archive.f.close()
+        self._zips.clear()
+
+    def start(self, f: Saved, ref: StorageRef) -> int:
+        try:
+            archive = self._zips.get(f.name)
+            if archive is None:
+                fh = open(os.path.join(self.folder, f.name), "rb")  # noqa: SIM115 (closed by close)
+                try:
+                    archive = ZipArchive(fh, os.fstat(fh.fileno()).st_size)
+                except BaseException:
+                    fh.close()
+                    raise
+                self._zips[f.name] = archive
+            member = archive.members.get(ref.record or "")
+            if member is None or member.method != 0 or member.flags & 0x1 \
+                    or member.size < ref.nbytes:
+                raise CorruptCheckpointError(
+                    f"{f.name}: storage record {ref.record} is missing, compressed or short",
+                    BROKEN_HINT)
+            return archive.data_offset(member)
+        except (OSError, ZipError) as exc:
+            raise CorruptCheckpointError(f"{f.name}: cannot locate {ref.record}: {exc}",
+                                         BROKEN_HINT) from exc
+
+
+def listed(f: Saved, replaced: set[int], client: dict[str, Any], names: set[str]) -> Any:
+    """``f``'s tree as listed beside the state dict: the records the state
+    dict is made of replaced by a line saying so; the client state (at the
+    top level already) left out."""
+    def swap(obj: Any, depth: int) -> Any:
+        if id(obj) in replaced:
+            return f"{obj.dtype} [{', '.join(map(str, obj.shape))}]: part of the state dict " \
+                   "(consolidated)"
+        if depth < 3 and isinstance(obj, dict):
+            return {k: swap(v, depth + 1) for k, v in obj.items()}
+        if depth < 3 and isinstance(obj, list):
+            return [swap(v, depth + 1) for v in obj]
+        return obj
+    tree = {k: v for k, v in f.tree.items() if k not in client or k in names}
+    return swap(tree, 0)
+
+
+def kept_storages(tree: Any) -> set[int]:
+    """Ids of the storages the records left in ``tree`` view."""
+    out: set[int] = set()
+    stack = [tree]
+    while stack:
+        obj = stack.pop()
+        if isinstance(obj, TensorRecord) and obj.storage is not None:
+            out.add(id(obj.storage))
+        elif isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack.extend(obj)
+    return out
+
