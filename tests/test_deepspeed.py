@@ -413,3 +413,65 @@ def test_a_trainer_directory_with_model_files_beside(tmp_path: Path) -> None:
     ckpt = ckptool.open(d)
     assert ckpt.format == "deepspeed"
     assert any("pytorch_model.bin" in n for n in ckpt.metadata["notes"])
+
+
+def test_zero_0_is_the_module() -> None:
+    ckpt, got = consolidated(DS / "z0_fp32")
+    assert ckpt.metadata["zero_stage"] == 0 and ckpt.metadata["world_size"] == 2
+    want = reference("z0_fp32")
+    assert set(got) == set(want)
+    for key, tensor in want.items():
+        assert same(got[key], tensor), key
+
+
+def test_a_half_precision_buffer_is_read_as_float32(tmp_path: Path,
+                                                    run_cli: Callable[..., CliResult]) -> None:
+    d = copy(tmp_path, "z2_fp32")
+    name = d / "global_step2" / "mp_rank_00_model_states.pt"
+    states = torch.load(name, weights_only=True)
+    states["module"]["buf"] = states["module"]["buf"].half() + 0.5
+    torch.save(states, name)
+    ckpt, got = consolidated(d)
+    buf = next(t for t in ckpt.tensors if t.key == "buf")
+    assert buf.dtype == "float32" and buf.chunks[0].dtype == "float16"
+    assert same(got["buf"], states["module"]["buf"].float())  # DeepSpeed's .float()
+    code, _, err = run_cli("convert", str(d), str(tmp_path / "m.safetensors"))
+    assert code == 0, err
+    assert same(load_file(tmp_path / "m.safetensors")["buf"], states["module"]["buf"].float())
+
+
+def test_nvme_offloaded_partitions_are_refused(tmp_path: Path,
+                                               run_cli: Callable[..., CliResult]) -> None:
+    d = copy(tmp_path, "z3_fp32")
+    (d / "global_step2" / "offloaded_tensors" / "rank0").mkdir(parents=True)
+    refused(run_cli, d, tmp_path, "NVMe")
+
+
+def test_devices_and_diff(run_cli: Callable[..., CliResult]) -> None:
+    code, out, err = run_cli("devices", str(DS / "z3_fp32"))
+    assert (code, err) == (0, "")
+    assert "ckptool convert" in " ".join(out.split())
+    code, out, err = run_cli("diff", str(DS / "z3_fp32"), str(DS / "z3_fp32.reference.pt"))
+    out = " ".join(out.split())
+    assert code == 0 and "no differences" in out and "shared_params record" in out, err
+
+
+def test_browse() -> None:
+    from test_multifile_views import drive, expect_stats
+
+    app, text = drive(DS / "z3_bf16", "lin.weight")
+    expect_stats(app.stats["lin.weight"], reference("z3_bf16")["lin.weight"])
+    assert "2 runs in" in text and "consolidated from the ranks' partitions" in text
+    assert "zero-checkpoint" in text
+
+
+def test_an_hf_trainer_directory_names_its_deepspeed_checkpoint(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    d = copy(tmp_path, "z2_fp32")
+    save_file({"w": torch.ones(2)}, d / "model.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {"w": "model.safetensors"}}))
+    ckpt = ckptool.open(d)
+    assert ckpt.format == "hf-safetensors"
+    assert any("global_step2/" in n and "DeepSpeed" in n for n in ckpt.metadata["notes"])

@@ -173,7 +173,8 @@ def _state_dict(ckpt: Checkpoint, label: str, notes: list[str]) -> dict[str, Ten
     tied = {alias: names[kept] for alias, kept in ckpt.aliases.items()
             if kept in names and alias not in names}
     if tied:
-        notes.append(f"{label}: {_some(list(tied))} compared as the tensor its index records "
+        source = "shared_params record" if ckpt.format == "deepspeed" else "index records"
+        notes.append(f"{label}: {_some(list(tied))} compared as the tensor its {source} "
                      "it tied to (not stored itself)")
     return {**names, **tied}
 

@@ -133,7 +133,8 @@ def _where(t: TensorInfo) -> str:
         return shown(t.file)
     files = list(dict.fromkeys(c.file for c in t.chunks))
     ranks = sorted({c.rank for c in t.chunks if c.rank is not None})
-    said = f"{plural(len(t.chunks), 'chunk')} in {shown(', '.join(files[:3]))}"
+    kind = "run" if t.chunks and t.chunks[0].flat else "chunk"
+    said = f"{plural(len(t.chunks), kind)} in {shown(', '.join(files[:3]))}"
     said += f" +{len(files) - 3} more" if len(files) > 3 else ""
     if ranks:
         said += f" · rank{'s' if len(ranks) > 1 else ''} " + (
@@ -166,6 +167,9 @@ def _landing(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLoad] |
     if fmt == "dcp":
         return Text("DCP records no device: dcp.load puts it where the state dict you pass "
                     "has it")
+    if fmt == "deepspeed" and t.chunks:
+        return Text("consolidated from the ranks' partitions: ckptool convert writes it into "
+                    "a file that records no device")
     if loads is None:
         return Text("checking this machine…", style="italic")
     load = loads.get(loc)

@@ -7,9 +7,10 @@ built from them.
 - ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: one per rank.
 
 Refused with the reason: tensor or pipeline parallel saves (``mp_rank_01``),
-MoE expert files, a rank's file missing (named), files of more ranks than
-the optimizer was split over, ranks that disagree on the world size, the
-ZeRO stage or the step they were saved at (files of two saves mixed).
+MoE expert files, NVMe-offloaded optimizer states (``offloaded_tensors/``),
+a rank's file missing (named), files of more ranks than the optimizer was
+split over, ranks that disagree on the world size, the ZeRO stage or the
+step they were saved at (files of two saves mixed).
 Nothing is imported from DeepSpeed: its classes are inert stand-ins.
 
 Also here: ``Offsets``, where each storage record's bytes start in a file,
@@ -67,6 +68,12 @@ def read_files(folder: str) -> Files:
     except OSError as exc:
         raise CorruptCheckpointError(f"{folder}: cannot list the directory ({exc.strerror})",
                                      "check its permissions") from exc
+    if os.path.isdir(os.path.join(folder, "offloaded_tensors")):
+        raise UnsupportedCheckpointError(
+            f"{folder} holds offloaded_tensors/: ZeRO-Infinity saved optimizer states to NVMe "
+            "swap files, which ckptool does not read yet",
+            "resume the run with DeepSpeed and save without NVMe offload, or use DeepSpeed's "
+            "zero_to_fp32.py")
     experts = [n for n in names if EXPERT_FILE.match(n)]
     if experts:
         raise UnsupportedCheckpointError(

@@ -100,7 +100,14 @@ def _directory(path: str) -> Layout:
     named = [n for n in files if INDEX_NAME.search(n)]
     indexes = [n for n in named if _index_json(os.path.join(path, n))]
     if indexes:
-        return _hf(path, indexes)
+        layout = _hf(path, indexes)
+        tag = _latest(path) if LATEST in files else None
+        if tag is not None and tag in dirs:  # HF Trainer's checkpoint-N/ with DeepSpeed's
+            layout = Layout(HF, path, path, index=layout.index, notes=(
+                *layout.notes, f"{path} also holds a DeepSpeed checkpoint ({tag}/, named by "
+                "'latest'): its fp32 master weights are read by naming it: "
+                f"ckptool inspect {os.path.join(path, tag)}"))
+        return layout
     if named and any(n in PREFERRED_INDEXES for n in named):
         broken = next(n for n in named if n in PREFERRED_INDEXES)
         raise CorruptCheckpointError(
