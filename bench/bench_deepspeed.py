@@ -38,7 +38,6 @@ ckptool. Exit code 0 if both targets pass, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import compileall
 import os
 import shutil
 import subprocess
@@ -46,12 +45,11 @@ import sys
 import time
 from pathlib import Path
 
-from bench_fix import installed_state
 from bench_inspect import MB, ROOT, WORK, Row, best, check_rc, med, report, spread
 from bench_multifile import (
     Commands,
-    child_check,
     ckptool_cmd,
+    compared,
     failure,
     first_runs,
     free_port,
@@ -60,6 +58,7 @@ from bench_multifile import (
     timed_rounds,
     times,
     warm,
+    which_ckptool,
 )
 
 RANKS = 4
@@ -151,14 +150,7 @@ def target(quick: bool, ds: str, rounds: int) -> list[Row]:
     }
 
     def check() -> list[str]:
-        made = out_ds / "model.safetensors"
-        if not (made.exists() and out_st.exists()):
-            return []
-        data = child_check(CHECK, str(made), str(out_st))
-        if "error" in data or data.get("differ") or data.get("missing") or data.get("extra"):
-            return [f"(a) outputs differ from zero_to_fp32's: {data}"]
-        return [f"(a) outputs checked: {data['tensors']} tensors equal to zero_to_fp32's "
-                "(torch.equal, dtype)"]
+        return compared(CHECK, out_ds / "model.safetensors", out_st, "zero_to_fp32")
 
     first, notes = first_runs(commands, check)
     broken = failure(first["convert"], "convert") + failure(first["zero_to_fp32.py"],
@@ -213,20 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     size = sum(p.stat().st_size for p in src.rglob("*") if p.is_file())
     log.append(f"{src.relative_to(ROOT)}: {size / MB:.0f} MiB, ZeRO 3, {RANKS} ranks, "
                f"{LAYERS} x Linear({width(args.quick)}) ({how})")
-    if args.source:
-        link = WORK / "ds_source" / "ckptool"
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not link.is_symlink():
-            link.symlink_to(ROOT / "ckptool", target_is_directory=True)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(link.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
-        compileall.compile_dir(ROOT / "ckptool", quiet=1)
-        log.append(f"--source: measuring the source tree ({ROOT / 'ckptool'})")
-    else:
-        import ckptool
-
-        compileall.compile_dir(Path(ckptool.__file__).parent, quiet=1)
-        log.append(installed_state())
+    log.append(which_ckptool(args.source, "ds_source"))
     warm(src)
     try:
         rows = target(args.quick, ds, rounds)

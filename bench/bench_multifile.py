@@ -464,13 +464,7 @@ def target_a(src: Input, rounds: int) -> list[Row]:
     }
 
     def check() -> list[str]:
-        if not (out_pt.exists() and out_st.exists()):
-            return []
-        data = child_check(CHECK_A, str(out_pt), str(out_st))
-        if "error" in data or data.get("differ") or data.get("missing") or data.get("extra"):
-            return [f"convert output differs from dcp_to_torch_save's: {data}"]
-        return [f"output checked: {data['tensors']} tensors, each equal to "
-                "dcp_to_torch_save's"]
+        return compared(CHECK_A, out_pt, out_st, "dcp_to_torch_save")
 
     first, checked = first_runs(commands, check)
     rows = []
@@ -631,6 +625,39 @@ def profile(cmd: list[str], n: int = 12) -> list[str]:
     return lines[start:start + n + 1]
 
 
+def which_ckptool(source: bool, link_name: str) -> str:
+    """Point the children at the ckptool to measure (the source tree with
+    ``source``, else the installed copy), byte-compiled; the line saying which."""
+    if source:
+        # a folder holding only a link to the source package goes first on the
+        # children's path: `python -m ckptool` finds the source tree, and nothing
+        # else of the repository root shadows what torch imports
+        link = WORK / link_name / "ckptool"
+        link.parent.mkdir(parents=True, exist_ok=True)
+        if not link.is_symlink():
+            link.symlink_to(ROOT / "ckptool", target_is_directory=True)
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            [str(link.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+        compileall.compile_dir(ROOT / "ckptool", quiet=1)
+        return (f"--source: measuring the source tree ({ROOT / 'ckptool'}), not the "
+                "installed copy")
+    import ckptool  # the bench's own interpreter: no torch, just the path
+
+    compileall.compile_dir(Path(ckptool.__file__).parent, quiet=1)
+    return installed_state()
+
+
+def compared(script: str, a: Path, b: Path, baseline: str) -> list[str]:
+    """``script`` (a child with torch) on the outputs ``a`` (the baseline's)
+    and ``b`` (ckptool's): a note that they are equal, or why not."""
+    if not (a.exists() and b.exists()):
+        return []
+    data = child_check(script, str(a), str(b))
+    if "error" in data or data.get("differ") or data.get("missing") or data.get("extra"):
+        return [f"convert output differs from {baseline}'s: {data}"]
+    return [f"output checked: {data['tensors']} tensors, each equal to {baseline}'s"]
+
+
 def bench(quick: bool, rounds: int, source: bool) -> tuple[list[Row], list[str], list[str]]:
     a, b, c_dir, c_file = inputs(quick)
     log = []
@@ -638,24 +665,7 @@ def bench(quick: bool, rounds: int, source: bool) -> tuple[list[Row], list[str],
         how = ensure(inp, quick)
         what = f"{len(inp.layout)} tensors, largest {human(inp.largest)}"
         log.append(f"{inp.path.relative_to(ROOT)}: {inp.size() / MB:.1f} MiB, {what} ({how})")
-    if source:
-        # a folder holding only a link to the source package goes first on the
-        # children's path: `python -m ckptool` finds the source tree, and nothing
-        # else of the repository root shadows what torch imports
-        link = WORK / "mf_source" / "ckptool"
-        link.parent.mkdir(parents=True, exist_ok=True)
-        if not link.is_symlink():
-            link.symlink_to(ROOT / "ckptool", target_is_directory=True)
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            [str(link.parent), *filter(None, [os.environ.get("PYTHONPATH")])])
-        compileall.compile_dir(ROOT / "ckptool", quiet=1)
-        log.append(f"--source: measuring the source tree ({ROOT / 'ckptool'}), not the "
-                   "installed copy")
-    else:
-        import ckptool  # the bench's own interpreter: no torch, just the path
-
-        compileall.compile_dir(Path(ckptool.__file__).parent, quiet=1)
-        log.append(installed_state())
+    log.append(which_ckptool(source, "mf_source"))
     for inp in (a, b, c_dir, c_file):
         warm(inp.path)
     rows: list[Row] = []
