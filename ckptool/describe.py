@@ -8,6 +8,7 @@ same thing the same way.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from ckptool.model import StateDictInfo, TensorInfo
@@ -54,6 +55,16 @@ def parameters_text(sd: StateDictInfo, short: bool = False) -> str:
     if short:
         return f"{params} params" + (f" +{buffers} buffers" if sd.num_buffers else "")
     return params + (f" (+{buffers} in buffers)" if sd.num_buffers else "")
+
+
+def beside(path: str, ext: str) -> str:
+    """A file name beside the checkpoint directory ``path``: ``run/ckpt`` ->
+    ``run/ckpt.pt``, Lightning's ``x.ckpt/`` -> ``x.pt``; from the absolute
+    path where ``path`` is ``.`` (never a hidden file inside it)."""
+    base = os.path.normpath(path)
+    if os.path.basename(base) in (".", "..", ""):
+        base = os.path.abspath(base)
+    return (base[:-len(".ckpt")] if base.endswith(".ckpt") else base) + ext
 
 
 def shell_word(path: str) -> str:

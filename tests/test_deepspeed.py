@@ -406,13 +406,25 @@ def test_stage3_pieces_cross_sub_groups() -> None:
                                            zero.Piece(1, 0, 0, 2, 3)]
 
 
-def test_a_trainer_directory_with_model_files_beside(tmp_path: Path) -> None:
+def test_a_trainer_directory_with_a_model_file_beside(tmp_path: Path) -> None:
+    """HF Trainer's checkpoint-N/: its model file is read, as before, and the
+    DeepSpeed checkpoint beside it named (as beside an index)."""
     d = copy(tmp_path, "z2_fp32")
     (d / "config.json").write_text("{}")
     shutil.copy(DS / "z2_fp32.reference.pt", d / "pytorch_model.bin")
     ckpt = ckptool.open(d)
-    assert ckpt.format == "deepspeed"
-    assert any("pytorch_model.bin" in n for n in ckpt.metadata["notes"])
+    assert ckpt.format == "torch-zip"
+    assert any("global_step2/" in n and "DeepSpeed" in n for n in ckpt.metadata["notes"])
+    assert ckptool.open(d / "global_step2").format == "deepspeed"
+
+
+def test_ordinary_directories_stay_what_they_were(tmp_path: Path) -> None:
+    one = tmp_path / "one"
+    one.mkdir()
+    torch.save({"w": torch.ones(2)}, one / "best_model_states.pt")  # not DeepSpeed's name
+    assert ckptool.open(one).format == "torch-zip"
+    (one / "latest").write_text("100")  # names no directory
+    assert ckptool.open(one).format == "torch-zip"
 
 
 def test_zero_0_is_the_module() -> None:
@@ -475,3 +487,124 @@ def test_an_hf_trainer_directory_names_its_deepspeed_checkpoint(tmp_path: Path) 
     ckpt = ckptool.open(d)
     assert ckpt.format == "hf-safetensors"
     assert any("global_step2/" in n and "DeepSpeed" in n for n in ckpt.metadata["notes"])
+
+
+# -- crafted files: what a damaged or hostile directory cannot make ckptool do ----
+
+def states(path: Path) -> dict[str, object]:
+    """A DeepSpeed file as torch loads it, DeepSpeed's classes stood in for
+    (``ds_stubs``): to edit and save again."""
+    return torch.load(path, weights_only=False)
+
+
+@pytest.fixture
+def ds_stubs() -> object:
+    """Stand-ins for the three DeepSpeed classes its optimizer files name,
+    so that a test can load, edit and save one; removed afterwards."""
+    import dataclasses
+    import enum
+    import types
+
+    names = ["deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16",
+             "deepspeed.runtime.fp16.loss_scaler", "deepspeed.runtime.zero",
+             "deepspeed.runtime.zero.config", "deepspeed.utils",
+             "deepspeed.utils.tensor_fragment"]
+    mods = {n: types.ModuleType(n) for n in names}
+
+    class LossScaler:
+        pass
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled, optimizer_states, gradients, weights = 0, 1, 2, 3
+
+    @dataclasses.dataclass
+    class fragment_address:  # DeepSpeed's name
+        numel: int
+        start: int
+
+    for cls, mod in ((LossScaler, "deepspeed.runtime.fp16.loss_scaler"),
+                     (ZeroStageEnum, "deepspeed.runtime.zero.config"),
+                     (fragment_address, "deepspeed.utils.tensor_fragment")):
+        cls.__module__ = mod
+        cls.__qualname__ = cls.__name__
+        setattr(mods[mod], cls.__name__, cls)
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update(mods)
+    try:
+        yield mods
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
+
+
+@pytest.mark.usefixtures("ds_stubs")
+@pytest.mark.parametrize("paddings", [[[-300, 300, 0], [0, 0, 0, 0]], [[0, 0, 0]],
+                                      [[True, 0, 0], [0, 0, 0, 0]]])
+def test_bad_alignment_paddings(tmp_path: Path, paddings: list[list[int]],
+                                run_cli: Callable[..., CliResult]) -> None:
+    d = copy(tmp_path, "z2_fp32")
+    name = d / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt"
+    sd = states(name)
+    sd["optimizer_state_dict"]["param_alignment_paddings"] = paddings  # type: ignore[index]
+    torch.save(sd, name)
+    refused(run_cli, d, tmp_path, "fp32 partitions do not hold the parameters")
+
+
+def test_a_fragment_that_is_not_dense(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    d = copy(tmp_path, "z3_fp32")
+    name = d / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    sd = torch.load(name, weights_only=True)
+    sd["frozen_param_fragments"]["frozen.bias"] = torch.zeros(8)[:1].expand(3)
+    torch.save(sd, name)
+    refused(run_cli, d, tmp_path, "frozen.bias", "dense fragment")
+
+
+def test_a_cycle_in_a_file_is_read_once(tmp_path: Path) -> None:
+    d = copy(tmp_path, "z3_fp32")
+    name = d / "global_step2" / "zero_pp_rank_1_mp_rank_00_model_states.pt"
+    sd = torch.load(name, weights_only=True)
+    loop: list[object] = []
+    loop.append(loop)
+    sd["loop"] = [loop, loop, {"again": loop}]
+    torch.save(sd, name)
+    subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(d)], check=True,
+                   timeout=60, cwd=HERE.parent, capture_output=True,
+                   env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+
+
+def test_a_parameter_of_no_elements(tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    d = copy(tmp_path, "z3_fp32")
+    name = d / "global_step2" / "zero_pp_rank_0_mp_rank_00_model_states.pt"
+    sd = torch.load(name, weights_only=True)
+    sd["param_shapes"][0]["empty"] = torch.Size([0, 4])
+    torch.save(sd, name)
+    code, _, err = run_cli("convert", str(d), str(tmp_path / "m.safetensors"))
+    assert code == 0, err
+    got = load_file(tmp_path / "m.safetensors")
+    assert got["empty"].shape == (0, 4) and same(got["lin.weight"],
+                                                 reference("z3_fp32")["lin.weight"])
+
+
+def test_zero_2_without_its_optimizer_states(tmp_path: Path,
+                                             run_cli: Callable[..., CliResult]) -> None:
+    d = copy(tmp_path, "z2_bf16")
+    for f in (d / "global_step2").glob("*_optim_states.pt"):
+        f.unlink()
+    refused(run_cli, d, tmp_path, "ZeRO 2", "optimizer states are missing")
+
+
+def test_diagnose_names_fresh_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    run_cli: Callable[..., CliResult]) -> None:
+    src = tmp_path / "run.ckpt"
+    shutil.copytree(DS / "lightning_z3.ckpt", src)
+    (tmp_path / "run.fixed.pt").write_text("taken")
+    _, out, _ = run_cli("diagnose", str(src), "--model", f"{HERE}/nets.py:DSTiny", "--json")
+    report = json.loads(out)
+    assert report["fix_output"] == str(tmp_path / "run.fixed.2.pt")
+    monkeypatch.chdir(src)  # `diagnose .` from inside: the output goes beside it, not in it
+    code, out, _ = run_cli("diagnose", ".", "--json")
+    assert code == 1
+    assert json.loads(out)["fix_command"].startswith(f"ckptool convert . {tmp_path / 'run.pt'} ")

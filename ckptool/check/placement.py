@@ -46,9 +46,10 @@ def load_snippet(ckpt: Checkpoint, device: str) -> str:
         return (f"torch.distributed.checkpoint.load(state_dict, checkpoint_id={path})"
                 f"  # with state_dict's tensors on {device}")
     if ckpt.format == "deepspeed":  # consolidated first; the file records no device
-        out = json.dumps(ckpt.path.rstrip("/") + ".safetensors")
-        return (f"ckptool convert {shell_word(ckpt.path)} {shell_word(json.loads(out))}; "
-                f'then safetensors.torch.load_file({out}, device="{device}")')
+        from ckptool.check.zerofix import consolidated
+
+        out, snippet = consolidated(ckpt, device)
+        return f"ckptool convert {shell_word(ckpt.path)} {shell_word(out)}; then {snippet}"
     if ckpt.format == "hf-bin":  # pickles: only with safe=False, and never running code
         return (f'huggingface_hub.load_torch_model(model, {path}, safe=False, '
                 f'weights_only=True, map_location="{device}")')

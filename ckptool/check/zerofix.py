@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 
 from ckptool.check.findings import ERROR, Finding
 from ckptool.check.fixcommand import command_flags, shell_name
-from ckptool.describe import plural
+from ckptool.describe import beside, plural
 from ckptool.model import Checkpoint
 from ckptool.write.plan import FixOptions
 
@@ -36,11 +36,7 @@ def plan(ckpt: Checkpoint) -> Consolidation | None:
     """The finding and convert command for a DeepSpeed checkpoint; None for any other."""
     if ckpt.format != DEEPSPEED:
         return None
-    base = ckpt.path.rstrip("/") or ckpt.path
-    # a torch file where the model ties weights: it keeps every tied name
-    # (safetensors drops all but one), so that strict loading takes it
-    ext = ".pt" if ckpt.aliases else ".safetensors"
-    output = fresh(base.removesuffix(".ckpt") if base.endswith(".ckpt") else base, ext)
+    output, snippet = consolidated(ckpt)
     command = f"ckptool convert {shell_name(ckpt.path)} {shell_name(output)}"
     meta = ckpt.metadata
     stage, ranks = meta.get("zero_stage"), plural(meta.get("world_size") or 1, "rank")
@@ -53,10 +49,22 @@ def plan(ckpt: Checkpoint) -> Consolidation | None:
         tied = next(iter(ckpt.aliases.items()))
         message += (f". The fix writes a torch file: it keeps the tied names ({tied[0]} = "
                     f"{tied[1]}) that safetensors would drop")
-    snippet = (f"torch.load({output!r}, weights_only=True)" if ckpt.aliases else
-               f"safetensors.torch.load_file({output!r})")
     finding = Finding("zero-checkpoint", ERROR, message, command, snippet)
     return Consolidation(finding, output, command)
+
+
+def consolidated(ckpt: Checkpoint, device: str | None = None) -> tuple[str, str]:
+    """The file ``convert`` writes a DeepSpeed checkpoint into, beside it, and
+    the Python line that loads it (onto ``device``). A torch file where the
+    model ties weights: it keeps every tied name (safetensors drops all but
+    one), so that strict loading takes it."""
+    ext = ".pt" if ckpt.aliases else ".safetensors"
+    output = fresh(beside(ckpt.path, ""), ext)
+    if ckpt.aliases:
+        where = f", map_location={device!r}" if device else ""
+        return output, f"torch.load({output!r}, weights_only=True{where})"
+    return output, (f"safetensors.torch.load_file({output!r}"
+                    + (f", device={device!r})" if device else ")"))
 
 
 def fresh(path: str, ext: str) -> str:
@@ -73,7 +81,7 @@ def command(plan: Consolidation, opts: FixOptions) -> tuple[str, str]:
     if opts == FixOptions():
         return plan.command, plan.output
     stem, ext = os.path.splitext(plan.output)
-    fixed = f"{stem}.fixed{ext}"
+    fixed = fresh(f"{stem}.fixed", ext)
     return (f"{plan.command} && ckptool fix {shell_name(plan.output)} "
             f"{' '.join(command_flags(opts))} -o {shell_name(fixed)}"), fixed
 

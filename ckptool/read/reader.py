@@ -62,10 +62,14 @@ def open_checkpoint(path: str | os.PathLike[str],
     if layout is not None and layout.file is not None:
         path = layout.file  # a directory holding one checkpoint file reads as that file
     if on_tensors is None:
-        return assemble(path, formats.read(path))
-    with observe.observe(_partial_tensors(on_tensors), TENSORS):
-        raw = formats.read(path)
-    return assemble(path, raw)
+        ckpt = assemble(path, formats.read(path))
+    else:
+        with observe.observe(_partial_tensors(on_tensors), TENSORS):
+            raw = formats.read(path)
+        ckpt = assemble(path, raw)
+    if layout is not None and layout.notes:  # what else its directory holds
+        ckpt.metadata["notes"] = [*ckpt.metadata.get("notes", ()), *layout.notes]
+    return ckpt
 
 
 def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.Observer:

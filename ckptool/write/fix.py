@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ckptool import dtypes
-from ckptool.describe import shell_word
+from ckptool.describe import beside, shell_word
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint
 from ckptool.read import formats
@@ -108,7 +108,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
                 f"{src} is a DeepSpeed checkpoint: fix rewrites state dicts, and this one is "
                 "partitioned over its ranks' files",
                 f"consolidate it first: ckptool convert {shell_word(src)} "
-                f"{shell_word(src.rstrip('/') + '.safetensors')}, then fix that file")
+                f"{shell_word(beside(src, '.safetensors'))}, then fix that file")
         source = open_checkpoint(src)
         output = output or fix_shards.default_output(src)
         if layout.kind == recognise.DCP:

@@ -115,7 +115,8 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
         root[name] = TensorRecord(shape, dtype, _contiguous(shape), 0, ref, None,
                                   requires_grad=kind == "trainable",
                                   is_parameter=kind in ("trainable", "frozen", "module"))
-        chunks[name] = tuple(_chunk(offsets, name, dtype, run) for run in runs)
+        chunks[name] = tuple(_chunk(offsets, name, dtype, run) for run in runs) or (
+            Chunk(m0.name, (0,), (0,), 0, 0, None, flat=True),)  # 0 elements: nothing to read
     seen = GlobalsSeen()
     client = {k: v for k, v in m0.tree.items() if k not in DS_KEYS}
     warnings: list[str] = []
@@ -207,10 +208,15 @@ def _check_steps(folder: str, files: Files, offsets: Offsets) -> None:
             f"({', '.join(values.values())} differ)", MIXED_HINT)
 
 
+def _dense(rec: TensorRecord) -> bool:
+    """A plain tensor whose elements lie one after the other in its storage."""
+    return rec.storage is not None and rec.layout == "strided" and rec.storage_offset >= 0 \
+        and (rec.numel <= 1 or rec.stride == _contiguous(rec.shape))
+
+
 def _whole(f: Saved, rec: TensorRecord, name: str) -> Run:
     """A tensor of a file, saved contiguous, as one run."""
-    if rec.storage is None or rec.layout != "strided" or \
-            (rec.numel > 1 and rec.stride != _contiguous(rec.shape)):
+    if not _dense(rec):
         raise UnsupportedCheckpointError(
             f"{name} in {f.name} is not a contiguous dense tensor", BROKEN_HINT)
     return (f, rec, 0, rec.numel, 0)
@@ -247,8 +253,7 @@ def _partitions(files: Files) -> list[list[TensorRecord]]:
     for f in files.optims:
         parts = f.tree["optimizer_state_dict"].get(key)
         if not isinstance(parts, list) or not all(
-                isinstance(p, TensorRecord) and p.storage is not None and len(p.shape) == 1
-                and (p.numel <= 1 or p.stride == (1,)) for p in parts):
+                isinstance(p, TensorRecord) and _dense(p) and len(p.shape) == 1 for p in parts):
             raise CorruptCheckpointError(f"{f.name}: '{key}' is not a list of flat tensors",
                                          BROKEN_HINT)
         out.append(parts)
@@ -271,7 +276,7 @@ def _trainable(files: Files, built: dict[str, Any], replaced: set[int]) -> None:
             paddings = files.optims[0].tree["optimizer_state_dict"].get(
                 "param_alignment_paddings")
             if paddings is not None and not (isinstance(paddings, list) and all(
-                    isinstance(g, list) and all(isinstance(x, int) for x in g)
+                    isinstance(g, list) and all(type(x) is int and x >= 0 for x in g)
                     for g in paddings)):
                 raise zero.LayoutError(f"param_alignment_paddings is {paddings!r:.60}")
             placed = zero.stage12(lengths, [[(n, math.prod(s)) for n, s in g.items()]
@@ -280,10 +285,11 @@ def _trainable(files: Files, built: dict[str, Any], replaced: set[int]) -> None:
     except zero.LayoutError as exc:
         raise CorruptCheckpointError(
             f"the fp32 partitions do not hold the parameters: {exc}", BROKEN_HINT) from exc
+    dtype = next((p.dtype for per_rank in parts for p in per_rank), "float32")
     for name, pieces in placed.items():
         runs = [(files.optims[p.rank], parts[p.rank][p.group], p.start, p.count, p.at)
                 for p in pieces]
-        built[name] = (_shaped(shapes[name], parts[0][0].dtype), runs, "trainable")
+        built[name] = (_shaped(shapes[name], dtype), runs, "trainable")
 
 
 def _frozen(files: Files, module: dict[str, Any], built: dict[str, Any],
@@ -295,11 +301,12 @@ def _frozen(files: Files, module: dict[str, Any], built: dict[str, Any],
         for name, shape in _shapes(m0, "frozen_param_shapes")[0].items():
             numel = math.prod(shape)
             found = [fr.get(name) if isinstance(fr, dict) else None for fr in fragments]
-            recs = [r for r in found if isinstance(r, TensorRecord) and r.storage is not None]
+            recs = [r for r in found if isinstance(r, TensorRecord) and _dense(r)
+                    and (files.stage != 3 or len(r.shape) == 1)]
             if len(recs) != len(found):
                 raise CorruptCheckpointError(
-                    f"the frozen parameter {name} has no fragment in every model-states file",
-                    BROKEN_HINT)
+                    f"the frozen parameter {name} has no dense fragment in every model-states "
+                    "file", BROKEN_HINT)
             replaced.update(id(r) for r in recs)
             if files.stage == 3:
                 try:
@@ -359,10 +366,12 @@ def _chunk(offsets: Offsets, name: str, dtype: str, run: Run) -> Chunk:
     f, rec, start, count, at = run
     assert rec.storage is not None
     itemsize = dtypes.itemsize(rec.dtype)
-    if rec.storage_offset + start + count > rec.storage.numel:
-        raise CorruptCheckpointError(f"{name}: its elements run past a storage of {f.name}",
+    first = rec.storage_offset + start  # in elements of the tensor's dtype
+    if start < 0 or count < 0 or first < 0 or start + count > rec.numel or \
+            (first + count) * itemsize > rec.storage.nbytes:
+        raise CorruptCheckpointError(f"{name}: its elements run outside a storage of {f.name}",
                                      BROKEN_HINT)
-    begin = offsets.start(f, rec.storage) + (rec.storage_offset + start) * itemsize
+    begin = offsets.start(f, rec.storage) + first * itemsize
     return Chunk(f.name, (at,), (count,), begin, count * itemsize, f.rank, flat=True,
                  dtype=rec.dtype if rec.dtype != dtype else None)
 

@@ -29,12 +29,11 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read import formats
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT
+from ckptool.read.layouts.recognise import MODEL_FILE, OPTIM_FILE
 from ckptool.read.tensors import StorageRef, TensorRecord
 from ckptool.read.values import StandIn
 from ckptool.read.ziparchive import ZipArchive, ZipError
 
-MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 EXPERT_FILE = re.compile(r"^(layer_\d+_expert_\d+_mp_rank_\d+_model_states|"
                          r"expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
 MIXED_HINT = ("the directory holds files of two saves (an old checkpoint overwritten by a "
@@ -148,10 +147,13 @@ def as_int(value: Any) -> int | None:
 def _stage(folder: str, models: list[Saved], optims: list[Saved]) -> tuple[int, int, str]:
     """(ZeRO stage, world size, optimizer) from the optimizer states, agreed by every rank."""
     if not optims:
-        if models[0].rank is not None:
+        stage = _configured_stage(models[0].tree)
+        if models[0].rank is not None or models[0].tree.get("param_shapes") or stage:
             raise CorruptCheckpointError(
-                f"{folder} holds ZeRO-3 model states but no *_optim_states.pt files: the "
-                "fp32 weights are in those", MISSING_HINT)
+                f"{folder} holds the model states of a ZeRO "
+                f"{3 if models[0].rank is not None else stage or '1-2'} save but no "
+                "*_optim_states.pt files: its fp32 weights are in those (every rank's "
+                "optimizer states are missing)", MISSING_HINT)
         world = as_int(models[0].tree.get("dp_world_size")) or 1
         return 0, world, "none (ZeRO stage 0)"
     seen: dict[tuple[int, int, str], str] = {}
@@ -180,6 +182,13 @@ def _stage(folder: str, models: list[Saved], optims: list[Saved]) -> tuple[int, 
                          for (s, w, _), name in seen.items())
         raise CorruptCheckpointError(f"the optimizer states disagree ({said})", MIXED_HINT)
     return next(iter(seen))
+
+
+def _configured_stage(tree: dict[str, Any]) -> int | None:
+    """The ZeRO stage ``ds_config`` asked for, where it is a dict that says."""
+    config = tree.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    return as_int(zero.get("stage")) if isinstance(zero, dict) else None
 
 
 def _check_ranks(folder: str, models: list[Saved], optims: list[Saved], stage: int,
@@ -297,11 +306,16 @@ def listed(f: Saved, replaced: set[int], client: dict[str, Any], names: set[str]
 
 
 def kept_storages(tree: Any) -> set[int]:
-    """Ids of the storages the records left in ``tree`` view."""
+    """Ids of the storages the records left in ``tree`` view (each object
+    visited once: a pickle may share or nest objects in cycles)."""
     out: set[int] = set()
+    seen: set[int] = set()
     stack = [tree]
     while stack:
         obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
         if isinstance(obj, TensorRecord) and obj.storage is not None:
             out.add(id(obj.storage))
         elif isinstance(obj, dict):

@@ -38,7 +38,9 @@ METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 ACCELERATE_DIRS = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?$")
-MODEL_STATES = re.compile(r"_model_states\.pt$")
+# DeepSpeed's names (engine.py: _get_ckpt_name, _get_zero_ckpt_name)
+MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 LATEST = "latest"
 MAX_TAG_BYTES = 1024
 INDEX_NAME = re.compile(r"\.index(\.[^./]+)?\.json$")
@@ -131,41 +133,45 @@ def _directory(path: str) -> Layout:
             notes += (f"{path} also holds {_names([d + '/' for d in later])}: another "
                       "model's or optimizer's checkpoint, read alone by naming it",)
         return Layout(DCP, path, path, metadata=metas, wrapper="accelerate", notes=notes)
-    deepspeed = _deepspeed(path, files, dirs)
+    deepspeed, beside = _deepspeed(path, files, dirs)
     if deepspeed is not None:
         return deepspeed
-    return _lone_file(path, files, dirs)
+    return _lone_file(path, files, dirs, (beside,) if beside else ())
 
 
-def _deepspeed(path: str, files: list[str], dirs: list[str]) -> Layout | None:
-    """A DeepSpeed tag directory, or the directory above one."""
-    if any(MODEL_STATES.search(n) for n in files):
+def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | None, str]:
+    """A DeepSpeed tag directory, or the directory above one; or, where a
+    checkpoint file sits beside the tag directory (HF Trainer's
+    ``checkpoint-N/`` with its model file), None and a note naming it."""
+    if any(MODEL_FILE.match(n) or OPTIM_FILE.match(n) for n in files):
         return Layout(DEEPSPEED, path, path,
-                      tag=os.path.basename(os.path.normpath(os.path.abspath(path))))
-    tags = [d for d in dirs if any(MODEL_STATES.search(n)
+                      tag=os.path.basename(os.path.normpath(os.path.abspath(path)))), ""
+    tags = [d for d in dirs if any(MODEL_FILE.match(n) or OPTIM_FILE.match(n)
                                    for n in _listing(os.path.join(path, d)))]
+    if not tags:
+        return None, ""
     tag = _latest(path) if LATEST in files else None
+    if tag is not None and tag not in tags:
+        raise CorruptCheckpointError(
+            f"{os.path.join(path, LATEST)} names the tag {tag!r}, but {path} has no DeepSpeed "
+            f"checkpoint {tag}/ (it has {_names([d + '/' for d in tags])})",
+            "the save was interrupted, or the tag directory was not copied; name a tag "
+            "directory to read it")
     others = [n for n in files if n not in (LATEST, *RECOVERY_SCRIPTS)]
-    notes = (f"{path} also holds {_names(others)}, not part of the DeepSpeed checkpoint: "
-             "inspect them by name",) if others else ()
-    if tag is not None:
-        if tag not in dirs:
-            raise CorruptCheckpointError(
-                f"{os.path.join(path, LATEST)} names the tag {tag!r}, but {path} has no "
-                f"{tag}/ directory" + (f" (it has {_names([d + '/' for d in tags])})"
-                                       if tags else ""),
-                "the save was interrupted, or the tag directory was not copied; name a tag "
-                "directory to read it" if tags else "copy the whole checkpoint directory again")
-        return Layout(DEEPSPEED, path, os.path.join(path, tag), tag=tag, notes=notes)
-    lone = any(_is_checkpoint_file(os.path.join(path, n)) for n in others)
-    if len(tags) == 1 and not lone:
-        return Layout(DEEPSPEED, path, os.path.join(path, tags[0]), tag=tags[0], notes=notes)
-    if tags and not lone:
+    if any(_is_checkpoint_file(os.path.join(path, n)) for n in others[:MAX_SNIFFED]):
+        shown = tag or tags[-1]
+        return None, (f"{path} also holds a DeepSpeed checkpoint ({shown}/): its fp32 master "
+                      f"weights are read by naming it: ckptool inspect "
+                      f"{os.path.join(path, shown)}")
+    if tag is None and len(tags) > 1:
         raise InputError(
             f"{path} holds {plural(len(tags), 'DeepSpeed checkpoint')} "
             f"({_names([d + '/' for d in tags])}) and no 'latest' file saying which is current",
             f"name the one to read: ckptool inspect {os.path.join(path, tags[-1])}")
-    return None
+    chosen = tag or tags[0]
+    notes = (f"{path} also holds {_names(others)}, not part of the DeepSpeed checkpoint: "
+             "inspect them by name",) if others else ()
+    return Layout(DEEPSPEED, path, os.path.join(path, chosen), tag=chosen, notes=notes), ""
 
 
 def _latest(path: str) -> str | None:
@@ -214,7 +220,8 @@ def _hf(path: str, indexes: list[str]) -> Layout:
     return Layout(HF, path, path, index=chosen, notes=notes)
 
 
-def _lone_file(path: str, files: list[str], dirs: list[str]) -> Layout:
+def _lone_file(path: str, files: list[str], dirs: list[str],
+               notes: tuple[str, ...] = ()) -> Layout:
     data = [n for n in files if DATA_FILE.match(n)]
     if data:  # `cp src/* dst/` leaves .metadata behind; DCP writes it last
         raise CorruptCheckpointError(
@@ -224,7 +231,7 @@ def _lone_file(path: str, files: list[str], dirs: list[str]) -> Layout:
             "for the save to finish: it writes .metadata last")
     found = [n for n in files[:MAX_SNIFFED] if _is_checkpoint_file(os.path.join(path, n))]
     if len(found) == 1:
-        return Layout(FILE, path, path, file=os.path.join(path, found[0]))
+        return Layout(FILE, path, path, file=os.path.join(path, found[0]), notes=notes)
     if found:
         raise InputError(
             f"{path} is a directory holding {len(found)} checkpoint files "

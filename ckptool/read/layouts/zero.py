@@ -52,6 +52,8 @@ def partitioned(numel: int, world_size: int) -> int:
 def _runs(lengths: Sequence[int], start: int, count: int) -> list[tuple[int, int, int]]:
     """``count`` elements from ``start`` of the concatenation of sources of
     ``lengths``: (source, start in it, elements) per source touched."""
+    if start < 0 or count < 0:
+        raise LayoutError(f"asks for {count} element(s) at {start}")
     out = []
     base = 0
     for i, length in enumerate(lengths):
@@ -81,6 +83,9 @@ def stage12(lengths: Sequence[Sequence[int]],
         if len(per_rank) != groups:
             raise LayoutError(f"rank {r} saved {len(per_rank)} fp32 partition(s) for "
                               f"{groups} parameter group(s)")
+    if paddings is not None and len(paddings) != groups:
+        raise LayoutError(f"{len(paddings)} lists of alignment paddings for {groups} "
+                          "parameter group(s)")
     align = 2 * world_size
     out: dict[str, list[Piece]] = {}
     for g, names in enumerate(shapes):
@@ -91,6 +96,8 @@ def stage12(lengths: Sequence[Sequence[int]],
                               f"{len(pads)} alignment paddings")
         offset = 0
         for (name, numel), pad in zip(names, pads, strict=True):
+            if pad < 0:
+                raise LayoutError(f"{name} (group {g}) has a negative alignment padding {pad}")
             try:
                 runs = _runs(sources, offset, numel)
             except LayoutError as exc:
