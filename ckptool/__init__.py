@@ -3,8 +3,10 @@
 ``ckptool.open(path)`` reads any checkpoint's metadata into a pure data
 model without running code from the file, reading tensor bytes, or
 importing torch, click, rich or textual. ``ckptool.diagnose``,
-``ckptool.fix``, ``ckptool.convert`` and ``ckptool.diff_checkpoints`` are
-loaded on first use, so that reading stays as light as it is.
+``ckptool.fix``, ``ckptool.convert``, ``ckptool.diff_checkpoints``,
+``ckptool.load`` (a safe ``torch.load``) and ``ckptool.load_state_dict`` (the
+weights a model takes) are loaded on first use, so that reading stays as
+light as it is.
 
 The package is in layers, and imports run one way, from each layer to the
 ones before it (``tests/test_layers.py`` checks every import, and that no
@@ -29,7 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Checkpoint", "CkptoolError", "Entry", "FixOptions", "GlobalInfo", "StateDictInfo",
     "StorageInfo", "TensorInfo", "__version__", "convert", "diagnose", "diff_checkpoints",
-    "fix", "open",
+    "fix", "load", "load_state_dict", "open",
 ]
 
 _LAZY = {
@@ -38,6 +40,8 @@ _LAZY = {
     "FixOptions": ("ckptool.write.plan", "FixOptions"),
     "convert": ("ckptool.write.convert", "convert"),
     "diff_checkpoints": ("ckptool.check.diff", "diff_checkpoints"),
+    "load": ("ckptool.read.materialize", "load"),
+    "load_state_dict": ("ckptool.check.loading", "load_state_dict"),
 }
 
 

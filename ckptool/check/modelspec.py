@@ -131,6 +131,19 @@ def build_model(spec: str, arguments: dict[str, Any],
     if not isinstance(model, torch.nn.Module):
         raise ModelError(f"{spec} returned a {type(model).__name__}, not an nn.Module",
                          "name an nn.Module class or a function that returns one")
+    keys = module_keys(model, f"model {spec}")
+    keys.arguments, keys.name = called, getattr(factory, "__name__", spec)
+    keys.given = dict(arguments)
+    return keys
+
+
+def module_keys(model: Any, source: str | None = None) -> ModelKeys:
+    """The keys of a constructed ``nn.Module``: shapes, ties, extra state."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        raise UsageError(f"model is a {type(model).__name__}, not an nn.Module",
+                         "pass the nn.Module whose load_state_dict will take the result")
     shapes: dict[str, tuple[int, ...] | None] = {}
     groups: dict[int, list[str]] = {}
     for key, value in model.state_dict(keep_vars=True).items():
@@ -139,8 +152,8 @@ def build_model(spec: str, arguments: dict[str, Any],
             continue
         shapes[key] = tuple(value.shape)
         groups.setdefault(id(value), []).append(key)
-    return ModelKeys(f"model {spec}", shapes, _ties(groups.values()), called,
-                     getattr(factory, "__name__", spec), dict(arguments))
+    name = type(model).__name__
+    return ModelKeys(source or f"model {name}", shapes, _ties(groups.values()), name=name)
 
 
 def _ties(groups: Any) -> dict[str, tuple[str, ...]]:

@@ -26,18 +26,38 @@ class NDArray:
         self.dtype = "?"
         self.nbytes = 0
         self.values: list[Any] | None = None  # object arrays keep their items
+        self.raw: bytes | None = None  # the pickle's own bytes object (ckptool.load)
+        self.fortran = False
+        self.byteorder = "|"
 
     def __setstate__(self, state: Any) -> None:
         # (version, shape, dtype, is_fortran, rawdata)
         if isinstance(state, tuple) and len(state) == 5:
-            _, shape, dtype, _, raw = state
+            _, shape, dtype, fortran, raw = state
             if isinstance(shape, tuple):
                 self.shape = tuple(s for s in shape if type(s) is int and 0 <= s < 2**63)
             self.dtype = name_of(dtype) if dtype is not None else "?"
+            self.byteorder = str(getattr(dtype, "byteorder", "|"))
+            self.fortran = fortran is True
             if isinstance(raw, (bytes, bytearray)):
                 self.nbytes = len(raw)
+                self.raw = bytes(raw) if isinstance(raw, bytearray) else raw
             elif isinstance(raw, list):
                 self.values = raw
+
+    def to_numpy(self, np: Any) -> Any:
+        """The real array (``np`` is numpy), or this stand-in where it cannot be made."""
+        order = "F" if self.fortran else "C"
+        try:
+            if self.values is not None:
+                return np.array(self.values, dtype=object).reshape(self.shape, order=order)
+            if self.raw is None:
+                return self
+            dtype = np.dtype(self.dtype).newbyteorder(
+                self.byteorder if self.byteorder in "<>" else "=")
+            return np.frombuffer(self.raw, dtype=dtype).reshape(self.shape, order=order).copy()
+        except (TypeError, ValueError):
+            return self
 
     def __repr__(self) -> str:
         shape = shape_text(self.shape)

@@ -1,0 +1,118 @@
+"""``ckptool.load_state_dict``: the flat ``{name: tensor}`` a model's
+``load_state_dict(strict=True)`` takes, from any checkpoint ckptool reads.
+
+- The main state dict, wherever it sits (``state_dict``, ``model``, a
+  pickled module, Hugging Face shards, DCP's ``model`` entry, DeepSpeed's
+  consolidated fp32 weights), read one tensor at a time
+  (``read.tensor_source.TensorValues``): only its tensors' bytes are read,
+  and nothing from the file runs, whatever else the file names.
+- With ``model`` (an ``nn.Module``), its keys are reconciled as ``diagnose``
+  reconciles them: the one prefix rewrite (strip ``module.``, add ``model.``...)
+  that makes the keys match is applied, and a key the model ties to a key the
+  checkpoint has (``head.weight`` = ``embed.weight``) is given that tensor.
+  Nothing else is changed silently: where keys are still missing, left over
+  or shaped differently, a ``StateDictMismatch`` carries the findings and the
+  message ``diagnose`` prints (``strict=False`` returns what matches instead,
+  as ``load_state_dict(strict=False)`` would take it).
+- ``map_location`` (default ``"cpu"``) places every tensor; ``dtype`` casts
+  floating tensors (``torch.bfloat16``, ``"bf16"``...).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from ckptool import dtypes
+from ckptool.check import manyfiles
+from ckptool.check.diagnosis import diagnose
+from ckptool.check.findings import Finding
+from ckptool.check.gpus import assumed
+from ckptool.check.modelspec import module_keys
+from ckptool.errors import CkptoolError, UsageError
+from ckptool.read.materialize import MapLocation, Placement
+from ckptool.read.reader import open_checkpoint
+from ckptool.read.tensor_source import TensorValues
+from ckptool.write.plan import DTYPE_NAMES
+
+if TYPE_CHECKING:
+    import torch
+
+KEY_CODES = ("key-prefix", "missing-keys", "unexpected-keys", "shape-mismatch", "tied-keys",
+             "no-state-dict")
+
+
+class StateDictMismatch(CkptoolError):
+    """The checkpoint's state dict does not fit the model: ``findings`` say how."""
+
+    def __init__(self, message: str, hint: str, findings: list[Finding]) -> None:
+        super().__init__(message, hint)
+        self.findings = findings
+
+
+def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
+                    map_location: MapLocation = "cpu", dtype: Any = None,
+                    strict: bool = True) -> dict[str, torch.Tensor]:
+    """The main state dict of the checkpoint at ``path`` as real tensors,
+    renamed to fit ``model`` where one is given (see the module docstring)."""
+    path = os.fspath(path)
+    ckpt = open_checkpoint(path)
+    sd = ckpt.main_state_dict
+    if sd is None:
+        raise CkptoolError(f"{path} holds no state dict ckptool can find",
+                           "`ckptool inspect` shows what it holds")
+    cast = _dtype(dtype)
+    entry = manyfiles.entry_prefix(ckpt)  # DCP's "model.": how it loads, not a name
+    tensors = {name[len(entry):]: t for name, t in ckpt.state_dict().items()}
+    aliases = {a[len(entry):]: k[len(entry):] for a, k in ckpt.aliases.items()}
+    names = {**{n: n for n in tensors}, **{a: k for a, k in aliases.items() if k in tensors}}
+    if model is not None:
+        keys = module_keys(model)
+        report = diagnose(ckpt, assumed(0), keys)
+        assert report.keys is not None
+        found = [f for f in report.findings if f.code in KEY_CODES]
+        rewrite = report.keys.rewrite
+        names = {rewrite.apply(n): stored for n, stored in names.items()}
+        for missing, twin in report.keys.tied_missing.items():
+            if twin in names:
+                names[missing] = names[twin]  # the model ties them: the same tensor
+        bad = [f for f in found if f.code in ("missing-keys", "unexpected-keys",
+                                              "shape-mismatch")]
+        if bad and strict:
+            raise StateDictMismatch(
+                f"{path} does not fit {type(model).__name__}: "
+                + "; ".join(f"{f.code}: {f.message}" for f in bad),
+                "see `ckptool diagnose` for the whole report, or pass strict=False",
+                found)
+        if not strict:
+            expected = set(keys.shapes)
+            names = {n: s for n, s in names.items() if n in expected}
+    place = Placement(map_location)
+    out: dict[str, torch.Tensor] = {}
+    made: dict[str, torch.Tensor] = {}
+    with TensorValues(ckpt) as values:
+        for name, stored in names.items():
+            if stored not in made:
+                t = tensors[stored]
+                value = place.tensor(values.values(t), t.location or "cpu")
+                if cast is not None and value.is_floating_point():
+                    value = value.to(cast)
+                made[stored] = value
+            out[name] = made[stored]
+    return out
+
+
+def _dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    import torch
+
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    name = dtypes.canonical(DTYPE_NAMES.get(str(dtype), str(dtype)))
+    found = getattr(torch, name, None) if name else None
+    if not isinstance(found, torch.dtype) or not found.is_floating_point:
+        raise UsageError(f"not a floating dtype: {dtype!r}",
+                         "pass torch.bfloat16, 'bf16', 'float16'...")
+    return found
+

@@ -1,0 +1,307 @@
+"""``ckptool.load``: a checkpoint's object tree with real tensors, as
+``torch.load(weights_only=False)`` gives it for a benign file, built from
+ckptool's own safe read: nothing from the file is imported or run.
+
+- The file is read as ``ckptool.open`` reads it (its unpickler never imports
+  or calls what the file names). A file that names unsafe globals (those
+  ``inspect`` reports) is refused with a ``CkptoolError`` naming them.
+- Each storage becomes one ``torch.UntypedStorage``: with ``mmap`` (the
+  default) a slice of the file mapped privately, as ``torch.load(mmap=True)``
+  maps it; else read into memory. Tensors are views of it with their saved
+  dtype, shape, stride and offset, so views and tied weights share storage
+  as in the file; ``nn.Parameter`` where the file has one.
+- ``map_location`` as torch takes it: a device (string or ``torch.device``),
+  a dict of saved tag to tag, or a callable ``(storage, tag) -> storage``.
+  With None, storages go where they were saved when this machine has that
+  device, else a ``CkptoolError`` says which is missing and how to map it.
+- Plain data comes back as itself; ``argparse.Namespace`` and numpy arrays
+  as real ones; every other class as its inert stand-in (dotted name and
+  state, never imported). Sparse COO/CSR tensors are rebuilt from their parts.
+- A checkpoint of many files (Hugging Face shards, DCP, DeepSpeed) gives its
+  main state dict, one tensor at a time from wherever it lies, the names an
+  index or DeepSpeed records as tied sharing one tensor.
+
+torch (and numpy) are imported here, on use: ``ckptool.open`` stays light.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from ckptool.errors import CkptoolError, UnsupportedCheckpointError
+from ckptool.model import Checkpoint
+from ckptool.read.constructors import NDArray
+from ckptool.read.reader import open_checkpoint
+from ckptool.read.tensor_data import TensorData
+from ckptool.read.tensor_source import TensorValues
+from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
+from ckptool.read.values import StandIn
+
+if TYPE_CHECKING:
+    import torch
+
+MapLocation = Any  # str | torch.device | dict[str, str] | Callable | None
+MAX_DEPTH = 200
+
+
+class LoadError(CkptoolError):
+    """``ckptool.load`` refused a checkpoint, or could not place it."""
+
+
+def load(path: str | os.PathLike[str], map_location: MapLocation = None, *,
+         mmap: bool = True) -> Any:
+    """The object tree of the checkpoint at ``path``, with real tensors."""
+    path = os.fspath(path)
+    ckpt = open_checkpoint(path)
+    unsafe = ckpt.unsafe_globals
+    if unsafe:
+        raise LoadError(
+            f"{path} names globals that run code when torch loads it: {', '.join(unsafe)}; "
+            "ckptool.load builds nothing from such a file",
+            "ckptool.load_state_dict(path) takes only its weights, which run nothing; "
+            "`ckptool inspect` shows where the globals are")
+    if ckpt.is_multifile:
+        return _state_dict_of_many(ckpt, map_location)
+    return Builder(ckpt, map_location, mmap).build(ckpt.root)
+
+
+def _state_dict_of_many(ckpt: Checkpoint, map_location: MapLocation) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    place = Placement(map_location)
+    with TensorValues(ckpt) as values:
+        for name, t in ckpt.state_dict().items():
+            out[name] = place.tensor(values.values(t), t.location or "cpu")
+    for alias, kept in ckpt.aliases.items():
+        if kept in out:
+            out[alias] = out[kept]
+    return out
+
+
+class Placement:
+    """Where each storage goes, as ``map_location`` says (see ``load``)."""
+
+    def __init__(self, map_location: MapLocation) -> None:
+        self.map_location = map_location
+
+    def target(self, tag: str) -> str | None:
+        """The device a storage saved on ``tag`` goes to (None: a callable decides)."""
+        import torch
+
+        ml = self.map_location
+        if ml is None:
+            _check_available(tag)
+            return tag
+        if isinstance(ml, (str, torch.device)):
+            return str(ml)
+        if isinstance(ml, dict):
+            to = ml.get(tag, tag)
+            if to == tag:
+                _check_available(tag)
+            return str(to)
+        if callable(ml):
+            return None
+        raise LoadError(f"map_location {ml!r} is not a device, a dict or a callable",
+                        "pass 'cpu', torch.device('cuda:0'), {'cuda:2': 'cuda:0'} or a function")
+
+    def storage(self, storage: torch.UntypedStorage, tag: str) -> torch.UntypedStorage:
+        target = self.target(tag)
+        if target is None:
+            fn: Callable[[Any, str], Any] = self.map_location
+            moved = fn(storage, tag)
+            return storage if moved is None else moved
+        if target == "cpu":
+            return storage
+        return storage.to(device=target)
+
+    def tensor(self, value: torch.Tensor, tag: str) -> torch.Tensor:
+        target = self.target(tag)
+        if target is None:
+            storage = self.storage(value.untyped_storage(), tag)
+            return _view(storage, value.dtype, tuple(value.shape), tuple(value.stride()),
+                         int(value.storage_offset()))
+        return value if target == "cpu" else value.to(target)
+
+
+def _check_available(tag: str) -> None:
+    import torch
+
+    kind, _, index = tag.partition(":")
+    if kind == "cpu" or kind == "meta":
+        return
+    if kind == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if int(index or 0) < count:
+            return
+        raise LoadError(
+            f"the checkpoint was saved on {tag}, and this machine has "
+            f"{'no CUDA GPU' if count == 0 else f'{count} CUDA GPU(s)'}",
+            "pass map_location='cpu', or map the tag: map_location={" + repr(tag) + ": 'cuda:0'}")
+    backend = getattr(torch.backends, kind, None)
+    available = getattr(backend, "is_available", None)
+    if not (callable(available) and available()):
+        raise LoadError(f"the checkpoint was saved on {tag}, which this machine does not have",
+                        f"pass map_location='cpu', or map the tag: map_location={{{tag!r}: 'cpu'}}")
+
+
+def _view(storage: torch.UntypedStorage, dtype: torch.dtype, shape: tuple[int, ...],
+          stride: tuple[int, ...], offset: int) -> torch.Tensor:
+    import torch
+
+    t = torch.empty((0,), dtype=dtype, device=storage.device)
+    t.set_(storage, offset, shape, stride)
+    return t
+
+
+class Builder:
+    """Real objects for ``ckpt``'s inert tree, each storage made once."""
+
+    def __init__(self, ckpt: Checkpoint, map_location: MapLocation, mmap: bool) -> None:
+        self.ckpt = ckpt
+        self.place = Placement(map_location)
+        self.mmap = mmap
+        self._storages: dict[str, torch.UntypedStorage] = {}
+        self._done: dict[int, Any] = {}  # id of an inert object -> what it became
+        self._whole: torch.UntypedStorage | None = None
+        self._data: TensorData | None = None
+
+    def build(self, root: Any) -> Any:
+        try:
+            return self._value(root, 0)
+        finally:
+            if self._data is not None:
+                self._data.close()
+
+    def _value(self, obj: Any, depth: int) -> Any:
+        if depth > MAX_DEPTH:
+            raise LoadError("the object tree nests deeper than ckptool builds", "")
+        key = id(obj)
+        if key in self._done:
+            return self._done[key]
+        out = self._make(obj, depth + 1)
+        if not isinstance(obj, (str, bytes, int, float, bool, type(None))):
+            self._done[key] = out
+        return out
+
+    def _make(self, obj: Any, depth: int) -> Any:
+        if isinstance(obj, TensorRecord):
+            return self._tensor(obj)
+        if isinstance(obj, StorageRef):
+            return self._storage(obj)
+        if isinstance(obj, CompositeTensor):
+            return self._composite(obj, depth)
+        if isinstance(obj, NDArray):
+            return _numpy(obj)
+        if isinstance(obj, dict):
+            made = type(obj)() if type(obj) is not dict else {}
+            self._done[id(obj)] = made  # a dict may hold itself
+            for k, v in obj.items():
+                made[k] = self._value(v, depth)
+            meta = getattr(obj, "_metadata", None)
+            if meta is not None:
+                made._metadata = meta  # type: ignore[attr-defined]
+            return made
+        if isinstance(obj, list):
+            made_list: list[Any] = []
+            self._done[id(obj)] = made_list
+            made_list.extend(self._value(v, depth) for v in obj)
+            return made_list
+        if isinstance(obj, tuple):
+            return tuple(self._value(v, depth) for v in obj)
+        if isinstance(obj, (set, frozenset)):
+            return type(obj)(self._value(v, depth) for v in obj)
+        if isinstance(obj, StandIn):
+            return self._standin(obj, depth)
+        return obj
+
+    def _standin(self, obj: StandIn, depth: int) -> Any:
+        if obj.qualname == "argparse.Namespace" and isinstance(obj.state, dict):
+            import argparse
+
+            return argparse.Namespace(**{str(k): self._value(v, depth)
+                                         for k, v in obj.state.items()})
+        # inert, but holding real values: its state, arguments and items built
+        obj.args = tuple(self._value(v, depth) for v in obj.args)
+        obj.kwargs = {k: self._value(v, depth) for k, v in obj.kwargs.items()}
+        obj.state = self._value(obj.state, depth)
+        obj.items = [self._value(v, depth) for v in obj.items]
+        obj.dictitems = {k: self._value(v, depth) for k, v in obj.dictitems.items()}
+        return obj
+
+    # -- tensors -----------------------------------------------------------
+    def _reader(self) -> TensorData:
+        if self._data is None:
+            self._data = TensorData(self.ckpt)
+        return self._data
+
+    def _storage(self, ref: StorageRef) -> torch.UntypedStorage:
+        made = self._storages.get(ref.key)
+        if made is not None:
+            return made
+        import torch
+
+        data = self._reader()
+        big = self.ckpt.metadata.get("byteorder") == "big"
+        if ref.nbytes == 0:
+            storage = torch.UntypedStorage(0)
+        elif self.mmap and not big:
+            start = data.storage_offset(ref.key)
+            if self._whole is None:  # the file mapped privately once, as torch.load(mmap=True)
+                self._whole = torch.UntypedStorage.from_file(  # type: ignore[assignment]
+                    self.ckpt.path, False, self.ckpt.file_size)
+            assert self._whole is not None
+            storage = self._whole[start:start + ref.nbytes]
+        else:
+            values = data.values(_whole_storage(ref))  # byte order fixed there
+            storage = values.untyped_storage()
+        storage = self.place.storage(storage, ref.location or "cpu")
+        self._storages[ref.key] = storage
+        return storage
+
+    def _tensor(self, rec: TensorRecord) -> torch.Tensor:
+        import torch
+
+        if rec.storage is None or rec.stride is None or rec.layout != "strided":
+            raise UnsupportedCheckpointError(
+                f"a {rec.layout} tensor ckptool.load does not build yet",
+                "ckptool.open lists it; torch.load rebuilds it")
+        dtype = getattr(torch, rec.dtype, None)
+        if not isinstance(dtype, torch.dtype):
+            raise UnsupportedCheckpointError(f"this torch has no dtype {rec.dtype}",
+                                             "upgrade torch to load these values")
+        storage = self._storage(rec.storage)
+        t = _view(storage, dtype, rec.shape, rec.stride, rec.storage_offset)
+        if rec.is_parameter:
+            return torch.nn.Parameter(t, requires_grad=rec.requires_grad)
+        if rec.requires_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        return t
+
+    def _composite(self, obj: CompositeTensor, depth: int) -> torch.Tensor:
+        import torch
+
+        parts = {k: self._value(v, depth) for k, v in obj.parts.items()}
+        if obj.layout == "sparse_coo":
+            return torch.sparse_coo_tensor(parts["indices"], parts["values"], obj.shape)
+        if obj.layout == "sparse_csr":
+            return torch.sparse_csr_tensor(parts["crow_indices"], parts["col_indices"],
+                                           parts["values"], obj.shape)
+        raise UnsupportedCheckpointError(f"a {obj.layout} tensor ckptool.load does not build yet",
+                                         "ckptool.open lists it; torch.load rebuilds it")
+
+
+def _whole_storage(ref: StorageRef) -> Any:
+    """A TensorInfo covering storage ``ref`` whole, as bytes of its dtype."""
+    from ckptool.model import TensorInfo
+
+    return TensorInfo(ref.key, (ref.numel,), ref.dtype, (1,), 0, ref.key, ref.location,
+                      ref.nbytes)
+
+
+def _numpy(arr: NDArray) -> Any:
+    try:
+        import numpy as np
+    except ImportError:
+        return arr
+    return arr.to_numpy(np)
