@@ -18,6 +18,7 @@ from helpers import load_samples_module
 from nets import DSTiny, Net, TiedLM, Wrapped
 
 import ckptool
+from ckptool.check import gpus
 from ckptool.check.loading import StateDictMismatch
 from ckptool.read.materialize import LoadError
 from ckptool.read.values import StandIn
@@ -227,3 +228,60 @@ def test_load_state_dict_refuses_what_does_not_fit() -> None:
         ckptool.load_state_dict(SAMPLES / "lightning.ckpt", torch.ones(2))
     with pytest.raises(ckptool.CkptoolError):
         ckptool.load_state_dict(SAMPLES / "lightning.ckpt", dtype="float99")
+
+
+# -- every tensor reached ----------------------------------------------------
+
+class Metric:
+    """torchmetrics keeps its states as plain attributes, not buffers."""
+
+    def __init__(self) -> None:
+        self.total = torch.zeros(3)
+        self._defaults = {"total": torch.zeros(3)}
+
+
+class WithAttributes(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(2, 2)
+        self.scale = torch.ones(4)  # an attribute, not a parameter or buffer
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+        self.metric = Metric()
+
+
+def test_every_storage_is_viewed_by_a_listed_tensor(tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sys.modules["__main__"], "Metric", Metric, raising=False)
+    monkeypatch.setattr(sys.modules["__main__"], "WithAttributes", WithAttributes, raising=False)
+    Metric.__module__ = WithAttributes.__module__ = "__main__"
+    model = WithAttributes()
+    torch.save({"state_dict": model.state_dict(), "model": model,
+                "hyper_parameters": {"metric": Metric()}}, tmp_path / "m.pt")
+    ckpt = ckptool.open(tmp_path / "m.pt")
+    keys = {t.key for t in ckpt.tensors}
+    assert {"model/scale", "model/scratch", "model/metric/total",
+            "model/metric/_defaults/total", "hyper_parameters/metric/total"} <= keys
+    assert all(s.tensors for s in ckpt.storages.values()), "a storage no listed tensor views"
+    assert not ckpt.warnings
+    assert ckpt.main_state_dict is not None and ckpt.main_state_dict.path == "state_dict"
+    # load builds them all; fix writes them all back
+    loaded = ckptool.load(tmp_path / "m.pt")
+    assert torch.equal(loaded["model"].state["scale"], torch.ones(4))
+    result = ckptool.fix(str(tmp_path / "m.pt"), ckptool.FixOptions(dtype="bfloat16"),
+                         str(tmp_path / "f.pt"))
+    fixed = ckptool.open(tmp_path / "f.pt")
+    assert len(fixed.storages) == len(ckpt.storages) and result.output
+
+
+def test_a_storage_no_object_names_is_reported(tmp_path: Path) -> None:
+    import zipfile
+
+    torch.save({"w": torch.ones(2)}, tmp_path / "x.pt")
+    with zipfile.ZipFile(tmp_path / "x.pt", "a") as z:
+        z.writestr("x/data/99", b"\0" * 16)
+    ckpt = ckptool.open(tmp_path / "x.pt")
+    assert any("x/data/99" in w and "never reads" in w for w in ckpt.warnings)
+    d = ckptool.diagnose(ckpt, gpus.assumed(0))
+    found = [f for f in d.findings if f.code == "unreached-storage"]
+    assert found and found[0].fix is None  # harmless: torch never reads it
+    assert torch.equal(ckptool.load(tmp_path / "x.pt")["w"], torch.ones(2))

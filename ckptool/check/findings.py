@@ -192,16 +192,25 @@ def _made_harmlessly(g: GlobalInfo) -> bool:
         {policy.CALLED, policy.CALLED_INSTANCE} & set(g.uses))
 
 
+UNNAMED_RECORDS = "no object of the pickle names"  # read/formats/torch_zip.py
+UNVIEWED_STORAGES = "that no listed tensor views"  # read/reader.py
+
+
 def content_findings(ckpt: Checkpoint) -> list[Finding]:
     """What the file holds that its format does not (bytes after the end of
     a pickle): torch ignores it, but nothing a writer of checkpoints puts
     there; a rewrite leaves it behind."""
-    if ckpt.is_multifile:  # what reading its files noticed (a rank saved twice...)
-        return [Finding("layout-warning", WARNING, warning) for warning in ckpt.warnings]
     rewrites = ckpt.format in ("torch-zip", "torch-legacy")
-    return [Finding("trailing-data", WARNING, warning,
-                    f"ckptool fix {shell_name(ckpt.path)}" if rewrites else None)
-            for warning in ckpt.warnings]
+    fix = f"ckptool fix {shell_name(ckpt.path)}" if rewrites else None
+    out = []
+    for warning in ckpt.warnings:
+        if UNNAMED_RECORDS in warning or UNVIEWED_STORAGES in warning:  # no fix: harmless
+            out.append(Finding("unreached-storage", WARNING, warning))
+        elif ckpt.is_multifile:  # what reading its files noticed (a rank saved twice...)
+            out.append(Finding("layout-warning", WARNING, warning))
+        else:
+            out.append(Finding("trailing-data", WARNING, warning, fix))
+    return out
 
 
 def prefix_findings(ckpt: Checkpoint, opts: FixOptions, name: str,

@@ -17,6 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ckptool.describe import plural
 from ckptool.keys import escape, join_key, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
 from ckptool.read import formats, observe, params, policy, prefixes
@@ -147,6 +148,13 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
                for key, v in walked.entries]
     entries += [Entry(key, "alias", f"same object as {same}") for key, same in walked.aliases]
     seen = raw.seen
+    storages = _storages(raw.storages, tensors)
+    unviewed = [s.id for s in storages.values() if not s.tensors]
+    warnings = list(raw.warnings)
+    if unviewed:  # reached by the pickle, yet in no object ckptool lists
+        warnings.append(f"{plural(len(unviewed), 'storage')} the pickle loads that no listed "
+                        f"tensor views ({', '.join(unviewed[:3])}"
+                        f"{', …' if len(unviewed) > 3 else ''})")
     globals_ = sorted(
         (GlobalInfo(n, v.category, v.reason, seen.counts[n],
                     tuple(u for u in policy.USES if u in seen.uses.get(n, ())),
@@ -159,13 +167,13 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
         format=raw.format,
         file_size=os.path.getsize(path) if file_size is None else file_size,
         tensors=tensors,
-        storages=_storages(raw.storages, tensors),
+        storages=storages,
         entries=entries,
         globals=globals_,
         main_state_dict=_main_state_dict(walked.candidates, tensors),
         metadata=raw.metadata,
         root=raw.root,
-        warnings=raw.warnings,
+        warnings=warnings,
     )
 
 

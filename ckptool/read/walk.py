@@ -91,6 +91,32 @@ def module_tensors(mod: StandIn, prefix: str = "", depth: int = 0) -> Iterator[t
                 yield from module_tensors(sub, f"{prefix}{key_text(name)}.", depth + 1)
 
 
+def module_extras(mod: StandIn, prefix: str = "", depth: int = 0
+                  ) -> Iterator[tuple[str, Any]]:
+    """(dotted name, value) of what a pickled nn.Module holds besides its
+    state dict, for it and its submodules: plain attributes (a tensor kept as
+    ``self.scale``, torchmetrics' metric states) and non-persistent buffers.
+    Tensors among them are tensors of the file, listed beside the state dict."""
+    if depth > MAX_MODULE_DEPTH or module_kind(mod) != "nn":
+        return
+    state = mod.state_dict_view()
+    skip = _set_of(state.get("_non_persistent_buffers_set"))
+    for name, value in state.items():
+        if name in ("_parameters", "_modules"):
+            continue
+        if name == "_buffers":
+            for buf, tensor in value.items() if isinstance(value, dict) else ():
+                if buf in skip:
+                    yield prefix + key_text(buf), tensor
+            continue
+        yield prefix + key_text(name), value
+    subs = state.get("_modules")
+    if isinstance(subs, dict):
+        for name, sub in subs.items():
+            if module_kind(sub) is not None:
+                yield from module_extras(sub, f"{prefix}{key_text(name)}.", depth + 1)
+
+
 def _set_of(value: Any) -> set[Any]:
     """A pickled set, as either read makes it: a real set, or (read
     faithfully, to be written back) the call ``builtins.set([...])``."""
@@ -143,6 +169,8 @@ def children(obj: Any) -> Iterator[tuple[str, Any]]:
         for i, v in enumerate(obj.items):
             yield str(len(obj.args) + i), v
         for k, v in obj.dictitems.items():
+            yield key_text(k), v
+        for k, v in obj.kwargs.items():
             yield key_text(k), v
 
 
@@ -207,11 +235,16 @@ def walk(root: Any, base: str = "") -> Walked:
         if kind is not None:
             path = path_of(link, base)
             names = []
+            listed = set()
             for name, tensor in module_tensors(obj):
                 names.append(name)
+                listed.add(id(tensor))
                 out.tensors.append((join_key(path, name), tensor))
-            if names:
+            extra = _module_extra_tensors(obj, path, listed)
+            out.tensors += extra
+            if names or extra:
                 _mark(oid, parent, holds_tensors)
+            if names:
                 out.candidates.append(Candidate(path, "module", names))
             continue
         if _is_state_dict(obj):
@@ -229,6 +262,31 @@ def walk(root: Any, base: str = "") -> Walked:
         if par is None or par in holds_tensors:
             out.entries.append((path_of(link, base), obj))
     return out
+
+
+def _module_extra_tensors(mod: StandIn, path: str, listed: set[int]
+                          ) -> list[tuple[str, Any]]:
+    """Tensors a module holds outside its state dict (``module_extras``),
+    keyed under the module's key by dotted attribute path; each container
+    walked once, tensors already listed skipped."""
+    found: list[tuple[str, Any]] = []
+    walked: set[int] = set()
+    for name, value in module_extras(mod):
+        where = f"{path}/{escape(name)}" if path else escape(name)
+        if is_tensor(value):
+            if id(value) not in listed:
+                listed.add(id(value))
+                found.append((where, value))
+            continue
+        if not _is_container(value) or id(value) in walked or module_kind(value) is not None:
+            continue
+        walked.add(id(value))
+        inner = walk(value)
+        for key, tensor in inner.tensors:
+            if id(tensor) not in listed:
+                listed.add(id(tensor))
+                found.append((f"{where}/{key}" if key else where, tensor))
+    return found
 
 
 def _is_container(obj: Any) -> bool:

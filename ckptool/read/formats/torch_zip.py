@@ -121,6 +121,13 @@ def read_archive(zf: Archive) -> RawRead:
             consts = load("constants.pkl", "constants", "constants/")
             if consts:
                 extra["constants"] = consts
+    named = {ref.record for ref in storages.values()}
+    unnamed = sorted(n for n in names if n.startswith(f"{prefix}data/") and n not in named
+                     and not n.endswith("/"))
+    if unnamed:  # bytes no object of the file reaches: torch never loads them
+        warnings.append(f"{len(unnamed)} storage record(s) no object of the pickle names "
+                        f"({', '.join(unnamed[:3])}{', …' if len(unnamed) > 3 else ''}): "
+                        "torch.load never reads them")
     meta: dict[str, Any] = {"archive_root": root}
     for name in ("version", ".format_version", "byteorder", ".storage_alignment"):
         if f"{prefix}{name}" in infos and infos[f"{prefix}{name}"].size < 64:
