@@ -285,3 +285,17 @@ def test_a_storage_no_object_names_is_reported(tmp_path: Path) -> None:
     found = [f for f in d.findings if f.code == "unreached-storage"]
     assert found and found[0].fix is None  # harmless: torch never reads it
     assert torch.equal(ckptool.load(tmp_path / "x.pt")["w"], torch.ones(2))
+
+
+def test_writing_to_a_loaded_tensor_never_touches_the_file(tmp_path: Path) -> None:
+    import hashlib
+
+    path = tmp_path / "x.pth"
+    torch.save({"w": torch.zeros(1000)}, path)
+    before = hashlib.sha256(path.read_bytes()).hexdigest()
+    loaded = ckptool.load(path)  # mmapped privately: copy on write
+    loaded["w"].add_(5)
+    assert torch.equal(loaded["w"], torch.full((1000,), 5.0))
+    del loaded
+    assert hashlib.sha256(path.read_bytes()).hexdigest() == before
+    assert torch.equal(ckptool.load(path)["w"], torch.zeros(1000))
