@@ -48,6 +48,7 @@ from pathlib import Path
 from bench_inspect import MB, ROOT, WORK, Row, best, check_rc, med, report, spread
 from bench_multifile import (
     Commands,
+    bench_arguments,
     ckptool_cmd,
     compared,
     failure,
@@ -179,12 +180,7 @@ def target(quick: bool, ds: str, rounds: int) -> list[Row]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="a 17M-parameter checkpoint")
-    ap.add_argument("--keep", action="store_true", help="keep the checkpoint for reruns")
-    ap.add_argument("--runs", type=int, default=None, help="timed runs of each (3; 2 --quick)")
-    ap.add_argument("--source", action="store_true",
-                    help="measure the source tree's ckptool rather than the installed one")
+    ap = bench_arguments(__doc__, "a 17M-parameter checkpoint", "keep the checkpoint for reruns")
     ap.add_argument("--ds-python", default=None, help="a Python with deepspeed installed")
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -32,7 +32,15 @@ import time
 from pathlib import Path
 
 from bench_inspect import MB, PY, WORK, Row, best, check_rc, med, report, spread
-from bench_multifile import ckptool_cmd, remove, timed_rounds, times, warm, which_ckptool
+from bench_multifile import (
+    bench_arguments,
+    ckptool_cmd,
+    remove,
+    timed_rounds,
+    times,
+    warm,
+    which_ckptool,
+)
 
 INSPECT_MAX = 0.2  # (a)
 LOAD_MAX = 1.0  # (b), (c)
@@ -84,12 +92,7 @@ def target(label: str, ours: list[str], theirs: list[str], baseline: str, limit:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="10,000 tensors and ~100 MB")
-    ap.add_argument("--keep", action="store_true", help="keep the inputs for reruns")
-    ap.add_argument("--runs", type=int, default=None, help="timed runs of each (3; 2 --quick)")
-    ap.add_argument("--source", action="store_true",
-                    help="measure the source tree's ckptool rather than the installed one")
+    ap = bench_arguments(__doc__, "10,000 tensors and ~100 MB", "keep the inputs for reruns")
     ap.add_argument("--generate", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.generate:

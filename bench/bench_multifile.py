@@ -625,6 +625,17 @@ def profile(cmd: list[str], n: int = 12) -> list[str]:
     return lines[start:start + n + 1]
 
 
+def bench_arguments(doc: str, quick: str, keep: str) -> argparse.ArgumentParser:
+    """The options every bench takes: --quick, --keep, --runs, --source."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help=quick)
+    ap.add_argument("--keep", action="store_true", help=keep)
+    ap.add_argument("--runs", type=int, default=None, help="timed runs of each (3; 2 --quick)")
+    ap.add_argument("--source", action="store_true",
+                    help="measure the source tree's ckptool rather than the installed one")
+    return ap
+
+
 def which_ckptool(source: bool, link_name: str) -> str:
     """Point the children at the ckptool to measure (the source tree with
     ``source``, else the installed copy), byte-compiled; the line saying which."""
