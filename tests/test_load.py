@@ -299,3 +299,13 @@ def test_writing_to_a_loaded_tensor_never_touches_the_file(tmp_path: Path) -> No
     del loaded
     assert hashlib.sha256(path.read_bytes()).hexdigest() == before
     assert torch.equal(ckptool.load(path)["w"], torch.zeros(1000))
+
+
+@pytest.mark.parametrize("path", [SAMPLES / "dcp_tinynet",
+                                  ROOT / "tests" / "fixtures" / "multifile" / "dcp_4ranks"])
+def test_load_of_dcp_is_dcp_to_torch_save(path: Path, tmp_path: Path) -> None:
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(path, tmp_path / "whole.pt")
+    theirs = torch.load(tmp_path / "whole.pt", weights_only=True)
+    same_tree(ckptool.load(path), theirs)

@@ -17,9 +17,11 @@ ckptool's own safe read: nothing from the file is imported or run.
 - Plain data comes back as itself; ``argparse.Namespace`` and numpy arrays
   as real ones; every other class as its inert stand-in (dotted name and
   state, never imported). Sparse COO/CSR tensors are rebuilt from their parts.
-- A checkpoint of many files (Hugging Face shards, DCP, DeepSpeed) gives its
-  main state dict, one tensor at a time from wherever it lies, the names an
-  index or DeepSpeed records as tied sharing one tensor.
+- A checkpoint of many files gives, one tensor at a time from wherever it
+  lies: for DCP, everything it holds nested as saved (what ``torch.load`` of
+  ``dcp_to_torch_save``'s file gives); for Hugging Face shards and DeepSpeed,
+  the main state dict, the names an index or DeepSpeed records as tied
+  sharing one tensor.
 
 torch (and numpy) are imported here, on use: ``ckptool.open`` stays light.
 """
@@ -31,13 +33,15 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError
+from ckptool.keys import unescape
 from ckptool.model import Checkpoint
 from ckptool.read.constructors import NDArray
+from ckptool.read.layouts.dcp import DCP, nest
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.tensor_data import TensorData
 from ckptool.read.tensor_source import TensorValues
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
-from ckptool.read.values import StandIn
+from ckptool.read.values import StandIn, is_plain
 
 if TYPE_CHECKING:
     import torch
@@ -68,6 +72,8 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, *,
 
 
 def _state_dict_of_many(ckpt: Checkpoint, map_location: MapLocation) -> dict[str, Any]:
+    if ckpt.format == DCP:
+        return _dcp_tree(ckpt, map_location)
     out: dict[str, Any] = {}
     place = Placement(map_location)
     with TensorValues(ckpt) as values:
@@ -77,6 +83,26 @@ def _state_dict_of_many(ckpt: Checkpoint, map_location: MapLocation) -> dict[str
         if kept in out:
             out[alias] = out[kept]
     return out
+
+
+def _dcp_tree(ckpt: Checkpoint, map_location: MapLocation) -> dict[str, Any]:
+    """Everything a DCP checkpoint holds, nested as it was saved: what
+    ``torch.load`` of ``dcp_to_torch_save``'s file gives."""
+    place = Placement(map_location)
+    items: dict[str, Any] = {}
+    root = ckpt.root if isinstance(ckpt.root, dict) else {}
+    with TensorValues(ckpt) as values:
+        for t in ckpt.tensors:
+            if t.chunks:
+                items[unescape(t.key)] = place.tensor(values.values(t), "cpu")
+    for fqn, value in root.items():
+        if isinstance(fqn, str) and fqn not in items:
+            if not is_plain(value):
+                raise UnsupportedCheckpointError(
+                    f"{fqn} is {type(value).__name__}, not plain data: ckptool.load does not "
+                    "build DCP values of that kind yet", "ckptool.open lists it")
+            items[fqn] = value
+    return nest(items, {fqn: ckpt.tree_paths.get(fqn, (fqn,)) for fqn in items})
 
 
 class Placement:

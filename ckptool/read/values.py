@@ -217,3 +217,17 @@ _TORCH_CONSTANTS = frozenset({
     "per_tensor_symmetric", "per_channel_symmetric", "per_channel_affine_float_qparams",
     "contiguous_format", "channels_last", "channels_last_3d", "preserve_format",
 })
+
+
+def is_plain(obj: Any, depth: int = 0) -> bool:
+    """Data that ``torch.load(weights_only=True)`` takes: None, numbers,
+    strings, bytes, and lists, tuples and dicts of them."""
+    if depth > 200:
+        return False
+    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
+        return True
+    if isinstance(obj, (list, tuple)):
+        return all(is_plain(v, depth + 1) for v in obj)
+    if type(obj) is dict:
+        return all(isinstance(k, (str, int)) and is_plain(v, depth + 1) for k, v in obj.items())
+    return False

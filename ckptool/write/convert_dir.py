@@ -37,7 +37,7 @@ from ckptool.keys import escape, unescape
 from ckptool.model import Checkpoint
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import tensor_bytes
-from ckptool.read.layouts.dcp import DCP
+from ckptool.read.layouts.dcp import DCP, nest
 from ckptool.read.reader import open_checkpoint
 from ckptool.write import convert_plan, shards
 from ckptool.write.convert_files import write_safetensors, write_torch
@@ -172,7 +172,7 @@ def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
     flat: dict[str, Any] = dict(metas)
     flat.update((a, metas[k]) for a, k in written.aliases.items())
     flat.update(written.entries)
-    state = convert_plan.nest(flat, written.paths) if written.paths else flat
+    state = nest(flat, written.paths) if written.paths else flat
     by_path = {written.paths.get(n, (n,)): n for n in flat}
     last: list[torch.Tensor] = []  # the tensor handed over last, written by now
 

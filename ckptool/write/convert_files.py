@@ -15,9 +15,10 @@ from typing import Any
 from ckptool import dtypes
 from ckptool.keys import key_of
 from ckptool.model import TensorInfo
+from ckptool.read.layouts.dcp import nest
 from ckptool.read.tensors import StorageRef, StorageType, TensorRecord
 from ckptool.read.values import TorchDtype
-from ckptool.write import convert_plan, copy, repickle, verify
+from ckptool.write import copy, repickle, verify
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.convert_plan import Written
 from ckptool.write.formats import safetensors
@@ -58,7 +59,7 @@ def write_torch(written: Written, tensors: TensorSource, output: AtomicOutput,
         (n, records[written.aliases.get(n, n)]) for n in written.names())
     if written.paths:
         flat.update(written.entries)
-        root: Any = convert_plan.nest(flat, written.paths)
+        root: Any = nest(flat, written.paths)
         keys = {n: key_of([str(p) for p in written.paths[n]]) for n in kept}
     else:
         root, keys = flat, {n: n for n in kept}

@@ -16,7 +16,6 @@ plain values kept, and what is left out, said rather than dropped.
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -30,6 +29,7 @@ from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.dcp import DCP
 from ckptool.read.layouts.deepspeed import DEEPSPEED
+from ckptool.read.values import is_plain
 from ckptool.write.formats.safetensors import ST_CODES
 from ckptool.write.plan import CASTABLE
 
@@ -139,49 +139,6 @@ def _whole_dcp(source: Checkpoint) -> Written:
         written.left_out.append(f"{plural(len(extra), 'tensor')} inside values or meta.pt "
                                 f"(e.g. {extra[0]})")
     return written
-
-
-def is_plain(obj: Any, depth: int = 0) -> bool:
-    """Data that ``torch.load(weights_only=True)`` takes: None, numbers,
-    strings, bytes, and lists, tuples and dicts of them."""
-    if depth > 50:
-        return False
-    if obj is None or isinstance(obj, (bool, int, float, str, bytes)):
-        return True
-    if isinstance(obj, (list, tuple)):
-        return all(is_plain(v, depth + 1) for v in obj)
-    if type(obj) is dict:
-        return all(isinstance(k, (str, int)) and is_plain(v, depth + 1)
-                   for k, v in obj.items())
-    return False
-
-
-def nest(items: dict[str, Any], paths: dict[str, tuple[str | int, ...]]) -> dict[str, Any]:
-    """The nested dict the flat ``items`` came from (DCP's planner paths; an
-    int step is a list index, as ``torch.distributed.checkpoint`` unflattens)."""
-    tree: dict[str, Any] = {}
-    for name, value in items.items():
-        path = paths.get(name, (name,))
-        node: Any = tree
-        for step, after in itertools.pairwise(path):
-            node = _child(node, step, [] if isinstance(after, int) else {})
-        _set(node, path[-1], value)
-    return tree
-
-
-def _child(node: Any, step: str | int, empty: Any) -> Any:
-    if isinstance(node, list) and isinstance(step, int):
-        node.extend([None] * (step + 1 - len(node)))
-        if node[step] is None:
-            node[step] = empty
-        return node[step]
-    return node.setdefault(step, empty)
-
-
-def _set(node: Any, step: str | int, value: Any) -> None:
-    if isinstance(node, list) and isinstance(step, int):
-        node.extend([None] * (step + 1 - len(node)))
-    node[step] = value
 
 
 def _unwritten(t: TensorInfo, into: str) -> str | None:

@@ -19,6 +19,7 @@ No tensor byte is read.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import re
@@ -270,3 +271,31 @@ def _groups(md: Metadata) -> dict[str, list[str]]:
         top = str(path[0]) if path is not None and len(path) > 1 else ""
         groups.setdefault(top, []).append(fqn)
     return groups
+
+
+def nest(items: dict[str, Any], paths: dict[str, tuple[str | int, ...]]) -> dict[str, Any]:
+    """The nested dict the flat ``items`` came from (DCP's planner paths; an
+    int step is a list index, as ``torch.distributed.checkpoint`` unflattens)."""
+    tree: dict[str, Any] = {}
+    for name, value in items.items():
+        path = paths.get(name, (name,))
+        node: Any = tree
+        for step, after in itertools.pairwise(path):
+            node = _child(node, step, [] if isinstance(after, int) else {})
+        _set(node, path[-1], value)
+    return tree
+
+
+def _child(node: Any, step: str | int, empty: Any) -> Any:
+    if isinstance(node, list) and isinstance(step, int):
+        node.extend([None] * (step + 1 - len(node)))
+        if node[step] is None:
+            node[step] = empty
+        return node[step]
+    return node.setdefault(step, empty)
+
+
+def _set(node: Any, step: str | int, value: Any) -> None:
+    if isinstance(node, list) and isinstance(step, int):
+        node.extend([None] * (step + 1 - len(node)))
+    node[step] = value
