@@ -5,6 +5,7 @@ inspected, diagnosed; and what does not hold together refused with exit 3."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shlex
@@ -608,3 +609,75 @@ def test_diagnose_names_fresh_files(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     code, out, _ = run_cli("diagnose", ".", "--json")
     assert code == 1
     assert json.loads(out)["fix_command"].startswith(f"ckptool convert . {tmp_path / 'run.pt'} ")
+
+
+def _zero_to_fp32_stage12(parts: list[list[torch.Tensor]], shapes: list[list[tuple[str, int]]],
+                          paddings: list[list[int]]) -> dict[str, torch.Tensor]:
+    """zero_to_fp32.py's ZeRO 1/2 reconstruction, as it is written there."""
+    out = {}
+    for g, names in enumerate(shapes):
+        full = torch.cat([per_rank[g] for per_rank in parts])
+        offset = 0
+        for (name, numel), pad in zip(names, paddings[g], strict=True):
+            out[name] = full.narrow(0, offset, numel)
+            offset += numel + pad
+    return out
+
+
+def _zero_to_fp32_stage3(parts: list[list[torch.Tensor]], shapes: list[tuple[str, int]],
+                         ws: int) -> dict[str, torch.Tensor]:
+    """zero_to_fp32.py's ZeRO 3 reconstruction (GatheredTensor), as written there."""
+    streams = [torch.cat(per_rank) if per_rank else torch.empty(0) for per_rank in parts]
+    out, offset = {}, 0
+    for name, numel in shapes:
+        ps = -(-numel // ws)
+        out[name] = torch.cat([s[offset:offset + ps] for s in streams])[:numel]
+        offset += ps
+    return out
+
+
+@pytest.mark.parametrize("seed", range(200))
+def test_zero_arithmetic_matches_zero_to_fp32(seed: int) -> None:
+    """Random layouts (world sizes 1-5, empty partitions, padding beyond the
+    last rank, sub-groups crossed, 0-element parameters): the pieces
+    ``zero`` places are exactly the elements zero_to_fp32 takes."""
+    import random
+
+    from ckptool.read.layouts import zero
+
+    rng = random.Random(seed)
+    ws = rng.randint(1, 5)
+    numels = [rng.choice([0, 1, 2, 3, 5, 7, 16, 31]) for _ in range(rng.randint(1, 6))]
+    names = [(f"p{i}", n) for i, n in enumerate(numels)]
+
+    def gather(pieces: list[zero.Piece], parts: list[list[torch.Tensor]],
+               numel: int) -> torch.Tensor:
+        out = torch.full((numel,), float("nan"))
+        for p in pieces:
+            out[p.at:p.at + p.count] = parts[p.rank][p.group][p.start:p.start + p.count]
+        return out
+
+    # ZeRO 1/2: one group, alignment paddings, padded to 2*ws, split evenly, the
+    # padding taken off the end (each rank's saved partition is unpadded)
+    pads = [rng.choice([0, 0, 1, 3]) for _ in names]
+    pads[-1] = 0
+    used = sum(numels) + sum(pads)
+    aligned = -(-used // (2 * ws)) * (2 * ws)
+    flat = torch.arange(aligned, dtype=torch.float32)
+    size = aligned // ws
+    parts12 = [[flat[r * size:min((r + 1) * size, used)]] for r in range(ws)]
+    placed = zero.stage12([[len(p[0])] for p in parts12], [names], [pads], ws)
+    want = _zero_to_fp32_stage12(parts12, [names], [pads])
+    for name, numel in names:
+        assert torch.equal(gather(placed[name], parts12, numel), want[name]), (seed, name)
+
+    # ZeRO 3: each parameter split ceil(n/ws) a rank, each rank's stream cut into sub-groups
+    per_rank = sum(-(-n // ws) for n in numels)
+    cuts = sorted(rng.sample(range(1, per_rank), min(2, per_rank - 1))) if per_rank > 1 else []
+    bounds = [0, *cuts, per_rank]
+    streams = [torch.arange(per_rank, dtype=torch.float32) + 1000 * r for r in range(ws)]
+    parts3 = [[s[a:b] for a, b in itertools.pairwise(bounds)] for s in streams]
+    placed = zero.stage3([[len(g) for g in p] for p in parts3], names, ws)
+    want = _zero_to_fp32_stage3(parts3, names, ws)
+    for name, numel in names:
+        assert torch.equal(gather(placed[name], parts3, numel), want[name]), (seed, name)
