@@ -309,3 +309,21 @@ def test_load_of_dcp_is_dcp_to_torch_save(path: Path, tmp_path: Path) -> None:
     dcp_to_torch_save(path, tmp_path / "whole.pt")
     theirs = torch.load(tmp_path / "whole.pt", weights_only=True)
     same_tree(ckptool.load(path), theirs)
+
+
+def test_reading_leaves_the_cycle_collector_as_it_was(tmp_path: Path) -> None:
+    import gc
+
+    assert gc.isenabled()
+    ckptool.open(SAMPLES / "lightning.ckpt")
+    assert gc.isenabled()
+    (tmp_path / "bad.pt").write_bytes(b"PK\x03\x04 not a zip")
+    with pytest.raises(ckptool.CkptoolError):
+        ckptool.open(tmp_path / "bad.pt")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        ckptool.load(SAMPLES / "lightning.ckpt", map_location="cpu")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -30,9 +30,17 @@ from ckptool.model import Checkpoint, Chunk, FileInfo, TensorInfo
 def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
             limit: int) -> None:
     """Show what is in a checkpoint: tensors, devices, entries, unsafe globals."""
-    from ckptool.read.reader import open_checkpoint
+    from ckptool.read.reader import no_cycle_collection, open_checkpoint
 
     ckpt = open_checkpoint(path)
+    # the cycle collector's passes over the checkpoint's millions of objects
+    # cost more than the report (JSON of 100,000 tensors: 2.9 s, 1.3 s without)
+    with no_cycle_collection():
+        _report(ckpt, as_json, pattern, depth, limit)
+
+
+def _report(ckpt: Checkpoint, as_json: bool, pattern: str | None, depth: int | None,
+            limit: int) -> None:
     if as_json:
         write_json(inspect_dict(ckpt, pattern))
         return

@@ -37,7 +37,7 @@ from ckptool.keys import unescape
 from ckptool.model import Checkpoint
 from ckptool.read.constructors import NDArray
 from ckptool.read.layouts.dcp import DCP, nest
-from ckptool.read.reader import open_checkpoint
+from ckptool.read.reader import no_cycle_collection, open_checkpoint
 from ckptool.read.tensor_data import TensorData
 from ckptool.read.tensor_source import TensorValues
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
@@ -68,7 +68,8 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, *,
             "`ckptool inspect` shows where the globals are")
     if ckpt.is_multifile:
         return _state_dict_of_many(ckpt, map_location)
-    return Builder(ckpt, map_location, mmap).build(ckpt.root)
+    with no_cycle_collection():  # millions of small objects: see reader
+        return Builder(ckpt, map_location, mmap).build(ckpt.root)
 
 
 def _state_dict_of_many(ckpt: Checkpoint, map_location: MapLocation) -> dict[str, Any]:
