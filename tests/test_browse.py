@@ -659,6 +659,8 @@ def test_fix_preview_uses_the_read_checkpoint_and_plans_one_at_a_time(
         await pilot.press("x")
         screen: Any = app.screen
         await until(pilot, lambda: screen.preview is not None, "the plan")
+        await pilot.pause(DEBOUNCE_S + 0.1)  # a plan the fields' first values asked for
+        await until(pilot, lambda: screen.preview is not None, "the plan, settled")
         made = screen.previews
         prefix, device = screen.query_one("#fix-prefix"), screen.query_one("#fix-device")
         typed = time.monotonic()
