@@ -625,12 +625,13 @@ def profile(cmd: list[str], n: int = 12) -> list[str]:
     return lines[start:start + n + 1]
 
 
-def bench_arguments(doc: str, quick: str, keep: str) -> argparse.ArgumentParser:
-    """The options every bench takes: --quick, --keep, --runs, --source."""
+def bench_arguments(doc: str, quick: str, keep: str,
+                    runs: str = "timed runs of each (3; 2 --quick)") -> argparse.ArgumentParser:
+    """The options every bench of many files takes: --quick, --keep, --runs, --source."""
     ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help=quick)
     ap.add_argument("--keep", action="store_true", help=keep)
-    ap.add_argument("--runs", type=int, default=None, help="timed runs of each (3; 2 --quick)")
+    ap.add_argument("--runs", type=int, default=None, help=runs)
     ap.add_argument("--source", action="store_true",
                     help="measure the source tree's ckptool rather than the installed one")
     return ap
@@ -701,15 +702,9 @@ def bench(quick: bool, rounds: int, source: bool) -> tuple[list[Row], list[str],
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true",
-                    help="(a) and (b) on ~128 MiB, 2 runs each: a smoke run")
-    ap.add_argument("--keep", action="store_true",
-                    help="keep the generated inputs in bench/_work for faster reruns")
-    ap.add_argument("--runs", type=int, default=None,
-                    help="timed runs of each (a)/(b) command (3; 2 with --quick); (c) 4x as many")
-    ap.add_argument("--source", action="store_true",
-                    help="measure the source tree's ckptool rather than the installed one")
+    ap = bench_arguments(__doc__, "(a) and (b) on ~128 MiB, 2 runs each: a smoke run",
+                         "keep the generated inputs in bench/_work for faster reruns",
+                         "timed runs of each (a)/(b) command (3; 2 with --quick); (c) 4x as many")
     ap.add_argument("--generate", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)

@@ -69,52 +69,54 @@ def module_tensors(mod: StandIn, prefix: str = "", depth: int = 0) -> Iterator[t
     """(dotted name, tensor) in ``state_dict()`` order: params, buffers, children."""
     if depth > MAX_MODULE_DEPTH:
         return
-    state = mod.state_dict_view()
     if module_kind(mod) == "script":
-        for name, value in state.items():
+        for name, value in mod.state_dict_view().items():
             if is_tensor(value):
                 yield prefix + name, value
             elif module_kind(value) == "script":
                 yield from module_tensors(value, f"{prefix}{name}.", depth + 1)
         return
-    skip = _set_of(state.get("_non_persistent_buffers_set"))
-    for table in ("_parameters", "_buffers"):
-        items = state.get(table)
-        if isinstance(items, dict):
-            for name, value in items.items():
-                if is_tensor(value) and not (table == "_buffers" and name in skip):
-                    yield prefix + key_text(name), value
-    subs = state.get("_modules")
-    if isinstance(subs, dict):
-        for name, sub in subs.items():
-            if module_kind(sub) is not None:
-                yield from module_tensors(sub, f"{prefix}{key_text(name)}.", depth + 1)
+    for name, value, in_state_dict in _members(mod, prefix, depth):
+        if in_state_dict:
+            yield name, value
 
 
-def module_extras(mod: StandIn, prefix: str = "", depth: int = 0
-                  ) -> Iterator[tuple[str, Any]]:
+def module_extras(mod: StandIn) -> Iterator[tuple[str, Any]]:
     """(dotted name, value) of what a pickled nn.Module holds besides its
     state dict, for it and its submodules: plain attributes (a tensor kept as
     ``self.scale``, torchmetrics' metric states) and non-persistent buffers.
     Tensors among them are tensors of the file, listed beside the state dict."""
-    if depth > MAX_MODULE_DEPTH or module_kind(mod) != "nn":
+    if module_kind(mod) != "nn":
+        return
+    for name, value, in_state_dict in _members(mod, "", 0):
+        if not in_state_dict:
+            yield name, value
+
+
+def _members(mod: StandIn, prefix: str, depth: int) -> Iterator[tuple[str, Any, bool]]:
+    """Everything an nn.Module and its submodules hold, by dotted name, and
+    whether ``state_dict()`` has it (those in its order: params, persistent
+    buffers, then each child's)."""
+    if depth > MAX_MODULE_DEPTH:
         return
     state = mod.state_dict_view()
     skip = _set_of(state.get("_non_persistent_buffers_set"))
+    for table in ("_parameters", "_buffers"):
+        items = state.get(table)
+        for name, value in items.items() if isinstance(items, dict) else ():
+            kept = is_tensor(value) and not (table == "_buffers" and name in skip)
+            yield prefix + key_text(name), value, kept
     for name, value in state.items():
-        if name in ("_parameters", "_modules"):
-            continue
-        if name == "_buffers":
-            for buf, tensor in value.items() if isinstance(value, dict) else ():
-                if buf in skip:
-                    yield prefix + key_text(buf), tensor
-            continue
-        yield prefix + key_text(name), value
+        if name not in ("_parameters", "_buffers", "_modules"):
+            yield prefix + key_text(name), value, False
     subs = state.get("_modules")
     if isinstance(subs, dict):
         for name, sub in subs.items():
-            if module_kind(sub) is not None:
-                yield from module_extras(sub, f"{prefix}{key_text(name)}.", depth + 1)
+            below = f"{prefix}{key_text(name)}."
+            if module_kind(sub) == "nn":
+                yield from _members(sub, below, depth + 1)
+            elif module_kind(sub) == "script":
+                yield from ((n, v, True) for n, v in module_tensors(sub, below, depth + 1))
 
 
 def _set_of(value: Any) -> set[Any]:

@@ -88,7 +88,7 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
     module = m0.tree.get("module")
     if not isinstance(module, dict):
         raise CorruptCheckpointError(f"{m0.name}: 'module' is not a state dict", BROKEN_HINT)
-    _check_steps(folder, files, offsets)
+    _check_steps(files, offsets)
     built: dict[str, tuple[TensorRecord, list[Run], str]] = {}  # name -> (shape rec, runs, kind)
     notes = list(layout.notes)
     replaced: set[int] = set()  # ids of records the state dict is made of
@@ -190,7 +190,7 @@ def module_weights(ckpt: Checkpoint) -> tuple[str, list[str]]:
     return join_key(top, "module"), names
 
 
-def _check_steps(folder: str, files: Files, offsets: Offsets) -> None:
+def _check_steps(files: Files, offsets: Offsets) -> None:
     """Every rank's optimizer took as many steps (its first ``step`` value):
     files of two saves mixed in one directory are refused."""
     values: dict[bytes, str] = {}
@@ -198,10 +198,9 @@ def _check_steps(folder: str, files: Files, offsets: Offsets) -> None:
         rec = step_tensor(f)
         if rec is None or rec.storage is None:
             continue
-        at = offsets.start(f, rec.storage) + rec.storage_offset * dtypes.itemsize(rec.dtype)
-        with open(os.path.join(folder, f.name), "rb") as fh:
-            fh.seek(at)
-            values.setdefault(fh.read(dtypes.itemsize(rec.dtype)) + rec.dtype.encode(), f.name)
+        size = dtypes.itemsize(rec.dtype)
+        at = offsets.start(f, rec.storage) + rec.storage_offset * size
+        values.setdefault(offsets.read(f, at, size) + rec.dtype.encode(), f.name)
     if len(values) > 1:
         raise CorruptCheckpointError(
             f"the ranks' optimizer states were saved at different steps "

@@ -287,6 +287,12 @@ class Offsets:
             raise CorruptCheckpointError(f"{f.name}: cannot locate {ref.record}: {exc}",
                                          BROKEN_HINT) from exc
 
+    def read(self, f: Saved, at: int, length: int) -> bytes:
+        """``length`` bytes at ``at`` of ``f``, opened by ``start`` already."""
+        archive = self._zips[f.name]
+        archive.f.seek(at)
+        return archive.f.read(length)
+
 
 def listed(f: Saved, replaced: set[int], client: dict[str, Any], names: set[str]) -> Any:
     """``f``'s tree as listed beside the state dict: the records the state
