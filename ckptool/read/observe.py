@@ -83,6 +83,12 @@ def claim(object_pickle: bool) -> Observation | None:
     return watch
 
 
+def pending() -> bool:
+    """Whether the next object pickle read here is to report (``claim``)."""
+    watch = _observer.get()
+    return watch is not None and not watch.claimed
+
+
 @contextlib.contextmanager
 def unobserved() -> Iterator[None]:
     """No reports from reads in this block (an embedded file's keys are not

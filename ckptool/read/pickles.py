@@ -16,7 +16,7 @@ from typing import IO, Any
 
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read import observe
+from ckptool.read import fastpickle, observe
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.treecheck import HINT, check_tree
 from ckptool.read.unpickler import EmbeddedReader, PersistentLoader, SafeUnpickler
@@ -74,7 +74,15 @@ def load(data: bytes | IO[bytes], persistent: PersistentLoader | None,
     gc_was_enabled = gc.isenabled()
     gc.disable()
     try:
-        obj = SafeUnpickler(stream, persistent, seen, embedded, read_embedded).load()
+        fast = (fastpickle.load(stream, persistent)
+                if persistent is not None and embedded is None
+                and isinstance(stream, io.BytesIO) else None)
+        if fast is None:
+            obj = SafeUnpickler(stream, persistent, seen, embedded, read_embedded).load()
+        else:
+            obj = fast[0]
+            for dotted, verdict in fast[1]:
+                seen.add(dotted, verdict)
         check_tree(obj)
         return obj
     except CorruptCheckpointError:

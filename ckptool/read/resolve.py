@@ -35,6 +35,11 @@ def faithful() -> Iterator[None]:
         _faithful.reset(token)
 
 
+def is_faithful() -> bool:
+    """Whether this read is one for a rewrite (inside ``faithful()``)."""
+    return _faithful.get()
+
+
 def resolve_global(module: str, name: str, verdict: policy.Verdict) -> Any:
     """What a global becomes: never the real object, except inert builtins."""
     dotted = f"{module}.{name}"

@@ -11,13 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import pickle
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool import dtypes
+from ckptool.dtypes import ITEMSIZE
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read.values import StandIn, TorchDtype, brief, name_of
+
+# these records are what ckptool's checks made: no pickle sets state on them
+# (ckptool.read.fastpickle relies on it; the ordinary read never lets BUILD near)
+REFUSE_STATE = "pickle sets state on a tensor or storage record"
 
 
 @dataclass(frozen=True)
@@ -26,6 +32,9 @@ class StorageType:
 
     name: str
     dtype: str
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(REFUSE_STATE)
 
 
 @dataclass(slots=True)
@@ -40,6 +49,9 @@ class StorageRef:
     @property
     def nbytes(self) -> int:
         return self.numel * dtypes.itemsize(self.dtype)
+
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(REFUSE_STATE)
 
 
 @dataclass(slots=True)
@@ -67,6 +79,9 @@ class TensorRecord:
     def nbytes(self) -> int:
         return self.numel * dtypes.itemsize(self.dtype)
 
+    def __setstate__(self, state: Any) -> None:
+        raise pickle.UnpicklingError(REFUSE_STATE)
+
 
 @dataclass
 class CompositeTensor:
@@ -82,11 +97,14 @@ MAX_INT64 = 2**63 - 1  # torch sizes, strides and offsets are int64
 
 
 def _ints(value: Any, what: str) -> tuple[int, ...]:
-    # hot path: runs twice per tensor, so type() checks rather than isinstance
-    if type(value) in (tuple, list) and all(type(v) is int for v in value) and (
-        not value or (min(value) >= 0 and max(value) <= MAX_INT64)
-    ):
-        return tuple(value)
+    # hot path: runs twice per tensor (a plain loop: no generator per call)
+    kind = type(value)
+    if kind is tuple or kind is list:
+        for v in value:
+            if type(v) is not int or v < 0 or v > MAX_INT64:
+                break
+        else:
+            return value if kind is tuple else tuple(value)
     raise CorruptCheckpointError(f"tensor {what} is not a tuple of sizes: {brief(value)}")
 
 
@@ -122,8 +140,10 @@ def _strided(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | Non
                                      "than torch can index")
     if numel:
         # last element the view touches, in bytes, must lie inside the storage
-        last = offset + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
-        if (last + 1) * dtypes.itemsize(dtype) > ref.nbytes:
+        last = offset
+        for n, s in zip(shape, strides, strict=True):
+            last += (n - 1) * s
+        if (last + 1) * ITEMSIZE.get(dtype, 1) > ref.numel * ITEMSIZE.get(ref.dtype, 1):
             raise CorruptCheckpointError(
                 f"tensor of shape {list(shape)} reaches past the end of storage {ref.key}"
             )
