@@ -11,10 +11,11 @@ from typing import Any
 
 import click
 
+from ckptool.cli import json_lines
 from ckptool.cli.common import SCHEMA_VERSION, console, write_json
 from ckptool.cli.inputs import InputPath
 from ckptool.keys import Filter
-from ckptool.model import Checkpoint, Chunk, FileInfo, TensorInfo
+from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo, TensorInfo
 
 
 @click.command()
@@ -42,7 +43,7 @@ def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
 def _report(ckpt: Checkpoint, as_json: bool, pattern: str | None, depth: int | None,
             limit: int) -> None:
     if as_json:
-        write_json(inspect_dict(ckpt, pattern))
+        write_json(inspect_json(ckpt, pattern))
         return
     from ckptool.cli.inspect_text import render_inspect
 
@@ -84,12 +85,30 @@ def chunk_dict(c: Chunk) -> dict[str, Any]:
             **({"dtype": c.dtype} if c.dtype else {})}
 
 
+def storage_dict(s: StorageInfo) -> dict[str, Any]:
+    return {"id": s.id, "dtype": s.dtype, "location": s.location, "nbytes": s.nbytes,
+            "record": s.record, "tensors": list(s.tensors),
+            **({"file": s.file} if s.file is not None else {})}
+
+
+def inspect_json(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]:
+    """``inspect_dict``, its tensors and storages already JSON text (the
+    same text: ``json_lines``)."""
+    data = inspect_dict(ckpt, pattern, lists=False)
+    data["tensors"] = json_lines.tensor_lines(matching(ckpt.tensors, pattern), tensor_dict)
+    data["storages"] = json_lines.storage_lines(ckpt.storages.values(), storage_dict)
+    return data
+
+
 def file_dict(f: FileInfo) -> dict[str, Any]:
     return {"path": f.path, "role": f.role, "format": f.format, "size": f.size,
             "num_tensors": f.num_tensors, "num_values": f.num_values, "rank": f.rank}
 
 
-def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]:
+def inspect_dict(ckpt: Checkpoint, pattern: str | None = None,
+                 lists: bool = True) -> dict[str, Any]:
+    """The ``--json`` report; without ``lists``, its tensors and storages are
+    left empty (``inspect_json`` writes them)."""
     sd = ckpt.main_state_dict
     return {
         "schema_version": SCHEMA_VERSION,
@@ -108,13 +127,8 @@ def inspect_dict(ckpt: Checkpoint, pattern: str | None = None) -> dict[str, Any]
             "num_parameters": sd.num_parameters, "num_buffers": sd.num_buffers,
             "nbytes": sd.nbytes,
         },
-        "tensors": [tensor_dict(t) for t in matching(ckpt.tensors, pattern)],
-        "storages": [
-            {"id": s.id, "dtype": s.dtype, "location": s.location, "nbytes": s.nbytes,
-             "record": s.record, "tensors": list(s.tensors),
-             **({"file": s.file} if s.file is not None else {})}
-            for s in ckpt.storages.values()
-        ],
+        "tensors": [tensor_dict(t) for t in matching(ckpt.tensors, pattern)] if lists else [],
+        "storages": [storage_dict(s) for s in ckpt.storages.values()] if lists else [],
         "entries": [
             {"key": e.key, "type": e.type, "summary": e.summary, "value": e.value}
             for e in ckpt.entries
