@@ -61,6 +61,7 @@ import io
 import pickle
 import re
 import sys
+from collections import OrderedDict
 from collections.abc import Callable
 from functools import cache
 from typing import IO, Any
@@ -156,8 +157,11 @@ class _Global(functools.partial):
 def _fast_target(value: Any) -> bool:
     """Whether a resolved global is one this path lets through (point 4)."""
     return (isinstance(value, tensors.StorageType)
-            or value is constructors.safe_callable("collections.OrderedDict")
+            or value is _ORDERED_DICT
             or any(value is tensors.REBUILDERS[name] for name in FAST_REBUILDERS))
+
+
+_ORDERED_DICT = constructors.safe_callable("collections.OrderedDict")
 
 
 class _NotFast(Exception):
@@ -183,7 +187,10 @@ class _Unpickler(pickle.Unpickler):
         self._named.append((f"{module}.{name}", verdict))
         if isinstance(value, tensors.StorageType):
             return value  # made for this read, as the ordinary read makes it; refuses state
-        wrapped = _Global(value)
+        # ordered_dict checks the keys of the pairs it is given: here the only
+        # tuples a call can take are literal numbers (point 2), so no pairs,
+        # and OrderedDict itself answers as ordered_dict does
+        wrapped = _Global(OrderedDict if value is _ORDERED_DICT else value)
         self._handed.append(wrapped)
         return wrapped
 

@@ -23,10 +23,14 @@ WRAPPER_NAMES = {"base_model.model.": "PEFT", "_orig_mod.": "torch.compile",
 def common_prefix(names: Iterable[str]) -> str:
     """Longest run of leading dotted module components shared by all names."""
     common: list[str] | None = None
+    shared = ""  # common as text: a name that starts with it changes nothing
     for name in names:
+        if shared and name.startswith(shared):
+            continue
         parts = name.split(".")[:-1]
         if common is None:
             common = parts
+            shared = ".".join(common) + "." if common else ""
             continue
         n = 0
         while n < len(common) and n < len(parts) and common[n] == parts[n]:
@@ -34,6 +38,7 @@ def common_prefix(names: Iterable[str]) -> str:
         del common[n:]
         if not common:
             break
+        shared = ".".join(common) + "."
     return ".".join(common) + "." if common else ""
 
 

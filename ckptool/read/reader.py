@@ -226,16 +226,22 @@ def tensor_info(key: str, rec: Any) -> TensorInfo:
 def _storages(refs: dict[str, StorageRef], tensors: list[TensorInfo]) -> dict[str, StorageInfo]:
     viewers: dict[str, list[TensorInfo]] = {}
     for t in tensors:
-        for view in (t, *t.parts):  # a sparse tensor views its parts' storages
+        if t.storage is not None:
+            if t.storage in viewers:
+                viewers[t.storage].append(t)
+            else:
+                viewers[t.storage] = [t]
+        for view in t.parts:  # a sparse tensor views its parts' storages
             if view.storage is not None:
                 viewers.setdefault(view.storage, []).append(view)
     out = {}
+    none: list[TensorInfo] = []
     for sid, ref in refs.items():
-        views = viewers.get(sid, [])
+        views = viewers.get(sid, none)
         # untyped storages count bytes: name them by the dtype viewing them
         dtype = views[0].dtype if views and ref.dtype == "uint8" else ref.dtype
         out[sid] = StorageInfo(sid, dtype, ref.location, ref.nbytes, ref.record,
-                               tuple(t.key for t in views))
+                               tuple([t.key for t in views]))
     return out
 
 
