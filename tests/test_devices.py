@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch.cuda
 
-from ckptool.check import gpus, loadcheck
+from ckptool.check import gpus, loadcheck, scheduler
 from ckptool.check.gpus import Gpu, Machine
 from ckptool.cli import main
 from ckptool.describe import human_bytes
@@ -113,6 +113,10 @@ def fake(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
     monkeypatch.setattr(gpus, "DRIVER_DIR", str(tmp_path / "no-driver"))
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # nvidia-smi answers, never a real NVML
+    for var in scheduler.WATCHED:  # nor the job this test may run in
+        if var != "CUDA_VISIBLE_DEVICES":
+            monkeypatch.delenv(var, raising=False)
 
     def setup(smi_body: str | None, torch: tuple[bool, int] | None = None) -> None:
         if smi_body is not None:
@@ -262,7 +266,7 @@ def test_cpu_only_machine_never_imports_torch(tmp_path: Path) -> None:
     code = ("import io, contextlib; from ckptool.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             f"    main(['devices', '--json', {str(DP)!r}])\n"
-            "import sys; print(sorted(m for m in ('torch', 'rich') if m in sys.modules))")
+            "import sys; print(sorted(m for m in ('torch', 'rich', 'pynvml') if m in sys.modules))")
     assert python(code, {"PATH": str(tmp_path)}) == "[]"
 
 
@@ -332,14 +336,17 @@ def test_devices_json(fake: Callable[..., None], monkeypatch: pytest.MonkeyPatch
     assert data["device_count"] == 2
     assert data["gpus"] == [
         {"index": 0, "physical": 1, "name": "NVIDIA A100-SXM4-80GB", "uuid": UUIDS[1],
-         "total_bytes": 81920 * MIB, "free_bytes": 20480 * MIB},
+         "total_bytes": 81920 * MIB, "free_bytes": 20480 * MIB, "node": None},
         {"index": 1, "physical": 2, "name": "NVIDIA A100-SXM4-80GB", "uuid": UUIDS[2],
-         "total_bytes": 81920 * MIB, "free_bytes": 60000 * MIB}]
+         "total_bytes": 81920 * MIB, "free_bytes": 60000 * MIB, "node": None}]
     assert data["checkpoint"] == {"path": str(DP), "nbytes": 2712, "locations": ["cuda:2"],
                                   "missing_devices": ["cuda:2"]}
     assert data["recommended"] == {"device": "cuda:1", "physical": 2,
                                    "free_bytes": 60000 * MIB, "need_bytes": 2712,
                                    "fits": True}
+    assert data["environment"] == {"CUDA_VISIBLE_DEVICES": "1,2"}
+    assert data["scheduler"] is None and data["data_parallel"] is None
+    assert data["export"]["command"] == "export CUDA_VISIBLE_DEVICES=2,1"
     code, out, _ = cli("devices", "--json")
     assert json.loads(out)["checkpoint"] is None and json.loads(out)["recommended"] is None
 

@@ -289,7 +289,7 @@ def test_diagnose_dcp_of_a_wrapped_model_names_the_wrapper(tmp_path: Path) -> No
 
 def test_devices_on_directories(made: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                 run_cli: Callable[..., CliResult]) -> None:
-    monkeypatch.setattr(gpus, "probe", lambda: gpus.assumed(0))
+    monkeypatch.setattr(gpus, "probe", lambda **_: gpus.assumed(0))
     code, out, err = run_cli("devices", "--json", str(made["cuda"]))
     assert (code, err) == (0, "")
     data = json.loads(out)["checkpoint"]

@@ -4,7 +4,11 @@
 - ``diagnosis`` runs the checks of ``findings`` (one function per kind of
   problem) and plans their fix as one checked command (``fixcommand``);
 - ``loadcheck`` predicts what plain ``torch.load`` does on a machine;
-  ``gpus`` finds the machine's GPUs as torch numbers them; ``placement``
+  ``gpus`` finds the machine's GPUs as torch numbers them (``gpulist``
+  asks NVML or nvidia-smi), ``scheduler`` maps a SLURM job's or a
+  container's GPUs onto them, ``gpuorder`` orders them for a new process's
+  ``CUDA_VISIBLE_DEVICES`` and ``dataparallel`` checks a DataParallel
+  plan's ``device_ids``; ``placement``
   says where to load a checkpoint here; ``manyfiles`` says how a checkpoint
   of many files loads (its loader, its devices, DCP's entry prefix);
   ``zerofix`` says what a DeepSpeed checkpoint needs (a ``convert``, then

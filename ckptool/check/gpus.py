@@ -1,7 +1,8 @@
 """Which CUDA GPUs this machine has, which of them torch would see, and
 which one a checkpoint should go to.
 
-Owns the GPU probe: physical GPUs from ``nvidia-smi``, the renumbering that
+Owns the GPU probe: physical GPUs from NVML or ``nvidia-smi`` (``gpulist``,
+asked only where a driver is there), the renumbering that
 ``CUDA_VISIBLE_DEVICES`` applies (parsed exactly like torch's
 ``torch.cuda._parse_visible_devices``), and what torch itself says it can
 use. Pure and quiet: it never prints, never raises for a missing or broken
@@ -15,26 +16,14 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-SMI_QUERY = ("--query-gpu=index,name,uuid,memory.total,memory.free",
-             "--format=csv,noheader,nounits")
-SMI_TIMEOUT_S = 10.0
+from ckptool.check.gpulist import NO_DRIVER, NO_NVML, Gpu, query_nvml, query_smi
+
 DRIVER_DIR = "/proc/driver/nvidia"  # present wherever the NVIDIA kernel driver is loaded
-_MIB = 1024 * 1024
-
-
-@dataclass(frozen=True)
-class Gpu:
-    index: int  # logical index: torch's cuda:<index>
-    physical: int | None  # nvidia-smi's index (PCI bus order); None if unknown
-    name: str
-    uuid: str | None
-    total_bytes: int | None
-    free_bytes: int | None  # None when unknown
+LISTERS = {"nvml": "NVML", "nvidia-smi": "nvidia-smi"}  # Machine.source -> its name in notes
 
 
 @dataclass(frozen=True)
@@ -42,9 +31,12 @@ class Machine:
     gpus: tuple[Gpu, ...]  # visible GPUs in logical order (cuda:0, cuda:1, ...)
     cuda_available: bool  # torch.cuda.is_available() (False for a CPU build or no GPU)
     visible_env: str | None  # CUDA_VISIBLE_DEVICES as set, None when unset
-    source: str  # "nvidia-smi", "torch", "none" or "assumed"
+    source: str  # "nvml", "nvidia-smi", "torch", "none" or "assumed"
     note: str  # why there are no GPUs, or caveats ("" if none)
     platform: str = sys.platform
+    # every GPU the driver lists (NVML's or nvidia-smi's order), CUDA_VISIBLE_DEVICES
+    # not applied; () when nothing lists them
+    listed: tuple[Gpu, ...] = ()
 
     @property
     def device_count(self) -> int:
@@ -52,30 +44,47 @@ class Machine:
         return len(self.gpus) if self.cuda_available else 0
 
 
-def probe() -> Machine:
-    """This machine's GPUs as torch would number them. Never raises."""
+def probe(ask_torch: bool = True) -> Machine:
+    """This machine's GPUs as torch would number them. Never raises.
+
+    ``ask_torch=False`` leaves torch out (not imported, ``cuda_available``
+    False): the GPUs as the driver and ``CUDA_VISIBLE_DEVICES`` give them,
+    for a new process that may run another torch (``devices --export``)."""
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
-    physical, problem = _query_smi()
+    if not os.path.exists(DRIVER_DIR) and shutil.which("nvidia-smi") is None:
+        return Machine((), False, env, "none", NO_DRIVER)  # pynvml and torch never imported
+    source, notes = "nvml", []
+    physical, problem = query_nvml()
     if physical is None:
-        return _without_smi(env)
-    if problem:
-        return Machine((), False, env, "none", problem)
+        if problem != NO_NVML:  # installed but failing: worth saying why smi was asked
+            notes.append(f"{problem} (asked nvidia-smi instead)")
+        source = "nvidia-smi"
+        physical, problem = query_smi()
+        if physical is None:
+            return _without_smi(env, notes)
+        if problem:
+            return Machine((), False, env, "none", "; ".join([*notes, problem]))
+    listed = tuple(physical)
     visible, why = _parse(env, physical)
-    notes = [why] if why else []
+    if why:
+        notes.append(why)
+    lister = LISTERS[source]
     if not physical:
-        notes.append("nvidia-smi lists no GPUs")
+        notes.append(f"{lister} lists no GPUs")
     if not visible:
-        return Machine((), False, env, "nvidia-smi", "; ".join(notes))
+        return Machine((), False, env, source, "; ".join(notes), listed=listed)
     if len({g.name for g in physical}) > 1 and os.environ.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID":
         notes.append("these GPUs differ and CUDA_DEVICE_ORDER is not PCI_BUS_ID, so CUDA may "
                      "number them fastest first, not in nvidia-smi's order (set "
                      "CUDA_DEVICE_ORDER=PCI_BUS_ID to make the two agree)")
+    if not ask_torch:
+        return Machine(tuple(visible), False, env, source, "; ".join(notes), listed=listed)
     state = _torch_cuda()
     available = False
     if state is None:
         notes.append("torch is not installed here, so nothing can be loaded onto these GPUs")
     elif not state[0] and state[1] == 0:
-        # nvidia-smi works, so NVML does: a CUDA build of torch would count the GPUs
+        # the driver answers, so NVML works: a CUDA build of torch would count the GPUs
         notes.append("torch here is a CPU-only build, so torch.load cannot put anything "
                      "on a GPU")
     elif not state[0]:
@@ -84,10 +93,10 @@ def probe() -> Machine:
     else:
         available = True
         if state[1] != len(visible):
-            notes.append(f"torch counts {state[1]} CUDA devices where nvidia-smi and "
+            notes.append(f"torch counts {state[1]} CUDA devices where {lister} and "
                          f"CUDA_VISIBLE_DEVICES give {len(visible)}; going by torch")
-            visible = _resize(visible, state[1])
-    return Machine(tuple(visible), available, env, "nvidia-smi", "; ".join(notes))
+            visible = _resize(visible, state[1], lister)
+    return Machine(tuple(visible), available, env, source, "; ".join(notes), listed=listed)
 
 
 def assumed(count: int) -> Machine:
@@ -130,67 +139,18 @@ def fits(gpu: Gpu, need_bytes: int) -> bool | None:
     return None if gpu.free_bytes is None else gpu.free_bytes >= need_bytes
 
 
-def _query_smi() -> tuple[list[Gpu] | None, str]:
-    """(physical GPUs, "") from nvidia-smi; (None, why) when it is missing,
-    ([], why) when it fails or says something we cannot read."""
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
-        return None, "no NVIDIA driver found (nvidia-smi is not on PATH)"
-    try:
-        proc = subprocess.run([smi, *SMI_QUERY], capture_output=True, text=True,
-                              timeout=SMI_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        return [], f"nvidia-smi did not answer within {SMI_TIMEOUT_S:g} s"
-    except OSError as exc:
-        return [], f"nvidia-smi could not run: {exc.strerror or exc}"
-    if proc.returncode != 0:
-        return [], f"nvidia-smi failed (exit {proc.returncode}): {_first_line(proc)}"
-    gpus = []
-    for line in proc.stdout.splitlines():
-        if not line.strip():
-            continue
-        gpu = _smi_row(line)
-        if gpu is None:
-            return [], f"nvidia-smi printed what ckptool cannot read: {line.strip()!r}"
-        gpus.append(gpu)
-    return gpus, ""
-
-
-def _smi_row(line: str) -> Gpu | None:
-    fields = [f.strip() for f in line.split(",")]
-    if len(fields) < 5 or not fields[0].isdigit():
-        return None
-    index = int(fields[0])
-    name = ", ".join(fields[1:-3])  # a name with a comma stays whole
-    uuid = fields[-3] if fields[-3].startswith(("GPU-", "MIG-")) else None
-    return Gpu(index, index, name, uuid, _mib(fields[-2]), _mib(fields[-1]))
-
-
-def _mib(text: str) -> int | None:
-    return int(text) * _MIB if text.isdigit() else None  # "[N/A]" on some boards
-
-
-def _first_line(proc: subprocess.CompletedProcess[str]) -> str:
-    for text in (proc.stderr, proc.stdout):
-        for line in text.splitlines():
-            if line.strip():
-                return line.strip()
-    return "no message"
-
-
-def _without_smi(env: str | None) -> Machine:
-    """No nvidia-smi: ask torch, but only where a driver is loaded, so a
-    CPU-only machine never imports torch."""
+def _without_smi(env: str | None, notes: list[str]) -> Machine:
+    """Neither NVML nor nvidia-smi: ask torch, but only where a driver is
+    loaded, so a CPU-only machine never imports torch."""
     if not os.path.exists(DRIVER_DIR):
-        return Machine((), False, env, "none",
-                       "no NVIDIA driver found (nvidia-smi is not on PATH)")
+        return Machine((), False, env, "none", "; ".join([*notes, NO_DRIVER]))
     state = _torch_cuda()
     if state is None or not state[0] or state[1] <= 0:
         why = "torch is not installed" if state is None else "torch cannot use CUDA"
-        return Machine((), False, env, "none", "an NVIDIA driver is loaded but nvidia-smi "
-                       f"is not on PATH and {why} here")
-    return Machine(tuple(_torch_gpus(state[1])), True, env, "torch",
-                   "nvidia-smi is not on PATH: GPUs as torch numbers them, free memory unknown")
+        return Machine((), False, env, "none", "; ".join([
+            *notes, f"an NVIDIA driver is loaded but nvidia-smi is not on PATH and {why} here"]))
+    return Machine(tuple(_torch_gpus(state[1])), True, env, "torch", "; ".join([
+        *notes, "nvidia-smi is not on PATH: GPUs as torch numbers them, free memory unknown"]))
 
 
 def _torch_cuda() -> tuple[bool, int] | None:
@@ -214,9 +174,9 @@ def _torch_gpus(count: int) -> list[Gpu]:
     return gpus
 
 
-def _resize(gpus: list[Gpu], count: int) -> list[Gpu]:
-    """Torch's count wins: drop the extra GPUs, or add ones nvidia-smi did not show."""
-    extra = [Gpu(i, None, "unknown (not listed by nvidia-smi)", None, None, None)
+def _resize(gpus: list[Gpu], count: int, lister: str) -> list[Gpu]:
+    """Torch's count wins: drop the extra GPUs, or add ones the driver did not list."""
+    extra = [Gpu(i, None, f"unknown (not listed by {lister})", None, None, None)
              for i in range(len(gpus), count)]
     return gpus[:count] + extra
 
@@ -247,7 +207,7 @@ def _parse(value: str | None, physical: Sequence[Gpu]) -> tuple[list[Gpu], str]:
     return visible, f"{shown} hides {hides}" + (f": {why}" if why else "")
 
 
-def _strtoul(text: str) -> int:
+def strtoul(text: str) -> int:
     """The leading integer of ``text``, -1 when there is none (as torch reads it)."""
     end = 0
     while end < len(text) and (text[end].isdigit() or (end == 0 and text[end] in "+-")):
@@ -266,7 +226,7 @@ def _by_ordinal(entries: list[str], physical: Sequence[Gpu]
     ordinals: list[int] = []
     stop: str | None = None
     for entry in entries:
-        n = _strtoul(entry.strip())
+        n = strtoul(entry.strip())
         if n in ordinals:
             return None, None
         if n < 0:

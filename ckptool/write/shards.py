@@ -35,16 +35,17 @@ _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 PATTERNS = {"hf": ("model", ".safetensors"), "hf-bin": ("pytorch_model", ".bin")}
 
 
-def parse_size(text: str) -> int:
-    """``5GB`` -> 5000000000 (Hugging Face's decimal units; ``GiB`` binary)."""
+def parse_size(text: str, option: str = "--max-shard-size") -> int:
+    """``5GB`` -> 5000000000 (Hugging Face's decimal units; ``GiB`` binary),
+    for ``option`` (named in the error)."""
     m = _SIZE.match(text)
     unit = m.group(2).upper() if m else ""
     if m is None or unit not in UNITS:
-        raise UsageError(f"--max-shard-size {text!r} is not a size",
+        raise UsageError(f"{option} {text!r} is not a size",
                          "write it as a number and a unit: 5GB, 500MB, 2GiB")
     size = int(float(m.group(1)) * UNITS[unit])
     if size <= 0:
-        raise UsageError(f"--max-shard-size {text!r} is not a size above zero",
+        raise UsageError(f"{option} {text!r} is not a size above zero",
                          "write it as a number and a unit: 5GB, 500MB")
     return size
 
