@@ -268,7 +268,7 @@ def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], mo
             "missing-keys", ERROR,
             f"{len(missing)} of {plural(total, 'key')} of {model.source} "
             f"{'is' if len(missing) == 1 else 'are'} not in {_it(ckpt)}: "
-            f"{_some(missing)}{_why_missing(missing)}", None, None, tuple(missing)))
+            f"{some_keys(missing)}{why_missing(missing)}", None, None, tuple(missing)))
     if tied:
         pairs = ", ".join(f"{k} (tied to {v})" for k, v in list(tied.items())[:3])
         out.append(Finding(
@@ -284,7 +284,7 @@ def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], mo
             "unexpected-keys", ERROR,
             f"{plural(len(report.unexpected), 'key')} in {_it(ckpt)} "
             f"{'is' if len(report.unexpected) == 1 else 'are'} not in {model.source}: "
-            f"{_some(report.unexpected)}", None,
+            f"{some_keys(report.unexpected)}", None,
             "model.load_state_dict(sd, strict=False)  # ignores them",
             tuple(report.unexpected)))
     if report.mismatched:
@@ -304,7 +304,7 @@ def _it(ckpt: Checkpoint) -> str:
     return "the checkpoint" if ckpt.is_multifile else "the file"
 
 
-def _why_missing(missing: list[str]) -> str:
+def why_missing(missing: list[str]) -> str:
     stats = ("running_mean", "running_var", "num_batches_tracked")
     if all(k.rsplit(".", 1)[-1] in stats for k in missing):
         return (" (BatchNorm running statistics: the saved model's BatchNorm layers had "
@@ -348,5 +348,5 @@ def _argument_fix(hints: list[ShapeHint], model: ModelKeys) -> str | None:
     return f"{model.name}({', '.join(f'{k}={v!r}' for k, v in args.items())})"
 
 
-def _some(keys: list[str]) -> str:
+def some_keys(keys: list[str]) -> str:
     return ", ".join(keys[:5]) + (f" (and {len(keys) - 5} more)" if len(keys) > 5 else "")

@@ -7,6 +7,8 @@ Imported only when text is printed.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from rich.console import Console
 from rich.padding import Padding
 from rich.table import Table
@@ -14,6 +16,7 @@ from rich.text import Text
 
 from ckptool.check import manyfiles
 from ckptool.check.diagnosis import ERROR, WARNING, Diagnosis, describe_keys
+from ckptool.check.findings import Finding
 from ckptool.check.gpus import describe_target
 from ckptool.check.loadcheck import describe_landing
 from ckptool.describe import human_bytes, plural
@@ -54,26 +57,39 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
         console.print(Text(manyfiles.no_problems(ckpt), style="green"))
         return
     for f in d.findings:
-        head = Text(f"{f.severity:<8}", style=_STYLE.get(f.severity, ""))
-        head.append(f.code, style="bold")
-        console.print(head)
-        console.print(Padding(Text(f.message), (0, 0, 0, 8)))
-        # commands on one line, wider than the terminal or not: a copied
-        # first line must be the whole command
-        if f.fix:
-            console.print(Text(f"        fix: {f.fix}", style="dim"), soft_wrap=True)
-        if f.snippet:
-            console.print(Text(f"        {'or:  ' if f.fix else 'try: '}{f.snippet}",
-                               style="dim"), soft_wrap=True)
+        render_finding(console, f)
     console.print()
+    render_fix_command(console, d, d.remaining)
+
+
+def render_finding(console: Console, f: Finding) -> None:
+    """One finding: severity and code, its message, its fix (diagnose and explain)."""
+    head = Text(f"{f.severity:<8}", style=_STYLE.get(f.severity, ""))
+    head.append(f.code, style="bold")
+    console.print(head)
+    console.print(Padding(Text(f.message), (0, 0, 0, 8)))
+    # commands on one line, wider than the terminal or not: a copied
+    # first line must be the whole command
+    if f.fix:
+        console.print(Text(f"        fix: {f.fix}", style="dim"), soft_wrap=True)
+    if f.snippet:
+        console.print(Text(f"        {'or:  ' if f.fix else 'try: '}{f.snippet}",
+                           style="dim"), soft_wrap=True)
+
+
+def render_fix_command(console: Console, d: Diagnosis, remaining: Sequence[str]) -> bool:
+    """The one fix command, or why there is none; False when neither is said."""
     if d.fix_command:
         console.print(f"fix everything fixable at once (writes {d.fix_output}):")
         console.print(Text(f"  {d.fix_command}", style="bold"), soft_wrap=True)
-        if d.remaining:
-            console.print(Text(f"still to resolve by hand: {', '.join(d.remaining)}",
+        if remaining:
+            console.print(Text(f"still to resolve by hand: {', '.join(remaining)}",
                                style="yellow"))
     elif d.fix_refused:
         console.print(Text(f"no ckptool fix command: {d.fix_refused}", style="yellow"))
+    else:
+        return False
+    return True
 
 
 def _devices(console: Console, d: Diagnosis) -> None:

@@ -22,7 +22,7 @@ from ckptool.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_USAGE, Ckptool
 
 # command name -> the module whose ``command`` it is
 COMMANDS = {name: f"ckptool.cli.{name}" for name in (
-    "browse", "convert", "devices", "diagnose", "diff", "fix", "inspect")}
+    "browse", "convert", "devices", "diagnose", "diff", "explain", "fix", "inspect")}
 
 
 class LazyGroup(click.Group):

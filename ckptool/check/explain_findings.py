@@ -1,0 +1,327 @@
+"""What each error ``explain_patterns`` recognises means, in the user's
+terms, and what to do about it: ``Finding``s with diagnose's codes where
+they mean the same thing (``device-unavailable``, ``key-prefix``...) and
+explain's own for what happens after loading (``invalid-device-id``,
+``dataparallel-primary-device``, ``device-mismatch``, ``cuda-oom``).
+
+Fixes name the checkpoint as ``name``: the file the user gave, or ``CKPT``
+when they gave none. Pure text: no torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from ckptool.check import explain_patterns as p
+from ckptool.check.explain_patterns import Error, Facts
+from ckptool.check.findings import ERROR, Finding, some_keys, why_missing
+from ckptool.check.findings import explain as explain_hint
+from ckptool.check.fixcommand import command_flags
+from ckptool.check.reconcile import Rewrite, explain_shapes, reconcile
+from ckptool.describe import plural
+from ckptool.read import policy
+from ckptool.read.prefixes import describe_wrapper
+from ckptool.read.reader import PREFERRED_NAMES
+from ckptool.write.plan import FixOptions
+
+PLACEHOLDER = "CKPT"  # the checkpoint in a fix, when none was given
+DEVICES = "ckptool devices"  # the visible GPUs, renumbered, with their free memory
+EXPORT = 'eval "$(ckptool devices --export)"'  # those GPUs, most free memory first
+# what a refused global is, by ckptool's safety policy
+_LABELS = {policy.DATA: "plain data, safe to allow", policy.TORCH: "part of torch",
+           policy.CUSTOM: "a class from your code, imported to load it"}
+# wrappers whose wrapped model is an attribute: class -> attribute
+_WRAPPED = {"DataParallel": "module", "DistributedDataParallel": "module",
+            "OptimizedModule": "_orig_mod"}
+
+
+def findings_for(error: Error, name: str, device_count: int | None = None) -> list[Finding]:
+    """What ``error`` means; ``device_count``: the GPUs the user says the
+    process sees (``--device-count``), where the text does not say."""
+    return _EXPLAIN[error.kind](error.facts, name, device_count)
+
+
+def _visible(facts: Facts, device_count: int | None) -> int | None:
+    """How many GPUs the failing process saw, from what the text or the user says."""
+    if device_count is not None:
+        return device_count
+    listed = facts.get("cuda_visible_devices")
+    return len([e for e in listed.split(",") if e]) if listed is not None else None
+
+
+def _renumbered(facts: Facts) -> str:
+    """How CUDA_VISIBLE_DEVICES numbered the GPUs, where the log set it."""
+    listed = facts.get("cuda_visible_devices")
+    if listed is None:
+        return ""
+    if not listed:
+        return "; CUDA_VISIBLE_DEVICES is empty, which hides every GPU"
+    gpus = [e for e in listed.split(",") if e]
+    return (f"; CUDA_VISIBLE_DEVICES={listed} shows {plural(len(gpus), 'GPU')}, renumbered "
+            + ", ".join(f"cuda:{i} (GPU {g})" for i, g in enumerate(gpus)))
+
+
+def _device(f: Facts, name: str, device_count: int | None) -> list[Finding]:
+    device, backend, count = f["device"], f["backend"], f.get("device_count")
+    saved = ("torch.load puts every storage back on the device it was saved on, and the file "
+             f"saved some on {device}")
+    if backend == "cuda" and count:
+        gpus = ", ".join(f"cuda:{i}" for i in range(count))
+        return [Finding(
+            p.DEVICE, ERROR,
+            f"{saved}; the process that loaded it sees {plural(count, 'CUDA GPU')} ({gpus}). "
+            f"A saved cuda:N is the GPU's index in the process that saved it: "
+            "CUDA_VISIBLE_DEVICES numbers the GPUs it shows from cuda:0, so the saving "
+            f"process's {device} need not be any GPU here{_renumbered(f)}",
+            f"ckptool fix {name} --map {device}=cuda:0",
+            f"torch.load(path, map_location={{{device!r}: 'cuda:0'}})")]
+    why = {"cuda": "torch there cannot use CUDA (a CPU-only build of torch, no GPU or driver, "
+                   "or CUDA_VISIBLE_DEVICES showing none)",
+           "mps": "mps is Apple's GPU, which torch has only on macOS"}.get(
+        backend, f"torch there has no {backend} device")
+    return [Finding(p.DEVICE, ERROR, f"{saved}; {why}{_renumbered(f) if backend == 'cuda' else ''}",
+                    f"ckptool fix {name} --to cpu", "torch.load(path, map_location='cpu')")]
+
+
+def _keys(f: Facts, name: str, device_count: int | None) -> list[Finding]:
+    missing, unexpected = f.get("missing", []), f.get("unexpected", [])
+    model = f.get("model_class", "the model")
+    out = _wrapped(missing, unexpected, name)
+    if out:
+        return out
+    rewrite, fits = prefix_fit(missing, unexpected)
+    if fits:
+        out.append(_prefix(rewrite.strip, rewrite.add, len(fits), len(unexpected), model, name))
+        renamed = {rewrite.apply(k) for k in fits}
+        missing = [k for k in missing if k not in renamed]
+        unexpected = [k for k in unexpected if k not in fits]
+    if missing:
+        out.append(Finding(
+            "missing-keys", ERROR,
+            f"{plural(len(missing), 'key')} that {model} expects "
+            f"{'is' if len(missing) == 1 else 'are'} not in the checkpoint: "
+            f"{some_keys(missing)}{why_missing(missing)}",
+            None, "model.load_state_dict(sd, strict=False)  # leaves them as initialised",
+            tuple(missing)))
+    if unexpected:
+        out.append(Finding(
+            "unexpected-keys", ERROR,
+            f"{plural(len(unexpected), 'key')} in the checkpoint "
+            f"{'is' if len(unexpected) == 1 else 'are'} not in {model}: {some_keys(unexpected)}",
+            None, "model.load_state_dict(sd, strict=False)  # ignores them",
+            tuple(unexpected)))
+    return out + _shapes(f.get("mismatched", []))
+
+
+def prefix_fit(missing: list[str], unexpected: list[str]) -> tuple[Rewrite, list[str]]:
+    """The prefix rewrite that turns unexpected keys into missing ones, and
+    the unexpected keys it turns into keys the model has (none: no rewrite)."""
+    report = reconcile(dict.fromkeys(unexpected), dict.fromkeys(missing))
+    rewrite, matched = report.rewrite, set(report.matched)
+    if rewrite.empty or not matched:
+        return rewrite, []
+    # BatchNorm fills in a num_batches_tracked that a state dict without
+    # version metadata lacks, so torch does not call it missing
+    layers = {k.rpartition(".")[0] for k in matched}
+    return rewrite, [k for k in unexpected if rewrite.apply(k) in matched or (
+        rewrite.apply(k).endswith(".num_batches_tracked")
+        and rewrite.apply(k).rpartition(".")[0] in layers)]
+
+
+def _prefix(strip: str, add: str, matched: int, of: int, model: str, name: str) -> Finding:
+    if strip:
+        cause = (f"the checkpoint's keys have {strip!r} in front ({describe_wrapper(strip)}), "
+                 f"which {model}'s keys lack")
+        if add:
+            cause += f", and {model} expects {add!r} in front instead"
+    else:
+        cause = (f"{model} expects its keys with {add!r} in front ({describe_wrapper(add)}), "
+                 "which the checkpoint's keys lack (the model was wrapped before loading)")
+    change = " and ".join([*([f"without {strip!r}"] if strip else []),
+                           *([f"with {add!r}"] if add else [])])
+    found = (f"the {plural(of, 'unexpected key')}" if matched == of
+             else f"{matched} of the {plural(of, 'unexpected key')}")
+    found += f" {'is' if matched == 1 else 'are'} what {model} expects"
+    key = f"k.removeprefix({strip!r})" if strip else "k"
+    attribute = _WRAPPED.get(model.rsplit(".", 1)[-1])
+    snippet = (f"model.{attribute}.load_state_dict(sd)  # the wrapped model takes them as saved"
+               if not strip and attribute and add == attribute + "." else
+               f"model.load_state_dict({{{f'{add!r} + ' if add else ''}{key}: v "
+               "for k, v in sd.items()})")
+    flags = command_flags(FixOptions(strip_prefixes=(strip,) if strip else (),
+                                     add_prefix=add or None))
+    return Finding("key-prefix", ERROR, f"{cause}: {change}, {found}",
+                   f"ckptool fix {name} {' '.join(flags)}", snippet)
+
+
+def _wrapped(missing: list[str], unexpected: list[str], name: str) -> list[Finding]:
+    """The whole training checkpoint given to load_state_dict: its top-level
+    entries (epoch, optimizer, state_dict) are the unexpected keys."""
+    entries = [n for n in PREFERRED_NAMES if n in unexpected]
+    if not (missing and entries) or any("." in k for k in unexpected):
+        return []
+    return [Finding(
+        "wrapped-state-dict", ERROR,
+        f"the dict given to load_state_dict is a whole checkpoint ({some_keys(unexpected)}), "
+        f"not a state dict: the weights are its {entries[0]!r} entry",
+        f"ckptool fix {name} --extract",
+        f"model.load_state_dict(torch.load(path)[{entries[0]!r}])")]
+
+
+def _shapes(mismatched: list[Facts]) -> list[Finding]:
+    if not mismatched:
+        return []
+    pairs = [(m["key"], tuple(m["checkpoint"]), tuple(m["model"])) for m in mismatched]
+    hints = explain_shapes(pairs, {}, {})
+    shown = "; ".join(f"{k}: checkpoint {list(a)} vs model {list(b)}" for k, a, b in pairs[:3])
+    more = f" (and {len(pairs) - 3} more)" if len(pairs) > 3 else ""
+    keys = [k for k, _, _ in pairs]
+    return [Finding(
+        "shape-mismatch", ERROR,
+        f"{plural(len(pairs), 'key')} differ{'s' if len(pairs) == 1 else ''} in shape: "
+        f"{shown}{more}" + "".join(f"; {explain_hint(h, len(hints) == 1)}".replace(" the file ",
+                                                                          " the checkpoint ")
+                                   for h in hints[:2])
+        + ": build the model as the checkpoint's was built (with --checkpoint and --model, "
+        "explain names the constructor argument), or leave those keys out to train them anew",
+        None, f"model.load_state_dict({{k: v for k, v in sd.items() if k not in {tuple(keys)!r}}}, "
+              "strict=False)", tuple(keys))]
+
+
+def _weights(f: Facts, name: str, device_count: int | None) -> list[Finding]:
+    if f.get("torchscript"):
+        return [Finding(
+            "torchscript", ERROR,
+            "the file is a TorchScript archive (torch.jit.save), which torch.load refuses "
+            "with weights_only=True and load_state_dict cannot take",
+            f"ckptool convert {name} weights.pth",
+            "torch.jit.load(path, map_location='cpu').state_dict()")]
+    names = f.get("globals", [])
+    verdicts = {g: _verdict(g, g in f.get("blocked", [])) for g in names}
+    unsafe = [g for g, v in verdicts.items() if v.category == policy.UNSAFE]
+    out = []
+    extract = f"ckptool fix {name} --extract"
+    if unsafe:
+        out.append(Finding(
+            "unsafe-globals", ERROR,
+            f"the file names {', '.join(unsafe)}, which can run code "
+            f"({'; '.join(verdicts[g].reason for g in unsafe)}): weights_only=True refused it. "
+            "Never load this file with weights_only=False unless you wrote it; "
+            f"`ckptool inspect {name}` shows what it would run, and `ckptool fix --extract` "
+            "keeps the weights alone when they are clean", extract))
+    refused = [g for g in names if g not in unsafe]
+    if refused or not names:
+        data = all(verdicts[g].category == policy.DATA for g in refused)
+        labelled = ", ".join(f"{g} ({_LABELS[verdicts[g].category]})" for g in refused)
+        what = (f"refused {labelled}, which the file names" if refused
+                else "refused a global the file names")
+        out.append(Finding(
+            "weights-only", ERROR,
+            "torch.load with weights_only=True (the default since torch 2.6) rebuilds only "
+            f"tensors and plain containers, and {what}. `ckptool inspect {name}` shows every "
+            "global in the file and whether it is safe. Ways out: `ckptool fix --extract` "
+            "writes the weights alone, which plain torch.load takes; ckptool.load(path) loads "
+            "the whole file without running anything from it; "
+            "torch.serialization.add_safe_globals([...]) admits classes you trust",
+            extract,
+            f"torch.serialization.add_safe_globals([{', '.join(refused)}])  # only for classes "
+            "you trust" if refused and data else
+            "ckptool.load(path)  # the whole file, nothing from it run"))
+    return out
+
+
+def _verdict(dotted: str, blocked: bool) -> policy.Verdict:
+    module, _, attribute = dotted.rpartition(".")
+    if blocked:
+        return policy.Verdict(policy.UNSAFE, f"member of {module}, which torch blocks")
+    return policy.classify(module or "builtins", attribute)
+
+
+def _invalid_id(f: Facts, name: str, device_count: int | None) -> list[Finding]:
+    ids, count = f.get("device_ids"), _visible(f, device_count)
+    listed = [e for e in (f.get("cuda_visible_devices") or "").split(",") if e]
+    asked = (f"device_ids={ids}" if ids is not None
+             else f"cuda:{f['device_index']}" if "device_index" in f else "a GPU index")
+    seen = (f"this process sees {plural(count, 'GPU')}, cuda:0 to cuda:{count - 1}"
+            if count else "the index is past the GPUs this process sees")
+    message = (f"{asked} names a GPU this process does not have: {seen}. GPU indices in torch "
+               "(device_ids, cuda:N, set_device) count the GPUs CUDA_VISIBLE_DEVICES shows, "
+               f"from 0, not the machine's GPU numbers{_renumbered(f)}")
+    fix = f"ckptool devices --device-ids {','.join(map(str, ids))}" if ids else DEVICES
+    snippet = "nn.DataParallel(model)  # every visible GPU, cuda:0 first"
+    if ids and count and listed and all(str(i) in listed for i in ids):
+        logical = [listed.index(str(i)) for i in ids]
+        message += (f": the GPUs {', '.join(map(str, ids))} are "
+                    f"{', '.join(f'cuda:{i}' for i in logical)} here")
+        snippet = f"nn.DataParallel(model, device_ids={logical})"
+    elif ids:
+        message += (f": to use the machine's GPUs {', '.join(map(str, ids))}, show those "
+                    "and number them from 0")
+        fix = f"export CUDA_VISIBLE_DEVICES={','.join(map(str, ids))}"
+        snippet = f"nn.DataParallel(model, device_ids={list(range(len(ids)))})"
+    return [Finding(p.INVALID_ID, ERROR, message, fix, snippet)]
+
+
+def _primary(f: Facts, name: str, device_count: int | None) -> list[Finding]:
+    primary, found, ids = f["primary_device"], f["found_device"], f.get("device_ids")
+    wrap = f"nn.DataParallel(model, device_ids={ids or '[...]'})"
+    first = found.partition(":")[2] or "0"
+    return [Finding(
+        p.PRIMARY, ERROR,
+        f"nn.DataParallel keeps the module on device_ids[0], {primary}, and copies it to the "
+        f"other GPUs at every forward, so the module must be on {primary} first; one of its "
+        f"parameters or buffers is on {found}"
+        + (" (the model was never moved to a GPU)" if found == "cpu" else
+           ". A .cuda() or .to('cuda') without an index means cuda:0, also when it is called "
+           "after wrapping"),
+        f"model.to({primary!r}) before {wrap}",
+        None if found == "cpu" else
+        f"nn.DataParallel(model, device_ids=[{first}, ...])  # or list {found} first")]
+
+
+def _mismatch(f: Facts, name: str, device_count: int | None) -> list[Finding]:
+    a, b = f["devices"]
+    gpu = next((d for d in (a, b) if d != "cpu"), a)
+    argument = f" ({f['argument']}{' of ' + f['operation'] if 'operation' in f else ''})" \
+        if "argument" in f else ""
+    return [Finding(
+        p.MISMATCH, ERROR,
+        f"one operation got tensors on {a} and on {b}{argument}: the model and its inputs, or "
+        "two parts of the model, are on different devices. Tensors stay where they were made: "
+        "inputs not moved with .to(device), a tensor kept as a plain attribute instead of a "
+        "buffer (model.to() does not move it), or weights loaded with map_location='cpu' and "
+        "assigned by hand",
+        f"model.to({gpu!r}); inputs = inputs.to({gpu!r})",
+        "model.register_buffer('name', tensor)  # so that model.to() moves it")]
+
+
+def _oom(f: Facts, name: str, device_count: int | None) -> list[Finding]:
+    gpu = f.get("gpu")
+    where = f"GPU {gpu} (cuda:{gpu} in that process)" if gpu is not None else "the GPU"
+    asked = f"allocating {f['requested']} on {where}" if "requested" in f else f"on {where}"
+    room = f", which has {f['total']} in all and {f['free']} free" if "free" in f else ""
+    snippet = None
+    if f.get("during_load"):
+        cause = ("It happened in torch.load, which puts every storage back on the GPU it was "
+                 "saved on, all before load_state_dict copies it into the model: load to the "
+                 "CPU and move the model after")
+        snippet = "model.load_state_dict(torch.load(path, map_location='cpu')); model.to(device)"
+    else:
+        cause = ("The model, its activations and the optimizer state need more than is free: "
+                 "a smaller batch, another GPU, or loading weights to the CPU first "
+                 "(map_location='cpu') all help")
+        if "alloc_conf" in f:
+            snippet = f"export {f['alloc_conf']}  # when much memory is reserved but unused"
+    return [Finding(
+        p.OOM, ERROR,
+        f"CUDA ran out of memory {asked}{room}. {cause}. Other processes may hold memory on "
+        f"that GPU: `{DEVICES}` shows each visible GPU's free memory, and the fix below makes "
+        f"the one with the most free cuda:0; `ckptool fix {name} --dtype bf16` halves an fp32 "
+        "checkpoint",
+        EXPORT, snippet)]
+
+
+_EXPLAIN: dict[str, Callable[[Facts, str, int | None], list[Finding]]] = {
+    p.DEVICE: _device, p.KEYS: _keys, p.WEIGHTS: _weights, p.INVALID_ID: _invalid_id,
+    p.PRIMARY: _primary, p.MISMATCH: _mismatch, p.OOM: _oom,
+}
