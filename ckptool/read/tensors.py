@@ -125,7 +125,7 @@ def _storage(value: Any) -> StorageRef:
 
 def _strided(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | None,
              requires_grad: Any) -> TensorRecord:
-    ref = _storage(storage)
+    ref = storage if type(storage) is StorageRef else _storage(storage)
     if type(offset) is not int or not 0 <= offset <= MAX_INT64:
         raise CorruptCheckpointError(f"bad tensor storage offset: {brief(offset)}")
     shape, strides = _ints(size, "size"), _ints(stride, "stride")

@@ -77,29 +77,31 @@ class ZipArchive:
         cd = f.read(cd_size)
         if len(cd) < cd_size:
             raise ZipError("central directory is cut short")
-        pos = 0
-        for _ in range(count):
-            if pos + _CENTRAL.size > len(cd):
+        pos, end, entry = 0, len(cd), _CENTRAL.size
+        unpack, members = _CENTRAL.unpack_from, self.members
+        last_start = size - _LOCAL.size  # the latest a record's local header may start
+        for _ in range(count):  # hot: 100,000 records in an optimizer state
+            if pos + entry > end:
                 raise ZipError("central directory is cut short")
             (sig, _, _, flags, method, _, _, crc, csize, usize, nlen, xlen, clen,
-             _, _, _, offset) = _CENTRAL.unpack_from(cd, pos)
+             _, _, _, offset) = unpack(cd, pos)
             if sig != 0x02014B50:
                 raise ZipError("bad central directory entry")
-            pos += _CENTRAL.size
+            pos += entry
             raw_name = cd[pos:pos + nlen]
-            extra = cd[pos + nlen:pos + nlen + xlen]
-            pos += nlen + xlen + clen
-            if pos > len(cd):
+            at = pos + nlen  # its extra field
+            pos = at + xlen + clen
+            if pos > end:
                 raise ZipError("central directory is cut short")
             try:
                 name = raw_name.decode("utf-8" if flags & 0x800 else "cp437")
             except UnicodeDecodeError as exc:
                 raise ZipError(f"undecodable record name {raw_name[:40]!r}") from exc
-            if _U32_MAX in (csize, usize, offset):
-                usize, csize, offset = _zip64_fields(extra, usize, csize, offset)
-            if offset + _LOCAL.size > size:
+            if csize == _U32_MAX or usize == _U32_MAX or offset == _U32_MAX:
+                usize, csize, offset = _zip64_fields(cd[at:at + xlen], usize, csize, offset)
+            if offset > last_start:
                 raise ZipError(f"record {name} starts past the end of the file (truncated?)")
-            self.members[name] = Member(name, flags, method, crc, csize, usize, offset)
+            members[name] = Member(name, flags, method, crc, csize, usize, offset)
         self.end_of_records = cd_offset  # where the central directory starts
 
     def data_offset(self, member: Member) -> int:
