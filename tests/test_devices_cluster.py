@@ -469,7 +469,7 @@ def test_device_ids_named_physically(machine: Setup, run_cli: Callable[..., CliR
         "module_device": "cuda:1",
         "snippet": 'model.to("cuda:1")  # device_ids[0]: before wrapping\n'
                    "model = nn.DataParallel(model, device_ids=[1, 0])",
-        "warnings": []}
+        "warnings": [], "invalid": [3, 2]}
 
 
 def test_device_ids_named_by_the_scheduler(machine: Setup) -> None:
@@ -537,3 +537,171 @@ def test_torch_says_what_we_quote() -> None:
     assert "(device_ids[0]) but found one of" in inspect.getsource(dp.DataParallel.forward)
     assert "len(self.device_ids) == 1" in inspect.getsource(dp.DataParallel.__init__)
     assert "0.75" in inspect.getsource(dp._check_balance)
+
+
+# -- review fixes: a driver nothing lists, CPU-only torch, SLURM, --need, eval ----
+
+def test_driver_without_nvml_or_smi_export_asks_no_torch(
+        machine: Setup, run_cli: Callable[..., CliResult]) -> None:
+    machine(None, driver=True, cuda=None)  # torch_answer raises if torch is asked
+    found = gpus.probe(ask_torch=False)
+    assert (found.source, found.gpus, found.cuda_available) == ("none", (), False)
+    assert found.note == ("an NVIDIA driver is loaded, but NVML cannot be asked (nvidia-ml-py "
+                          "is not installed) and nvidia-smi is not on PATH, so which GPUs are "
+                          "here is unknown (torch is not asked)")
+    code, out, err = run_cli("devices", "--export")
+    assert (code, out) == (1, "")
+    assert err.endswith("\nhint: install nvidia-ml-py (pip install 'ckptool[gpu]') or put "
+                        "nvidia-smi on PATH\n")
+
+
+def test_driver_with_failing_nvml_and_no_smi_names_both(machine: Setup) -> None:
+    machine(None, nvml=nvml_config([], fail="init"), driver=True, cuda=False)
+    assert gpus.probe(ask_torch=False).note == (
+        "NVML could not start: NVML Shared Library Not Found (asked nvidia-smi instead); an "
+        "NVIDIA driver is loaded, but NVML failed and nvidia-smi is not on PATH, so which GPUs "
+        "are here is unknown (torch is not asked)")
+    assert gpus.probe().note.endswith(
+        "an NVIDIA driver is loaded, but NVML failed and nvidia-smi is not on PATH, and torch "
+        "cannot use CUDA here")
+
+
+def test_driver_without_listers_never_imports_torch_for_export(tmp_path: Path) -> None:
+    """The reviewer's repro, in a fresh process: no pynvml, no nvidia-smi, a driver."""
+    (tmp_path / "driver").mkdir()
+    code = (f"import sys; from ckptool.check import gpus; gpus.DRIVER_DIR = "
+            f"{str(tmp_path / 'driver')!r}; m = gpus.probe(ask_torch=False); "
+            "print(m.source, 'torch' in sys.modules, 'pynvml' in sys.modules)")
+    clean = {k: v for k, v in os.environ.items() if k not in scheduler.WATCHED}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=60, check=True,
+                          env={**clean, "PYTHONPATH": str(ROOT), "PATH": str(tmp_path)})
+    assert done.stdout.split() == ["none", "False", "False"], done.stderr
+
+
+def test_device_ids_with_cpu_only_torch_are_still_judged(
+        machine: Setup, run_cli: Callable[..., CliResult]) -> None:
+    machine(FREE, cuda=False, CUDA_VISIBLE_DEVICES="2,3")
+    found = gpus.probe()
+    assert found.device_count == 0 and len(found.gpus) == 2
+    verdict = dataparallel.check(found, (1, 2))
+    assert (verdict.works, verdict.error, verdict.invalid) == (False, None, (2,))
+    assert verdict.suggested == (0, 1) and verdict.first == "cuda:0"
+    assert verdict.problem == (
+        "torch here cannot use the 2 visible GPUs (see the note), so DataParallel ignores "
+        "device_ids and runs the module on the CPU, unparallelised; with a CUDA build of "
+        "torch, device_ids 2 would not be below torch.cuda.device_count() = 2 (cuda:0 and "
+        "cuda:1) and the constructor would raise AssertionError: Invalid device id")
+    physical = dataparallel.check(found, (2, 3))  # physical numbers: their cuda:N suggested
+    assert physical.suggested == (0, 1) and "physical GPUs 2, 3" in physical.reason
+    valid = dataparallel.check(found, (1, 0))
+    assert (valid.works, valid.invalid, valid.suggested, valid.use) == (False, (), None, (1, 0))
+    assert valid.problem.endswith("with a CUDA build of torch, they would be cuda:1 (physical "
+                                  "GPU 3), cuda:0 (physical GPU 2)")
+    code, out, _ = run_cli("devices", "--device-ids", "1,2")
+    text = " ".join(out.split())
+    assert code == 1 and "device_ids [1, 2]: does not use the GPUs" in text
+    assert "torch here is a CPU-only build" in text
+    assert "instead device_ids=[0, 1]: the first 2 of the 2 GPUs this process sees" in text
+    assert 'wrap model.to("cuda:0")' in text
+    data = json.loads(run_cli("devices", "--json", "--device-ids", "1,2")[1])["data_parallel"]
+    assert (data["works"], data["invalid"], data["suggested"]) == (False, [2], [0, 1])
+    assert run_cli("devices", "--device-ids", "1,0")[0] == 1  # valid ids, but a CPU torch
+
+
+def test_device_ids_invalid_field(machine: Setup) -> None:
+    machine(FREE, CUDA_VISIBLE_DEVICES="2,3")
+    found = gpus.probe()
+    assert dataparallel.check(found, (0, 5, -1)).invalid == (5, -1)
+    assert dataparallel.check(found, (0, 1)).invalid == ()
+    machine(None)
+    assert dataparallel.check(gpus.probe(), (0,)).invalid is None
+
+
+@pytest.mark.parametrize(("environment", "line"), [
+    ({"CUDA_VISIBLE_DEVICES": "0,1"},
+     "SLURM job 5: its GPUs are not named by SLURM variables (SLURM_JOB_GPUS and "
+     "SLURM_STEP_GPUS are unset); this process sees 2 GPUs through CUDA_VISIBLE_DEVICES=0,1"),
+    ({}, "SLURM job 5: its GPUs are not named by SLURM variables (SLURM_JOB_GPUS and "
+         "SLURM_STEP_GPUS are unset); this process sees 4 GPUs as the driver lists them "
+         "(CUDA_VISIBLE_DEVICES is unset)"),
+])
+def test_slurm_job_whose_gpus_no_variable_names(
+        machine: Setup, run_cli: Callable[..., CliResult], environment: dict[str, str],
+        line: str) -> None:
+    machine(FREE, SLURM_JOB_ID="5", **environment)
+    code, out, _ = run_cli("devices")
+    assert code == 0 and f"job {line}" in " ".join(out.split())
+    assert "no GPUs" not in out
+
+
+@pytest.mark.parametrize("need", ["12", "12.5", " 7 ", "0"])
+def test_need_without_a_unit_is_refused(machine: Setup, run_cli: Callable[..., CliResult],
+                                        need: str) -> None:
+    machine(FREE)
+    number = need.strip()
+    for args in (["--export"], []):
+        assert run_cli("devices", *args, "--need", need) == (
+            2, "", f"ckptool: error: --need {need!r} has no unit\n"
+                   f"hint: say {number}GB or {number}GiB\n")
+    assert run_cli("devices", "--export", "--need", "12B")[0] == 0  # bytes, said outright
+
+
+def test_max_shard_size_still_takes_a_plain_number() -> None:
+    from ckptool.write.shards import parse_size
+
+    assert parse_size("12") == 12  # convert's behaviour is unchanged
+
+
+def test_export_help_says_ties_keep_cuda_order(run_cli: Callable[..., CliResult]) -> None:
+    out = " ".join(run_cli("devices", "--help")[1].split())
+    assert "most free memory first, ties keeping their cuda:N order" in out
+    doc = (ROOT / "docs" / "commands" / "devices.md").read_text(encoding="utf-8")
+    assert "ties keep their `cuda:N` order" in " ".join(doc.split())
+
+
+HOSTILE = ["GPU-abc;touch {d}/semi", "GPU-$(touch {d}/dollar)", "GPU-`touch {d}/tick`",
+           "GPU-a b'c\"d&&touch {d}/quote", "GPU-x\ntouch {d}/newline"]
+
+
+def eval_export(tmp_path: Path, visible: str, nvml: dict[str, Any]) -> tuple[str, str]:
+    """(the line --export printed, CUDA_VISIBLE_DEVICES after bash evals it)."""
+    smi_script(tmp_path, "exit 9")  # a driver is there; NVML answers
+    script = ('line=$("$PY" -m ckptool devices --export) || exit 3; printf "%s\\0" "$line"; '
+              'eval "$line"; printf "%s" "$CUDA_VISIBLE_DEVICES"')
+    done = run(["bash", "-c", script], os.pathsep.join([str(tmp_path), "/usr/bin", "/bin"]),
+               CUDA_VISIBLE_DEVICES=visible, FAKE_NVML=json.dumps(nvml))
+    assert done.returncode == 0, done.stderr
+    line, _, value = done.stdout.partition("\0")
+    return line, value
+
+
+def test_export_of_hostile_uuids_runs_nothing_under_eval(tmp_path: Path) -> None:
+    import shlex
+
+    d = tmp_path / "made"
+    d.mkdir()
+    uuids = [u.format(d=d) for u in HOSTILE[:4]]
+    nvml = {"gpus": [[A100, u, 81920, f] for u, f in zip(uuids, FREE, strict=True)]}
+    visible = ",".join(reversed(uuids))  # the export reorders: most free first
+    line, value = eval_export(tmp_path, visible, nvml)
+    assert value == ",".join([uuids[0], uuids[1], uuids[3], uuids[2]])  # a tie: cuda:N order
+    assert shlex.split(line) == ["export", f"CUDA_VISIBLE_DEVICES={value}"]
+    # MIG entries are handed on as written, whatever they hold
+    mig = ",".join(u.replace("GPU-", "MIG-", 1) for u in [*HOSTILE[:2], HOSTILE[4]]).format(d=d)
+    line, value = eval_export(tmp_path, mig, nvml_config(FREE))
+    assert value == mig and shlex.split(line) == ["export", f"CUDA_VISIBLE_DEVICES={mig}"]
+    assert list(d.iterdir()) == []
+
+
+@pytest.mark.parametrize(("visible", "exported"), [
+    (" 1gpu, 03,2", "1,3,2"),
+    ("3;touch {d}/x,1$(touch {d}/y)", "1,3"),
+    ("+2,0`touch {d}/z`", "0,2"),
+])
+def test_export_normalises_numeric_entries(tmp_path: Path, visible: str, exported: str) -> None:
+    d = tmp_path / "made"
+    d.mkdir()
+    line, value = eval_export(tmp_path, visible.format(d=d), nvml_config(FREE))
+    assert (line, value) == (f"export CUDA_VISIBLE_DEVICES={exported}", exported)
+    assert list(d.iterdir()) == []

@@ -13,7 +13,9 @@ with under 75% of the largest one's memory draw an imbalance warning.
 The ids of ``device_ids`` are the process's logical numbers (``cuda:N``,
 after ``CUDA_VISIBLE_DEVICES``). Ids that fail are most often physical
 numbers (nvidia-smi's, or the node's a scheduler gave): where they name
-visible GPUs that way, the ids those GPUs have here are suggested.
+visible GPUs that way, the ids those GPUs have here are suggested. Where
+torch cannot use the GPUs listed (a CPU-only build), the ids are still
+judged against them, as a CUDA build of torch would judge them.
 """
 
 from __future__ import annotations
@@ -35,11 +37,17 @@ class Verdict:
     suggested: tuple[int, ...] | None  # ids to use instead, None when these work or none would
     reason: str  # why those ids ("" without a suggestion)
     warnings: tuple[str, ...]
+    # the ids that name no visible GPU (a CUDA build of torch raises INVALID for
+    # them); None when no GPU is visible to judge them by
+    invalid: tuple[int, ...] | None = None
 
     @property
     def use(self) -> tuple[int, ...] | None:
-        """The ids to wrap with: these when they work, else the suggested ones."""
-        return self.device_ids if self.works else self.suggested
+        """The ids to wrap with: these when they work or only torch stops
+        them (a CPU-only build), else the suggested ones."""
+        if self.works or (self.invalid == () and self.suggested is None):
+            return self.device_ids
+        return self.suggested
 
     @property
     def first(self) -> str | None:
@@ -57,20 +65,39 @@ class Verdict:
 
 
 def check(machine: Machine, device_ids: tuple[int, ...], job: Job | None = None) -> Verdict:
-    """What ``nn.DataParallel(model, device_ids=list(device_ids))`` does here."""
-    count = machine.device_count
+    """What ``nn.DataParallel(model, device_ids=list(device_ids))`` does here.
+
+    The ids are judged against the visible GPUs even where torch cannot use
+    them (a CPU-only build): it then runs on the CPU, which fails the check,
+    but the verdict still says which ids name no GPU and which to use."""
+    count = len(machine.gpus)
     if count == 0:
         return Verdict(device_ids, False, None, "torch sees no CUDA GPU here (see the note), "
                        "so DataParallel ignores device_ids and runs the module on the CPU, "
                        "unparallelised", None, "", ())
-    bad = [i for i in device_ids if not 0 <= i < count]
+    usable = machine.device_count > 0
+    bad = tuple(i for i in device_ids if not 0 <= i < count)
+    cpu = "" if usable else (
+        f"torch here cannot use the {count} visible GPU{'s' if count != 1 else ''} (see the "
+        "note), so DataParallel ignores device_ids and runs the module on the CPU, "
+        "unparallelised; with a CUDA build of torch, ")
     if bad:
         top = {1: "cuda:0 only", 2: "cuda:0 and cuda:1"}.get(count, f"cuda:0 to cuda:{count - 1}")
-        problem = (f"device_ids {_ids(bad)} {'is' if len(bad) == 1 else 'are'} not below "
-                   f"torch.cuda.device_count() = {count}: this process has {top}")
+        if usable:
+            problem = (f"device_ids {_ids(bad)} {'is' if len(bad) == 1 else 'are'} not below "
+                       f"torch.cuda.device_count() = {count}: this process has {top}")
+        else:
+            problem = (f"{cpu}device_ids {_ids(bad)} would not be below "
+                       f"torch.cuda.device_count() = {count} ({top}) and the constructor "
+                       f"would raise {INVALID}")
         suggested, reason = _instead(machine, device_ids, job)
-        return Verdict(device_ids, False, INVALID, problem, suggested, reason, ())
-    return Verdict(device_ids, True, None, "", None, "", tuple(_warnings(machine, device_ids)))
+        return Verdict(device_ids, False, INVALID if usable else None, problem, suggested,
+                       reason, (), bad)
+    warnings = tuple(_warnings(machine, device_ids))
+    if not usable:
+        problem = f"{cpu}they would be {describe_ids(machine, device_ids, job)}"
+        return Verdict(device_ids, False, None, problem, None, "", warnings, ())
+    return Verdict(device_ids, True, None, "", None, "", warnings, ())
 
 
 def describe_ids(machine: Machine, ids: tuple[int, ...], job: Job | None = None) -> str:
@@ -100,9 +127,9 @@ def _instead(machine: Machine, ids: tuple[int, ...], job: Job | None
             return use, (f"if you meant the job's {gpu_name(job, *map(str, ids))}, "
                          f"{'it is' if len(use) == 1 else 'they are'} {_cuda(use)} in this "
                          "process")
-    k = min(len(ids), machine.device_count)
+    k = min(len(ids), len(machine.gpus))
     use = tuple(range(k))
-    return use, f"the first {k} of the {machine.device_count} GPUs this process sees"
+    return use, f"the first {k} of the {len(machine.gpus)} GPUs this process sees"
 
 
 def _warnings(machine: Machine, ids: tuple[int, ...]) -> list[str]:

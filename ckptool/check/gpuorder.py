@@ -12,17 +12,18 @@ not in the driver's order, and a UUID means one GPU either way). Pure: a
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 from ckptool.check.gpulist import Gpu
-from ckptool.check.gpus import Machine, strtoul
-from ckptool.describe import human_bytes, shell_word
+from ckptool.check.gpus import UNLISTED, Machine, strtoul
+from ckptool.describe import human_bytes
 
 
 @dataclass(frozen=True)
 class Export:
     need_bytes: int | None  # room asked for (--need or a checkpoint's tensors)
-    order: tuple[Gpu, ...]  # visible GPUs kept, most free memory first (ties by index)
+    order: tuple[Gpu, ...]  # visible GPUs kept, most free memory first (ties: cuda:N order)
     entries: tuple[str, ...]  # their CUDA_VISIBLE_DEVICES entries for a new process
     left_out: tuple[Gpu, ...]  # visible GPUs without the room asked for
     problem: str  # why there is nothing to export ("" when there is)
@@ -34,9 +35,11 @@ class Export:
 
     @property
     def line(self) -> str | None:
-        """``export CUDA_VISIBLE_DEVICES=2,3``, for ``eval``; None with a problem."""
+        """``export CUDA_VISIBLE_DEVICES=2,3``, for ``eval``; None with a problem.
+        The value is one quoted shell word: entries copied from the
+        environment (UUIDs as written) never run anything under ``eval``."""
         value = self.value
-        return None if value is None else f"export CUDA_VISIBLE_DEVICES={shell_word(value)}"
+        return None if value is None else f"export CUDA_VISIBLE_DEVICES={shlex.quote(value)}"
 
 
 def plan_export(machine: Machine, need_bytes: int | None = None) -> Export:
@@ -49,9 +52,13 @@ def plan_export(machine: Machine, need_bytes: int | None = None) -> Export:
     left = tuple(g for g in ranked if g not in kept)
     names = entries(machine)
     if not machine.gpus:
-        hint = ("unset CUDA_VISIBLE_DEVICES, which hides them" if machine.listed
-                else "run it where the GPUs are: inside the job (srun ckptool devices "
-                     "--export) or on a GPU node")
+        if machine.listed:
+            hint = "unset CUDA_VISIBLE_DEVICES, which hides them"
+        elif UNLISTED in machine.note:  # a driver, but nothing to list its GPUs
+            hint = "install nvidia-ml-py (pip install 'ckptool[gpu]') or put nvidia-smi on PATH"
+        else:
+            hint = ("run it where the GPUs are: inside the job (srun ckptool devices "
+                    "--export) or on a GPU node")
         why = machine.note or "none is listed"
         return Export(need_bytes, (), (), (), f"no CUDA GPU is visible here: {why}", hint)
     if not kept:

@@ -7,7 +7,8 @@ asked only where a driver is there), the renumbering that
 ``torch.cuda._parse_visible_devices``), and what torch itself says it can
 use. Pure and quiet: it never prints, never raises for a missing or broken
 driver (the reason goes into ``Machine.note``), and imports torch only
-after an NVIDIA driver was found, so a CPU-only machine never pays for it.
+after an NVIDIA driver was found, so a CPU-only machine never pays for it
+(and never with ``ask_torch=False``).
 It never creates a CUDA context (no ``mem_get_info``).
 """
 
@@ -23,6 +24,8 @@ from dataclasses import dataclass
 from ckptool.check.gpulist import NO_DRIVER, NO_NVML, Gpu, query_nvml, query_smi
 
 DRIVER_DIR = "/proc/driver/nvidia"  # present wherever the NVIDIA kernel driver is loaded
+# the note's start where a driver is loaded but neither NVML nor nvidia-smi answers
+UNLISTED = "an NVIDIA driver is loaded, but"
 LISTERS = {"nvml": "NVML", "nvidia-smi": "nvidia-smi"}  # Machine.source -> its name in notes
 
 
@@ -56,12 +59,13 @@ def probe(ask_torch: bool = True) -> Machine:
     source, notes = "nvml", []
     physical, problem = query_nvml()
     if physical is None:
-        if problem != NO_NVML:  # installed but failing: worth saying why smi was asked
+        nvml_absent = problem == NO_NVML
+        if not nvml_absent:  # installed but failing: worth saying why smi was asked
             notes.append(f"{problem} (asked nvidia-smi instead)")
         source = "nvidia-smi"
         physical, problem = query_smi()
         if physical is None:
-            return _without_smi(env, notes)
+            return _without_smi(env, notes, nvml_absent, ask_torch)
         if problem:
             return Machine((), False, env, "none", "; ".join([*notes, problem]))
     listed = tuple(physical)
@@ -139,18 +143,25 @@ def fits(gpu: Gpu, need_bytes: int) -> bool | None:
     return None if gpu.free_bytes is None else gpu.free_bytes >= need_bytes
 
 
-def _without_smi(env: str | None, notes: list[str]) -> Machine:
+def _without_smi(env: str | None, notes: list[str], nvml_absent: bool,
+                 ask_torch: bool) -> Machine:
     """Neither NVML nor nvidia-smi: ask torch, but only where a driver is
-    loaded, so a CPU-only machine never imports torch."""
+    loaded (so a CPU-only machine never imports torch) and torch may be
+    asked (never for a new process's sake: the GPUs are then unknown)."""
     if not os.path.exists(DRIVER_DIR):
         return Machine((), False, env, "none", "; ".join([*notes, NO_DRIVER]))
+    nvml = ("NVML cannot be asked (nvidia-ml-py is not installed)" if nvml_absent
+            else "NVML failed")
+    neither = f"{UNLISTED} {nvml} and nvidia-smi is not on PATH"
+    if not ask_torch:
+        return Machine((), False, env, "none", "; ".join([
+            *notes, f"{neither}, so which GPUs are here is unknown (torch is not asked)"]))
     state = _torch_cuda()
     if state is None or not state[0] or state[1] <= 0:
         why = "torch is not installed" if state is None else "torch cannot use CUDA"
-        return Machine((), False, env, "none", "; ".join([
-            *notes, f"an NVIDIA driver is loaded but nvidia-smi is not on PATH and {why} here"]))
+        return Machine((), False, env, "none", "; ".join([*notes, f"{neither}, and {why} here"]))
     return Machine(tuple(_torch_gpus(state[1])), True, env, "torch", "; ".join([
-        *notes, "nvidia-smi is not on PATH: GPUs as torch numbers them, free memory unknown"]))
+        *notes, f"{neither}: GPUs as torch numbers them, free memory unknown"]))
 
 
 def _torch_cuda() -> tuple[bool, int] | None:

@@ -41,12 +41,13 @@ class NoGpuToExportError(CkptoolError):
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--export", "export", is_flag=True,
               help="Print only 'export CUDA_VISIBLE_DEVICES=...': the visible GPUs, most free "
-                   "memory first (with --need or CKPT, only those with room), for "
+                   "memory first, ties keeping their cuda:N order (with --need or CKPT, only "
+                   "those with room), for "
                    "eval \"$(ckptool devices --export)\". Exit 1, printing nothing on "
                    "stdout, when no GPU qualifies.")
 @click.option("--need", metavar="SIZE",
               help="Keep only GPUs with SIZE free (12GB, 800MiB; as convert's "
-                   "--max-shard-size) in the export order.")
+                   "--max-shard-size, but a unit is required) in the export order.")
 @click.option("--device-ids", "device_ids", metavar="IDS",
               help="Check nn.DataParallel(model, device_ids=[IDS]) against the GPUs "
                    "visible here (IDS like 1,2); exit 1 if it would fail.")
@@ -67,11 +68,7 @@ def devices(path: str | None, as_json: bool, export: bool, need: str | None,
         raise UsageError("--need and CKPT both say how much room to look for",
                          "give one of them: CKPT (its tensors' bytes) or --need SIZE")
     ids = parse_ids(device_ids) if device_ids is not None else None
-    need_bytes = None
-    if need is not None:
-        from ckptool.write.shards import parse_size
-
-        need_bytes = parse_size(need, "--need")
+    need_bytes = None if need is None else parse_need(need)
     ckpt = None
     if path is not None:
         from ckptool.read.reader import open_checkpoint
@@ -105,6 +102,18 @@ def parse_ids(text: str) -> tuple[int, ...]:
         raise UsageError(f"--device-ids {text!r} is not a list of GPU numbers",
                          "write them as nn.DataParallel takes them: --device-ids 0,1") from None
     return ids
+
+
+def parse_need(text: str) -> int:
+    """``12GB`` -> 12000000000, as convert's --max-shard-size, except that a
+    plain number is refused: ``--need 12`` meaning 12 bytes is never meant."""
+    from ckptool.write.shards import parse_size
+
+    number = text.strip()
+    if number.replace(".", "", 1).isdigit():
+        raise UsageError(f"--need {text!r} has no unit",
+                         f"say {number}GB or {number}GiB")
+    return parse_size(text, "--need")
 
 
 def print_export(order: Export) -> int:
@@ -147,7 +156,8 @@ def verdict_dict(v: Verdict) -> dict[str, Any]:
             "problem": v.problem or None,
             "suggested": None if v.suggested is None else list(v.suggested),
             "reason": v.reason or None, "module_device": v.first, "snippet": v.snippet,
-            "warnings": list(v.warnings)}
+            "warnings": list(v.warnings),
+            "invalid": None if v.invalid is None else list(v.invalid)}
 
 
 def devices_dict(machine: Machine, ckpt: Checkpoint | None = None, *, job: Job | None = None,

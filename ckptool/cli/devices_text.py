@@ -48,7 +48,7 @@ def _gpus_line(machine: Machine) -> Text:
     return Text(f"{n} {noun} visible to CUDA (from {source})")
 
 
-def job_line(job: Job) -> str | None:
+def job_line(job: Job, machine: Machine | None = None) -> str | None:
     """'SLURM job 812 on gpu07: SLURM_JOB_GPUS=4,5,6,7 (...)', inside a job."""
     if job.scheduler is None:
         return None
@@ -58,11 +58,24 @@ def job_line(job: Job) -> str | None:
         line = f"{_SCHEDULERS[job.scheduler]} job {job.job_id or '(no id)'}"
         line += f" on {job.node}" if job.node else ""
     if job.variable is None:
-        gpus = ("no GPUs (SLURM_JOB_GPUS is unset)" if job.scheduler == "slurm"
-                else "its GPUs show through CUDA_VISIBLE_DEVICES alone")
-        return f"{line}: {gpus}"
+        return f"{line}: {_unnamed_gpus(job, machine)}"
     view = f" ({_VIEWS[job.view]})" if job.view else ""
     return f"{line}: {job.variable}={job.environment.get(job.variable, '')}{view}"
+
+
+def _unnamed_gpus(job: Job, machine: Machine | None) -> str:
+    """A job whose GPUs no scheduler variable names: what this process sees."""
+    seen = len(machine.gpus) if machine else 0
+    if job.scheduler != "slurm":
+        return "its GPUs show through CUDA_VISIBLE_DEVICES alone"
+    if not seen:
+        return "no GPUs (SLURM_JOB_GPUS is unset)"
+    env = job.environment.get("CUDA_VISIBLE_DEVICES")
+    noun = "GPU" if seen == 1 else "GPUs"
+    through = (f"through CUDA_VISIBLE_DEVICES={env}" if env is not None
+               else "as the driver lists them (CUDA_VISIBLE_DEVICES is unset)")
+    return (f"its GPUs are not named by SLURM variables (SLURM_JOB_GPUS and SLURM_STEP_GPUS "
+            f"are unset); this process sees {seen} {noun} {through}")
 
 
 def mapping_line(machine: Machine, job: Job | None = None) -> str | None:
@@ -207,7 +220,7 @@ def render_devices(console: Console, machine: Machine, ckpt: Checkpoint | None, 
                    verdict: Verdict | None = None) -> None:
     grid = _grid()
     grid.add_row("gpus", _gpus_line(machine))
-    scheduled = job_line(job) if job else None
+    scheduled = job_line(job, machine) if job else None
     if scheduled:
         grid.add_row("job", scheduled)
     mapping = mapping_line(machine, job)
