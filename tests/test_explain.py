@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import subprocess
 import sys
+import time
 import traceback
 from collections import OrderedDict
 from collections.abc import Callable
@@ -27,7 +29,8 @@ from nets import Net
 from torch import nn
 
 from ckptool.check.explain import explain
-from ckptool.check.explain_patterns import find_errors, normalise, size_bytes
+from ckptool.check.explain_patterns import size_bytes
+from ckptool.check.explain_scan import find_errors, normalise
 
 ROOT = Path(__file__).resolve().parent.parent
 NETS = Path(__file__).resolve().parent / "nets.py"
@@ -254,8 +257,11 @@ def test_invalid_device_id_renumbering() -> None:
     assert facts["device_ids"] == [1, 2] and facts["cuda_visible_devices"] == "0,1"
     assert "this process sees 2 GPUs, cuda:0 to cuda:1" in finding.message
     assert "renumbered cuda:0 (GPU 0), cuda:1 (GPU 1)" in finding.message
-    assert finding.fix == "export CUDA_VISIBLE_DEVICES=1,2"
-    assert finding.snippet == "nn.DataParallel(model, device_ids=[0, 1])"
+    # the code change is the fix: exporting other GPUs can leave a SLURM allocation
+    assert finding.fix == "model = nn.DataParallel(model, device_ids=[0, 1])"
+    assert finding.snippet is None
+    assert "(export CUDA_VISIBLE_DEVICES=1,2) and keep device_ids=[0, 1]; not under SLURM" in \
+        finding.message
 
 
 def test_invalid_device_id_with_visible_gpus_named_by_their_numbers() -> None:
@@ -263,7 +269,7 @@ def test_invalid_device_id_with_visible_gpus_named_by_their_numbers() -> None:
     finding, _ = only(text, "invalid-device-id")
     assert "the GPUs 2, 3 are cuda:0, cuda:1 here" in finding.message
     assert finding.fix == "ckptool devices --device-ids 2,3"  # checks the plan here
-    assert finding.snippet == "nn.DataParallel(model, device_ids=[0, 1])"
+    assert finding.snippet == "model = nn.DataParallel(model, device_ids=[0, 1])"
 
 
 def test_invalid_device_ordinal_and_device_count_option() -> None:
@@ -281,7 +287,8 @@ def test_dataparallel_primary_device() -> None:
     finding, facts = only(PRIMARY, "dataparallel-primary-device")
     assert (facts["primary_device"], facts["found_device"]) == ("cuda:1", "cuda:0")
     assert "must be on cuda:1 first" in finding.message
-    assert finding.fix.startswith("model.to('cuda:1') before nn.DataParallel(model")
+    assert finding.fix.startswith("model.to('cuda:1')  # before nn.DataParallel(model")
+    assert finding.snippet.startswith("model = nn.DataParallel(model)  # every visible GPU")
 
 
 @pytest.mark.parametrize("text, devices, argument", [
@@ -446,7 +453,8 @@ def test_cli_nothing_recognised_exits_0(run_cli: Run) -> None:
 
 def test_cli_stdin_and_file(run_cli: Run, monkeypatch: pytest.MonkeyPatch,
                             tmp_path: Path) -> None:
-    monkeypatch.setattr(sys, "stdin", io.StringIO(f"noise\n{PRIMARY}\n"))
+    stdin = io.TextIOWrapper(io.BytesIO(f"noise \xff\xfe\n{PRIMARY}\n".encode("latin-1")))
+    monkeypatch.setattr(sys, "stdin", stdin)  # bytes that are not UTF-8: no traceback
     code, out, _ = run_cli("explain", "--json", "-")
     assert code == 1 and json.loads(out)["input"]["source"] == "stdin"
     log = tmp_path / "train.log"
@@ -686,3 +694,156 @@ def test_cli_stdin_that_is_a_terminal(run_cli: Run, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(sys, "stdin", Terminal())
     code, _, err = run_cli("explain", "-")
     assert code == 2 and "standard input is a terminal" in err and "hint: " in err
+
+
+# -- review fixes: long logs, odd input, facts the text gives -------------------------
+
+def test_many_errors_in_a_log_take_linear_time() -> None:
+    """Every error's context was read, back to the log's start: 224 s for 5 MB."""
+    log = "CUDA_VISIBLE_DEVICES=0,1 python t.py\n" + "AssertionError: Invalid device id\n" * 150000
+    began = time.perf_counter()
+    errors = find_errors(log)
+    assert time.perf_counter() - began < 10
+    assert len(errors) == 150000
+    assert errors[-1].facts == {"exception": "AssertionError", "cuda_visible_devices": "0,1"}
+    assert errors[-1].line == "AssertionError: Invalid device id"
+
+
+@pytest.mark.parametrize("line", [
+    "x" * 200000 + " AssertionError: Invalid device id",  # the exception's name searched back
+    "a." * 100000 + "Error: " + "AssertionError: Invalid device id",
+    "Invalid device id" + " " * 200000 + "x",
+    'Unexpected key(s) in state_dict: "' + 'a", "' * 50000,  # a key list never closed
+    "size mismatch for " + "w" * 200000,
+    "CUDA_VISIBLE_DEVICES=" + "1," * 100000 + "x\nAssertionError: Invalid device id",
+])
+def test_long_lines_do_not_backtrack(line: str) -> None:
+    began = time.perf_counter()
+    exp = explain(line + "\n")
+    assert time.perf_counter() - began < 5
+    if "AssertionError" in line and "CUDA_VISIBLE" not in line:
+        assert exp.input["exception"] == "AssertionError"
+
+
+def test_stdin_that_is_not_utf8() -> None:
+    done = subprocess.run([sys.executable, "-m", "ckptool", "explain", "-"],
+                          input=b"caf\xe9 \xff\n" + PRIMARY.encode(), capture_output=True,
+                          timeout=60, cwd=ROOT,
+                          env={**os.environ, "PYTHONIOENCODING": "utf-8"})  # strict, as a terminal
+    assert done.returncode == 1 and done.stderr == b""
+    assert b"dataparallel-primary-device" in done.stdout
+
+
+def test_a_state_dict_error_cut_short_is_still_explained(run_cli: Run) -> None:
+    text = "RuntimeError: Error(s) in loading state_dict for Net:"
+    [finding] = explain(text).findings
+    assert finding.code == "state-dict-mismatch" and "paste the whole message" in \
+        finding.message
+    assert finding.snippet.startswith("print(model.load_state_dict(sd, strict=False))")
+    code, out, _ = run_cli("explain", "--json", text)
+    data = json.loads(out)
+    assert code == 1 and data["exit_code"] == 1
+    assert [f["code"] for f in data["findings"]] == ["state-dict-mismatch"]
+    code, out, _ = run_cli("explain", text)
+    assert code == 1 and "error   state-dict-mismatch" in out
+    assert "does not show which keys" in " ".join(out.split())
+
+
+def test_a_json_lines_log() -> None:
+    """A logger that writes each record as JSON escapes the newlines and quotes."""
+    error = raised(lambda: Net(8).load_state_dict(prefixed(Net(8).state_dict(), "module.")))
+    log = "\n".join(json.dumps(r) for r in [
+        {"level": "info", "msg": "epoch 1"}, {"level": "error", "msg": error},
+        {"level": "info", "msg": "C:\\new\\tmp"}])
+    assert '\\"module.conv.weight\\"' in log
+    exp = explain(log)
+    assert [f.code for f in exp.findings] == ["key-prefix"]
+    assert exp.input["unexpected"][0] == "module.conv.weight"
+    assert exp.input["exception"] == "RuntimeError"
+    # one line holding a whole escaped traceback
+    assert codes(json.dumps(error)) == ["key-prefix"]
+
+
+def test_keys_that_hold_quotes() -> None:
+    """torch writes "key" joined by ", ": a quote inside a key is no separator."""
+    sd = Net(8).state_dict()
+    sd['a"b.c'] = torch.ones(1)
+    sd["ü.w"] = torch.ones(1)
+    text = raised(lambda: Net(8).load_state_dict(sd))
+    assert '"a"b.c", "ü.w"' in text
+    exp = explain(text)
+    assert exp.input["unexpected"] == ['a"b.c', "ü.w"]
+    assert exp.findings[0].keys == ('a"b.c', "ü.w")
+
+
+@pytest.mark.parametrize("log, visible", [
+    ("CUDA_VISIBLE_DEVICES=$GPUS python t.py", None),
+    ('CUDA_VISIBLE_DEVICES="${SLURM_JOB_GPUS}" python t.py', None),
+    ("CUDA_VISIBLE_DEVICES=0,1 ./run.sh\nCUDA_VISIBLE_DEVICES=$GPUS python t.py", "0,1"),
+    ('CUDA_VISIBLE_DEVICES="GPU-5ab1,MIG-GPU-77c/1/0" python t.py', "GPU-5ab1,MIG-GPU-77c/1/0"),
+    ("export CUDA_VISIBLE_DEVICES=", ""),
+    ("CUDA_VISIBLE_DEVICES='' python t.py", ""),
+])
+def test_cuda_visible_devices_needs_a_real_value(log: str, visible: str | None) -> None:
+    [finding] = explain(f"{log}\nAssertionError: Invalid device id").findings
+    facts = explain(f"{log}\nAssertionError: Invalid device id").input
+    assert facts.get("cuda_visible_devices") == visible
+    assert ("hides every GPU" in finding.message) == (visible == "")
+
+
+def test_invalid_ordinal_below_the_visible_entries() -> None:
+    """Two UUIDs listed, cuda:1 refused: the process saw fewer than two GPUs."""
+    text = ('$ CUDA_VISIBLE_DEVICES="GPU-5ab1,GPU-77c" python t.py\nTraceback (most recent '
+            'call last):\n  File "t.py", line 3, in <module>\n    torch.cuda.set_device(1)\n'
+            "RuntimeError: CUDA error: invalid device ordinal\n")
+    finding, facts = only(text, "invalid-device-id")
+    assert facts["device_index"] == 1
+    assert "does not have" not in finding.message and "cuda:0 to cuda:1" not in finding.message
+    assert ("cuda:1 is within what CUDA_VISIBLE_DEVICES=GPU-5ab1,GPU-77c names 2 entries, yet "
+            "CUDA refused it: the process evidently saw fewer GPUs") in finding.message
+    assert finding.fix == "ckptool devices"
+    said = explain("  model = nn.DataParallel(model, device_ids=[0, 1])\n"
+                   "RuntimeError: CUDA error: invalid device ordinal", device_count=4).findings[0]
+    assert "--device-count says the process sees 4 GPUs" in said.message
+
+
+def test_input_has_the_shared_key_prefix(run_cli: Run) -> None:
+    stripped = raised(lambda: Net(8).load_state_dict(prefixed(Net(8).state_dict(), "module.")))
+    assert explain(stripped).input["prefix"] == {"strip": "module.", "add": "", "keys": 9}
+    added = raised(lambda: nn.DataParallel(Net(8)).load_state_dict(Net(8).state_dict()))
+    assert explain(added).input["prefix"] == {"strip": "", "add": "module.", "keys": 9}
+    only_unexpected = ('Unexpected key(s) in state_dict: "_orig_mod.fc.weight", '
+                       '"_orig_mod.fc.bias". ')
+    assert explain(only_unexpected).input["prefix"] == {"strip": "_orig_mod.", "add": "",
+                                                         "keys": 2}
+    data = explain_json(run_cli, stripped)
+    assert data["input"]["prefix"]["strip"] == "module."
+    assert "prefix" not in explain(raised(lambda: make_samples.TinyNet().load_state_dict(
+        make_samples.TinyNet(classes=12).state_dict()))).input
+
+
+def test_dataparallel_fixes_are_code() -> None:
+    text = ('Traceback (most recent call last):\n  File "t.py", line 9, in <module>\n'
+            "    model = nn.DataParallel(model, device_ids=[1, 2])\n" + PRIMARY)
+    finding, facts = only(text, "dataparallel-primary-device")
+    assert facts["device_ids"] == [1, 2]
+    assert finding.fix == "model.to('cuda:1'); model = nn.DataParallel(model, device_ids=[1, 2])"
+    assert finding.snippet.startswith("model = nn.DataParallel(model, device_ids=[0, 1, 2])")
+    for other in (PRIMARY, PRIMARY.replace("device: cuda:0", "device: cuda:3"),
+                  PRIMARY.replace("device: cuda:0", "device: cpu"), INVALID_ID,
+                  "RuntimeError: CUDA error: invalid device ordinal"):
+        [f] = explain(other).findings
+        for code in (f.fix, f.snippet):
+            if code and not code.startswith(("ckptool ", "export ", "eval ")):
+                compile(code, "<fix>", "exec")  # pasted, it runs
+
+
+def test_device_count_option_for_a_saved_device() -> None:
+    cpu_only = ("RuntimeError: Attempting to deserialize object on a CUDA device but "
+                "torch.cuda.is_available() is False.")
+    [finding] = explain(cpu_only, device_count=2).findings
+    assert "sees 2 CUDA GPUs (cuda:0, cuda:1)" in finding.message
+    assert finding.fix == "ckptool fix CKPT --to cuda:0"
+    assert finding.snippet == "torch.load(path, map_location='cuda:0')"
+    [finding] = explain(DEVICE_TEXT, device_count=0).findings
+    assert finding.fix == "ckptool fix CKPT --to cpu"

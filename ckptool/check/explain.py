@@ -1,7 +1,7 @@
 """``ckptool explain``: an error message from a log, what it means, what to
 do, and with the checkpoint at hand, the one command that fixes it.
 
-``explain(text)`` finds the errors the text states (``explain_patterns``),
+``explain(text)`` finds the errors the text states (``explain_scan``),
 keeps the last one (a log ends with the error that stopped the run) and
 says what it means (``explain_findings``), from the text alone.
 ``with_checkpoint`` then runs ``diagnose`` on the checkpoint for the
@@ -20,8 +20,9 @@ from typing import Any
 from ckptool.check import explain_patterns as p
 from ckptool.check import gpus
 from ckptool.check.diagnosis import Diagnosis, diagnose
-from ckptool.check.explain_findings import PLACEHOLDER, findings_for, prefix_fit
-from ckptool.check.explain_patterns import Error, find_errors
+from ckptool.check.explain_findings import PLACEHOLDER, findings_for, key_prefix, prefix_fit
+from ckptool.check.explain_patterns import Error
+from ckptool.check.explain_scan import find_errors
 from ckptool.check.findings import Finding
 from ckptool.check.fixcommand import shell_name
 from ckptool.check.gpus import Machine
@@ -52,10 +53,16 @@ class Explanation:
 
     @property
     def input(self) -> dict[str, Any]:
-        """What the text gave: the error's kind and line, and its facts."""
+        """What the text gave: the error's kind and line, its facts, and for
+        a load_state_dict error the key prefix its unexpected keys share."""
         if self.error is None:
             return {"errors_found": 0}
-        return {"kind": self.error.kind, "error": self.error.line, **self.error.facts,
+        facts = dict(self.error.facts)
+        if self.error.kind == p.KEYS:
+            prefix = key_prefix(facts)
+            if prefix is not None:
+                facts["prefix"] = prefix
+        return {"kind": self.error.kind, "error": self.error.line, **facts,
                 "errors_found": len(self.errors)}
 
     @property
@@ -73,7 +80,8 @@ class Explanation:
 
     @property
     def exit_code(self) -> int:
-        return EXIT_FINDINGS if self.findings else EXIT_OK
+        """1 when an error was recognised (explained or not), 0 when none was."""
+        return EXIT_FINDINGS if self.error is not None else EXIT_OK
 
 
 def explain(text: str, device_count: int | None = None) -> Explanation:

@@ -2,7 +2,9 @@
 terms, and what to do about it: ``Finding``s with diagnose's codes where
 they mean the same thing (``device-unavailable``, ``key-prefix``...) and
 explain's own for what happens after loading (``invalid-device-id``,
-``dataparallel-primary-device``, ``device-mismatch``, ``cuda-oom``).
+``dataparallel-primary-device``, ``device-mismatch``, ``cuda-oom``: those
+are in ``explain_gpu``). An error recognised whose details the text does
+not give (a message cut short) still gets a finding that says so.
 
 Fixes name the checkpoint as ``name``: the file the user gave, or ``CKPT``
 when they gave none. Pure text: no torch.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from ckptool.check import explain_gpu as gpu
 from ckptool.check import explain_patterns as p
 from ckptool.check.explain_patterns import Error, Facts
 from ckptool.check.findings import ERROR, Finding, some_keys, why_missing
@@ -20,13 +23,11 @@ from ckptool.check.fixcommand import command_flags
 from ckptool.check.reconcile import Rewrite, explain_shapes, reconcile
 from ckptool.describe import plural
 from ckptool.read import policy
-from ckptool.read.prefixes import describe_wrapper
+from ckptool.read.prefixes import describe_wrapper, wrapper_prefix
 from ckptool.read.reader import PREFERRED_NAMES
 from ckptool.write.plan import FixOptions
 
 PLACEHOLDER = "CKPT"  # the checkpoint in a fix, when none was given
-DEVICES = "ckptool devices"  # the visible GPUs, renumbered, with their free memory
-EXPORT = 'eval "$(ckptool devices --export)"'  # those GPUs, most free memory first
 # what a refused global is, by ckptool's safety policy
 _LABELS = {policy.DATA: "plain data, safe to allow", policy.TORCH: "part of torch",
            policy.CUSTOM: "a class from your code, imported to load it"}
@@ -38,31 +39,43 @@ _WRAPPED = {"DataParallel": "module", "DistributedDataParallel": "module",
 def findings_for(error: Error, name: str, device_count: int | None = None) -> list[Finding]:
     """What ``error`` means; ``device_count``: the GPUs the user says the
     process sees (``--device-count``), where the text does not say."""
-    return _EXPLAIN[error.kind](error.facts, name, device_count)
+    return _EXPLAIN[error.kind](error.facts, name, device_count) or [_unread(error)]
 
 
-def _visible(facts: Facts, device_count: int | None) -> int | None:
-    """How many GPUs the failing process saw, from what the text or the user says."""
-    if device_count is not None:
-        return device_count
-    listed = facts.get("cuda_visible_devices")
-    return len([e for e in listed.split(",") if e]) if listed is not None else None
+def _unread(error: Error) -> Finding:
+    """An error recognised whose text does not say enough to explain it."""
+    if error.kind == p.KEYS:
+        model = error.facts.get("model_class", "the model")
+        return Finding(
+            "state-dict-mismatch", ERROR,
+            f"load_state_dict refused the state dict for {model}, but the text does not show "
+            "which keys are missing, unexpected or of another shape (the message was cut "
+            "short, or its lines were lost): paste the whole message, from 'Error(s) in "
+            "loading state_dict' to its last line, or give --checkpoint and --model to "
+            "compare the keys", None,
+            "print(model.load_state_dict(sd, strict=False))  # lists the missing and "
+            "unexpected keys")
+    return Finding(error.kind, ERROR,
+                   f"{error.line}: the text does not say enough to explain it; paste the whole "
+                   "message, with the traceback above it")
 
 
-def _renumbered(facts: Facts) -> str:
-    """How CUDA_VISIBLE_DEVICES numbered the GPUs, where the log set it."""
-    listed = facts.get("cuda_visible_devices")
-    if listed is None:
-        return ""
-    if not listed:
-        return "; CUDA_VISIBLE_DEVICES is empty, which hides every GPU"
-    gpus = [e for e in listed.split(",") if e]
-    return (f"; CUDA_VISIBLE_DEVICES={listed} shows {plural(len(gpus), 'GPU')}, renumbered "
-            + ", ".join(f"cuda:{i} (GPU {g})" for i, g in enumerate(gpus)))
+def key_prefix(facts: Facts) -> dict[str, object] | None:
+    """The prefix shared by the unexpected keys, as the rewrite that turns
+    them into the missing ones (``strip``, ``add``, how many ``keys`` it
+    turns), or, with no missing keys to match, the wrapper prefix every
+    unexpected key has; None when there is none."""
+    missing, unexpected = facts.get("missing", []), facts.get("unexpected", [])
+    rewrite, fits = prefix_fit(missing, unexpected)
+    if fits:
+        return {"strip": rewrite.strip, "add": rewrite.add, "keys": len(fits)}
+    shared = wrapper_prefix(unexpected) if unexpected and not missing else ""
+    return {"strip": shared, "add": "", "keys": len(unexpected)} if shared else None
 
 
 def _device(f: Facts, name: str, device_count: int | None) -> list[Finding]:
-    device, backend, count = f["device"], f["backend"], f.get("device_count")
+    device, backend = f["device"], f["backend"]
+    count = f.get("device_count") if device_count is None else device_count
     saved = ("torch.load puts every storage back on the device it was saved on, and the file "
              f"saved some on {device}")
     if backend == "cuda" and count:
@@ -72,14 +85,17 @@ def _device(f: Facts, name: str, device_count: int | None) -> list[Finding]:
             f"{saved}; the process that loaded it sees {plural(count, 'CUDA GPU')} ({gpus}). "
             f"A saved cuda:N is the GPU's index in the process that saved it: "
             "CUDA_VISIBLE_DEVICES numbers the GPUs it shows from cuda:0, so the saving "
-            f"process's {device} need not be any GPU here{_renumbered(f)}",
-            f"ckptool fix {name} --map {device}=cuda:0",
-            f"torch.load(path, map_location={{{device!r}: 'cuda:0'}})")]
+            f"process's {device} need not be any GPU here{gpu.renumbered(f)}",
+            f"ckptool fix {name} --map {device}=cuda:0" if ":" in device
+            else f"ckptool fix {name} --to cuda:0",
+            f"torch.load(path, map_location={{{device!r}: 'cuda:0'}})" if ":" in device
+            else "torch.load(path, map_location='cuda:0')")]
     why = {"cuda": "torch there cannot use CUDA (a CPU-only build of torch, no GPU or driver, "
                    "or CUDA_VISIBLE_DEVICES showing none)",
            "mps": "mps is Apple's GPU, which torch has only on macOS"}.get(
         backend, f"torch there has no {backend} device")
-    return [Finding(p.DEVICE, ERROR, f"{saved}; {why}{_renumbered(f) if backend == 'cuda' else ''}",
+    shown = gpu.renumbered(f) if backend == "cuda" else ""
+    return [Finding(p.DEVICE, ERROR, f"{saved}; {why}{shown}",
                     f"ckptool fix {name} --to cpu", "torch.load(path, map_location='cpu')")]
 
 
@@ -237,91 +253,7 @@ def _verdict(dotted: str, blocked: bool) -> policy.Verdict:
     return policy.classify(module or "builtins", attribute)
 
 
-def _invalid_id(f: Facts, name: str, device_count: int | None) -> list[Finding]:
-    ids, count = f.get("device_ids"), _visible(f, device_count)
-    listed = [e for e in (f.get("cuda_visible_devices") or "").split(",") if e]
-    asked = (f"device_ids={ids}" if ids is not None
-             else f"cuda:{f['device_index']}" if "device_index" in f else "a GPU index")
-    seen = (f"this process sees {plural(count, 'GPU')}, cuda:0 to cuda:{count - 1}"
-            if count else "the index is past the GPUs this process sees")
-    message = (f"{asked} names a GPU this process does not have: {seen}. GPU indices in torch "
-               "(device_ids, cuda:N, set_device) count the GPUs CUDA_VISIBLE_DEVICES shows, "
-               f"from 0, not the machine's GPU numbers{_renumbered(f)}")
-    fix = f"ckptool devices --device-ids {','.join(map(str, ids))}" if ids else DEVICES
-    snippet = "nn.DataParallel(model)  # every visible GPU, cuda:0 first"
-    if ids and count and listed and all(str(i) in listed for i in ids):
-        logical = [listed.index(str(i)) for i in ids]
-        message += (f": the GPUs {', '.join(map(str, ids))} are "
-                    f"{', '.join(f'cuda:{i}' for i in logical)} here")
-        snippet = f"nn.DataParallel(model, device_ids={logical})"
-    elif ids:
-        message += (f": to use the machine's GPUs {', '.join(map(str, ids))}, show those "
-                    "and number them from 0")
-        fix = f"export CUDA_VISIBLE_DEVICES={','.join(map(str, ids))}"
-        snippet = f"nn.DataParallel(model, device_ids={list(range(len(ids)))})"
-    return [Finding(p.INVALID_ID, ERROR, message, fix, snippet)]
-
-
-def _primary(f: Facts, name: str, device_count: int | None) -> list[Finding]:
-    primary, found, ids = f["primary_device"], f["found_device"], f.get("device_ids")
-    wrap = f"nn.DataParallel(model, device_ids={ids or '[...]'})"
-    first = found.partition(":")[2] or "0"
-    return [Finding(
-        p.PRIMARY, ERROR,
-        f"nn.DataParallel keeps the module on device_ids[0], {primary}, and copies it to the "
-        f"other GPUs at every forward, so the module must be on {primary} first; one of its "
-        f"parameters or buffers is on {found}"
-        + (" (the model was never moved to a GPU)" if found == "cpu" else
-           ". A .cuda() or .to('cuda') without an index means cuda:0, also when it is called "
-           "after wrapping"),
-        f"model.to({primary!r}) before {wrap}",
-        None if found == "cpu" else
-        f"nn.DataParallel(model, device_ids=[{first}, ...])  # or list {found} first")]
-
-
-def _mismatch(f: Facts, name: str, device_count: int | None) -> list[Finding]:
-    a, b = f["devices"]
-    gpu = next((d for d in (a, b) if d != "cpu"), a)
-    argument = f" ({f['argument']}{' of ' + f['operation'] if 'operation' in f else ''})" \
-        if "argument" in f else ""
-    return [Finding(
-        p.MISMATCH, ERROR,
-        f"one operation got tensors on {a} and on {b}{argument}: the model and its inputs, or "
-        "two parts of the model, are on different devices. Tensors stay where they were made: "
-        "inputs not moved with .to(device), a tensor kept as a plain attribute instead of a "
-        "buffer (model.to() does not move it), or weights loaded with map_location='cpu' and "
-        "assigned by hand",
-        f"model.to({gpu!r}); inputs = inputs.to({gpu!r})",
-        "model.register_buffer('name', tensor)  # so that model.to() moves it")]
-
-
-def _oom(f: Facts, name: str, device_count: int | None) -> list[Finding]:
-    gpu = f.get("gpu")
-    where = f"GPU {gpu} (cuda:{gpu} in that process)" if gpu is not None else "the GPU"
-    asked = f"allocating {f['requested']} on {where}" if "requested" in f else f"on {where}"
-    room = f", which has {f['total']} in all and {f['free']} free" if "free" in f else ""
-    snippet = None
-    if f.get("during_load"):
-        cause = ("It happened in torch.load, which puts every storage back on the GPU it was "
-                 "saved on, all before load_state_dict copies it into the model: load to the "
-                 "CPU and move the model after")
-        snippet = "model.load_state_dict(torch.load(path, map_location='cpu')); model.to(device)"
-    else:
-        cause = ("The model, its activations and the optimizer state need more than is free: "
-                 "a smaller batch, another GPU, or loading weights to the CPU first "
-                 "(map_location='cpu') all help")
-        if "alloc_conf" in f:
-            snippet = f"export {f['alloc_conf']}  # when much memory is reserved but unused"
-    return [Finding(
-        p.OOM, ERROR,
-        f"CUDA ran out of memory {asked}{room}. {cause}. Other processes may hold memory on "
-        f"that GPU: `{DEVICES}` shows each visible GPU's free memory, and the fix below makes "
-        f"the one with the most free cuda:0; `ckptool fix {name} --dtype bf16` halves an fp32 "
-        "checkpoint",
-        EXPORT, snippet)]
-
-
 _EXPLAIN: dict[str, Callable[[Facts, str, int | None], list[Finding]]] = {
-    p.DEVICE: _device, p.KEYS: _keys, p.WEIGHTS: _weights, p.INVALID_ID: _invalid_id,
-    p.PRIMARY: _primary, p.MISMATCH: _mismatch, p.OOM: _oom,
+    p.DEVICE: _device, p.KEYS: _keys, p.WEIGHTS: _weights, p.INVALID_ID: gpu.invalid_id,
+    p.PRIMARY: gpu.primary, p.MISMATCH: gpu.mismatch, p.OOM: gpu.oom,
 }

@@ -1,17 +1,16 @@
-"""The errors of loading and placing a model, recognised in pasted text or a
-log: the first half of ``ckptool explain`` (``explain_findings`` says what
-each one means and what to do).
+"""The errors of loading and placing a model, as torch words them: the
+patterns ``explain_scan`` looks for in pasted text or a log, and what each
+match gives (the first half of ``ckptool explain``; ``explain_findings``
+says what each error means and what to do).
 
-``find_errors`` scans the text for the messages torch raises, in the
-wordings of torch 1.x to 2.13 (copied from torch's own source), and returns
-each error it finds as an ``Error``: its kind, where it stands, the line
-that states it, and the facts its text gives (device index and count, key
-names, shapes, globals, memory sizes). The lines of one message (the
-missing, unexpected and size-mismatch lines under one ``Error(s) in
-loading state_dict``; the ``Unsupported global`` under ``Weights only load
-failed``) make one error; an error ends where a new traceback or another
-message begins. Log noise around them (timestamps, ``[rank0]:`` prefixes,
-colour codes, ``\\n\\t`` written out by a ``repr``) is passed over.
+Each pattern is a wording of torch 1.x to 2.13 (copied from torch's own
+source) with a reader that turns a match into facts: device index and
+count, key names, shapes, globals, memory sizes. A pattern that ``opens``
+begins an error; one that does not is a further line of the error before
+it (the missing, unexpected and size-mismatch lines under one ``Error(s)
+in loading state_dict``; the ``Unsupported global`` under ``Weights only
+load failed``). Every pattern opens with literal text, which the regular
+expression engine searches for fast, and none backtracks over a long line.
 Pure text: no torch.
 """
 
@@ -31,121 +30,34 @@ PRIMARY = "dataparallel-primary-device"
 MISMATCH = "device-mismatch"
 OOM = "cuda-oom"
 
-TRACEBACK = "Traceback (most recent call last):"
-_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
-_FRAME = re.compile(r'File "[^"\n]+", line \d+')
-_LOG_PREFIX = re.compile(r"^\[[^\]\n]*\]: ?")  # torchrun's "[rank0]: "
-_EXCEPTION = re.compile(r"([A-Za-z_][\w.]*(?:Error|Exception)): ")
 _SIZE = r"[\d.]+ (?:[KMGT]iB|B|bytes)"
 _UNITS = {"B": 1, "bytes": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30, "TiB": 1 << 40}
 Facts = dict[str, Any]
 Reader = Callable[[re.Match[str], str], "Facts | None"]
 
 
-@dataclass
+@dataclass(slots=True)
 class Error:
     """One error found in the text."""
 
     kind: str
     start: int  # where it begins in the normalised text
     end: int
-    line: str  # the line that states it, as written ("RuntimeError: ...")
+    line: str  # the line that states it, as written ("RuntimeError: ..."); the last error's only
     facts: Facts = field(default_factory=dict)
 
 
-_PATTERNS: list[tuple[str, re.Pattern[str], bool, Reader]] = []
+# (kind, pattern, opens, reader), in the order registered
+PATTERNS: list[tuple[str, re.Pattern[str], bool, Reader]] = []
 
 
 def _pattern(kind: str, regex: str, opens: bool = True) -> Callable[[Reader], Reader]:
     """Register a reader of ``regex``'s matches; ``opens``: the match begins
     an error (else it is a further line of the error before it)."""
     def register(reader: Reader) -> Reader:
-        _PATTERNS.append((kind, re.compile(regex), opens, reader))
+        PATTERNS.append((kind, re.compile(regex), opens, reader))
         return reader
     return register
-
-
-def normalise(text: str) -> str:
-    """The text as torch wrote it: no colour codes, plain newlines, and the
-    line breaks of a message written out by ``repr`` (``\\n\\t``) restored."""
-    text = _ANSI.sub("", text).replace("\r\n", "\n").replace("\r", "\n")
-    return text.replace("\\n\\t", "\n\t")
-
-
-def find_errors(text: str) -> list[Error]:
-    """Every error the text states, in order (the last one is the one a log ends with)."""
-    text = normalise(text)
-    hits = []
-    for kind, regex, opens, reader in _PATTERNS:
-        for m in regex.finditer(text):
-            if _in_source(text, m.start()):
-                continue
-            facts = reader(m, text)
-            if facts is not None:
-                hits.append((m.start(), m.end(), kind, opens, facts))
-    hits.sort(key=lambda h: (h[0], not h[3]))
-    errors: list[Error] = []
-    for start, end, kind, opens, facts in hits:
-        last = errors[-1] if errors else None
-        if (last is not None and not opens and last.kind == kind
-                and TRACEBACK not in text[last.end:start]):
-            _merge(last.facts, facts)
-            last.end = end
-            continue
-        errors.append(Error(kind, start, end, _line_at(text, start), dict(facts)))
-    for i, error in enumerate(errors):
-        _add_context(error, text, errors[i - 1].end if i else 0)
-    return errors
-
-
-def _in_source(text: str, offset: int) -> bool:
-    """Whether ``offset`` is on a line of source a traceback quotes: indented,
-    under its ``File "...", line N`` (``raise AssertionError("Invalid device id")``)."""
-    begin = text.rfind("\n", 0, offset)
-    if begin < 0:
-        return False
-    above = text[text.rfind("\n", 0, begin) + 1:begin]
-    line = _LOG_PREFIX.sub("", text[begin + 1:offset])
-    return line[:1] in (" ", "\t") and _FRAME.search(above) is not None
-
-
-def _merge(facts: Facts, more: Facts) -> None:
-    for key, value in more.items():
-        if isinstance(value, list):
-            facts[key] = list(dict.fromkeys([*facts.get(key, []), *value])) if all(
-                isinstance(v, str) for v in value) else [*facts.get(key, []), *value]
-        else:
-            facts[key] = value
-
-
-def _line_at(text: str, offset: int) -> str:
-    begin = text.rfind("\n", 0, offset) + 1
-    end = text.find("\n", offset)
-    return text[begin:end if end >= 0 else len(text)].strip()
-
-
-def _add_context(error: Error, text: str, since: int) -> None:
-    """Facts from around the error: its exception's name, the traceback
-    above it (back to the error before), and the CUDA_VISIBLE_DEVICES the
-    log set before it."""
-    before = _EXCEPTION.findall(text[text.rfind("\n", 0, error.start) + 1:error.start])
-    if before:  # the exception's name, as the message's line gives it
-        error.facts["exception"] = before[-1]
-    traceback = text[since:error.start]
-    visible = re.findall(r"CUDA_VISIBLE_DEVICES=\"?'?([\w,-]*)", text[:error.start])
-    if visible:
-        error.facts["cuda_visible_devices"] = visible[-1]
-    if error.kind in (INVALID_ID, PRIMARY):
-        ids = re.findall(r"device_ids\s*=\s*\[([\d,\s]*)\]", traceback)
-        if ids:
-            error.facts["device_ids"] = [int(i) for i in ids[-1].replace(",", " ").split()]
-    if error.kind == INVALID_ID:
-        called = re.findall(r"set_device\((\d+)\)|['\"]cuda:(\d+)['\"]", traceback)
-        if called and "device_ids" not in error.facts:
-            error.facts["device_index"] = int("".join(called[-1]))
-    if error.kind == OOM:
-        error.facts["during_load"] = bool(
-            re.search(r"torch[/\\]serialization\.py|torch\.load\(", traceback))
 
 
 def size_bytes(text: str) -> int:
@@ -178,10 +90,10 @@ def _unregistered(m: re.Match[str], text: str) -> Facts:
     return {"device": backend, "backend": backend, "device_count": 0}
 
 
-@_pattern(DEVICE, r"Storage device not recognized: ([\w:]+)"
-                  r"|don't know how to restore data location of \S+ \(tagged with ([^)\s]+)\)")
+@_pattern(DEVICE, r"Storage device not recognized: ([\w:]+)")
+@_pattern(DEVICE, r"don't know how to restore data location of \S+ \(tagged with ([^)\s]+)\)")
 def _unknown_device(m: re.Match[str], text: str) -> Facts:
-    device = m.group(1) or m.group(2)
+    device = m.group(1)
     return {"device": device, "backend": device.split(":")[0]}
 
 
@@ -192,10 +104,15 @@ def _state_dict(m: re.Match[str], text: str) -> Facts:
     return {"model_class": m.group(1)}
 
 
-@_pattern(KEYS, r'(Missing|Unexpected) key\(s\) in state_dict: ((?:"[^"\n]*"(?:, )?)+)',
-          opens=False)
+# torch writes each key as "key" joined by ", " and ends the list with ". ":
+# a key may hold a quote ("a"b.c"), so the list is split on the separator
+_KEY_LIST = r'key\(s\) in state_dict: "(.*?)(?:"\. |"\.?[ \t]*$)'
+
+
+@_pattern(KEYS, rf"(?m)Missing {_KEY_LIST}", opens=False)
+@_pattern(KEYS, rf"(?m)Unexpected {_KEY_LIST}", opens=False)
 def _keys(m: re.Match[str], text: str) -> Facts:
-    return {m.group(1).lower(): re.findall(r'"([^"]*)"', m.group(2))}
+    return {m.group(0).partition(" ")[0].lower(): m.group(1).split('", "')}
 
 
 @_pattern(KEYS, r"size mismatch for (\S+?): copying a param (?:with shape|of) "
@@ -213,10 +130,12 @@ def _weights_only(m: re.Match[str], text: str) -> Facts:
     return {}
 
 
-@_pattern(WEIGHTS, r"Unsupported global: GLOBAL ([\w.]+) was not an allowed global"
-                   r"|Unsupported class ([\w.]+)"
-                   r"|unrecognized function <(?:class '([\w.]+)'|(?:built-in )?function ([\w.]+))"
-                   r"|allowlisted via `add_safe_globals`,? but got <class '([\w.]+)'>",
+# one pattern per wording, each opening with its literal text (searched for fast)
+@_pattern(WEIGHTS, r"Unsupported (?:global: GLOBAL ([\w.]+) was not an allowed global"
+                   r"|class ([\w.]+))", opens=False)
+@_pattern(WEIGHTS, r"unrecognized function <(?:class '([\w.]+)'|(?:built-in )?function ([\w.]+))",
+          opens=False)
+@_pattern(WEIGHTS, r"allowlisted via `add_safe_globals`,? but got <class '([\w.]+)'>",
           opens=False)
 def _refused_global(m: re.Match[str], text: str) -> Facts:
     return {"globals": [next(g for g in m.groups() if g)]}
@@ -235,9 +154,12 @@ def _torchscript(m: re.Match[str], text: str) -> Facts:
 
 # -- GPUs: indices, DataParallel's first device, tensors on two devices ---------
 
-@_pattern(INVALID_ID, r"\bInvalid device id\b|CUDA error: invalid device ordinal")
-def _invalid_id(m: re.Match[str], text: str) -> Facts:
-    return {}
+# no \b in front: a pattern that opens with a literal is searched for fast
+@_pattern(INVALID_ID, r"Invalid device id\b")
+@_pattern(INVALID_ID, r"CUDA error: invalid device ordinal")
+def _invalid_id(m: re.Match[str], text: str) -> Facts | None:
+    before = text[m.start() - 1:m.start()]
+    return None if before.isalnum() or before == "_" else {}
 
 
 @_pattern(PRIMARY, r"module must have its parameters and buffers on device (\S+) "
@@ -291,7 +213,7 @@ def _mismatch(expected: str, got: str, argument: str | None, operation: str | No
 
 # -- CUDA out of memory -----------------------------------------------------------
 
-@_pattern(OOM, rf"CUDA out of memory\.(?: Tried to allocate ({_SIZE}))?|CUDA error: out of memory")
+@_pattern(OOM, rf"CUDA (?:out of memory\.(?: Tried to allocate ({_SIZE}))?|error: out of memory)")
 def _oom(m: re.Match[str], text: str) -> Facts:
     facts: Facts = {}
     if m.group(1):

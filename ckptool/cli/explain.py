@@ -84,7 +84,10 @@ def read_error(text: str | None, log: str | None) -> tuple[str, str]:
     elif text == "-":
         if sys.stdin.isatty():
             raise UsageError("standard input is a terminal, not a log", _WHERE)
-        message, source = sys.stdin.read(), "stdin"
+        # a log is bytes in any encoding: what is not UTF-8 is replaced, never fatal
+        raw = getattr(sys.stdin, "buffer", None)  # none where stdin was replaced by text
+        message = raw.read().decode("utf-8", "replace") if raw is not None else sys.stdin.read()
+        source = "stdin"
     elif text is None:
         raise UsageError("no error message to explain", _WHERE)
     else:

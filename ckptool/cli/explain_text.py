@@ -47,6 +47,9 @@ def render_explain(console: Console, exp: Explanation, checkpoint: str | None) -
             grid.add_row("keys", f"compared with {exp.against}")
     console.print(grid)
     console.print()
+    if not exp.findings:  # findings_for always says something; never print nothing here
+        console.print(f"recognised as {exp.error.kind}, but the text does not say enough to "
+                      "explain it: paste the whole message, with the traceback above it")
     for f in exp.findings:
         render_finding(console, f)
     if exp.also:
