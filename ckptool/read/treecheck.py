@@ -45,7 +45,7 @@ def check_tree(root: Any) -> None:
         frame = frames[-1]
         for child in frame[1]:
             kind = type(child)
-            if kind in _PLAIN:  # most of a tree: no container, no long int
+            if kind in _PLAIN:  # most of a tree: no container, no long int, not walked into
                 continue
             if kind is int or not _is_node(child):
                 _check_leaf(child)
@@ -72,7 +72,8 @@ _NODES = (dict, list, tuple, set, frozenset, slice, values.StandIn, constructors
           tensors.CompositeTensor)
 
 
-_PLAIN = frozenset({str, float, bool, bytes, type(None)})
+_PLAIN = frozenset({str, float, bool, bytes, type(None), tensors.TensorRecord,
+                    tensors.StorageRef})
 
 
 def _is_node(obj: Any) -> bool:

@@ -253,6 +253,16 @@ def walk(root: Any, base: str = "") -> Walked:
             out.candidates.append(
                 Candidate(path_of(link, base), "dict", [key_text(k) for k in obj]))
         kids = list(children(obj))
+        if kids and all(type(child) is TensorRecord for _, child in kids):
+            # a state dict's own level: its tensors come next in preorder
+            # anyway, so they are listed here, not through the stack (they
+            # need no place in ``order``: entries skip tensors)
+            # as path_of((link, name), base): a parent with any name, even
+            # an empty one, puts a "/" before the child's
+            at = f"{path_of(link, base)}/" if link is not None or base else ""
+            out.tensors += [(at + escape(name), child) for name, child in kids]
+            _mark(oid, parent, holds_tensors)
+            continue
         for name, child in reversed(kids):
             stack.append(((link, name), child, oid))
 
