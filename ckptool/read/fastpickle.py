@@ -36,10 +36,12 @@ in ``tests/test_fastpickle.py``):
    (``memo_bits``), so the memo costs at most 16 bytes per byte of pickle.
 4. **Globals.** ``find_class`` resolves a name exactly as the ordinary read
    does (``resolve.resolve_global``) and lets through only torch's tensor
-   rebuilds, its storage types and ``OrderedDict``. Each is handed to the
-   pickle inside a ``_Global`` made for this read: not a class, refusing
-   state. Any other name means the ordinary read; globals are recorded
-   only once this path has succeeded, so none is ever counted twice.
+   rebuilds, its storage types and ``OrderedDict``. A function is handed
+   to the pickle inside a ``_Global`` made for this read: not a class,
+   refusing state; a storage type as the ``StorageType`` the ordinary read
+   makes, new for each name and refusing state. Any other name means the
+   ordinary read; globals are recorded only once this path has succeeded,
+   so none is ever counted twice.
 5. **BUILD** sets state only on what is on the stack: containers this read
    made (``OrderedDict._metadata`` is set this way), ``_Global``s (they
    refuse), ckptool's tensor and storage records (``tensors.StorageType``,
@@ -233,5 +235,4 @@ def _leaked(handed: list[_Global]) -> bool:
     return any(sys.getrefcount(g) > _UNHELD for g in handed)
 
 
-_UNHELD = 0
 _UNHELD = max(sys.getrefcount(g) for g in [_Global(print)])  # the list's, the loop's, the call's
