@@ -132,8 +132,7 @@ def _strided(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | Non
     if len(shape) != len(strides):
         raise CorruptCheckpointError("tensor size and stride differ in length")
     dtype = dtype or ref.dtype
-    rec = TensorRecord(shape, dtype, strides, offset, ref, ref.location,
-                       requires_grad=bool(requires_grad))
+    rec = TensorRecord(shape, dtype, strides, offset, ref, ref.location, bool(requires_grad))
     numel = math.prod(shape)
     if numel > MAX_INT64:  # zero strides let a tiny storage claim any shape
         raise CorruptCheckpointError(f"tensor of shape {brief(shape)} has more elements "
