@@ -41,13 +41,16 @@ def tensor_lines(tensors: Iterable[TensorInfo],
                  as_dict: Callable[[TensorInfo], dict[str, Any]]) -> Encoded:
     lines = Encoded()
     add = lines.append
+    ints: dict[tuple[int, ...], str] = {}  # shapes and strides repeat: each written once
     for t in tensors:
         if not _plain(t):
             add(_encode(as_dict(t)))
             continue
         assert t.stride is not None
-        add(f'{{"key": {text(t.key)}, "shape": {_ints(t.shape)}, "dtype": {text(t.dtype)}, '
-            f'"stride": {_ints(t.stride)}, "storage_offset": {t.storage_offset!r}, '
+        shape = ints.get(t.shape) or ints.setdefault(t.shape, _ints(t.shape))
+        stride = ints.get(t.stride) or ints.setdefault(t.stride, _ints(t.stride))
+        add(f'{{"key": {text(t.key)}, "shape": {shape}, "dtype": {text(t.dtype)}, '
+            f'"stride": {stride}, "storage_offset": {t.storage_offset!r}, '
             f'"storage": {_nullable(t.storage)}, "location": {_nullable(t.location)}, '
             f'"nbytes": {t.nbytes!r}, "requires_grad": {"true" if t.requires_grad else "false"}, '
             f'"is_parameter": {"true" if t.is_parameter else "false"}, '

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from ckptool.describe import plural
@@ -222,24 +222,34 @@ def tensor_info(key: str, rec: Any) -> TensorInfo:
 
 
 def _storages(refs: dict[str, StorageRef], tensors: list[TensorInfo]) -> dict[str, StorageInfo]:
-    viewers: dict[str, list[TensorInfo]] = {}
+    # most storages have one viewer: kept as itself, a list only from the second
+    viewers: dict[str, TensorInfo | list[TensorInfo]] = {}
     for t in tensors:
-        if t.storage is not None:
-            if t.storage in viewers:
-                viewers[t.storage].append(t)
+        for view in (t, *t.parts) if t.parts else (t,):  # a sparse tensor views its parts'
+            sid = view.storage
+            if sid is None:
+                continue
+            seen = viewers.get(sid)
+            if seen is None:
+                viewers[sid] = view
+            elif isinstance(seen, list):
+                seen.append(view)
             else:
-                viewers[t.storage] = [t]
-        for view in t.parts:  # a sparse tensor views its parts' storages
-            if view.storage is not None:
-                viewers.setdefault(view.storage, []).append(view)
+                viewers[sid] = [seen, view]
     out = {}
-    none: list[TensorInfo] = []
     for sid, ref in refs.items():
-        views = viewers.get(sid, none)
+        found = viewers.get(sid)
+        views: Sequence[TensorInfo]
+        keys: tuple[str, ...]
+        if found is None:
+            views, keys = (), ()
+        elif isinstance(found, list):
+            views, keys = found, tuple([t.key for t in found])
+        else:  # no comprehension for the one viewer most have: it costs a call
+            views, keys = (found,), (found.key,)
         # untyped storages count bytes: name them by the dtype viewing them
         dtype = views[0].dtype if views and ref.dtype == "uint8" else ref.dtype
-        out[sid] = StorageInfo(sid, dtype, ref.location, ref.nbytes, ref.record,
-                               tuple([t.key for t in views]))
+        out[sid] = StorageInfo(sid, dtype, ref.location, ref.nbytes, ref.record, keys)
     return out
 
 
