@@ -57,7 +57,6 @@ in ``tests/test_fastpickle.py``):
 
 from __future__ import annotations
 
-import _compat_pickle
 import functools
 import io
 import pickle
@@ -69,6 +68,7 @@ from functools import cache
 from typing import IO, Any
 
 from ckptool.read import constructors, observe, policy, resolve, tensors
+from ckptool.read.unpickler import python3_name
 
 PersistentLoader = Callable[[tuple[Any, ...]], Any]
 Named = list[tuple[str, policy.Verdict]]
@@ -179,9 +179,7 @@ class _Unpickler(pickle.Unpickler):
         self._named = named
 
     def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        module, name = python3_name(module, name)
         verdict = policy.classify(module, name)
         value = resolve.resolve_global(module, name, verdict)
         if verdict.category == policy.UNSAFE or not _fast_target(value):

@@ -20,9 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
-from math import prod
 
-from ckptool import dtypes
 from ckptool.model import TensorInfo
 
 # the last dotted name of buffers every normalization layer keeps
@@ -70,25 +68,6 @@ def count(tensors: Iterable[TensorInfo], module: bool = False) -> ParameterCount
     are a pickled module's, whose parameters were saved as such."""
     ts = list(tensors)
     counter = ParameterCount(exact=module and any(t.is_parameter for t in ts))
-    # ``add`` for each, inlined (100,000 tensors: 0.2 s -> 0.1 s): a tensor
-    # without storage is its own; floating dtypes looked up once each
-    seen, exact = counter._seen, counter.exact
-    floating = {d: dtypes.is_floating(d) for d in {t.dtype for t in ts}}
-    parameters = buffers = 0
     for t in ts:
-        ident = (("key", t.key) if t.storage is None
-                 else (t.storage, t.storage_offset, t.shape, t.stride, t.dtype))
-        if ident in seen:
-            continue
-        seen.add(ident)
-        numel = prod(t.shape)
-        if t.is_parameter or exact:
-            buffer = not t.is_parameter
-        else:
-            buffer = not floating[t.dtype] or t.key.rsplit(".", 1)[-1] in BUFFER_NAMES
-        if buffer:
-            buffers += numel
-        else:
-            parameters += numel
-    counter.parameters, counter.buffers = parameters, buffers
+        counter.add(t)
     return counter

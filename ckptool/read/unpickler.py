@@ -130,10 +130,7 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         if not isinstance(module, str) or not isinstance(name, str):
             raise CorruptCheckpointError("pickle names a global that is not a string", HINT)
-        # protocol 0-2 files written by Python 2 use old module names
-        if (module, name) in _compat_pickle.NAME_MAPPING:
-            module, name = _compat_pickle.NAME_MAPPING[(module, name)]
-        module = _compat_pickle.IMPORT_MAPPING.get(module, module)
+        module, name = python3_name(module, name)
         dotted = f"{module}.{name}"
         verdict = policy.classify(module, name)
         self._record(dotted, verdict)
@@ -338,6 +335,14 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         arguments): taken as a call, as ``REDUCE``."""
         if type(klass) is type and issubclass(klass, StandIn):
             self.seen.use(klass.qualname, policy.CALLED)
+
+def python3_name(module: str, name: str) -> tuple[str, str]:
+    """A global as Python 3 names it: protocol 0-2 files written by Python 2
+    use old module names."""
+    if (module, name) in _compat_pickle.NAME_MAPPING:
+        module, name = _compat_pickle.NAME_MAPPING[(module, name)]
+    return _compat_pickle.IMPORT_MAPPING.get(module, module), name
+
 
 def _made_by(obj: StandIn) -> str:
     """The global an inert object was made from: ``x()`` and ``x()()`` are

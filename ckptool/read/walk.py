@@ -252,9 +252,7 @@ def walk(root: Any, base: str = "") -> Walked:
         if _is_state_dict(obj):
             out.candidates.append(
                 Candidate(path_of(link, base), "dict", [key_text(k) for k in obj]))
-        # children(obj), a dict's without a generator
-        kids = ([(k if type(k) is str else key_text(k), v) for k, v in obj.items()]
-                if isinstance(obj, dict) else list(children(obj)))
+        kids = list(children(obj))
         if kids and all(type(child) is TensorRecord for _, child in kids):
             # a state dict's own level: its tensors come next in preorder
             # anyway, so they are listed here, not through the stack (they
