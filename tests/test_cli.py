@@ -149,3 +149,60 @@ def test_storages_shared_are_marked(tmp_path: Path, capsys: pytest.CaptureFixtur
     main(["inspect", str(path)])
     out = capsys.readouterr().out
     assert re.search(r"\ba .*#1\s*$", out, re.M) and re.search(r"\bb .*#1 @2", out)
+
+
+# one_shot: the cycle collector off while a report runs, and its objects
+# frozen when the command is the whole process
+
+def test_one_shot_freezes_only_for_the_whole_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    from ckptool.cli import common
+
+    was = gc.isenabled()
+    before = gc.get_freeze_count()
+    with common.one_shot():
+        assert not gc.isenabled()
+        kept = [[i] for i in range(1000)]  # tracked objects a read would make
+    assert gc.isenabled() == was
+    assert gc.get_freeze_count() == before  # a test's process is not the command's
+    monkeypatch.setattr(common, "_WHOLE_PROCESS", [True])
+    try:
+        with common.one_shot():
+            kept = [[i] for i in range(1000)]
+        assert gc.isenabled() == was
+        assert gc.get_freeze_count() >= before + len(kept)
+    finally:
+        gc.unfreeze()
+
+
+def test_in_process_main_freezes_nothing() -> None:
+    import gc
+
+    before = gc.get_freeze_count()
+    assert main(["inspect", "--json", str(DP)]) == 0
+    assert main(["diagnose", "--json", "--device-count", "4", str(DP)]) in (0, 1)
+    assert gc.get_freeze_count() == before
+
+
+def test_the_executable_freezes_what_a_report_made() -> None:
+    code = (
+        "import atexit, gc, sys\n"
+        "frozen = []\n"
+        "real = gc.freeze\n"
+        "def freeze():\n"
+        "    frozen.append(len(gc.get_objects()))\n"
+        "    real()\n"
+        "gc.freeze = freeze\n"
+        "atexit.register(lambda: print('frozen', frozen, gc.isenabled(), file=sys.stderr))\n"
+        "sys.argv = ['ckptool', 'inspect', '--json', sys.argv[1]]\n"
+        "from ckptool.cli import entry\n"
+        "entry()\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code, str(DP)], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["num_tensors"] == 15
+    line = done.stderr.strip().splitlines()[-1]
+    assert line.startswith("frozen [") and line.endswith("] True"), line
+    assert int(line.split("[")[1].split("]")[0]) > 1000  # once, with the read's objects

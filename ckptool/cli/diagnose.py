@@ -14,7 +14,14 @@ import click
 from ckptool.check import manyfiles
 from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.gpus import describe_machine
-from ckptool.cli.common import SCHEMA_VERSION, console, model_loader, target_options, write_json
+from ckptool.cli.common import (
+    SCHEMA_VERSION,
+    console,
+    model_loader,
+    one_shot,
+    target_options,
+    write_json,
+)
 from ckptool.cli.inputs import InputPath
 
 
@@ -32,16 +39,17 @@ def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
     from ckptool.read.reader import open_checkpoint
 
     loader = model_loader(model_spec, model_args, reference)
-    ckpt = open_checkpoint(path)
-    model = loader(ckpt) if loader else None
-    machine = gpus.assumed(device_count) if device_count is not None else gpus.probe()
-    result = run_diagnose(ckpt, machine, model)
-    if as_json:
-        write_json(diagnose_dict(result))
-    else:
-        from ckptool.cli.diagnose_text import render_diagnose
+    with one_shot():
+        ckpt = open_checkpoint(path)
+        model = loader(ckpt) if loader else None
+        machine = gpus.assumed(device_count) if device_count is not None else gpus.probe()
+        result = run_diagnose(ckpt, machine, model)
+        if as_json:
+            write_json(diagnose_dict(result))
+        else:
+            from ckptool.cli.diagnose_text import render_diagnose
 
-        render_diagnose(console(), result)
+            render_diagnose(console(), result)
     return result.exit_code
 
 

@@ -14,7 +14,7 @@ import click
 
 from ckptool.check.diff import Change, DiffReport, Side
 from ckptool.check.tensor_compare import ValueDiff
-from ckptool.cli.common import SCHEMA_VERSION, console, write_json
+from ckptool.cli.common import SCHEMA_VERSION, console, one_shot, write_json
 from ckptool.cli.inputs import InputPath
 from ckptool.model import TensorInfo
 
@@ -36,14 +36,15 @@ def diff(path_a: str, path_b: str, as_json: bool, no_values: bool, all_tensors: 
     from ckptool.check.diff import diff_checkpoints
     from ckptool.read.reader import open_checkpoint
 
-    report = diff_checkpoints(open_checkpoint(path_a), open_checkpoint(path_b),
-                              compare_values=not no_values, all_tensors=all_tensors)
-    if as_json:
-        write_json(diff_dict(report))
-    else:
-        from ckptool.cli.diff_text import render_diff
+    with one_shot():
+        report = diff_checkpoints(open_checkpoint(path_a), open_checkpoint(path_b),
+                                  compare_values=not no_values, all_tensors=all_tensors)
+        if as_json:
+            write_json(diff_dict(report))
+        else:
+            from ckptool.cli.diff_text import render_diff
 
-        render_diff(console(), report, limit)
+            render_diff(console(), report, limit)
     return report.exit_code
 
 

@@ -18,6 +18,7 @@ from typing import Any
 import click
 
 from ckptool import __version__
+from ckptool.cli.common import whole_process
 from ckptool.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_USAGE, CkptoolError
 
 # command name -> the module whose ``command`` it is
@@ -93,4 +94,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def entry() -> None:
+    whole_process()
     sys.exit(main())
