@@ -34,6 +34,15 @@ def escape(name: str) -> str:
     return name
 
 
+def join_keys(path: str, names: list[str]) -> list[str]:
+    """``[join_key(path, n) for n in names]``, made in C where no name needs
+    escaping (the common case: a state dict's 100,000 dotted names)."""
+    everything = "".join(names)
+    if "/" in everything or "\\" in everything:
+        return [join_key(path, n) for n in names]
+    return [f"{path}/{n}" for n in names] if path else list(names)
+
+
 def unescape(text: str) -> str:
     """The name an escaped component stands for. A ``\\`` before any other
     character (or at the end) is kept as it is: a path typed by hand."""

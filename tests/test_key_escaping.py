@@ -22,7 +22,16 @@ from safetensors import safe_open
 
 import ckptool
 from ckptool.check.diff import diff_checkpoints
-from ckptool.keys import Filter, escape, join_key, key_of, pieces, split_key, unescape
+from ckptool.keys import (
+    Filter,
+    escape,
+    join_key,
+    join_keys,
+    key_of,
+    pieces,
+    split_key,
+    unescape,
+)
 from ckptool.model import TensorInfo
 from ckptool.tui.index import Index, Node, leaf_name
 
@@ -63,6 +72,15 @@ def test_every_name_splits_back_from_its_key(name: str) -> None:
     assert split_key(key) == ["outer", "in/ner", name]
     assert unescape(escape(name)) == name
     assert split_key(key_of(["p", name, "q"])) == ["p", name, "q"]
+
+
+@pytest.mark.parametrize("names", [["a.w", "b.w"], ["a.w", "a/b"], ["c\\d", "e"], [],
+                                   ["x/", "\\"], ["", "plain"]])
+@pytest.mark.parametrize("path", ["", "state_dict", "in\\/ner"])
+def test_join_keys_is_join_key_for_each(path: str, names: list[str]) -> None:
+    keys = join_keys(path, names)
+    assert keys == [join_key(path, n) for n in names]
+    assert keys is not names  # a new list, whatever the names
 
 
 def test_ordinary_names_are_their_own_keys() -> None:

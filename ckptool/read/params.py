@@ -18,9 +18,11 @@ names. Counted here:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Hashable, Iterable
 from dataclasses import dataclass, field
 
+from ckptool import dtypes
 from ckptool.model import TensorInfo
 
 # the last dotted name of buffers every normalization layer keeps
@@ -46,21 +48,31 @@ class ParameterCount:
     def add(self, t: TensorInfo) -> tuple[int, int]:
         """Count ``t``: (parameter elements, buffer elements) it adds; (0, 0)
         for a second name of a tensor already counted."""
-        ident = identity(t)
-        if ident in self._seen:
-            return 0, 0
-        self._seen.add(ident)
-        if is_buffer(t, self.exact):
-            self.buffers += t.numel
-            return 0, t.numel
-        self.parameters += t.numel
-        return t.numel, 0
+        return self.add_all((t,))
+
+    def add_all(self, tensors: Iterable[TensorInfo]) -> tuple[int, int]:
+        """Count ``tensors`` (``add`` each, in one loop: a state dict can
+        hold 100,000): the (parameter, buffer) elements they add."""
+        seen, exact = self._seen, self.exact
+        parameters = buffers = 0
+        for t in tensors:
+            ident = identity(t)
+            if ident in seen:
+                continue
+            seen.add(ident)
+            if is_buffer(t, exact):
+                buffers += math.prod(t.shape)
+            else:
+                parameters += math.prod(t.shape)
+        self.parameters += parameters
+        self.buffers += buffers
+        return parameters, buffers
 
 
 def is_buffer(t: TensorInfo, exact: bool) -> bool:
     if t.is_parameter or exact:
         return not t.is_parameter
-    return not t.is_floating or t.key.rsplit(".", 1)[-1] in BUFFER_NAMES
+    return not dtypes.is_floating(t.dtype) or t.key.rsplit(".", 1)[-1] in BUFFER_NAMES
 
 
 def count(tensors: Iterable[TensorInfo], module: bool = False) -> ParameterCount:
@@ -68,6 +80,5 @@ def count(tensors: Iterable[TensorInfo], module: bool = False) -> ParameterCount
     are a pickled module's, whose parameters were saved as such."""
     ts = list(tensors)
     counter = ParameterCount(exact=module and any(t.is_parameter for t in ts))
-    for t in ts:
-        counter.add(t)
+    counter.add_all(ts)
     return counter

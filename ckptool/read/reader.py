@@ -17,10 +17,11 @@ import contextlib
 import gc
 import os
 from collections.abc import Callable, Iterator, Sequence
+from operator import attrgetter
 from typing import Any
 
 from ckptool.describe import plural
-from ckptool.keys import escape, join_key, split_key
+from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
 from ckptool.read import formats, observe, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
@@ -266,16 +267,19 @@ def _rank(c: Candidate) -> int:
 
 
 def _main_state_dict(cands: list[Candidate], tensors: list[TensorInfo]) -> StateDictInfo | None:
-    by_key = {t.key: t for t in tensors}
+    ranked = [(_rank(c), c) for c in cands]
+    top = max((rank for rank, _ in ranked), default=-1)
+    if top < 0:
+        return None
+    by_key = dict(zip(map(attrgetter("key"), tensors), tensors, strict=True))
 
     def members(c: Candidate) -> list[TensorInfo]:
-        keys = (join_key(c.path, n) for n in c.names)
-        return [by_key[k] for k in keys if k in by_key]
+        return list(filter(None, map(by_key.get, join_keys(c.path, c.names))))
 
-    scored = [(c, members(c)) for c in cands if _rank(c) >= 0]
-    if not scored:
-        return None
-    best, ts = max(scored, key=lambda cm: (_rank(cm[0]), sum(t.numel for t in cm[1])))
+    # the best ranked; among equals, the one with the most elements
+    scored = [(c, members(c)) for rank, c in ranked if rank == top]
+    best, ts = scored[0] if len(scored) == 1 else max(
+        scored, key=lambda cm: sum(t.numel for t in cm[1]))
     common = prefixes.common_prefix(best.names)
     counted = params.count(ts, module=best.kind == "module")
     return StateDictInfo(
@@ -285,5 +289,5 @@ def _main_state_dict(cands: list[Candidate], tensors: list[TensorInfo]) -> State
         num_tensors=len(ts),
         num_parameters=counted.parameters,
         num_buffers=counted.buffers,
-        nbytes=sum(t.nbytes for t in ts),
+        nbytes=sum(map(attrgetter("nbytes"), ts)),
     )

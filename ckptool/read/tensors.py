@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import operator
 import pickle
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ckptool import dtypes
@@ -66,7 +67,9 @@ class TensorRecord:
     is_parameter: bool = False
     layout: str = "strided"
     subclass: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    # what else the file gives it (its pickled attributes, a quantizer's
+    # scheme); None for the plain tensor, which has nothing (no dict each)
+    extra: dict[str, Any] | None = None
     # the rebuild call that made it, as (dotted name, args): kept only when
     # reading for a rewrite (``resolve.faithful``), to write it back as is
     origin: tuple[str, tuple[Any, ...]] | None = None
@@ -131,22 +134,25 @@ def _strided(storage: Any, offset: Any, size: Any, stride: Any, dtype: str | Non
     shape, strides = _ints(size, "size"), _ints(stride, "stride")
     if len(shape) != len(strides):
         raise CorruptCheckpointError("tensor size and stride differ in length")
-    dtype = dtype or ref.dtype
-    rec = TensorRecord(shape, dtype, strides, offset, ref, ref.location, bool(requires_grad))
     numel = math.prod(shape)
     if numel > MAX_INT64:  # zero strides let a tiny storage claim any shape
         raise CorruptCheckpointError(f"tensor of shape {brief(shape)} has more elements "
                                      "than torch can index")
     if numel:
-        # last element the view touches, in bytes, must lie inside the storage
-        last = offset
-        for n, s in zip(shape, strides, strict=True):
-            last += (n - 1) * s
-        if (last + 1) * ITEMSIZE.get(dtype, 1) > ref.numel * ITEMSIZE.get(ref.dtype, 1):
+        # the last element the view touches must lie inside the storage: at
+        # offset + sum((n - 1) * s), every n >= 1 here (sums in C: this runs
+        # for every tensor of a read)
+        end = offset + sum(map(operator.mul, shape, strides)) - sum(strides) + 1
+        if dtype is None or dtype == ref.dtype:
+            past = end > ref.numel
+        else:  # a typed view of an untyped (byte) storage: compare bytes
+            past = end * ITEMSIZE.get(dtype, 1) > ref.numel * ITEMSIZE.get(ref.dtype, 1)
+        if past:
             raise CorruptCheckpointError(
                 f"tensor of shape {list(shape)} reaches past the end of storage {ref.key}"
             )
-    return rec
+    return TensorRecord(shape, dtype or ref.dtype, strides, offset, ref, ref.location,
+                        bool(requires_grad))
 
 
 def rebuild_tensor(storage: Any, storage_offset: Any, size: Any, stride: Any) -> TensorRecord:
@@ -173,7 +179,7 @@ def rebuild_qtensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
     rec = _strided(storage, storage_offset, size, stride, None, requires_grad)
     rec.layout = "quantized"
     if isinstance(quantizer_params, tuple) and quantizer_params:
-        rec.extra["qscheme"] = name_of(quantizer_params[0])
+        rec.extra = {**(rec.extra or {}), "qscheme": name_of(quantizer_params[0])}
     return rec
 
 
@@ -191,7 +197,7 @@ def _keep_state(rec: TensorRecord, state: Any) -> None:
     what they name (an unsafe global, say) is part of what writing it back
     would write, whichever way the file was read."""
     if state:
-        rec.extra["state"] = state
+        rec.extra = {**(rec.extra or {}), "state": state}
 
 
 def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
@@ -312,7 +318,7 @@ def traced(dotted: str) -> Callable[..., Any]:
             if isinstance(result, (TensorRecord, CompositeTensor)):
                 if any(result is a for a in args):
                     result = dataclasses.replace(result)
-                    if isinstance(result, TensorRecord):
+                    if isinstance(result, TensorRecord) and result.extra:
                         result.extra = dict(result.extra)
                 result.origin = (dotted, args)
             return result

@@ -321,7 +321,7 @@ def _reachable(root: Any) -> Iterator[Any]:
             if isinstance(obj, TensorRecord):
                 if obj.storage is not None:
                     stack.append(obj.storage)
-                stack.extend(obj.extra.values())  # its attributes, in either read
+                stack.extend((obj.extra or {}).values())  # its attributes, in either read
             if obj.origin is not None:
                 stack.extend(obj.origin[1])
         elif isinstance(obj, dict):

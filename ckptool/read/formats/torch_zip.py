@@ -9,6 +9,7 @@ is taken from its first entry: torch names it after the file's stem.
 from __future__ import annotations
 
 import io
+import operator
 import os
 from typing import IO, Any, Protocol
 
@@ -78,9 +79,9 @@ def read_archive(zf: Archive) -> RawRead:
     prefix = f"{root}/" if root else ""
     if f"{prefix}data.pkl" not in infos:
         _explain_other_zip(names)
+    # (the names tested in C: an optimizer state has 100,000 records)
     is_script = f"{prefix}constants.pkl" in infos or any(
-        n.startswith(f"{prefix}code/") for n in names
-    )
+        map(operator.methodcaller("startswith", f"{prefix}code/"), names))
     seen = GlobalsSeen()
     storages: dict[str, StorageRef] = {}
 
@@ -122,8 +123,8 @@ def read_archive(zf: Archive) -> RawRead:
             if consts:
                 extra["constants"] = consts
     named = {ref.record for ref in storages.values()}
-    unnamed = sorted(n for n in names if n.startswith(f"{prefix}data/") and n not in named
-                     and not n.endswith("/"))
+    unnamed = sorted(n for n in infos.keys() - named  # (the set difference in C)
+                     if n.startswith(f"{prefix}data/") and not n.endswith("/"))
     if unnamed:  # bytes no object of the file reaches: torch never loads them
         warnings.append(f"{len(unnamed)} storage record(s) no object of the pickle names "
                         f"({', '.join(unnamed[:3])}{', …' if len(unnamed) > 3 else ''}): "
