@@ -7,7 +7,10 @@ TUI) and every later stage (diagnostics, rewrites) reads these.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from typing import Any
 
 from ckptool import dtypes
@@ -186,15 +189,17 @@ class Checkpoint:
 
     @property
     def bytes_by_dtype(self) -> dict[str, int]:
-        return _tally((s.dtype, s.nbytes) for s in self.storages.values())
+        storages = self.storages.values()
+        return _tally(map(attrgetter("dtype"), storages), map(attrgetter("nbytes"), storages))
 
     @property
     def bytes_by_location(self) -> dict[str, int]:
-        return _tally((s.location or NO_LOCATION, s.nbytes) for s in self.storages.values())
+        storages = self.storages.values()
+        return _tally(map(attrgetter("location"), storages), map(attrgetter("nbytes"), storages))
 
     @property
     def tensors_by_location(self) -> dict[str, int]:
-        return _tally((t.location or NO_LOCATION, 1) for t in self.tensors)
+        return _tally(map(attrgetter("location"), self.tensors), repeat(1))
 
     @property
     def locations(self) -> list[str]:
@@ -214,8 +219,13 @@ class Checkpoint:
         return {k: by_key[sd.tensor_key(k)] for k in sd.keys if sd.tensor_key(k) in by_key}
 
 
-def _tally(pairs: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for name, n in pairs:
-        out[name] = out.get(name, 0) + n
-    return dict(sorted(out.items(), key=lambda kv: (-kv[1], kv[0])))
+def _tally(names: Iterable[str | None], amounts: Iterable[int]) -> dict[str, int]:
+    """Each name's total, largest first; None (a device unrecorded) is NO_LOCATION's."""
+    out: dict[str | None, int] = {}
+    get = out.get
+    for name, n in zip(names, amounts, strict=False):  # amounts may be an endless repeat
+        out[name] = get(name, 0) + n
+    totals = {NO_LOCATION if name is None else name: 0 for name in out}
+    for name, n in out.items():
+        totals[NO_LOCATION if name is None else name] += n
+    return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -35,7 +35,7 @@ def parse_storage_pid(pid: tuple[Any, ...], fields: int) -> tuple[StorageType, s
     """Check a torch ``('storage', type, key, location, numel[, view])`` id."""
     if len(pid) != fields or pid[0] != "storage":
         raise CorruptCheckpointError(f"unexpected persistent id: {brief(pid, 100)}", HINT)
-    stype, key, location, numel = pid[1:5]
+    _, stype, key, location, numel = pid if fields == 5 else pid[:5]
     if not isinstance(stype, StorageType):
         raise CorruptCheckpointError(f"storage of unknown type {brief(stype)}", HINT)
     if not isinstance(key, str) or not isinstance(location, str):

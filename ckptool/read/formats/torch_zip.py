@@ -13,6 +13,7 @@ import operator
 import os
 from typing import IO, Any, Protocol
 
+from ckptool.dtypes import ITEMSIZE
 from ckptool.errors import (
     CorruptCheckpointError,
     NotACheckpointError,
@@ -86,18 +87,20 @@ def read_archive(zf: Archive) -> RawRead:
     storages: dict[str, StorageRef] = {}
 
     def loader(folder: str, id_prefix: str) -> pickles.PersistentLoader:
-        def persistent(pid: tuple[Any, ...]) -> StorageRef:
+        where = f"{prefix}{folder}/"
+
+        def persistent(pid: tuple[Any, ...]) -> StorageRef:  # hot: once per tensor
             stype, key, location, numel = parse_storage_pid(pid, 5)
             sid = id_prefix + key
             ref = storages.get(sid)
             if ref is None:
-                record = f"{prefix}{folder}/{key}"
-                ref = StorageRef(sid, stype.dtype, location, numel, record, pid)
+                record = where + key
                 info = infos.get(record)
                 if info is None:
                     raise CorruptCheckpointError(f"storage record {record} is missing",
                                                  TRUNCATED_HINT)
-                if info.size < ref.nbytes:
+                ref = StorageRef(sid, stype.dtype, location, numel, record, pid)
+                if info.size < numel * ITEMSIZE.get(stype.dtype, 1):  # ref.nbytes, uncalled
                     raise CorruptCheckpointError(
                         f"storage record {record} holds {info.size} bytes, "
                         f"{ref.nbytes} expected", TRUNCATED_HINT)
