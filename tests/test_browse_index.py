@@ -249,3 +249,84 @@ def test_plain_globs_match_as_the_glob_does(pattern: str) -> None:
     rx = re.compile(r"(?:.*/)?" + fnmatch.translate(filt.pattern), flags)
     seen = [k.lower() for k in keys] if filt.fold else keys
     assert filt.mask(seen) == [rx.match(k) is not None for k in seen]
+
+
+def reference_rows(ix: Index, sort: str, pattern: str, closed: set[str]) -> list[str]:
+    """The filtered tree's rows by their definition: the whole tree in
+    ``sort`` order, every module open, keeping a module that holds a match
+    and each matching tensor, and nothing below a closed module."""
+    from ckptool.tui.rows import walk_tree
+
+    filt = Filter(pattern)
+    matched = {id(x) for x in ix.flat("file", filt)}
+    every = {n.path for n in walk_tree(ix.root, sort, set()) if isinstance(n, Node)}
+    opened: set[str] = set()
+    stack = [ix.root]
+    while stack:  # every module path, to open them all
+        node = stack.pop()
+        opened.add(node.path)
+        stack.extend(node.children.values())
+    assert every <= opened
+
+    def holds(node: Node) -> bool:
+        return any(id(x) in matched for x in node.tensors) or any(
+            holds(c) for c in node.children.values())
+
+    out: list[str] = []
+    hidden_below: list[str] = []
+    for row in walk_tree(ix.root, sort, opened):
+        key = row.path if isinstance(row, Node) else row.key
+        if any(key.startswith(h) and key != h for h in hidden_below):
+            continue
+        if isinstance(row, Node):
+            if holds(row):
+                out.append(key)
+                if row.path in closed:
+                    hidden_below.append(row.path + ".")
+                    hidden_below.append(row.path + "/")
+        elif id(row) in matched:
+            out.append(key)
+    return out
+
+
+def odd_index() -> Index:
+    """Modules with no tensors of their own, with many, a tensor that is also a
+    module, tensors at the top, a flat container of 300 names, and sizes that
+    make the sorts differ."""
+    names = [f"sd/m.a{i % 7}.b{i % 3}.{('w', 'bias', 'c.d.e')[i % 3]}" for i in range(60)]
+    names += [f"sd/m.flat{i}" for i in range(300)]
+    names += ["top", "sd/m.a1", "sd/m.a1.b1.w.x", "opt/state/0/exp_avg", "opt/state/1/exp_avg"]
+    return Index([t(k, n=(i * 37) % 11 + 1, loc=("cpu", "cuda:0")[i % 2])
+                  for i, k in enumerate(names)])
+
+
+@pytest.mark.parametrize("sort", ["file", "name", "size", "device"])
+@pytest.mark.parametrize("pattern", ["a1", "bias", "*.w", "flat2", "e", "zzz", "m", "*",
+                                     "a3.b0", "exp_avg", "top"])
+@pytest.mark.parametrize("closed", [set(), {"sd/m.a1"}, {"sd", "opt/state/0"},
+                                    {"sd/m.a2.b2.c", "sd/m"}])
+def test_filtered_tree_is_its_definition(sort: str, pattern: str, closed: set[str]) -> None:
+    ix = odd_index()
+    want = reference_rows(ix, sort, pattern, closed)
+    rows = ix.tree(set(), sort, Filter(pattern), closed)
+    assert keys(rows) == want  # iterated
+    assert len(rows) == len(want)
+    assert keys([rows[i] for i in range(len(rows) - 1, -1, -1)]) == want[::-1]  # random access
+    for i, key in enumerate(want):
+        first = want.index(key)  # a tensor that is also a module: the first row
+        assert rows.index_of(key) == first  # type: ignore[attr-defined]
+        assert keys([rows[i]]) == [key]
+    assert rows.index_of("sd/m.nothing") is None  # type: ignore[attr-defined]
+    assert isinstance(rows, FilteredTree) or not pattern
+    assert rows.matches == len(ix.flat("file", Filter(pattern)))  # type: ignore[attr-defined]
+
+
+def test_lookup_finds_every_tensor_of_a_key_and_the_module() -> None:
+    one, two, other = t("a.b"), t("a.b"), t("a.b.c")
+    ix = Index([one, other, two])  # the same key twice (two files' tensors, say)
+    found = ix.lookup("a.b")
+    assert found[0] is one and found[1] is two and found[2] is ix.node("a.b")
+    assert ix.lookup("a.b.c") == [other]
+    assert ix.lookup("nothing") == []
+    single = Index([one, other])
+    assert single.lookup("a.b")[0] is one and len(single.lookup("a.b")) == 2  # and the module

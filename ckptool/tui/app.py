@@ -115,9 +115,11 @@ class BrowseApp(LoadingApp):
 
     def _status(self) -> None:
         findings = len(self.diagnosis.findings) if self.diagnosis is not None else None
+        # one line, always (browse.tcss): its size never changes, so no layout
+        # pass over the whole screen on each keystroke of a filter
         self.query_one("#status", Static).update(Text(shown(self.view.status(
             self.index, self.query_one(TensorTable).rows, self.ckpt is not None, findings)),
-            style="dim"))
+            style="dim"), layout=False)
 
     @on(TensorTable.Toggle)
     def toggled(self, event: TensorTable.Toggle) -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from itertools import compress
+from operator import attrgetter
+from typing import cast
 
 from ckptool.keys import Filter, pieces
 from ckptool.model import NO_LOCATION, TensorInfo
@@ -53,7 +55,7 @@ class Index:
         self._parent: dict[int, Node] = {}  # id(tensor) -> the node it sits under
         self._sorted: dict[str, tuple[list[TensorInfo], list[str], list[str]]] = {}
         self._layouts: dict[str, Layout] = {}
-        self._by_key: dict[str, list[Node | TensorInfo]] | None = None
+        self._by_key: dict[str, TensorInfo | list[TensorInfo]] | None = None
         self._params = ParameterCount()
         self.extend(tensors)
 
@@ -177,9 +179,18 @@ class Index:
     def lookup(self, key: str) -> list[Node | TensorInfo]:
         """The tensors with key ``key`` and the module with path ``key``."""
         if self._by_key is None:
-            by_key: dict[str, list[Node | TensorInfo]] = {}
-            for t in self.tensors:
-                by_key.setdefault(t.key, []).append(t)
+            # keys are one tensor's each: a dict of them, made in C (not a list
+            # per key: 100,000 more objects for the cycle collector to walk
+            # in the middle of a keystroke); a list only for a key shared
+            by_key: dict[str, TensorInfo | list[TensorInfo]] = dict(
+                zip(map(attrgetter("key"), self.tensors), self.tensors, strict=True))
+            if len(by_key) < len(self.tensors):
+                for k in by_key:
+                    by_key[k] = []
+                for t in self.tensors:
+                    cast(list[TensorInfo], by_key[t.key]).append(t)
             self._by_key = by_key
+        found = self._by_key.get(key, [])
         node = self.node(key) if key else None
-        return [*self._by_key.get(key, ()), *([node] if node is not None else [])]
+        return [*(found if isinstance(found, list) else [found]),
+                *([node] if node is not None else [])]

@@ -90,8 +90,14 @@ class LoadingApp(App[int]):
         # names), and what a filter keystroke in the tree needs
         ready = self.index
         ready.sorted_tensors("name")
+        ready.sorted_tensors("file")  # the keys a filter tests
         ready.layout("file")
         ready.lookup("")
+        # they live as long as the app, as the checkpoint does (``_loaded``):
+        # out of the collector's way too. Its full passes visit every
+        # reference of every container they see, and these hold 100,000s
+        # (a pass cost 40-80 ms, in the middle of a keystroke)
+        gc.freeze()
 
     def _drain(self) -> None:
         """Show the batches the reader has passed on so far."""
@@ -127,6 +133,7 @@ class LoadingApp(App[int]):
         self._open_defaults()
         self.query_one("#summary", Static).update(panes.summary(ckpt))
         self._refresh_rows()
+        self._show_detail()  # the same row may now say more (the whole file is read)
         self.loaded.set()
         # the index and checkpoint live as long as the app: keep the cyclic
         # collector from walking their million objects again and again (a

@@ -13,11 +13,11 @@ tree costs no more than on the first. Pure Python, no Textual.
 from __future__ import annotations
 
 import re
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate, compress
-from operator import gt, itemgetter
+from itertools import accumulate, chain, compress, repeat
+from operator import add, ge, itemgetter
 from typing import Any
 
 from ckptool.model import NO_LOCATION, TensorInfo
@@ -129,69 +129,63 @@ def walk_tree(root: Node, sort: str, expanded: set[str]) -> Iterator[Node | Tens
 
 class Layout:
     """The whole tree in one sort, every module open: all rows a filter can
-    show, depth first (a module, its own tensors, its submodules), made once
-    per sort. A filter then only says which of them show (``FilteredTree``).
+    show, depth first, made once per sort. A filter then only says which of
+    them show (``FilteredTree``).
 
-    ``items[k]`` is the k-th; a module's subtree is ``items[start:end]``
-    (``span``), and the tensors in it are ``order[lo:hi]`` (``tensor_span``:
-    ``order`` lists the tensors in this order by their place in the file).
-    ``pick`` takes each item's flag from the tensors' flags in this order
-    followed by the modules' (and a last False, the root's)."""
+    Depth first, each module comes right before its own tensors, then its
+    submodules: the rows are module 0 (the root, never shown), its tensors,
+    module 1, its tensors... So a module is known by its number ``j`` in
+    ``modules``, a tensor by its rank ``r`` in ``tensors`` (this order), and
+    module j's own tensors are ranks ``own[j]`` to ``own[j + 1]``; its
+    subtree is modules ``j`` to ``end[j]`` and ranks ``own[j]`` to
+    ``own[end[j]]``. ``order`` gives each rank's place in the file."""
 
     def __init__(self, root: Node, tensors: list[TensorInfo], sort: str) -> None:
         node_key, tensor_key = NODE_KEYS[sort], TENSOR_KEYS[sort]
         file_index = {id(t): i for i, t in enumerate(tensors)}
-        self.items: list[Node | TensorInfo] = []
-        self.where: dict[int, int] = {}  # id(item) -> its k
-        self.order: list[int] = []  # file index of each tensor, in this order
-        self.span: dict[int, tuple[int, int]] = {}  # id(module) -> (start, end) in items
-        self.tensor_span: list[tuple[int, int]] = []  # per module, in module order
-        modules: list[Node] = []
-        number: dict[int, int] = {}  # id(module) -> its place in ``modules``
-        sources: list[int] = []  # per item: tensor rank, or ~module number
-        stack: list[tuple[Node | TensorInfo, bool]] = [(root, False)]
+        self.number: dict[int, int] = {}  # id(module) -> j
+        self.modules: list[Node] = []
+        self.tensors: list[TensorInfo] = []
+        self.own: list[int] = []  # per module, then len(tensors)
+        self.end: list[int] = []  # per module: the first module after its subtree
+        stack: list[tuple[Node, bool]] = [(root, False)]
         while stack:
-            item, done = stack.pop()
-            if done:  # the module's subtree ends here
-                start, lo = self.span[id(item)]
-                self.span[id(item)] = (start, len(self.items))
-                self.tensor_span[number[id(item)]] = (lo, len(self.order))
+            node, done = stack.pop()
+            j = self.number[id(node)] if done else len(self.modules)
+            if done:  # its subtree ends here
+                self.end[j] = len(self.modules)
                 continue
-            self.where[id(item)] = len(self.items)
-            self.items.append(item)
-            if isinstance(item, TensorInfo):
-                sources.append(len(self.order))
-                self.order.append(file_index[id(item)])
-                continue
-            number[id(item)] = len(modules)
-            sources.append(~len(modules))
-            modules.append(item)
-            self.tensor_span.append((0, 0))
-            self.span[id(item)] = (len(self.items) - 1, len(self.order))
-            kids: list[Node] = list(item.children.values())
-            leaves = item.tensors
+            self.number[id(node)] = j
+            self.modules.append(node)
+            self.own.append(len(self.tensors))
+            self.end.append(0)
+            kids: list[Node] = list(node.children.values())
+            leaves = node.tensors
             if sort != "file":
                 kids.sort(key=node_key)
                 leaves = sorted(leaves, key=tensor_key)
-            stack.append((item, True))
+            self.tensors += leaves
+            stack.append((node, True))
             stack.extend((k, False) for k in reversed(kids))
-            stack.extend((t, False) for t in reversed(leaves))
-        tensors_n, modules_n = len(self.order), len(modules)
-        # module m's flag sits after the tensors'; the root's is the last, False
-        at = [r if r >= 0 else tensors_n + ~r for r in sources]
-        at[0] = tensors_n + modules_n
-        self.pick = _getter(at)
-        self.take = _getter(self.order)
-        self._lows = _getter([lo for lo, _ in self.tensor_span])
-        self._highs = _getter([hi for _, hi in self.tensor_span])
+        self.own.append(len(self.tensors))
+        self.rank = {id(t): r for r, t in enumerate(self.tensors)}
+        self.order = [file_index[id(t)] for t in self.tensors]
+        self.take = None if self.order == list(range(len(self.order))) else _getter(self.order)
+        self.ends = [self.own[e] for e in self.end]  # per module: its subtree's last rank + 1
 
-    def shown(self, mask: list[bool]) -> tuple[bytearray, int]:
-        """Which items show under a filter whose matches (in file order) are
-        ``mask``, every module that holds a match open; and how many match."""
-        in_order = self.take(mask)
-        counts = [0, *accumulate(in_order)]
-        holds = list(map(gt, self._highs(counts), self._lows(counts)))  # a match below
-        return bytearray(self.pick([*in_order, *holds, False])), counts[-1]
+    def module_of(self, r: int) -> int:
+        """The module whose own tensors hold rank ``r``."""
+        return bisect_right(self.own, r, 0, len(self.modules)) - 1
+
+    def flags(self, mask: list[bool]) -> tuple[bytearray, bytearray]:
+        """Under a filter whose matches (in file order) are ``mask``: which
+        tensors match (by rank) and which modules hold a match (by number;
+        the root never shows), in C: one search of the matches per module."""
+        matched = bytearray(mask if self.take is None else self.take(mask))
+        found = map(matched.find, repeat(1), self.own, self.ends)
+        holds = bytearray(map(ge, found, repeat(0)))
+        holds[0] = 0
+        return matched, holds
 
 
 def _getter(indices: list[int]) -> Callable[[Sequence[Any]], list[Any]]:
@@ -202,27 +196,49 @@ def _getter(indices: list[int]) -> Callable[[Sequence[Any]], list[Any]]:
     return lambda seq: [seq[i] for i in indices]
 
 
+BLOCK = 256  # modules counted together (FilteredTree._before)
+
+
 class FilteredTree(Sequence["Node | TensorInfo"]):
     """Rows of a tree under a filter: every module that holds a match, open
     unless in ``closed``, with its matching tensors. Random access: the
-    running count of shown items says which item is row i (a bisection),
-    and where a key's row is, however deep."""
+    rows before a module are the modules shown before it and the tensors
+    shown before its own (two counts in C, from the nearest block of
+    ``BLOCK`` modules), so row i is found by bisection, and a key's row
+    directly, however deep."""
 
     def __init__(self, layout: Layout, mask: list[bool], closed: set[str],
                  lookup: Callable[[str], list[Node | TensorInfo]]) -> None:
         self.layout, self.closed, self._lookup = layout, closed, lookup
-        shown, self.matches = layout.shown(mask)  # matches: tensors that match
+        matched, holds = layout.flags(mask)
+        self.matches = matched.count(1)  # tensors that match
         for path in closed:  # a closed module hides what is below it
             for item in lookup(path):
-                span = layout.span.get(id(item))
-                if span is not None and shown[span[0]]:
-                    shown[span[0] + 1:span[1]] = bytes(span[1] - span[0] - 1)
-        self._shown = shown
-        self._count = list(accumulate(shown))  # rows up to and including item k
+                j = layout.number.get(id(item))
+                if j is not None and holds[j]:
+                    end = layout.end[j]
+                    holds[j + 1:end] = bytes(end - j - 1)
+                    lo, hi = layout.own[j], layout.ends[j]
+                    matched[lo:hi] = bytes(hi - lo)
+        self._matched, self._holds = matched, holds
+        n = len(layout.modules)
+        starts = range(0, n + BLOCK, BLOCK)  # the last block starts at or after n
+        per_block = map(add, map(holds.count, repeat(1), starts, starts[1:]),
+                        map(matched.count, repeat(1), [layout.own[min(j, n)] for j in starts],
+                            [layout.own[min(j, n)] for j in starts[1:]]))
+        self._blocks = [0, *accumulate(per_block)]  # rows before each block
         self.made = 0  # rows looked up (tests count them)
 
+    def _before(self, j: int) -> int:
+        """Rows before module ``j`` (``len(self)`` for ``j`` past the last)."""
+        b, lo = divmod(j, BLOCK)
+        first = j - lo
+        own = self.layout.own
+        return (self._blocks[b] + self._holds.count(1, first, j)
+                + self._matched.count(1, own[first], own[j]))
+
     def __len__(self) -> int:
-        return self._count[-1] if self._count else 0
+        return self._blocks[-1]
 
     def __getitem__(self, i: int) -> Node | TensorInfo:  # type: ignore[override]
         if i < 0:
@@ -230,19 +246,54 @@ class FilteredTree(Sequence["Node | TensorInfo"]):
         if not 0 <= i < len(self):
             raise IndexError(i)
         self.made += 1
-        return self.layout.items[bisect_left(self._count, i + 1)]
+        # the last module with no more than i rows before it holds row i
+        b = bisect_right(self._blocks, i) - 1
+        lo, hi = b * BLOCK, min((b + 1) * BLOCK, len(self.layout.modules)) - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self._before(mid) <= i:
+                lo = mid
+            else:
+                hi = mid - 1
+        j, left = lo, i - self._before(lo)
+        if self._holds[j]:
+            if not left:
+                return self.layout.modules[j]
+            left -= 1
+        # its own tensor with ``left`` matches before it
+        first, r, last = self.layout.own[j], self.layout.own[j], self.layout.own[j + 1] - 1
+        while r < last:
+            mid = (r + last) // 2
+            if self._matched.count(1, first, mid + 1) > left:
+                last = mid
+            else:
+                r = mid + 1
+        return self.layout.tensors[r]
 
     def __iter__(self) -> Iterator[Node | TensorInfo]:
-        return compress(self.layout.items, self._shown)
+        layout, matched = self.layout, self._matched
+        # the root is no row, but its own tensors (keys with no / or .) are
+        for j in chain((0,), compress(range(1, len(layout.modules)), self._holds[1:])):
+            if j:
+                yield layout.modules[j]
+            lo, hi = layout.own[j], layout.own[j + 1]
+            yield from compress(layout.tensors[lo:hi], matched[lo:hi])
 
     def is_open(self, node: Node) -> bool:
         return node.path not in self.closed
 
     def index_of(self, key: str) -> int | None:
         """Row of the tensor ``key`` or module path ``key``, if shown."""
-        rows = []
+        layout, rows = self.layout, []
         for item in self._lookup(key):
-            k = self.layout.where.get(id(item))
-            if k is not None and self._shown[k]:
-                rows.append(self._count[k] - 1)
+            j = layout.number.get(id(item))
+            if j is not None:
+                if self._holds[j]:
+                    rows.append(self._before(j))
+                continue
+            r = layout.rank.get(id(item))
+            if r is not None and self._matched[r]:
+                j = layout.module_of(r)
+                rows.append(self._before(j) + self._holds[j]
+                            + self._matched.count(1, layout.own[j], r))
         return min(rows, default=None)

@@ -28,6 +28,7 @@ from ckptool.tui.index import Index, Node, Rows, leaf_name
 from ckptool.tui.rows import position
 
 SHAPE_W, DTYPE_W, DEVICE_W, SIZE_W = 14, 11, 7, 9
+_ANY = object()  # no item in particular
 
 
 @dataclass(frozen=True)
@@ -139,15 +140,17 @@ class TensorTable(ScrollView, can_focus=True):
     def set_rows(self, rows: Rows, index: Index, tree: bool, opened: Callable[[Node], bool],
                  keep: str | None = None) -> None:
         """Show ``rows``, where ``opened`` says which modules are open; put
-        the cursor back on the key or path ``keep``."""
+        the cursor back on the key or path ``keep``. ``Highlighted`` is posted
+        only when the cursor ends on another item: typing a filter that keeps
+        the cursor's row redraws the list, not the details beside it."""
+        before = self.current
         self.rows, self.index, self.tree_mode, self.opened = rows, index, tree, opened
         cursor = 0
         if keep is not None and len(rows):
             found = position(rows, keep)
             cursor = found if found is not None else min(self.cursor, len(rows) - 1)
         self.virtual_size = Size(self.size.width, len(rows) + 1)
-        self._move_to(cursor, force=True)
-        self.refresh()
+        self._move_to(cursor, force=True, before=before)
 
     @property
     def current(self) -> Node | TensorInfo | None:
@@ -163,7 +166,11 @@ class TensorTable(ScrollView, can_focus=True):
         return True
 
     # -- cursor ----------------------------------------------------------------
-    def _move_to(self, row: int, force: bool = False, center: bool = False) -> None:
+    def _move_to(self, row: int, force: bool = False, center: bool = False,
+                 before: object = _ANY) -> None:
+        """Put the cursor on ``row`` and redraw if it moved (or ``force``);
+        say so (``Highlighted``) if it did, or, given the item that was under
+        it ``before``, if the item under it now is another."""
         n = len(self.rows)
         row = max(0, min(row, n - 1)) if n else 0
         changed = row != self.cursor
@@ -171,7 +178,8 @@ class TensorTable(ScrollView, can_focus=True):
         self._scroll_to_cursor(center)
         if changed or force:
             self.refresh()
-            self.post_message(self.Highlighted(self.current))
+            if before is _ANY or self.current is not before:
+                self.post_message(self.Highlighted(self.current))
 
     def _scroll_to_cursor(self, center: bool = False) -> None:
         visible = max(1, self.size.height - 1)  # the header takes a line
