@@ -12,7 +12,10 @@ On a checkpoint of 100,000 small tensors (``{"epoch", "state_dict",
       it fills the screen, with counts so far), under 2 s. Printed beside
       it, as a ratio, the time a full read of the same file takes in this
       run (``ckptool.open``): the app shows rows long before the read ends
-      because the reader hands them over in batches as it goes.
+      because the reader hands them over in batches as it goes. Timed to
+      the repaint that draws those rows (forced, as for (b)); the time until
+      the app is next idle is printed under it (the read keeps a thread
+      busy, so idle comes later, and is not what a user waits for).
   (b) a filter keystroke updates the view in under 150 ms: each character
       of a few patterns typed one at a time into ``/``, timed from the key
       press until its handlers have run and the screen has been redrawn, in
@@ -86,9 +89,9 @@ def full_read(path: Path) -> float:
     return time.perf_counter() - t0
 
 
-async def first_screen(path: Path) -> tuple[float, float, float]:
-    """(first paint, first screenful of rows, read shown in full), seconds
-    from the app's start."""
+async def first_screen(path: Path) -> tuple[float, float, float, float]:
+    """(first paint, first screenful of rows drawn, the app first idle after
+    it, read shown in full), seconds from the app's start."""
     from ckptool.check import gpus
     from ckptool.tui import make_app
     from ckptool.tui.table import TensorTable
@@ -102,12 +105,17 @@ async def first_screen(path: Path) -> tuple[float, float, float]:
         want = table.size.height - 1  # rows the list can show
         while len(table.rows) < want and not app.loaded.is_set():
             await _pause(pilot, t0)
-        await pilot.pause()  # and drawn
+        # and drawn: the repaint the screen's timer would do next, done now
+        # (``pilot.pause`` waits for the whole process to idle, and the read
+        # goes on in its thread: that timed the rest of the read)
+        app.screen._on_timer_update()
         useful = time.perf_counter() - t0
+        await pilot.pause()
+        idle = time.perf_counter() - t0
         while not app.loaded.is_set():
             await _pause(pilot, t0)
         loaded = time.perf_counter() - t0
-    return painted, useful, loaded
+    return painted, useful, idle, loaded
 
 
 async def _pause(pilot: Any, t0: float) -> None:
@@ -214,13 +222,15 @@ def report(path: Path, tensors: int, runs: int) -> int:
     read = statistics.median(reads)
     paint = statistics.median(f[0] for f in firsts)
     useful = statistics.median(f[1] for f in firsts)
-    loaded = statistics.median(f[2] for f in firsts)
+    idle = statistics.median(f[2] for f in firsts)
+    loaded = statistics.median(f[3] for f in firsts)
     print(f"\n{path.name}: {tensors:,} tensors, {path.stat().st_size / 1e6:.1f} MB, "
           f"{runs} run(s) each, median (worst)")
     print(f"  full read (ckptool.open)        {read:6.2f} s  ({max(reads):.2f})")
     print(f"  app painted                     {paint:6.2f} s")
     print(f"  first screenful of rows    (a)  {useful:6.2f} s  ({max(f[1] for f in firsts):.2f})"
           f"   = {useful / read:.2f}x the full read")
+    print(f"  ... and the app idle after it   {idle:6.2f} s   (the read goes on in its thread)")
     print(f"  whole file shown                {loaded:6.2f} s   = {loaded / read:.2f}x")
     ok_a = useful < FIRST_SCREEN_MAX_S
     ok_b = True
