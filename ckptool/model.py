@@ -195,11 +195,12 @@ class Checkpoint:
     @property
     def bytes_by_location(self) -> dict[str, int]:
         storages = self.storages.values()
-        return _tally(map(attrgetter("location"), storages), map(attrgetter("nbytes"), storages))
+        return _tally(map(attrgetter("location"), storages), map(attrgetter("nbytes"), storages),
+                      NO_LOCATION)
 
     @property
     def tensors_by_location(self) -> dict[str, int]:
-        return _tally(map(attrgetter("location"), self.tensors), repeat(1))
+        return _tally(map(attrgetter("location"), self.tensors), repeat(1), NO_LOCATION)
 
     @property
     def locations(self) -> list[str]:
@@ -219,13 +220,16 @@ class Checkpoint:
         return {k: by_key[sd.tensor_key(k)] for k in sd.keys if sd.tensor_key(k) in by_key}
 
 
-def _tally(names: Iterable[str | None], amounts: Iterable[int]) -> dict[str, int]:
-    """Each name's total, largest first; None (a device unrecorded) is NO_LOCATION's."""
+def _tally(names: Iterable[str | None], amounts: Iterable[int],
+           blank: str | None = None) -> dict[str, int]:
+    """Each name's total, largest first; with ``blank``, a name that is
+    None or empty (a device unrecorded) counts as ``blank``."""
     out: dict[str | None, int] = {}
     get = out.get
     for name, n in zip(names, amounts, strict=False):  # amounts may be an endless repeat
         out[name] = get(name, 0) + n
-    totals = {NO_LOCATION if name is None else name: 0 for name in out}
-    for name, n in out.items():
-        totals[NO_LOCATION if name is None else name] += n
+    totals: dict[str, int] = {}
+    for name, n in out.items():  # per distinct name: a few
+        key = (name or blank) if blank is not None else name
+        totals[key] = totals.get(key, 0) + n  # type: ignore[index,arg-type]
     return dict(sorted(totals.items(), key=lambda kv: (-kv[1], kv[0])))

@@ -206,3 +206,18 @@ def test_the_executable_freezes_what_a_report_made() -> None:
     line = done.stderr.strip().splitlines()[-1]
     assert line.startswith("frozen [") and line.endswith("] True"), line
     assert int(line.split("[")[1].split("]")[0]) > 1000  # once, with the read's objects
+
+
+def test_tallies_count_blank_devices_as_unrecorded() -> None:
+    from ckptool.model import NO_LOCATION, Checkpoint, StorageInfo, TensorInfo
+
+    storages = {sid: StorageInfo(sid, dtype, loc, n, None, ())
+                for sid, dtype, loc, n in (("0", "float32", "cpu", 8), ("1", "float16", None, 4),
+                                           ("2", "float32", "", 2), ("3", "int8", "cuda:0", 16))}
+    tensors = [TensorInfo(f"t{sid}", (1,), s.dtype, (1,), 0, sid, s.location, s.nbytes)
+               for sid, s in storages.items()]
+    ckpt = Checkpoint("x", "torch-zip", 0, tensors, storages, [], [], None)
+    assert ckpt.bytes_by_location == {"cuda:0": 16, "cpu": 8, NO_LOCATION: 6}
+    assert ckpt.tensors_by_location == {NO_LOCATION: 2, "cpu": 1, "cuda:0": 1}
+    assert ckpt.bytes_by_dtype == {"int8": 16, "float32": 10, "float16": 4}
+    assert ckpt.total_bytes == 30
