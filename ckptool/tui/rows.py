@@ -4,8 +4,9 @@ filtered tree, whose rows are found, not walked.
 
 A filtered tree of 100,000 tensors is never flattened. The whole tree is
 laid out once per sort (``Layout``: every row a filter could show, in
-order); a filter keystroke then marks which of them show, in a few C-level
-passes, and a running count of those marks gives the row of any key, and
+order); a filter keystroke then marks which tensors match and which
+modules hold a match, in two byte maps made by C-level passes, and counts
+of those marks (in C, from the nearest block) give the row of any key, and
 the key of any row, by bisection. Keeping the cursor on a row deep in the
 tree costs no more than on the first. Pure Python, no Textual.
 """
