@@ -229,19 +229,19 @@ def _storages(refs: dict[str, StorageRef], tensors: list[TensorInfo]) -> dict[st
     if len(set(sids)) == len(sids) and not any(map(attrgetter("parts"), tensors)):
         # every tensor views a storage of its own (the common state dict): in C
         viewers = dict(zip(sids, tensors, strict=True))
-        tensors = []
-    for t in tensors:
-        for view in (t, *t.parts) if t.parts else (t,):  # a sparse tensor views its parts'
-            sid = view.storage
-            if sid is None:
-                continue
-            seen = viewers.get(sid)
-            if seen is None:
-                viewers[sid] = view
-            elif isinstance(seen, list):
-                seen.append(view)
-            else:
-                viewers[sid] = [seen, view]
+    else:
+        for t in tensors:
+            for view in (t, *t.parts) if t.parts else (t,):  # a sparse tensor views its parts'
+                sid = view.storage
+                if sid is None:
+                    continue
+                seen = viewers.get(sid)
+                if seen is None:
+                    viewers[sid] = view
+                elif isinstance(seen, list):
+                    seen.append(view)
+                else:
+                    viewers[sid] = [seen, view]
     out = {}
     for sid, ref in refs.items():
         found = viewers.get(sid)

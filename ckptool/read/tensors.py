@@ -316,10 +316,8 @@ def traced(dotted: str) -> Callable[..., Any]:
         def call(*args: Any) -> Any:
             result = rebuild(*args)
             if isinstance(result, (TensorRecord, CompositeTensor)):
-                if any(result is a for a in args):
+                if any(result is a for a in args):  # (its extra is never changed in place)
                     result = dataclasses.replace(result)
-                    if isinstance(result, TensorRecord) and result.extra:
-                        result.extra = dict(result.extra)
                 result.origin = (dotted, args)
             return result
 

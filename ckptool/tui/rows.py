@@ -152,11 +152,10 @@ class Layout:
         stack: list[tuple[Node, bool]] = [(root, False)]
         while stack:
             node, done = stack.pop()
-            j = self.number[id(node)] if done else len(self.modules)
             if done:  # its subtree ends here
-                self.end[j] = len(self.modules)
+                self.end[self.number[id(node)]] = len(self.modules)
                 continue
-            self.number[id(node)] = j
+            self.number[id(node)] = len(self.modules)
             self.modules.append(node)
             self.own.append(len(self.tensors))
             self.end.append(0)
