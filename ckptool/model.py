@@ -96,6 +96,51 @@ class FileInfo:
     rank: int | None = None  # the rank that wrote it (DCP)
 
 
+@dataclass(frozen=True)
+class Companion:
+    """A file beside the model in a framework's folder: an optimizer state,
+    an RNG state, training arguments, a config... with what reading it found."""
+
+    path: str  # relative to Framework.directory
+    role: str  # "optimizer state", "RNG state", "training arguments"...
+    size: int
+    format: str | None = None  # how ckptool read it (a pickle, a torch zip); None: not read
+    unsafe: tuple[str, ...] = ()  # globals torch.load(weights_only=False) would call
+    custom: tuple[str, ...] = ()  # classes from outside torch that loading imports
+    error: str | None = None  # why it could not be read
+    detail: str | None = None  # what it holds, in a few words ("Adam/AdamW: ... 9 parameters")
+
+
+@dataclass(frozen=True)
+class Framework:
+    """What a framework's folder says about the checkpoint in it."""
+
+    kind: str  # transformers, peft, trainer, accelerate, diffusers, sentence-transformers
+    directory: str
+    description: str  # "a transformers Trainer checkpoint (checkpoint-2/)"
+    model_class: str | None = None  # config.json's architectures[0]; PEFT: the task
+    model_type: str | None = None
+    tie_word_embeddings: bool | None = None
+    # prefixes the framework itself puts on the names ("model." of a Llama,
+    # "base_model.model." of PEFT): no wrapper to strip
+    own_prefix: str = ""
+    evidence: str = ""  # the file that says so: "config.json", "adapter_config.json"
+    adapter: dict[str, Any] = field(default_factory=dict)  # PEFT: type, r, targets, base model
+    companions: tuple[Companion, ...] = ()
+    components: tuple[str, ...] = ()  # diffusers: the pipeline's model folders
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "directory": self.directory,
+                "description": self.description, "model_class": self.model_class,
+                "model_type": self.model_type, "tie_word_embeddings": self.tie_word_embeddings,
+                "own_prefix": self.own_prefix, "evidence": self.evidence,
+                "adapter": self.adapter, "components": list(self.components),
+                "companions": [{"path": c.path, "role": c.role, "size": c.size,
+                                "format": c.format, "unsafe": list(c.unsafe),
+                                "custom": list(c.custom), "error": c.error,
+                                "detail": c.detail} for c in self.companions]}
+
+
 @dataclass(slots=True)
 class StorageInfo:
     """One storage record: the bytes that one or more tensors view."""
@@ -178,6 +223,9 @@ class Checkpoint:
     # an HF index records as the same tensor as a stored one (alias -> stored)
     tree_paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)
     aliases: dict[str, str] = field(default_factory=dict)
+    # the framework folder it was read from (a transformers model, a PEFT
+    # adapter, a Trainer checkpoint-N/...), and the other files in it
+    framework: Framework | None = None
 
     @property
     def is_multifile(self) -> bool:

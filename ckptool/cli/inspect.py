@@ -139,6 +139,7 @@ def inspect_dict(ckpt: Checkpoint, pattern: str | None = None,
         "unsafe_globals": ckpt.unsafe_globals,
         "metadata": ckpt.metadata,
         "warnings": ckpt.warnings,
+        "framework": ckpt.framework.as_dict() if ckpt.framework is not None else None,
         **({"directory": ckpt.directory, "files": [file_dict(f) for f in ckpt.files]}
            if ckpt.is_multifile else {}),
     }

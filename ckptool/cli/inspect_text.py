@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
+from typing import Any
 
 from rich.console import Console
 from rich.table import Table
@@ -18,7 +19,7 @@ from ckptool.cli.common import fold_key, key_width
 from ckptool.describe import human_bytes, human_count, parameters_text, plural, tensor_shape
 from ckptool.describe import shown as shown_text
 from ckptool.keys import pieces
-from ckptool.model import NO_LOCATION, Checkpoint, TensorInfo
+from ckptool.model import NO_LOCATION, Checkpoint, Companion, Framework, TensorInfo
 
 
 def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:
@@ -41,11 +42,19 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     grid.add_row("format", fmt)
     for i, line in enumerate(files_lines(ckpt)):
         grid.add_row("files" if i == 0 else "", line)
+    fw = ckpt.framework
+    if fw is not None:
+        grid.add_row("folder", framework_line(fw))
+        if fw.adapter:
+            grid.add_row("adapter", adapter_line(fw.adapter))
     grid.add_row("tensors", f"{len(ckpt.tensors):,} in {plural(len(ckpt.storages), 'storage')} · "
                  f"{human_bytes(ckpt.total_bytes)}")
     sd = ckpt.main_state_dict
+    optimizers = ckpt.metadata.get("optimizer_states") or []
     if sd is None:
-        grid.add_row("state dict", Text("none found", style="yellow"))
+        grid.add_row("state dict", Text(
+            "none: the file is an optimizer's state, not a model's weights" if optimizers
+            else "none found", style="yellow"))
     else:
         where = f"'{sd.path}'" if sd.path else "the whole file"
         if ckpt.is_multifile and not sd.path:
@@ -59,8 +68,12 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
             where += (", a TorchScript module" if ckpt.format == "torchscript"
                       else ", a pickled nn.Module")
         prefix = f" · prefix '{sd.prefix}'" if sd.prefix else ""
+        if fw is not None and fw.own_prefix and sd.prefix.endswith(fw.own_prefix):
+            prefix += f" ({own_prefix_text(fw)})"
         grid.add_row("state dict", f"{where}{prefix} · {plural(sd.num_tensors, 'tensor')}")
         grid.add_row("parameters", parameters_text(sd))
+    for i, state in enumerate(optimizers):
+        grid.add_row("optimizer" if i == 0 else "", optimizer_line(state))
     grid.add_row("by dtype", _tally_line(ckpt.bytes_by_dtype))
     by_loc = _tally_line(ckpt.bytes_by_location, ckpt.tensors_by_location)
     if set(ckpt.bytes_by_location) == {NO_LOCATION}:
@@ -86,6 +99,9 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
         runs = ", and runs their code" if any(g.uses for g in custom) else ""
         grid.add_row("classes", Text(f"{names} (torch imports these to load the file{runs})",
                                      style="yellow"))
+    if fw is not None:
+        for i, c in enumerate(fw.companions):
+            grid.add_row("beside" if i == 0 else "", companion_text(c))
     for warning in ckpt.warnings:
         grid.add_row(Text("warning", style="yellow"), Text(warning, style="yellow"))
     for note in ckpt.metadata.get("notes", ()):
@@ -96,6 +112,67 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
 
 
 FILES_SHOWN = 6
+
+
+def framework_line(fw: Framework) -> str:
+    """``a transformers Trainer checkpoint (checkpoint-2/) · LlamaForCausalLM
+    (llama) · tied input and output embeddings``."""
+    said = [fw.description]
+    if fw.model_class or fw.model_type:
+        kind = f" ({fw.model_type})" if fw.model_class and fw.model_type else ""
+        said.append(f"{fw.model_class or fw.model_type}{kind}")
+    if fw.tie_word_embeddings:
+        said.append("tied input and output embeddings")
+    return " · ".join(said)
+
+
+def adapter_line(adapter: dict[str, Any]) -> str:
+    """``LORA · r 4 · alpha 8 · targets q_proj, v_proj · base model tiny-llama``."""
+    said = [str(adapter.get("peft_type", "?"))]
+    for key, name in (("r", "r"), ("lora_alpha", "alpha")):
+        if key in adapter:
+            said.append(f"{name} {adapter[key]}")
+    targets = adapter.get("target_modules")
+    if targets:
+        said.append("targets " + (", ".join(targets) if isinstance(targets, list)
+                                  else str(targets)))
+    said.append(f"base model {adapter.get('base_model') or 'not named'}")
+    return " · ".join(said)
+
+
+def own_prefix_text(fw: Framework) -> str:
+    """Why a prefix is no wrapper: ``'model.' is LlamaForCausalLM's own
+    naming, config.json``."""
+    whose = "PEFT's" if fw.kind == "peft" else f"{fw.model_class or fw.model_type}'s"
+    return f"'{fw.own_prefix}' is {whose} own naming, {fw.evidence}"
+
+
+def optimizer_line(state: dict[str, Any]) -> str:
+    """One optimizer state: ``'state' · Adam/AdamW · exp_avg, exp_avg_sq,
+    step for 9 parameters · 1 param group``."""
+    where = f"'{state['path']}'" if state["path"] else "the whole file"
+    kind = [state["kind"]] if state.get("kind") else []
+    names = ", ".join(state["state_names"]) or "no per-parameter state"
+    return " · ".join([where, *kind, f"{names} for {plural(state['parameters'], 'parameter')}",
+                       plural(state["param_groups"], "param group")])
+
+
+def companion_text(c: Companion) -> Text:
+    """A file beside the model: its role, and what reading it found."""
+    said = [c.path, human_bytes(c.size), c.role]
+    if c.detail:
+        said.append(c.detail)
+    text = Text(" · ".join(said))
+    if c.error:
+        text.append(f" · unreadable: {c.error}", style="yellow")
+    elif c.unsafe:
+        text.append(f" · UNSAFE: {', '.join(c.unsafe)} (torch.load(weights_only=False) "
+                    "would call them)", style="bold red")
+    elif c.custom:
+        text.append(f" · classes {', '.join(c.custom[:3])}"
+                    f"{' …' if len(c.custom) > 3 else ''} (loading imports and runs them)",
+                    style="yellow")
+    return text
 
 
 def many_files_format(ckpt: Checkpoint) -> str:

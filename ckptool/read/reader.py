@@ -23,7 +23,7 @@ from typing import Any
 from ckptool.describe import plural
 from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import formats, observe, params, policy, prefixes
+from ckptool.read import companions, formats, observe, optim, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import dcp, deepspeed, hf_sharded, recognise
 from ckptool.read.layouts.base import MultiRead
@@ -80,20 +80,23 @@ def no_cycle_collection() -> Iterator[None]:
             gc.enable()
 
 
-def _open(path: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> Checkpoint:
-    layout = recognise.recognise(path)
+def _open(given: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> Checkpoint:
+    layout = recognise.recognise(given)
     if layout is not None and layout.kind != recognise.FILE:
-        return assemble_multi(path, read_layout(layout))
-    if layout is not None and layout.file is not None:
-        path = layout.file  # a directory holding one checkpoint file reads as that file
-    if on_tensors is None:
-        ckpt = assemble(path, formats.read(path))
+        ckpt = assemble_multi(given, read_layout(layout))
     else:
-        with observe.observe(_partial_tensors(on_tensors), TENSORS):
-            raw = formats.read(path)
-        ckpt = assemble(path, raw)
-    if layout is not None and layout.notes:  # what else its directory holds
-        ckpt.metadata["notes"] = [*ckpt.metadata.get("notes", ()), *layout.notes]
+        # a directory holding one checkpoint file (or one model beside a
+        # framework's other files) reads as that file
+        path = layout.file if layout is not None and layout.file is not None else given
+        if on_tensors is None:
+            ckpt = assemble(path, formats.read(path))
+        else:
+            with observe.observe(_partial_tensors(on_tensors), TENSORS):
+                raw = formats.read(path)
+            ckpt = assemble(path, raw)
+        if layout is not None and layout.notes:  # what else its directory holds
+            ckpt.metadata["notes"] = [*ckpt.metadata.get("notes", ()), *layout.notes]
+    ckpt.framework = companions.framework_of(given, layout, ckpt)
     return ckpt
 
 
@@ -179,6 +182,10 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
         warnings.append(f"{plural(len(unviewed), 'storage')} the pickle loads that no listed "
                         f"tensor views ({', '.join(unviewed[:3])}"
                         f"{', …' if len(unviewed) > 3 else ''})")
+    optimizers = optim.find(raw.root)
+    metadata = raw.metadata
+    if optimizers:  # shown as what they are; their per-parameter dicts are no state dict
+        metadata = {**metadata, "optimizer_states": [o.as_dict() for o in optimizers]}
     globals_ = sorted(
         (GlobalInfo(n, v.category, v.reason, seen.counts[n],
                     tuple(u for u in policy.USES if u in seen.uses.get(n, ())),
@@ -194,8 +201,9 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
         storages=storages,
         entries=entries,
         globals=globals_,
-        main_state_dict=_main_state_dict(walked.candidates, tensors),
-        metadata=raw.metadata,
+        main_state_dict=_main_state_dict(walked.candidates, tensors,
+                                         tuple(o.state_path for o in optimizers)),
+        metadata=metadata,
         root=raw.root,
         warnings=warnings,
     )
@@ -259,7 +267,9 @@ def _storages(refs: dict[str, StorageRef], tensors: list[TensorInfo]) -> dict[st
     return out
 
 
-def _rank(c: Candidate) -> int:
+def _rank(c: Candidate, optimizer_states: tuple[str, ...] = ()) -> int:
+    if any(c.path == s or c.path.startswith(s + "/") for s in optimizer_states):
+        return -1  # one parameter's moments (exp_avg, step...): never the weights
     if c.path == "":
         return 100
     lowered = c.path.lower()
@@ -271,8 +281,9 @@ def _rank(c: Candidate) -> int:
     return 40 if "ema" in last.lower() else 10
 
 
-def _main_state_dict(cands: list[Candidate], tensors: list[TensorInfo]) -> StateDictInfo | None:
-    ranked = [(_rank(c), c) for c in cands]
+def _main_state_dict(cands: list[Candidate], tensors: list[TensorInfo],
+                     optimizer_states: tuple[str, ...] = ()) -> StateDictInfo | None:
+    ranked = [(_rank(c, optimizer_states), c) for c in cands]
     top = max((rank for rank, _ in ranked), default=-1)
     if top < 0:
         return None

@@ -15,7 +15,11 @@ content, and a clear error for anything else.
   the tag (Lightning's DeepSpeed ``.ckpt`` directory is one: tag
   ``checkpoint``); without ``latest``, its one tag directory;
 - a directory holding exactly one checkpoint file (by its first bytes:
-  torch zip, legacy torch, safetensors): that file.
+  torch zip, legacy torch, safetensors): that file; or one model file beside
+  files a framework writes with it (a Trainer's ``checkpoint-N/``:
+  ``model.safetensors`` with ``optimizer.pt``, ``rng_state.pth``,
+  ``training_args.bin``...; ``ckptool.read.layouts.framework``): the model.
+  A diffusers pipeline's root is refused with its components named.
 
 Nothing here reads more than an index's JSON and a few bytes of each file,
 and nothing here imports a format reader beyond their ``sniff`` functions.
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
+from ckptool.read.layouts import framework
 
 FILE, HF, DCP, DEEPSPEED = "file", "hf", "dcp", "deepspeed"
 METADATA = ".metadata"
@@ -126,9 +131,10 @@ def _directory(path: str) -> Layout:
         first = [d for d in wrapped if _accelerate_index(d) == 0]
         later = [d for d in wrapped if d not in first]
         metas = tuple(f"{d}/{METADATA}" for d in first or wrapped[:1])
+        unknown = [n for n in files if framework.role_of(n) is None]  # the rest: listed by role
         notes: tuple[str, ...] = (
-            f"{path} also holds {_names(files)}, not part of the sharded model: "
-            "inspect them by name",) if files else ()
+            f"{path} also holds {_names(unknown)}, not part of the sharded model: "
+            "inspect them by name",) if unknown else ()
         if later:
             notes += (f"{path} also holds {_names([d + '/' for d in later])}: another "
                       "model's or optimizer's checkpoint, read alone by naming it",)
@@ -158,7 +164,10 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
             "the save was interrupted, or the tag directory was not copied; name a tag "
             "directory to read it")
     others = [n for n in files if n not in (LATEST, *RECOVERY_SCRIPTS)]
-    if any(_is_checkpoint_file(os.path.join(path, n)) for n in others[:MAX_SNIFFED]):
+    # a model file beside the tag directory (a Trainer's checkpoint-N/) is
+    # the model; its optimizer, RNG state and training arguments are not
+    if any(framework.role_of(n) is None and is_checkpoint_file(os.path.join(path, n))
+           for n in others[:MAX_SNIFFED]):
         shown = tag or tags[-1]
         return None, (f"{path} also holds a DeepSpeed checkpoint ({shown}/): its fp32 master "
                       f"weights are read by naming it: ckptool inspect "
@@ -169,8 +178,9 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
             f"({_names([d + '/' for d in tags])}) and no 'latest' file saying which is current",
             f"name the one to read: ckptool inspect {os.path.join(path, tags[-1])}")
     chosen = tag or tags[0]
-    notes = (f"{path} also holds {_names(others)}, not part of the DeepSpeed checkpoint: "
-             "inspect them by name",) if others else ()
+    unknown = [n for n in others if framework.role_of(n) is None]  # the rest: listed by role
+    notes = (f"{path} also holds {_names(unknown)}, not part of the DeepSpeed checkpoint: "
+             "inspect them by name",) if unknown else ()
     return Layout(DEEPSPEED, path, os.path.join(path, chosen), tag=chosen, notes=notes), ""
 
 
@@ -229,7 +239,11 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
             ".metadata to say what is in them",
             "copy the checkpoint's .metadata too (`cp src/* dst/` skips dot files), or wait "
             "for the save to finish: it writes .metadata last")
-    found = [n for n in files[:MAX_SNIFFED] if _is_checkpoint_file(os.path.join(path, n))]
+    found = [n for n in files[:MAX_SNIFFED] if is_checkpoint_file(os.path.join(path, n))]
+    model = framework.pick_model(found, framework.configures_model(files)) \
+        if len(found) > 1 else None
+    if model is not None:  # a Trainer's checkpoint-N/, accelerate's save_state folder
+        found = [model]
     if len(found) == 1:
         return Layout(FILE, path, path, file=os.path.join(path, found[0]), notes=notes)
     if found:
@@ -243,14 +257,43 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
             f"{path} is a directory holding {plural(len(dcp_dirs), 'DCP checkpoint')} in "
             f"sub-directories ({_names([d + '/' for d in dcp_dirs])})",
             f"name the one to read: ckptool inspect {os.path.join(path, dcp_dirs[0])}")
+    facts = framework.folder_facts(path, files, dirs)
+    if facts is not None and facts.components:
+        shown = [d + "/" for d in facts.components]
+        raise InputError(
+            f"{path} is {facts.description}: its {plural(len(shown), 'component')} "
+            f"({_names(shown)}) are each a model of their own",
+            f"name the one to read: ckptool inspect {os.path.join(path, facts.components[0])}")
     if not files and not dirs:
         raise NotACheckpointError(f"{path} is an empty directory",
                                   "point ckptool at a checkpoint file or a checkpoint directory")
     what = _names(files + [d + "/" for d in dirs])
+    other = _other_framework(files, dirs)
+    if other is not None:
+        raise NotACheckpointError(f"{path} is {other[0]}, not a PyTorch checkpoint: it holds "
+                                  f"{what}", other[1])
     raise NotACheckpointError(
         f"{path} is a directory with no checkpoint in it: it holds {what}",
         "ckptool reads a checkpoint file, a directory of Hugging Face shards with their "
         "*.index.json, or a torch.distributed.checkpoint directory (.metadata + *.distcp)")
+
+
+def _other_framework(files: list[str], dirs: list[str]) -> tuple[str, str] | None:
+    """Checkpoint directories of other frameworks, by the files they write."""
+    names = set(files)
+    if "saved_model.pb" in names or "saved_model.pbtxt" in names:
+        return ("a TensorFlow SavedModel", "load it with tf.saved_model.load; transformers' "
+                "from_pretrained(..., from_tf=True) converts TensorFlow models")
+    if names & {"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"} or (
+            "checkpoint" in names and "d" in dirs):
+        return ("an orbax (JAX) checkpoint",
+                "restore it with orbax.checkpoint; transformers' from_pretrained(..., "
+                "from_flax=True) converts Flax models")
+    if any(n.endswith(".index") for n in names) and any(
+            re.search(r"\.data-\d{5}-of-\d{5}$", n) for n in names):
+        return ("a TensorFlow checkpoint (.index + .data files)",
+                "read it with tf.train.load_checkpoint")
+    return None
 
 
 def _accelerate_index(name: str) -> int:
@@ -272,7 +315,8 @@ def _listing(folder: str) -> list[str]:
         return []
 
 
-def _is_checkpoint_file(path: str) -> bool:
+def is_checkpoint_file(path: str) -> bool:
+    """A torch zip, legacy torch file or safetensors file, by its first bytes."""
     try:
         with open(path, "rb") as f:
             head = f.read(16)

@@ -1,0 +1,140 @@
+"""The framework folder a checkpoint was read from, and every other file in
+it: a Trainer's optimizer, scheduler, RNG state and training arguments,
+accelerate's random states, configs. Each pickle among them is read the
+way the model is (safely: nothing runs), so that the folder's verdict
+covers every file a framework would ``torch.load`` when resuming.
+
+``framework_of`` is called by ``ckptool.read.reader`` once the model is
+read: for a directory, with its companions; for a file the frameworks name
+(``model.safetensors``, ``pytorch_model.bin``, ``adapter_model.safetensors``,
+a shard), with its folder's config only.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import replace
+
+from ckptool.errors import CkptoolError
+from ckptool.model import Checkpoint, Companion, Framework
+from ckptool.read import formats, optim, policy, prefixes
+from ckptool.read.layouts import framework, recognise
+
+# files read as pickles (or torch files) to scan them: by name or by bytes
+PICKLE_NAMES = re.compile(r"\.(pt|pth|bin|pkl|pickle|ckpt|safetensors)$")
+SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
+MAX_COMPANIONS = 64  # files scanned in one folder; the rest are listed unread
+
+
+def framework_of(path: str, layout: recognise.Layout | None,
+                 ckpt: Checkpoint) -> Framework | None:
+    """What the folder at (or around) ``path`` says about ``ckpt``."""
+    if layout is None:  # a file named directly: its folder's config, if a framework named it
+        name = os.path.basename(path)
+        if name not in framework.MODEL_FILES and not SHARD_NAME.search(name):
+            return None
+        directory = os.path.dirname(path) or "."
+        names = [n for n in ("config.json", "adapter_config.json") if
+                 os.path.isfile(os.path.join(directory, n))]
+        facts = framework.folder_facts(directory, names, []) if names else None
+        return _with_names(facts, ckpt) if facts else None
+    try:
+        with os.scandir(path) as it:
+            entries = sorted((e.name, e.is_dir(), e.is_file()) for e in it)
+    except OSError:
+        return None
+    files = [n for n, _, is_file in entries if is_file]
+    dirs = [n for n, is_dir, _ in entries if is_dir]
+    own = _own_files(path, layout, ckpt)
+    others = [n for n in files if n not in own]
+    found = [c for c in (_companion(path, n, i < MAX_COMPANIONS) for i, n in enumerate(others))
+             if c is not None]
+    facts = framework.folder_facts(path, files, dirs)
+    if facts is None:
+        if not any(c.format or c.error for c in found):
+            return None  # a plain folder with one checkpoint and a few notes in it
+        here = os.path.basename(os.path.normpath(os.path.abspath(path))) + "/"
+        facts = Framework("folder", path, f"a folder holding the model and "
+                          f"{len(found)} other file{'s' if len(found) != 1 else ''} ({here})")
+    return _with_names(replace(facts, companions=tuple(found)), ckpt)
+
+
+def _own_files(path: str, layout: recognise.Layout, ckpt: Checkpoint) -> set[str]:
+    """The files of ``path`` that are the checkpoint itself."""
+    if layout.file is not None:
+        return {os.path.basename(layout.file)}
+    if os.path.abspath(layout.directory) == os.path.abspath(path):
+        return {f.path for f in ckpt.files} | set(layout.extras)
+    return set()
+
+
+def _companion(directory: str, name: str, scan: bool) -> Companion | None:
+    """A file beside the model, read if it is a pickle (and ``scan``); None
+    for one that is neither known to a framework nor a checkpoint."""
+    full = os.path.join(directory, name)
+    try:
+        size = os.path.getsize(full)
+    except OSError:
+        return None
+    role = framework.role_of(name)
+    if not PICKLE_NAMES.search(name) and not (role is None and recognise.is_checkpoint_file(full)):
+        return Companion(name, role, size) if role else None
+    if not scan:
+        return Companion(name, role or "a pickle or checkpoint file", size, error="not read: only "
+                         f"the first {MAX_COMPANIONS} files beside the model are")
+    if size == 0:
+        return Companion(name, role or "empty file", size, error="empty (0 bytes)")
+    try:
+        raw = formats.read(full)
+    except CkptoolError as exc:
+        if role is None:
+            return None  # a .bin that is no pickle: not ours to judge
+        return Companion(name, role, size, error=exc.message.removeprefix(f"{full}: "))
+    verdicts = raw.seen.final()
+    unsafe = tuple(n for n, v in verdicts.items() if v.category == policy.UNSAFE)
+    custom = tuple(n for n, v in verdicts.items() if v.category == policy.CUSTOM)
+    states = optim.find(raw.root)
+    detail = optim.summary(states[0]) if states else None
+    return Companion(name, role or "another checkpoint file (not the model read)", size,
+                     raw.format, unsafe, custom, detail=detail)
+
+
+def _with_names(facts: Framework, ckpt: Checkpoint) -> Framework:
+    """``facts`` with the part of the state dict's prefix that is the
+    framework's own naming: what a config says is the architecture's
+    (``model.`` of a Llama), or PEFT's ``base_model.model.``."""
+    sd = ckpt.main_state_dict
+    if sd is None or not facts.evidence:
+        return replace(facts, own_prefix="")
+    _, rest = prefixes.split_wrappers(sd.prefix)
+    return replace(facts, own_prefix=rest)
+
+
+def model_beside(path: str) -> str | None:
+    """The model file a framework would load from the folder holding
+    ``path`` (an optimizer's state, say): its path, or None."""
+    directory = os.path.dirname(path) or "."
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return None
+    mine = os.path.basename(path)
+    found = [n for n in names[:recognise.MAX_SNIFFED] if n != mine
+             and recognise.is_checkpoint_file(os.path.join(directory, n))]
+    model = framework.pick_model(found, framework.configures_model(names))
+    return os.path.join(directory, model) if model else None
+
+
+def why_no_weights(ckpt: Checkpoint) -> str:
+    """Why ``ckpt`` has no state dict: an optimizer's state (and where the
+    model is), or no dict of tensors at all."""
+    states = [optim.OptimizerState(**{**s, "state_names": tuple(s["state_names"])})
+              for s in ckpt.metadata.get("optimizer_states") or ()]
+    if not states:
+        return ("no state dict found: no dict of tensors a model could load, so there are "
+                "no keys to compare with a model")
+    beside = model_beside(ckpt.path)
+    where = (f"; the model's weights are in {beside}, beside it" if beside else
+             "; the model's weights are saved in another file")
+    return f"the file is {optim.wording(states)}, not a model's weights{where}"

@@ -1,0 +1,181 @@
+"""Framework folders: what transformers, PEFT, the Trainer, accelerate,
+diffusers and sentence-transformers put beside a model, and what it says.
+
+- ``role_of``: the role of a file the frameworks write beside the model
+  (``optimizer.pt``: optimizer state, ``rng_state.pth``: RNG state,
+  ``training_args.bin``: training arguments, ``config.json``...), so that a
+  Trainer ``checkpoint-N/`` or an accelerate ``save_state`` folder reads as
+  its model, with every other file listed by role;
+- ``pick_model``: of a folder's checkpoint files, the one the framework
+  loads as the model (``model.safetensors`` before ``pytorch_model.bin``,
+  ``adapter_model.safetensors`` for PEFT), when the others all have roles;
+- ``folder_facts``: what the folder's JSON says, by content: a transformers
+  ``config.json`` (``architectures``, ``model_type``,
+  ``tie_word_embeddings``), a PEFT ``adapter_config.json`` (type, rank,
+  target modules, base model), a Trainer's ``trainer_state.json``,
+  accelerate's ``random_states_N.pkl``, a diffusers ``model_index.json``, a
+  sentence-transformers ``modules.json``.
+
+Only names and small JSON files are read here: the companions' pickles are
+scanned by ``ckptool.read.companions``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+from ckptool.model import Framework
+
+MAX_JSON_BYTES = 4 << 20  # config files are a few kB; a tokenizer.json is never read here
+
+# files the frameworks write beside a model, and what each holds
+ROLES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
+    (re.compile(pattern), role) for pattern, role in (
+        (r"^optimizer(_\d+)?\.(pt|bin)$", "optimizer state"),
+        (r"^scheduler(_\d+)?\.(pt|bin)$", "LR scheduler state"),
+        (r"^rng_state(_\d+)?\.pth$", "RNG state (Trainer)"),
+        (r"^random_states_\d+\.pkl$", "RNG state (accelerate)"),
+        (r"^training_args\.bin$", "training arguments (Trainer)"),
+        (r"^trainer_state\.json$", "trainer state (JSON)"),
+        (r"^scaler(_\d+)?\.(pt|bin)$", "gradient scaler state"),
+        (r"^sampler(_\d+)?\.bin$", "sampler state (accelerate)"),
+        (r"^dl_state_dict(_\d+)?\.bin$", "data loader state (accelerate)"),
+        (r"^custom_checkpoint_\d+\.pkl$", "registered object (accelerate)"),
+        (r"^config\.json$", "model config"),
+        (r"^generation_config\.json$", "generation config"),
+        (r"^adapter_config\.json$", "adapter config (PEFT)"),
+        (r"^(tokenizer(_config)?\.json|special_tokens_map\.json|vocab\.(txt|json)"
+         r"|merges\.txt|tokenizer\.model|added_tokens\.json|spiece\.model"
+         r"|chat_template\.(jinja|json))$", "tokenizer"),
+        (r"^preprocessor_config\.json$", "preprocessor config"),
+        (r"^model_index\.json$", "pipeline index (diffusers)"),
+        (r"^(modules|sentence_bert_config|config_sentence_transformers)\.json$",
+         "sentence-transformers config"),
+        (r"^(README\.md|\.gitattributes|LICENSE(\.txt)?)$", "model card or repository file"),
+        (r"^(zero_to_fp32|zero_to_torch)\.py$", "DeepSpeed recovery script"),
+        (r"^latest$", "DeepSpeed tag pointer"),
+    ))
+# what each framework loads as the model, in the order it looks
+MODEL_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors",
+               "pytorch_model.bin", "diffusion_pytorch_model.safetensors",
+               "diffusion_pytorch_model.bin", "pytorch_model.pt")
+# accelerate numbers a second prepared model model_1.safetensors, pytorch_model_1.bin
+OTHER_MODEL = re.compile(r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$")
+
+
+def role_of(name: str) -> str | None:
+    """What a file the frameworks write beside a model holds, or None."""
+    for pattern, role in ROLES:
+        if pattern.match(name):
+            return role
+    m = OTHER_MODEL.match(name)
+    if m and m.group(2) != "0":
+        return f"model {m.group(2)} (accelerate's model_{m.group(2)})"
+    return None
+
+
+def pick_model(checkpoints: list[str], configured: bool = False) -> str | None:
+    """Of a folder's checkpoint files, the model the framework loads: the
+    one file left once the files with a role beside a model are set aside;
+    in a folder a framework's config describes (``configured``), the file
+    it loads by name whatever else is there (``model.safetensors`` before
+    ``pytorch_model.bin``, as transformers looks; a ``model.fixed.pth``
+    beside it is not read). None when that leaves no single answer."""
+    rest = [n for n in checkpoints if role_of(n) is None]
+    if len(rest) == 1:
+        return rest[0]
+    named = [n for n in MODEL_FILES if n in rest]
+    return named[0] if named and configured else None
+
+
+def configures_model(files: list[str]) -> bool:
+    """Whether a folder holds a framework's config for the model in it."""
+    return bool({"config.json", "adapter_config.json"} & set(files))
+
+
+def folder_facts(directory: str, files: list[str], dirs: list[str]) -> Framework | None:
+    """What the framework files in ``directory`` say (no companions yet),
+    or None for a folder no framework wrote."""
+    has = set(files)
+    config = _json(directory, "config.json") if "config.json" in has else None
+    model_class, model_type, tied = _model_facts(config)
+    adapter = _json(directory, "adapter_config.json") if "adapter_config.json" in has else None
+    here = os.path.basename(os.path.normpath(os.path.abspath(directory))) + "/"
+    if isinstance(adapter, dict) and "peft_type" in adapter:
+        facts = _adapter_facts(adapter)
+        return Framework("peft", directory, f"a PEFT {facts['peft_type']} adapter ({here})",
+                         model_class=facts.get("base_model_class"),
+                         evidence="adapter_config.json", adapter=facts)
+    index = _json(directory, "model_index.json") if "model_index.json" in has else None
+    if isinstance(index, dict) and "_class_name" in index:
+        parts = tuple(sorted(k for k, v in index.items() if isinstance(v, list) and len(v) == 2
+                             and k in dirs))
+        return Framework("diffusers", directory,
+                         f"a diffusers {index['_class_name']} pipeline ({here})",
+                         model_class=str(index["_class_name"]), evidence="model_index.json",
+                         components=parts)
+    if "modules.json" in has and isinstance(_json(directory, "modules.json"), list):
+        return Framework("sentence-transformers", directory,
+                         f"a sentence-transformers model ({here})", model_class=model_class,
+                         model_type=model_type, tie_word_embeddings=tied,
+                         evidence="modules.json" if model_class is None else "config.json")
+    evidence = "config.json" if model_class or model_type else ""
+    if "trainer_state.json" in has or "training_args.bin" in has:
+        return Framework("trainer", directory, f"a transformers Trainer checkpoint ({here})",
+                         model_class, model_type, tied, evidence=evidence)
+    if any(re.match(r"^random_states_\d+\.pkl$", n) for n in files):
+        return Framework("accelerate", directory, f"an accelerate save_state folder ({here})",
+                         model_class, model_type, tied, evidence=evidence)
+    if evidence:
+        what = model_class or model_type
+        if isinstance(config, dict) and "_class_name" in config:
+            return Framework("diffusers", directory, f"a diffusers {what} ({here})",
+                             what, None, None, evidence=evidence)
+        return Framework("transformers", directory, f"a transformers {what} ({here})",
+                         model_class, model_type, tied, evidence=evidence)
+    return None
+
+
+def _model_facts(config: Any) -> tuple[str | None, str | None, bool | None]:
+    """(architecture, model_type, tie_word_embeddings) of a config.json:
+    transformers' (``architectures``, ``model_type``) or diffusers'
+    (``_class_name``). transformers ties by default."""
+    if not isinstance(config, dict):
+        return None, None, None
+    arch = config.get("architectures")
+    model_class = arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) \
+        else config.get("_class_name") if isinstance(config.get("_class_name"), str) else None
+    model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+    if model_class is None and model_type is None:
+        return None, None, None
+    tied = config.get("tie_word_embeddings", True if "_class_name" not in config else None)
+    return model_class, model_type, tied if isinstance(tied, bool) else None
+
+
+def _adapter_facts(adapter: dict[str, Any]) -> dict[str, Any]:
+    targets = adapter.get("target_modules")
+    if isinstance(targets, list):
+        targets = sorted(str(t) for t in targets)
+    facts = {"peft_type": str(adapter.get("peft_type")), "r": adapter.get("r"),
+             "lora_alpha": adapter.get("lora_alpha"), "target_modules": targets,
+             "base_model": adapter.get("base_model_name_or_path"),
+             "task_type": adapter.get("task_type")}
+    auto = adapter.get("auto_mapping")
+    if isinstance(auto, dict) and isinstance(auto.get("base_model_class"), str):
+        facts["base_model_class"] = auto["base_model_class"]
+    return {k: v for k, v in facts.items() if v is not None}
+
+
+def _json(directory: str, name: str) -> Any:
+    """The JSON in ``directory/name``, or None (missing, too big, not JSON)."""
+    try:
+        with open(os.path.join(directory, name), "rb") as f:
+            data = f.read(MAX_JSON_BYTES + 1)
+        if len(data) > MAX_JSON_BYTES:
+            return None
+        return json.loads(data)
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
