@@ -31,6 +31,7 @@ from ckptool.check.tensor_compare import DIFFERENT, NOT_COMPARED, ValueDiff, not
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK, UnsupportedCheckpointError, UsageError
 from ckptool.keys import join_key, key_of, split_key
 from ckptool.model import Checkpoint, StateDictInfo, TensorInfo
+from ckptool.read.companions import why_no_weights
 from ckptool.read.tensor_source import TensorValues
 
 STATE_DICT, ALL = "state_dict", "all"
@@ -165,7 +166,7 @@ def _compare_parts(ra: TensorValues, rb: TensorValues, ta: TensorInfo,
 
 def _state_dict(ckpt: Checkpoint, label: str, notes: list[str]) -> dict[str, TensorInfo]:
     if ckpt.main_state_dict is None:
-        raise UsageError(f"{label} ({ckpt.path}) has no state dict ckptool can find",
+        raise UsageError(f"{label} ({ckpt.path}): {why_no_weights(ckpt)}",
                          "compare every tensor by its key with --all")
     names = ckpt.state_dict()
     if ckpt.main_state_dict.path:  # an index's names are those of the root

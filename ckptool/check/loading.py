@@ -30,6 +30,7 @@ from ckptool.check.findings import Finding
 from ckptool.check.gpus import assumed
 from ckptool.check.modelspec import module_keys
 from ckptool.errors import CkptoolError, UsageError
+from ckptool.read.companions import why_no_weights
 from ckptool.read.materialize import MapLocation, Placement
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.tensor_source import TensorValues
@@ -59,7 +60,7 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
     ckpt = open_checkpoint(path)
     sd = ckpt.main_state_dict
     if sd is None:
-        raise CkptoolError(f"{path} holds no state dict ckptool can find",
+        raise CkptoolError(f"{path}: {why_no_weights(ckpt)}",
                            "`ckptool inspect` shows what it holds")
     cast = _dtype(dtype)
     entry = manyfiles.entry_prefix(ckpt)  # DCP's "model.": how it loads, not a name

@@ -23,6 +23,7 @@ from typing import Any
 from ckptool.errors import UnsupportedCheckpointError, UsageError
 from ckptool.keys import split_key
 from ckptool.model import Checkpoint
+from ckptool.read.companions import why_no_weights
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_legacy import HEADER_PICKLES, TORCH_LEGACY
 from ckptool.read.formats.torch_zip import TORCH_ZIP
@@ -283,8 +284,8 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
     if opts.extract is not None:
         path: str | None = sd_path if opts.extract == "auto" else opts.extract
         if path is None:
-            raise UsageError("no state dict found to extract",
-                             "name one: --extract PATH (see `ckptool inspect`)")
+            raise UsageError(f"nothing to extract: {why_no_weights(ckpt)}",
+                             "name a dict to keep: --extract PATH (see `ckptool inspect`)")
         _, _, obj = _find(plan.root, path)
         plan.root = _state_dict_of(obj)
         plan.extracted = path

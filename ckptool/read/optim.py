@@ -1,0 +1,119 @@
+"""``torch.optim`` state dicts, recognised wherever they sit, so that one
+parameter's moments are never taken for a model's weights.
+
+``optimizer.state_dict()`` is ``{"state": {0: {"step": t, "exp_avg": t,
+"exp_avg_sq": t}, 1: ...}, "param_groups": [{"lr": ..., "params": [0, 1]}]}``.
+transformers' Trainer saves one as ``optimizer.pt``, accelerate as
+``optimizer.bin``; Lightning keeps a list of them under ``optimizer_states``;
+training scripts put one beside the model (``{"model": ..., "optimizer":
+...}``). Each per-parameter entry is a dict of tensors, which is what a
+state dict looks like: ``find`` names them so that the reader ranks them
+out, and ``describe`` says what the optimizer holds.
+
+Pure: it looks at the inert object tree only, a few levels down.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from ckptool.keys import join_key
+
+MAX_DEPTH = 3  # {"optimizer_states": [{"state": ...}]} is two levels down
+MAX_VISITED = 10_000  # containers looked into: a file of a million dicts costs no more
+
+
+@dataclass(frozen=True)
+class OptimizerState:
+    """One ``torch.optim`` state dict in a checkpoint."""
+
+    path: str  # its key ("" when it is the whole file)
+    parameters: int  # parameters with state
+    param_groups: int
+    state_names: tuple[str, ...]  # per-parameter names: exp_avg, exp_avg_sq, step...
+    kind: str | None  # "Adam/AdamW", "SGD with momentum"... as the names suggest
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"path": self.path, "parameters": self.parameters,
+                "param_groups": self.param_groups, "state_names": list(self.state_names),
+                "kind": self.kind}
+
+    @property
+    def state_path(self) -> str:
+        """The key of its per-parameter ``state`` dict."""
+        return join_key(self.path, "state")
+
+
+def is_optimizer_state(obj: Any) -> bool:
+    """``{"state": {...}, "param_groups": [{"params": [...]}, ...]}``."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("state"), dict):
+        return False
+    groups = obj.get("param_groups")
+    return isinstance(groups, list) and bool(groups) and all(
+        isinstance(g, dict) and "params" in g for g in groups)
+
+
+def find(root: Any) -> list[OptimizerState]:
+    """Every optimizer state dict within ``MAX_DEPTH`` levels of ``root``."""
+    return [describe(path, obj) for path, obj in _containers(root) if is_optimizer_state(obj)]
+
+
+def describe(path: str, state: dict[str, Any]) -> OptimizerState:
+    per_param = state["state"]
+    names: dict[str, None] = {}
+    for entry in list(per_param.values())[:1000]:
+        if isinstance(entry, dict):
+            names.update(dict.fromkeys(k for k in entry if isinstance(k, str)))
+    return OptimizerState(path, len(per_param), len(state["param_groups"]), tuple(names),
+                          _kind(set(names)))
+
+
+def _kind(names: set[str]) -> str | None:
+    if {"exp_avg", "exp_avg_sq"} <= names:
+        return "Adam/AdamW"
+    if "momentum_buffer" in names:
+        return "SGD with momentum"
+    if "square_avg" in names:
+        return "RMSprop/Adadelta"
+    if "sum" in names:
+        return "Adagrad"
+    return None
+
+
+def _containers(root: Any) -> Iterator[tuple[str, Any]]:
+    """(key, container) breadth first, ``MAX_DEPTH`` levels down at most."""
+    level: list[tuple[str, Any]] = [("", root)]
+    visited = 0
+    for _ in range(MAX_DEPTH + 1):
+        below: list[tuple[str, Any]] = []
+        for path, obj in level:
+            visited += 1
+            if visited > MAX_VISITED:
+                return
+            yield path, obj
+            if isinstance(obj, dict) and not is_optimizer_state(obj):
+                below += [(join_key(path, k), v) for k, v in obj.items()
+                          if isinstance(k, str) and isinstance(v, (dict, list, tuple))]
+            elif isinstance(obj, (list, tuple)):
+                below += [(join_key(path, str(i)), v) for i, v in enumerate(obj)
+                          if isinstance(v, (dict, list, tuple))]
+        level = below
+
+
+def summary(s: OptimizerState) -> str:
+    """``Adam/AdamW: exp_avg, exp_avg_sq, step for 9 parameters, 1 param group``."""
+    what = f"{s.kind}: " if s.kind else ""
+    names = ", ".join(s.state_names) or "no per-parameter state"
+    groups = f"{s.param_groups} param group{'s' if s.param_groups != 1 else ''}"
+    return (f"{what}{names} for {s.parameters} parameter{'s' if s.parameters != 1 else ''}, "
+            f"{groups}")
+
+
+def wording(states: list[OptimizerState]) -> str:
+    """``a torch.optim optimizer state (Adam/AdamW: ...)``, for errors."""
+    s = states[0]
+    where = f" under '{s.path}'" if s.path else ""
+    more = f" (and {len(states) - 1} more)" if len(states) > 1 else ""
+    return f"a torch.optim optimizer state{where} ({summary(s)}){more}"
