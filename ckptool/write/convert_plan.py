@@ -26,6 +26,7 @@ from ckptool.describe import plural
 from ckptool.errors import UnsupportedCheckpointError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint, TensorInfo
+from ckptool.read import ties
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.dcp import DCP
 from ckptool.read.layouts.deepspeed import DEEPSPEED
@@ -162,23 +163,22 @@ def _plan_names(source: Checkpoint, into: str) -> tuple[
     sd = {name: t for name, t in every.items() if _unwritten(t, into) is None}
     if not sd:
         raise _nothing_to_convert(every, into)
-    kept: dict[str, TensorInfo] = {}
-    aliases: dict[str, str] = {}
-    first: dict[tuple[Any, ...], str] = {}
     share_count: dict[str | None, int] = {}
     for t in sd.values():
         share_count[t.storage] = share_count.get(t.storage, 0) + 1
-    copies = []
+    # names of one tensor (the same view of one storage): one is kept, by
+    # the framework's rule (the input embedding, not lm_head: read/ties.py)
+    same: dict[tuple[Any, ...], list[str]] = {}
     for name, t in sd.items():
-        ident = (t.storage, t.storage_offset, t.shape, t.stride, t.dtype)
-        if t.storage is not None and ident in first:
-            aliases[name] = first[ident]
-            continue
-        first[ident] = name
-        kept[name] = t
-        if t.storage is not None and share_count[t.storage] > 1:
-            copies.append(name)
-    copies = [n for n in copies if n not in set(aliases.values())]
+        ident = (t.storage, t.storage_offset, t.shape, t.stride, t.dtype) \
+            if t.storage is not None else (name,)
+        same.setdefault(ident, []).append(name)
+    aliases = {n: keep for names in same.values() if len(names) > 1
+               for keep in (ties.preferred(names),) for n in names if n != keep}
+    kept = {name: t for name, t in sd.items() if name not in aliases}
+    targets = set(aliases.values())
+    copies = [n for n, t in kept.items() if t.storage is not None
+              and share_count[t.storage] > 1 and n not in targets]
     return kept, aliases, copies
 
 

@@ -31,6 +31,7 @@ from ckptool.describe import shell_word
 from ckptool.errors import UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
+from ckptool.read import ties
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.hf_sharded import HF_SAFETENSORS
 from ckptool.write import convert_plan, shards
@@ -149,13 +150,15 @@ def _drop(written: Written, opts: FixOptions, plan: Plan,
             del written.aliases[name]
         elif name in written.tensors:
             heirs = [a for a, k in written.aliases.items() if k == name]
-            if heirs:  # the first name tied to it is stored in its place
-                written.tensors[heirs[0]] = written.tensors[name]
-                file_of[heirs[0]] = file_of[name]
-                promoted.append((name, heirs[0]))
-                del written.aliases[heirs[0]]
-                for alias in heirs[1:]:
-                    written.aliases[alias] = heirs[0]
+            if heirs:  # a name tied to it is stored in its place, by the framework's rule
+                heir = ties.preferred(heirs)
+                written.tensors[heir] = written.tensors[name]
+                file_of[heir] = file_of[name]
+                promoted.append((name, heir))
+                del written.aliases[heir]
+                for alias in heirs:
+                    if alias != heir:
+                        written.aliases[alias] = heir
             del written.tensors[name]
         else:
             raise UsageError(f"cannot drop {drop!r}: the checkpoint has no tensor of that name",
