@@ -312,10 +312,28 @@ def test_key_prefix_without_model(tmp_path: Path) -> None:
     f = finding(d, "key-prefix")
     assert f.severity == "warning" and "DataParallel/DDP" in f.message
     assert d.fix_command == "ckptool fix m.pth --strip-module -o m.fixed.pth"
-    peft = run(save(net_sd(prefix="base_model.model."), tmp_path / "p.pth"))
-    assert "'base_model.model.' (PEFT)" in finding(peft, "key-prefix").message
     both = run(save(net_sd(prefix="_orig_mod.module."), tmp_path / "c.pth"))
     assert "(torch.compile over DataParallel/DDP)" in finding(both, "key-prefix").message
+
+
+@pytest.mark.parametrize("prefix", ["model.", "base_model.model."])
+def test_an_ambiguous_prefix_is_explained_not_fixed(tmp_path: Path, prefix: str) -> None:
+    """'model.' is a Lightning attribute or a transformers decoder's own
+    naming; 'base_model.model.' PEFT's own or a wrapper: without a model to
+    check, both readings are said and no fix is offered (it could break a
+    checkpoint that loads)."""
+    d = run(save(net_sd(prefix=prefix), tmp_path / "m.pth"))
+    assert codes(d) == ["ambiguous-prefix"]
+    f = finding(d, "ambiguous-prefix")
+    assert f.fix is None and "pass --model" in f.message and "own naming" in f.message
+    assert d.fix_command is None
+
+
+def test_only_the_wrapper_before_an_ambiguous_prefix_is_advised(tmp_path: Path) -> None:
+    d = run(save(net_sd(prefix="module.model."), tmp_path / "m.pth"))
+    assert codes(d) == ["key-prefix", "ambiguous-prefix"]
+    assert finding(d, "key-prefix").fix == "ckptool fix m.pth --strip-prefix module."
+    assert d.fix_command == "ckptool fix m.pth --strip-prefix module. -o m.fixed.pth"
 
 
 @pytest.mark.parametrize("prefix", ["module.", "_orig_mod.", "_orig_mod.module.",
@@ -471,9 +489,11 @@ def test_cli_human_output(capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["diagnose", "--device-count", "0", str(SAMPLES / "lightning.ckpt")])
     out, err = capsys.readouterr()
     assert code == 1 and err == ""
-    assert "wrapped-state-dict" in out and "key-prefix" in out
-    assert (f"ckptool fix {SAMPLES}/lightning.ckpt --extract --strip-module "
+    assert "wrapped-state-dict" in out and "ambiguous-prefix" in out
+    # 'model.' is not stripped without a model to say so (it may be the model's own)
+    assert (f"ckptool fix {SAMPLES}/lightning.ckpt --extract "
             f"-o {SAMPLES}/lightning.fixed.ckpt") in out
+    assert "still to resolve by hand: ambiguous-prefix" in out
 
 
 def test_cli_clean_exit_zero(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

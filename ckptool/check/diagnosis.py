@@ -89,6 +89,7 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
         result.findings += findings.wrapping_findings(ckpt, opts, name)
         result.findings += findings.global_findings(ckpt, opts, name)
     result.findings += findings.content_findings(ckpt)
+    result.findings += findings.companion_findings(ckpt)
     # DCP: the keys carry the entry they were saved under ("model."), which
     # is how they are loaded (dcp.load({"model": sd})): compared without it
     entry = manyfiles.entry_prefix(ckpt)

@@ -21,9 +21,9 @@ from ckptool.check.reconcile import KeyReport, ShapeHint
 from ckptool.describe import human_bytes, plural
 from ckptool.keys import pieces, split_key
 from ckptool.model import Checkpoint, GlobalInfo
-from ckptool.read import policy
+from ckptool.read import companions, policy
 from ckptool.read.policy import UNSAFE
-from ckptool.read.prefixes import common_prefix, describe_wrapper, wrapper_prefix
+from ckptool.read.prefixes import common_prefix, describe_wrapper, split_wrappers, wrapper_prefix
 from ckptool.write.plan import FixOptions
 
 ERROR, WARNING = "error", "warning"  # error: loading fails; warning: not as wanted
@@ -112,9 +112,7 @@ def memory_findings(tags: list[TagLoad], machine: Machine) -> list[Finding]:
 def wrapping_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Finding]:
     sd = ckpt.main_state_dict
     if sd is None:
-        return [Finding("no-state-dict", WARNING,
-                        "no state dict found: no dict of tensors a model could load, so "
-                        "there are no keys to compare with a model")]
+        return [Finding("no-state-dict", WARNING, companions.why_no_weights(ckpt))]
     # the entry's place as Python indexing: ['model'], [0]['state_dict']...
     index = "".join(f"[{p}]" if p.isdigit() else f"[{p!r}]"
                     for p in split_key(sd.path))
@@ -226,13 +224,57 @@ def prefix_findings(ckpt: Checkpoint, opts: FixOptions, name: str,
         prefix = wrapper_prefix(names, common_prefix(names))
         if not prefix:
             return []
-    opts.strip_module = True
+    after = f" after the {entry[:-1]!r} entry they were saved under" if entry else ""
+    # without a model, only a prefix that is always a wrapper is advised away:
+    # "model." may be the architecture's own (a fix would break a good file)
+    wrapper, rest = split_wrappers(prefix)
+    fw = ckpt.framework
+    own = fw is not None and bool(fw.own_prefix) and rest == fw.own_prefix
+    out = []
+    if wrapper:
+        if rest:
+            opts.strip_prefixes = (*opts.strip_prefixes, wrapper)
+            flags = f"--strip-prefix {wrapper}"
+        else:
+            opts.strip_module = True
+            flags = "--strip-module"
+        out.append(Finding(
+            "key-prefix", WARNING,
+            f"every key starts with {wrapper!r} ({describe_wrapper(wrapper)}){after}: "
+            "the bare model expects them without it (pass --model to check against yours)",
+            f"ckptool fix {name} {flags}"))
+    if rest and not own:
+        out.append(Finding(
+            "ambiguous-prefix", WARNING,
+            f"every key{' then' if wrapper else ''} starts with {rest!r}: "
+            f"{_readings(rest)}; which one depends on the model you load it into, so no "
+            "fix is offered: pass --model to check the keys against yours"))
+    return out
+
+
+def _readings(prefix: str) -> str:
+    """The two things an ambiguous prefix can be, in words."""
+    if prefix.startswith("base_model.model."):
+        return ("PEFT's own naming (load it into the PeftModel as it is) or a wrapper "
+                "around the base model (strip it for the bare model)")
+    return (f"either the model's own naming (transformers' decoders keep their layers under "
+            f"'model.', and a class whose submodule is named {prefix.split('.')[0]!r} loads "
+            f"them as they are) or a wrapper's attribute ({describe_wrapper(prefix)}: strip "
+            "it for the bare model)")
+
+
+def companion_findings(ckpt: Checkpoint) -> list[Finding]:
+    """Files beside the model that loading them would run code from: a
+    Trainer resuming from the folder ``torch.load``s them."""
+    fw = ckpt.framework
+    if fw is None:
+        return []
     return [Finding(
-        "key-prefix", WARNING,
-        f"every key starts with {prefix!r} ({describe_wrapper(prefix)})"
-        f"{f' after the {entry[:-1]!r} entry they were saved under' if entry else ''}: "
-        "the bare model expects them without it (pass --model to check against yours)",
-        f"ckptool fix {name} --strip-module")]
+        "unsafe-companion", ERROR,
+        f"{c.path} ({c.role}), beside the model, names {', '.join(c.unsafe)}: "
+        "torch.load(weights_only=False) of it would run that; resuming from this folder "
+        "loads it. Delete the file, or never resume from this folder unless you wrote it")
+        for c in fw.companions if c.unsafe]
 
 
 def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], model: ModelKeys,

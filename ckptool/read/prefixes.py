@@ -20,6 +20,24 @@ WRAPPER_NAMES = {"base_model.model.": "PEFT", "_orig_mod.": "torch.compile",
                  "_forward_module.": "Lightning Fabric"}
 
 
+# wrappers that are never part of a model's own names: DataParallel/DDP,
+# torch.compile, Fabric. "model." and "base_model.model." may be either a
+# wrapper (a Lightning module's attribute) or the model's own naming (every
+# transformers decoder keeps its layers under "model."; PEFT its base model)
+ALWAYS_WRAPPERS = ("module.", "_orig_mod.", "_forward_module.")
+
+
+def split_wrappers(prefix: str) -> tuple[str, str]:
+    """``prefix`` as (its leading components that are always wrappers, the
+    rest): ``_orig_mod.module.model.`` -> (``_orig_mod.module.``, ``model.``)."""
+    i = 0
+    while True:
+        step = next((w for w in ALWAYS_WRAPPERS if prefix.startswith(w, i)), None)
+        if step is None:
+            return prefix[:i], prefix[i:]
+        i += len(step)
+
+
 def common_prefix(names: Iterable[str]) -> str:
     """Longest run of leading dotted module components shared by all names."""
     common: list[str] | None = None
