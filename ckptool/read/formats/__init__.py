@@ -129,6 +129,9 @@ def _reader_for(path: str) -> Callable[[str], RawRead]:
     for magic, what, hint in _LOOKALIKES:
         if head.lstrip().startswith(magic):
             raise NotACheckpointError(f"{path} is {what}, not a PyTorch checkpoint", hint)
+    other = _other_format(head)
+    if other is not None:
+        raise NotACheckpointError(f"{path} is {other[0]}, not a PyTorch checkpoint", other[1])
     if pickle_fmt.sniff(head, tail):
         return pickle_fmt.read
     raise NotACheckpointError(
@@ -136,6 +139,32 @@ def _reader_for(path: str) -> Callable[[str], RawRead]:
         "ckptool reads torch.save files (zip and legacy), TorchScript archives, "
         "safetensors and pickles",
     )
+
+
+# protobuf field tags a serialized ONNX ModelProto has after its ir_version
+# (field 1, varint): producer_name, producer_version, domain, model_version,
+# doc_string, graph, opset_import, metadata_props
+_ONNX_NEXT = frozenset(b"\x12\x1a\x22\x28\x32\x3a\x42\x72")
+
+
+def _other_format(head: bytes) -> tuple[str, str] | None:
+    """Formats without a magic number that people take for checkpoints,
+    recognised by their first bytes' structure: ONNX (a protobuf whose first
+    field is ir_version), Flax's msgpack (a map whose first key is a short
+    string such as "params"). None for anything else."""
+    if len(head) >= 3 and head[0] == 0x08 and 1 <= head[1] <= 20 and head[2] in _ONNX_NEXT:
+        return ("an ONNX model (protobuf)",
+                "inspect it with onnx (onnx.load) or netron; onnx2torch converts some models")
+    if len(head) >= 3 and (0x81 <= head[0] <= 0x8f or head[0] in (0xde, 0xdf)):
+        at = 1 if head[0] < 0xde else (3 if head[0] == 0xde else 5)
+        if len(head) > at + 1 and 0xa1 <= head[at] <= 0xbf:
+            key = head[at + 1: at + 1 + (head[at] - 0xa0)]
+            if key.isascii() and key.replace(b"_", b"").isalnum():
+                return (f"a msgpack file (Flax serialization? its first key is "
+                        f"{key.decode()!r})",
+                        "load it with flax.serialization.msgpack_restore; transformers' "
+                        "from_pretrained(..., from_flax=True) converts Flax models")
+    return None
 
 
 def _peek(path: str) -> tuple[bytes, bytes, int]:

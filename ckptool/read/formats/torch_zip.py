@@ -162,6 +162,13 @@ def _explain_other_zip(names: list[str]) -> None:
             "this is a numpy .npz archive, not a PyTorch checkpoint",
             "load it with numpy.load",
         )
+    base = {n.rsplit("/", 1)[-1] for n in names}
+    if {"metadata.json", "config.json"} <= base and any(n.endswith(".weights.h5") or
+                                                         n.endswith(".h5") for n in base):
+        raise NotACheckpointError(
+            "this is a Keras model archive (.keras: config.json, metadata.json and its "
+            "weights in HDF5), not a PyTorch checkpoint",
+            "load it with keras.saving.load_model")
     if any(n.endswith("archive_format") or "/models/" in n for n in names):
         raise UnsupportedCheckpointError(
             "torch.export (.pt2) archives are not supported yet",
