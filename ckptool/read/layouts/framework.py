@@ -114,7 +114,7 @@ def folder_facts(directory: str, files: list[str], dirs: list[str]) -> Framework
         parts = tuple(sorted(k for k, v in index.items() if isinstance(v, list) and len(v) == 2
                              and k in dirs))
         return Framework("diffusers", directory,
-                         f"a diffusers {index['_class_name']} pipeline ({here})",
+                         f"a diffusers pipeline ({index['_class_name']}, {here})",
                          model_class=str(index["_class_name"]), evidence="model_index.json",
                          components=parts)
     if "modules.json" in has and isinstance(_json(directory, "modules.json"), list):

@@ -258,12 +258,14 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
             f"sub-directories ({_names([d + '/' for d in dcp_dirs])})",
             f"name the one to read: ckptool inspect {os.path.join(path, dcp_dirs[0])}")
     facts = framework.folder_facts(path, files, dirs)
-    if facts is not None and facts.components:
-        shown = [d + "/" for d in facts.components]
+    models = [d for d in facts.components if any(
+        is_checkpoint_file(os.path.join(path, d, n)) or INDEX_NAME.search(n)
+        for n in sorted(_listing(os.path.join(path, d)))[:MAX_SNIFFED])] if facts else []
+    if facts is not None and models:
         raise InputError(
-            f"{path} is {facts.description}: its {plural(len(shown), 'component')} "
-            f"({_names(shown)}) are each a model of their own",
-            f"name the one to read: ckptool inspect {os.path.join(path, facts.components[0])}")
+            f"{path} is {facts.description}, whose models are read one at a time: "
+            f"{_names([d + '/' for d in models])}",
+            f"name the one to read: ckptool inspect {os.path.join(path, models[0])}")
     if not files and not dirs:
         raise NotACheckpointError(f"{path} is an empty directory",
                                   "point ckptool at a checkpoint file or a checkpoint directory")
