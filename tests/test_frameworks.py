@@ -250,3 +250,68 @@ def test_an_optimizer_beside_the_weights_is_never_the_state_dict(tmp_path: Path)
     ckpt = ckptool.open(tmp_path / "a.pt")
     assert ckpt.main_state_dict is not None and ckpt.main_state_dict.path == "weights_of_run"
     assert ckpt.metadata["optimizer_states"][0]["kind"] == "SGD with momentum"
+
+
+# -- writing what the framework reads back -------------------------------------
+
+@pytest.mark.parametrize(("name", "fmt", "files"), [
+    ("diffusers_ddpm/unet", "hf", {"config.json", "diffusion_pytorch_model.safetensors"}),
+    ("diffusers_ddpm/unet_bin", "hf-bin", {"config.json", "diffusion_pytorch_model.bin"}),
+    ("peft_lora", "hf", {"adapter_config.json", "adapter_model.safetensors"}),
+    ("llama_tied_bin_sharded", "hf",
+     {"config.json", "generation_config.json", "model.safetensors"}),
+    ("bert", "hf-bin", {"config.json", "pytorch_model.bin"}),
+])
+def test_a_framework_folder_converts_to_what_its_loader_finds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], name: str, fmt: str,
+        files: set[str]) -> None:
+    """from_pretrained looks for its own file names and its config beside
+    them (check_loads.py / check_pipelines.py load these outputs exactly);
+    the config files are copied byte for byte."""
+    out = tmp_path / "out"
+    code, text, err = run(["convert", str(HERE / name), str(out), "--format", fmt], capsys)
+    assert code == 0, err
+    assert {p.name for p in out.iterdir()} == files
+    for config in files - {n for n in files if n.startswith(("model.", "pytorch_model",
+                                                              "diffusion_", "adapter_model"))}:
+        assert (out / config).read_bytes() == (HERE / name / config).read_bytes()
+    assert "copied" in text
+    a, b = ckptool.load_state_dict(HERE / name), ckptool.load_state_dict(out)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_sharded_output_keeps_the_frameworks_stem(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "unet"
+    code, _, err = run(["convert", str(HERE / "diffusers_ddpm" / "unet"), str(out),
+                        "--format", "hf", "--max-shard-size", "100KB"], capsys)
+    assert code == 0, err
+    names = sorted(p.name for p in out.iterdir())
+    assert "diffusion_pytorch_model.safetensors.index.json" in names
+    assert "diffusion_pytorch_model-00001-of-00002.safetensors" in names
+    assert len(ckptool.open(out).tensors) == 114
+
+
+class Tied(torch.nn.Module):
+    def __init__(self, head: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(5, 3)
+        if head:
+            self.head = torch.nn.Linear(3, 5, bias=False)
+            self.head.weight = self.embed.weight
+
+
+def test_ties_a_converted_file_records_load_back(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """.pth (shared storage) -> .safetensors (the tie in __metadata__) ->
+    load_state_dict: both names, one tensor, as torch.load of the .pth gives;
+    a model without the tied name gets no key it would refuse."""
+    torch.save(Tied().state_dict(), tmp_path / "t.pth")
+    assert main(["convert", str(tmp_path / "t.pth"), str(tmp_path / "t.safetensors")]) == 0
+    capsys.readouterr()
+    sd = ckptool.load_state_dict(tmp_path / "t.safetensors")
+    assert set(sd) == {"embed.weight", "head.weight"} and sd["head.weight"] is sd["embed.weight"]
+    bare = Tied(head=False)
+    sd = ckptool.load_state_dict(tmp_path / "t.safetensors", model=bare)
+    assert set(sd) == {"embed.weight"}
+    bare.load_state_dict(sd, strict=True)

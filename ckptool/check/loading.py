@@ -31,9 +31,11 @@ from ckptool.check.gpus import assumed
 from ckptool.check.modelspec import module_keys
 from ckptool.errors import CkptoolError, UsageError
 from ckptool.read.companions import why_no_weights
+from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.materialize import MapLocation, Placement
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.tensor_source import TensorValues
+from ckptool.write.convert_plan import recorded_aliases
 from ckptool.write.plan import DTYPE_NAMES
 
 if TYPE_CHECKING:
@@ -65,7 +67,10 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
     cast = _dtype(dtype)
     entry = manyfiles.entry_prefix(ckpt)  # DCP's "model.": how it loads, not a name
     tensors = {name[len(entry):]: t for name, t in ckpt.state_dict().items()}
-    aliases = {a[len(entry):]: k[len(entry):] for a, k in ckpt.aliases.items()}
+    recorded = dict(ckpt.aliases)
+    if ckpt.format == SAFETENSORS:  # the ties a converted file records in its __metadata__
+        recorded.update(recorded_aliases(ckpt.metadata.get("metadata", {}), set(tensors))[0])
+    aliases = {a[len(entry):]: k[len(entry):] for a, k in recorded.items()}
     names = {**{n: n for n in tensors}, **{a: k for a, k in aliases.items() if k in tensors}}
     if model is not None:
         keys = module_keys(model)
@@ -73,7 +78,9 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
         assert report.keys is not None
         found = [f for f in report.findings if f.code in KEY_CODES]
         rewrite = report.keys.rewrite
-        names = {rewrite.apply(n): stored for n, stored in names.items()}
+        # a tied name the model does not have is no weight of its own: left out
+        names = {rewrite.apply(n): stored for n, stored in names.items()
+                 if n not in aliases or rewrite.apply(n) in keys.shapes}
         for missing, twin in report.keys.tied_missing.items():
             if twin in names:
                 names[missing] = names[twin]  # the model ties them: the same tensor

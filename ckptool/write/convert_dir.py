@@ -71,20 +71,47 @@ def convert(source: Checkpoint, dst: str, kind: str, *, force: bool = False,
         pairs = ", ".join(f"{a} = {k}" for a, k in list(written.aliases.items())[:4])
         result.notes.append(f"DCP cannot share storage: each tied name is written as its "
                             f"own copy ({pairs})")
+    stem, configs = framework_files(source) if kind != "dcp" else (None, [])
+    if configs:
+        result.notes.append(f"copied {', '.join(n for _, n in configs)} from "
+                            f"{source.framework.directory if source.framework else '?'}, so that "
+                            "the framework's from_pretrained finds the model")
     result.files, result.bytes_written = write_directory(
         source, written, kind, dst, force=force, fsync=fsync, progress=progress,
         planned=None if kind == "dcp" else shards.plan(
-            written, kind, max_shard_size or shards.DEFAULT_MAX))
+            written, kind, max_shard_size or shards.DEFAULT_MAX, stem),
+        extras=configs, stem=stem)
     return result
+
+
+# a framework's own name for its weights, and the files its loader reads beside them
+STEMS = {"diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
+CONFIG_ROLES = ("model config", "generation config", "adapter config (PEFT)", "tokenizer",
+                "preprocessor config", "sentence-transformers config")
+
+
+def framework_files(source: Checkpoint) -> tuple[str | None, list[tuple[str, str]]]:
+    """How a framework folder's model is written as a directory that its
+    ``from_pretrained`` loads: the weights' file stem (diffusers'
+    ``diffusion_pytorch_model``, PEFT's ``adapter_model``; None: as
+    transformers), and its config files to copy, as (path, name)."""
+    fw = source.framework
+    if fw is None:
+        return None, []
+    configs = [(os.path.join(fw.directory, c.path), c.path) for c in fw.companions
+               if c.role in CONFIG_ROLES]
+    return STEMS.get(fw.kind), configs
 
 
 def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *,
                     force: bool = False, fsync: bool = False, progress: Progress | None = None,
                     planned: list[shards.Shard] | None = None,
-                    extras: Sequence[str] = ()) -> tuple[list[str], int]:
+                    extras: Sequence[tuple[str, str]] = (),
+                    stem: str | None = None) -> tuple[list[str], int]:
     """Write ``written`` (of ``source``) as directory ``dst`` of ``kind``, in
-    the ``planned`` shards (hf, hf-bin), with ``source``'s files ``extras``
-    copied as they are; returns its files and their bytes."""
+    the ``planned`` shards (hf, hf-bin; the index named for ``stem``), with
+    the files ``extras`` ((path, name in dst)) copied as they are; returns
+    its files and their bytes."""
     total = sum(written.nbytes(n) for n in written.tensors)
     with AtomicDirectory(dst, force, fsync, source=source.directory or source.path) as outdir, \
             TensorSource(source) as tensors:
@@ -93,10 +120,10 @@ def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *
             files = _write_dcp(written, tensors, outdir, _Overall(progress, total), crcs)
         else:
             assert planned is not None
-            files = _write_hf(written, kind, tensors, outdir, planned, _Overall(progress, total))
-        for name in extras:
-            assert source.directory is not None
-            with open(os.path.join(source.directory, name), "rb") as f, \
+            files = _write_hf(written, kind, tensors, outdir, planned, _Overall(progress, total),
+                              stem)
+        for path, name in extras:
+            with open(path, "rb") as f, \
                     outdir.file(name) as out:
                 shutil.copyfileobj(f, out.file)
                 out.file.flush()
@@ -133,7 +160,7 @@ class _Overall:
 
 
 def _write_hf(written: Written, kind: str, tensors: TensorSource, outdir: AtomicDirectory,
-              planned: list[shards.Shard], overall: _Overall) -> list[str]:
+              planned: list[shards.Shard], overall: _Overall, stem: str | None) -> list[str]:
     for shard in planned:
         part = Written({n: written.tensors[n] for n in shard.tensors},
                        {a: written.aliases[a] for a in shard.aliases},
@@ -150,11 +177,11 @@ def _write_hf(written: Written, kind: str, tensors: TensorSource, outdir: Atomic
     names = [s.name for s in planned]
     if len(planned) > 1:
         text = json.dumps(shards.index(planned, written.aliases, kind), indent=2) + "\n"
-        with outdir.file(shards.index_name(kind)) as out:
+        with outdir.file(shards.index_name(kind, stem)) as out:
             out.file.write(text.encode())
             out.file.flush()
             out.commit()
-        names.append(shards.index_name(kind))
+        names.append(shards.index_name(kind, stem))
     return names
 
 

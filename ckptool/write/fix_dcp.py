@@ -19,6 +19,7 @@ are copied as they are. DCP records no device, so ``--to`` / ``--map`` are refus
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 from ckptool.describe import shell_word
@@ -62,7 +63,9 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, force: bool = Fals
                             if len(written.unplain) > 1 else ""),
             f"leave it out with --drop {escape(written.unplain[0])}, or convert the model "
             f"into one file: ckptool convert {path} model.safetensors")
-    extras = [f.path for f in source.files if f.role == "extra"]  # Lightning's meta.pt
+    assert source.directory is not None
+    extras = [(os.path.join(source.directory, f.path), f.path)  # Lightning's meta.pt
+              for f in source.files if f.role == "extra"]
     if opts.changes_keys():
         _rename(source, written, opts, plan)
     for name, t in written.tensors.items():

@@ -58,8 +58,11 @@ class Shard:
     nbytes: int = 0
 
 
-def plan(written: Written, kind: str, max_size: int = DEFAULT_MAX) -> list[Shard]:
-    """The shards of ``written``'s tensors (in order), named for ``kind`` (hf, hf-bin)."""
+def plan(written: Written, kind: str, max_size: int = DEFAULT_MAX,
+         stem: str | None = None) -> list[Shard]:
+    """The shards of ``written``'s tensors (in order), named for ``kind`` (hf,
+    hf-bin) or, with ``stem``, as a framework names its own
+    (``diffusion_pytorch_model``, ``adapter_model``)."""
     groups: list[Shard] = []
     current = Shard("")
     for name in written.tensors:
@@ -75,6 +78,7 @@ def plan(written: Written, kind: str, max_size: int = DEFAULT_MAX) -> list[Shard
     if current.tensors or not groups:
         groups.append(current)
     prefix, suffix = PATTERNS[kind]
+    prefix = stem or prefix
     n = len(groups)
     for i, shard in enumerate(groups):
         shard.name = f"{prefix}{suffix}" if n == 1 else f"{prefix}-{i + 1:05d}-of-{n:05d}{suffix}"
@@ -112,6 +116,6 @@ def index(shards: list[Shard], aliases: dict[str, str], kind: str) -> dict[str, 
     return {"metadata": metadata, "weight_map": weight_map}
 
 
-def index_name(kind: str) -> str:
+def index_name(kind: str, stem: str | None = None) -> str:
     prefix, suffix = PATTERNS[kind]
-    return f"{prefix}{suffix}.index.json"
+    return f"{stem or prefix}{suffix}.index.json"
