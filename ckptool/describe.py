@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
-from ckptool.model import StateDictInfo, TensorInfo
+from ckptool.model import Framework, StateDictInfo, TensorInfo
 
 
 def shape_text(shape: Iterable[int]) -> str:
@@ -98,3 +98,22 @@ def _escape(c: str) -> str:
     if code < 0x100:
         return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c, f"\\x{code:02x}")
     return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def framework_line(fw: Framework) -> str:
+    """``a transformers Trainer checkpoint (checkpoint-2/) · LlamaForCausalLM
+    (llama) · tied input and output embeddings``."""
+    said = [fw.description]
+    if fw.model_class or fw.model_type:
+        kind = f" ({fw.model_type})" if fw.model_class and fw.model_type else ""
+        said.append(f"{fw.model_class or fw.model_type}{kind}")
+    if fw.tie_word_embeddings:
+        said.append("tied input and output embeddings")
+    return " · ".join(said)
+
+
+def own_prefix_text(fw: Framework) -> str:
+    """Why a prefix is no wrapper: ``'model.' is LlamaForCausalLM's own
+    naming, config.json``."""
+    whose = "PEFT's" if fw.kind == "peft" else f"{fw.model_class or fw.model_type}'s"
+    return f"'{fw.own_prefix}' is {whose} own naming, {fw.evidence}"

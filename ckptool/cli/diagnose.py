@@ -79,6 +79,7 @@ def diagnose_dict(d: Diagnosis) -> dict[str, Any]:
         "devices": [{"location": t.location, "tensors": t.tensors, "nbytes": t.nbytes,
                      "lands": t.lands, "physical": t.physical, "error": t.error}
                     for t in d.tags],
+        "framework": ckpt.framework.as_dict() if ckpt.framework is not None else None,
         "main_state_dict": None if sd is None else {
             "path": sd.path, "kind": sd.kind, "prefix": sd.prefix,
             "num_tensors": sd.num_tensors, "entry_prefix": manyfiles.entry_prefix(ckpt)},

@@ -19,7 +19,7 @@ from ckptool.check.diagnosis import ERROR, WARNING, Diagnosis, describe_keys
 from ckptool.check.findings import Finding
 from ckptool.check.gpus import describe_target
 from ckptool.check.loadcheck import describe_landing
-from ckptool.describe import human_bytes, plural
+from ckptool.describe import framework_line, human_bytes, own_prefix_text, plural
 
 _STYLE = {ERROR: "bold red", WARNING: "yellow"}
 
@@ -46,7 +46,12 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
         where = manyfiles.state_dict_place(ckpt)
         prefix = f" · prefix {sd.prefix!r}" if sd.prefix and sd.prefix != manyfiles.entry_prefix(
             ckpt) else ""
+        fw = ckpt.framework
+        if fw is not None and fw.own_prefix and sd.prefix.endswith(fw.own_prefix):
+            prefix += f" ({own_prefix_text(fw)})"
         grid.add_row("state dict", f"{where} · {plural(sd.num_tensors, 'tensor')}{prefix}")
+    if ckpt.framework is not None:
+        grid.add_row("folder", framework_line(ckpt.framework))
     keys = describe_keys(d)
     if keys is not None:
         grid.add_row("keys", keys)

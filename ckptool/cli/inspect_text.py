@@ -16,10 +16,18 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.cli.common import fold_key, key_width
-from ckptool.describe import human_bytes, human_count, parameters_text, plural, tensor_shape
+from ckptool.describe import (
+    framework_line,
+    human_bytes,
+    human_count,
+    own_prefix_text,
+    parameters_text,
+    plural,
+    tensor_shape,
+)
 from ckptool.describe import shown as shown_text
 from ckptool.keys import pieces
-from ckptool.model import NO_LOCATION, Checkpoint, Companion, Framework, TensorInfo
+from ckptool.model import NO_LOCATION, Checkpoint, Companion, TensorInfo
 
 
 def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:
@@ -114,18 +122,6 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
 FILES_SHOWN = 6
 
 
-def framework_line(fw: Framework) -> str:
-    """``a transformers Trainer checkpoint (checkpoint-2/) · LlamaForCausalLM
-    (llama) · tied input and output embeddings``."""
-    said = [fw.description]
-    if fw.model_class or fw.model_type:
-        kind = f" ({fw.model_type})" if fw.model_class and fw.model_type else ""
-        said.append(f"{fw.model_class or fw.model_type}{kind}")
-    if fw.tie_word_embeddings:
-        said.append("tied input and output embeddings")
-    return " · ".join(said)
-
-
 def adapter_line(adapter: dict[str, Any]) -> str:
     """``LORA · r 4 · alpha 8 · targets q_proj, v_proj · base model tiny-llama``."""
     said = [str(adapter.get("peft_type", "?"))]
@@ -138,13 +134,6 @@ def adapter_line(adapter: dict[str, Any]) -> str:
                                   else str(targets)))
     said.append(f"base model {adapter.get('base_model') or 'not named'}")
     return " · ".join(said)
-
-
-def own_prefix_text(fw: Framework) -> str:
-    """Why a prefix is no wrapper: ``'model.' is LlamaForCausalLM's own
-    naming, config.json``."""
-    whose = "PEFT's" if fw.kind == "peft" else f"{fw.model_class or fw.model_type}'s"
-    return f"'{fw.own_prefix}' is {whose} own naming, {fw.evidence}"
 
 
 def optimizer_line(state: dict[str, Any]) -> str:
