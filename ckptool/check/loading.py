@@ -32,7 +32,7 @@ from ckptool.check.modelspec import module_keys
 from ckptool.errors import CkptoolError, UsageError
 from ckptool.read.companions import why_no_weights
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.materialize import MapLocation, Placement
+from ckptool.read.materialize import Builder, MapLocation, Placement
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.tensor_source import TensorValues
 from ckptool.write.convert_plan import recorded_aliases
@@ -98,11 +98,14 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
     place = Placement(map_location)
     out: dict[str, torch.Tensor] = {}
     made: dict[str, torch.Tensor] = {}
+    built = Builder(ckpt, "cpu", mmap=False)  # sparse, nested, quantized: from their parts
     with TensorValues(ckpt) as values:
         for name, stored in names.items():
             if stored not in made:
                 t = tensors[stored]
-                value = place.tensor(values.values(t), t.location or "cpu")
+                plain = t.layout == "strided" and not t.parts
+                value = place.tensor(values.values(t) if plain else built.at(t.key),
+                                     t.location or "cpu")
                 if cast is not None and value.is_floating_point():
                     value = value.to(cast)
                 made[stored] = value

@@ -29,11 +29,12 @@ torch (and numpy) are imported here, on use: ``ckptool.open`` stays light.
 from __future__ import annotations
 
 import os
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError
-from ckptool.keys import unescape
+from ckptool.keys import split_key, unescape
 from ckptool.model import Checkpoint
 from ckptool.read.constructors import NDArray
 from ckptool.read.layouts.dcp import DCP, nest
@@ -41,13 +42,15 @@ from ckptool.read.reader import no_cycle_collection, open_checkpoint
 from ckptool.read.tensor_data import TensorData
 from ckptool.read.tensor_source import TensorValues
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
-from ckptool.read.values import StandIn, is_plain
+from ckptool.read.values import StandIn, is_plain, name_of
+from ckptool.read.walk import key_text as walk_key
 
 if TYPE_CHECKING:
     import torch
 
 MapLocation = Any  # str | torch.device | dict[str, str] | Callable | None
 MAX_DEPTH = 200
+_MISSING = object()
 
 
 class LoadError(CkptoolError):
@@ -200,6 +203,32 @@ class Builder:
             if self._data is not None:
                 self._data.close()
 
+    def at(self, key: str) -> Any:
+        """The object at ``key`` (a tensor's key) of a single file's tree, built."""
+        obj = self.ckpt.root
+        for name in split_key(key):
+            if isinstance(obj, dict):
+                found = next((v for k, v in obj.items() if walk_key(k) == name), _MISSING)
+            elif isinstance(obj, (list, tuple)) and name.isdigit() and int(name) < len(obj):
+                found = obj[int(name)]
+            else:
+                found = _MISSING
+            if found is _MISSING or self.ckpt.is_multifile:
+                raise UnsupportedCheckpointError(
+                    f"{key}: ckptool builds a {self._what(key)} only from a single file's tree",
+                    "ckptool.load(path) builds the whole file")
+            obj = found
+        try:
+            return self._value(obj, 0)
+        finally:
+            if self._data is not None:
+                self._data.close()
+                self._data = None
+
+    def _what(self, key: str) -> str:
+        return next((f"{t.layout} tensor" for t in self.ckpt.tensors if t.key == key),
+                    "tensor")
+
     def _value(self, obj: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
             raise LoadError("the object tree nests deeper than ckptool builds", "")
@@ -289,6 +318,8 @@ class Builder:
     def _tensor(self, rec: TensorRecord) -> torch.Tensor:
         import torch
 
+        if rec.layout == "quantized" and rec.storage is not None and rec.stride is not None:
+            return self._quantized(rec)
         if rec.storage is None or rec.stride is None or rec.layout != "strided":
             raise UnsupportedCheckpointError(
                 f"a {rec.layout} tensor ckptool.load does not build yet",
@@ -305,23 +336,76 @@ class Builder:
             t.requires_grad_(True)
         return t
 
+    def _quantized(self, rec: TensorRecord) -> torch.Tensor:
+        """A quantized tensor, as torch's own ``_rebuild_qtensor`` makes it
+        from the storage and the quantizer's numbers (its scheme a torch
+        constant, its per-channel scales tensors ckptool built)."""
+        import torch
+
+        params = (rec.extra or {}).get("quantizer")
+        if not isinstance(params, tuple) or not params:
+            params = ("?",)
+        scheme = getattr(torch, name_of(params[0]).removeprefix("torch."), None)
+        if not isinstance(scheme, torch.qscheme):
+            raise UnsupportedCheckpointError(
+                f"a quantized tensor with an unknown scheme {params!r:.60}",
+                "ckptool.open lists it; torch.load rebuilds it")
+        dtype = getattr(torch, rec.dtype)
+        assert rec.storage is not None
+        typed = torch.storage.TypedStorage(wrap_storage=self._storage(rec.storage),
+                                           dtype=dtype, _internal=True)
+        rest = tuple(self._value(p, 0) for p in params[1:])
+        return torch._utils._rebuild_qtensor(
+            typed, rec.storage_offset, rec.shape, rec.stride, (scheme, *rest),
+            rec.requires_grad, OrderedDict())
+
     def _composite(self, obj: CompositeTensor, depth: int) -> torch.Tensor:
         import torch
 
         parts = {k: self._value(v, depth) for k, v in obj.parts.items()}
-        if obj.layout == "sparse_coo":
-            return torch.sparse_coo_tensor(parts["indices"], parts["values"], obj.shape)
-        if obj.layout == "sparse_csr":
-            return torch.sparse_csr_tensor(parts["crow_indices"], parts["col_indices"],
-                                           parts["values"], obj.shape)
-        raise UnsupportedCheckpointError(f"a {obj.layout} tensor ckptool.load does not build yet",
-                                         "ckptool.open lists it; torch.load rebuilds it")
+        return compose(obj.layout, obj.shape, parts, obj.extra or {})
+
+
+def compose(layout: str, shape: tuple[int, ...], parts: dict[str, Any],
+            extra: dict[str, Any]) -> torch.Tensor:
+    """A sparse or nested tensor from its parts (real tensors), as torch's
+    own rebuild functions make it on load."""
+    import torch
+
+    if layout == "sparse_coo":
+        return torch.sparse_coo_tensor(parts["indices"], parts["values"], shape)
+    compressed = {"sparse_csr": ("crow_indices", "col_indices"),
+                  "sparse_csc": ("ccol_indices", "row_indices"),
+                  "sparse_bsr": ("crow_indices", "col_indices"),
+                  "sparse_bsc": ("ccol_indices", "row_indices")}
+    if layout in compressed:
+        first, second = compressed[layout]
+        return torch.sparse_compressed_tensor(
+            parts[first], parts[second], parts["values"], shape,
+            layout=getattr(torch, layout))
+    if layout == "nested" and {"buffer", "sizes", "strides", "offsets"} <= set(parts):
+        return torch._utils._rebuild_nested_tensor(
+            parts["buffer"], parts["sizes"], parts["strides"], parts["offsets"])
+    if layout == "jagged":
+        # torch saves each as a tensor whose first size is the number
+        # (nested_tensor._load_val_from_tensor)
+        seqlen = {k: parts[k].shape[0] for k in ("min_seqlen", "max_seqlen")
+                  if k in parts and parts[k].dim()}
+        return torch.nested.nested_tensor_from_jagged(
+            parts["values"], parts["offsets"], parts.get("lengths"),
+            jagged_dim=extra.get("ragged_idx", 1), **seqlen)
+    raise UnsupportedCheckpointError(f"a {layout} tensor ckptool does not build yet",
+                                     "ckptool.open lists it; torch.load rebuilds it")
 
 
 def _whole_storage(ref: StorageRef) -> Any:
     """A TensorInfo covering storage ``ref`` whole, as bytes of its dtype."""
+    from ckptool import dtypes
     from ckptool.model import TensorInfo
 
+    if ref.dtype in dtypes.QUANTIZED:  # its bytes as they are: the quantizer reads them
+        return TensorInfo(ref.key, (ref.nbytes,), "uint8", (1,), 0, ref.key, ref.location,
+                          ref.nbytes)
     return TensorInfo(ref.key, (ref.numel,), ref.dtype, (1,), 0, ref.key, ref.location,
                       ref.nbytes)
 

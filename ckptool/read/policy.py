@@ -135,6 +135,12 @@ _TORCH_SUBMODULES = frozenset({
 _KNOWN: dict[str, str] = {
     "torch.serialization._get_layout": TORCH,
     "torch.cuda.amp.grad_scaler.GradScaler": TORCH,
+    # a jagged nested tensor: its class, its rebuild function (read by
+    # ckptool's own), and the dataclass of ints dynamo marks its sizes with
+    # (torch.load(weights_only=True) allows the three)
+    "torch.nested._internal.nested_tensor.NestedTensor": TORCH,
+    "torch.nested._internal.nested_tensor._rebuild_njt": TORCH,
+    "torch._dynamo.decorators._DimRange": TORCH,
     # TorchScript's pickler tags lists with these (each returns its argument)
     "torch.jit._pickle.build_intlist": TORCH, "torch.jit._pickle.build_tensorlist": TORCH,
     "torch.jit._pickle.build_doublelist": TORCH, "torch.jit._pickle.build_boollist": TORCH,
@@ -213,7 +219,7 @@ USES = (CALLED, CALLED_INSTANCE, CREATED, BUILT)
 _KNOWN_CALLABLE_PREFIXES = ("torch._utils._rebuild_", "torch._tensor._rebuild_from_type")
 _KNOWN_CALLABLES = frozenset({
     "torch.device", "torch.Size", "torch.serialization._get_layout",
-    "torch.storage._load_from_bytes",
+    "torch.storage._load_from_bytes", "torch.nested._internal.nested_tensor._rebuild_njt",
 })
 
 

@@ -177,6 +177,9 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
     seen = raw.seen
     storages = _storages(raw.storages, tensors)
     unviewed = [s.id for s in storages.values() if not s.tensors]
+    if unviewed:  # a per-channel quantizer's scales are its tensor's, not unviewed
+        held = _quantizer_storages(walked.tensors)
+        unviewed = [sid for sid in unviewed if sid not in held]
     warnings = list(raw.warnings)
     if unviewed:  # reached by the pickle, yet in no object ckptool lists
         warnings.append(f"{plural(len(unviewed), 'storage')} the pickle loads that no listed "
@@ -207,6 +210,14 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
         root=raw.root,
         warnings=warnings,
     )
+
+
+def _quantizer_storages(records: list[tuple[str, Any]]) -> set[str]:
+    """Storages a quantized tensor's quantizer holds (per-channel scales and
+    zero points): part of that tensor."""
+    return {p.storage.key for _, rec in records
+            if type(rec) is TensorRecord and rec.extra and "quantizer" in rec.extra
+            for p in rec.extra["quantizer"] if isinstance(p, TensorRecord) and p.storage}
 
 
 def tensor_info(key: str, rec: Any) -> TensorInfo:

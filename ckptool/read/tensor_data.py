@@ -167,10 +167,6 @@ class TensorData:
         import torch
 
         _check_readable(tensor)
-        if self.ckpt.format == "safetensors" and tensor.dtype == "float4_e2m1fn_x2":
-            # safetensors counts 4-bit elements; torch's dtype packs two per byte
-            raise UnsupportedCheckpointError(
-                f"{tensor.key}: reading packed F4 safetensors values is not supported", _HINT)
         assert tensor.storage is not None and tensor.stride is not None
         dtype = _torch_dtype(tensor.dtype)
         size = dtype.itemsize

@@ -94,6 +94,7 @@ class CompositeTensor:
     shape: tuple[int, ...]
     parts: dict[str, Any]
     origin: tuple[str, tuple[Any, ...]] | None = None  # as TensorRecord.origin
+    extra: dict[str, Any] | None = None  # what else builds it (a jagged one's ragged dim)
 
 
 MAX_INT64 = 2**63 - 1  # torch sizes, strides and offsets are int64
@@ -179,7 +180,9 @@ def rebuild_qtensor(storage: Any, storage_offset: Any, size: Any, stride: Any,
     rec = _strided(storage, storage_offset, size, stride, None, requires_grad)
     rec.layout = "quantized"
     if isinstance(quantizer_params, tuple) and quantizer_params:
-        rec.extra = {**(rec.extra or {}), "qscheme": name_of(quantizer_params[0])}
+        # the scheme, and its scale and zero point (or per-channel tensors and axis)
+        rec.extra = {**(rec.extra or {}), "qscheme": name_of(quantizer_params[0]),
+                     "quantizer": quantizer_params}
     return rec
 
 
@@ -271,7 +274,32 @@ def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
 
 
 def rebuild_nested_tensor(buffer: Any, sizes: Any, strides: Any, offsets: Any) -> CompositeTensor:
-    return CompositeTensor("nested", (), {"buffer": buffer, "sizes": sizes})
+    """A strided nested tensor: its components' sizes, strides and offsets
+    into one buffer (each a tensor); its shape is its component count."""
+    parts = {"buffer": buffer, "sizes": sizes, "strides": strides, "offsets": offsets}
+    count = sizes.shape[0] if isinstance(sizes, TensorRecord) and sizes.shape else 0
+    return CompositeTensor("nested", (count,), parts)
+
+
+def rebuild_njt(kwargs: Any) -> CompositeTensor:
+    """A jagged nested tensor (``torch.nested.nested_tensor(..., layout=torch.jagged)``):
+    ``values`` packed along its ragged dimension, ``offsets`` (and ``lengths``)
+    marking each component; its shape is its component count."""
+    if not isinstance(kwargs, dict) or not isinstance(kwargs.get("values"), TensorRecord) \
+            or not isinstance(kwargs.get("offsets"), TensorRecord):
+        raise CorruptCheckpointError(f"jagged nested tensor without values and offsets: "
+                                     f"{brief(kwargs)}")
+    parts = {k: kwargs[k] for k in ("values", "offsets", "lengths")
+             if isinstance(kwargs.get(k), TensorRecord)}
+    cache = kwargs.get("_metadata_cache")
+    for name in ("min_seqlen", "max_seqlen"):
+        if isinstance(cache, dict) and isinstance(cache.get(name), TensorRecord):
+            parts[name] = cache[name]
+    ragged = kwargs.get("_ragged_idx", 1)
+    offsets = kwargs["offsets"]
+    count = max(offsets.shape[0] - 1, 0) if offsets.shape else 0
+    return CompositeTensor("jagged", (count,), parts,
+                           extra={"ragged_idx": ragged if type(ragged) is int else 1})
 
 
 REBUILDERS: dict[str, Callable[..., Any]] = {
@@ -288,6 +316,7 @@ REBUILDERS: dict[str, Callable[..., Any]] = {
     "torch._utils._rebuild_mtia_tensor": rebuild_device_tensor_from_numpy,
     "torch._utils._rebuild_sparse_tensor": rebuild_sparse_tensor,
     "torch._utils._rebuild_nested_tensor": rebuild_nested_tensor,
+    "torch.nested._internal.nested_tensor._rebuild_njt": rebuild_njt,
     "torch._tensor._rebuild_from_type_v2": rebuild_from_type_v2,
     "torch._tensor._rebuild_from_type": rebuild_from_type,
 }

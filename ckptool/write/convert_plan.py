@@ -17,12 +17,13 @@ plain values kept, and what is left out, said rather than dropped.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool import dtypes
-from ckptool.describe import plural
+from ckptool.describe import plural, shell_word
 from ckptool.errors import UnsupportedCheckpointError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint, TensorInfo
@@ -94,15 +95,38 @@ def plan(source: Checkpoint, into: str, keep_entries: bool = True) -> Written:
     if into == SAFETENSORS:
         bad = sorted({t.dtype for t in written.tensors.values() if t.dtype not in ST_CODES})
         if bad:
+            names = [n for n, t in written.tensors.items() if t.dtype in bad]
             raise UnsupportedCheckpointError(
-                f"safetensors cannot hold {', '.join(bad)} tensors",
-                "cast them first, e.g. `ckptool fix --dtype fp32`")
+                f"safetensors cannot hold {', '.join(bad)} tensors ({', '.join(names[:3])}"
+                f"{' …' if len(names) > 3 else ''})", _unholdable_hint(source, bad))
         for e in source.entries if keep_entries else ():
             if e.type != "alias" and (e.value is not None or e.summary == "None") \
                     and not _file_record(source, e.key):
                 written.entries[e.key] = e.value
         written.left_out = _left_out(source, kind, written.entries)
     return written
+
+
+def _unholdable_hint(source: Checkpoint, bad: list[str]) -> str:
+    """What works for dtypes safetensors has no code for: a torch file keeps
+    them (complex, quantized: a cast to a real float would lose half)."""
+    if source.format in ("torch-zip", "torch-legacy", "pickle"):
+        keep = "keep the torch file, which holds them (ckptool.load and torch.load read it)"
+    elif any(d in dtypes.QUANTIZED for d in bad):
+        keep = "keep the checkpoint as it is"
+    else:
+        keep = (f"write a torch file instead, which keeps them: ckptool convert "
+                f"{shell_word(source.path)} {shell_word(_torch_name(source.path))}")
+    if any(d in dtypes.QUANTIZED for d in bad):
+        return keep + "; or store t.dequantize() (floats) from torch"
+    if any(d in dtypes.COMPLEX for d in bad):
+        return keep + "; or store torch.view_as_real(t) (their real and imaginary parts)"
+    return keep
+
+
+def _torch_name(path: str) -> str:
+    stem = os.path.splitext(os.path.normpath(path))[0]
+    return stem + (".pt" if not path.endswith(".pt") else ".converted.pt")
 
 
 def cast(written: Written, dtype: str) -> None:

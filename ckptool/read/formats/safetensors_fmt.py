@@ -134,6 +134,12 @@ def _tensor(name: str, entry: Any, data_start: int, size: int) -> TensorRecord:
         raise CorruptCheckpointError(
             f"safetensors data for {name!r:.80} lies past the end of the file (truncated)",
             TRUNCATED_HINT)
+    if code == "F4":  # counted in 4-bit elements; torch's float4_e2m1fn_x2 packs two a byte
+        if not shape or shape[-1] % 2:
+            raise CorruptCheckpointError(
+                f"safetensors entry {name!r:.80} is F4 with an odd last dimension: torch "
+                "reads F4 as float4_e2m1fn_x2, two elements a byte", HINT)
+        shape = [*shape[:-1], shape[-1] // 2]
     ref = StorageRef(name, dtype, None, expected // dtypes.itemsize(dtype),
                      f"@{data_start + begin}")
     stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

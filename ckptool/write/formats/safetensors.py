@@ -34,7 +34,10 @@ def lay_out(items: list[Item], meta: dict[str, str],
     offset = 0
     for name, t, dtype in items:
         size = t.numel * dtypes.itemsize(dtype)
-        header[name] = {"dtype": ST_CODES[dtype], "shape": list(t.shape),
+        shape = list(t.shape)
+        if dtype == "float4_e2m1fn_x2" and shape:  # safetensors counts the 4-bit elements
+            shape[-1] *= 2
+        header[name] = {"dtype": ST_CODES[dtype], "shape": shape,
                         "data_offsets": [offset, offset + size]}
         offset += size
     header["__metadata__"] = meta
