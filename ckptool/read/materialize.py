@@ -360,7 +360,6 @@ class Builder:
             rec.requires_grad, OrderedDict())
 
     def _composite(self, obj: CompositeTensor, depth: int) -> torch.Tensor:
-        import torch
 
         parts = {k: self._value(v, depth) for k, v in obj.parts.items()}
         return compose(obj.layout, obj.shape, parts, obj.extra or {})
