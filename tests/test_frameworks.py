@@ -315,3 +315,15 @@ def test_ties_a_converted_file_records_load_back(tmp_path: Path,
     sd = ckptool.load_state_dict(tmp_path / "t.safetensors", model=bare)
     assert set(sd) == {"embed.weight"}
     bare.load_state_dict(sd, strict=True)
+
+
+def test_a_sentence_transformers_folder_lists_every_modules_weights() -> None:
+    """modules.json: the transformer at the top is the model read; the Dense
+    layer in 2_Dense/ is listed (and read like the model), not ignored."""
+    ckpt = ckptool.open(HERE / "sentence_transformers")
+    fw = ckpt.framework
+    assert fw is not None and fw.kind == "sentence-transformers"
+    assert len(ckpt.tensors) == 39
+    dense = next(c for c in fw.companions if c.path == "2_Dense/model.safetensors")
+    assert dense.role == "module 2 (Dense) weights" and dense.format == "safetensors"
+    assert dense.detail == "2 tensors: linear.bias, linear.weight"

@@ -57,7 +57,44 @@ def framework_of(path: str, layout: recognise.Layout | None,
         here = os.path.basename(os.path.normpath(os.path.abspath(path))) + "/"
         facts = Framework("folder", path, f"a folder holding the model and "
                           f"{len(found)} other file{'s' if len(found) != 1 else ''} ({here})")
+    if facts.kind == "sentence-transformers":
+        found += _modules(path)
     return _with_names(replace(facts, companions=tuple(found)), ckpt)
+
+
+def _modules(directory: str) -> list[Companion]:
+    """The weights of a sentence-transformers model's modules beyond the
+    first (a ``Dense`` layer in ``2_Dense/``), each read and listed: the
+    model is more than the transformer at the top."""
+    listed = framework.json_file(directory, "modules.json")
+    out = []
+    for module in listed if isinstance(listed, list) else []:
+        sub = module.get("path") if isinstance(module, dict) else None
+        if not isinstance(sub, str) or not sub or "/" in sub or sub.startswith("."):
+            continue
+        folder = os.path.join(directory, sub)
+        kind = str(module.get("type", "")).rsplit(".", 1)[-1] or "module"
+        for name in sorted(recognise.listing(folder))[:recognise.MAX_SNIFFED]:
+            full = os.path.join(folder, name)
+            if not recognise.is_checkpoint_file(full):
+                continue
+            role = f"module {module.get('name', sub)} ({kind}) weights"
+            try:
+                raw = formats.read(full)
+            except CkptoolError as exc:
+                out.append(Companion(f"{sub}/{name}", role, os.path.getsize(full),
+                                     error=exc.message.removeprefix(f"{full}: ")))
+                continue
+            names = [k for k in raw.root if isinstance(k, str)] \
+                if isinstance(raw.root, dict) else []
+            verdicts = raw.seen.final()
+            out.append(Companion(
+                f"{sub}/{name}", role, os.path.getsize(full), raw.format,
+                tuple(n for n, v in verdicts.items() if v.category == policy.UNSAFE),
+                tuple(n for n, v in verdicts.items() if v.category == policy.CUSTOM),
+                detail=f"{len(names)} tensor{'s' if len(names) != 1 else ''}: "
+                       f"{', '.join(names[:4])}{' …' if len(names) > 4 else ''}"))
+    return out
 
 
 def _own_files(path: str, layout: recognise.Layout, ckpt: Checkpoint) -> set[str]:

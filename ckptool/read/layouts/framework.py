@@ -100,16 +100,16 @@ def folder_facts(directory: str, files: list[str], dirs: list[str]) -> Framework
     """What the framework files in ``directory`` say (no companions yet),
     or None for a folder no framework wrote."""
     has = set(files)
-    config = _json(directory, "config.json") if "config.json" in has else None
+    config = json_file(directory, "config.json") if "config.json" in has else None
     model_class, model_type, tied = _model_facts(config)
-    adapter = _json(directory, "adapter_config.json") if "adapter_config.json" in has else None
+    adapter = json_file(directory, "adapter_config.json") if "adapter_config.json" in has else None
     here = os.path.basename(os.path.normpath(os.path.abspath(directory))) + "/"
     if isinstance(adapter, dict) and "peft_type" in adapter:
         facts = _adapter_facts(adapter)
         return Framework("peft", directory, f"a PEFT {facts['peft_type']} adapter ({here})",
                          model_class=facts.get("base_model_class"),
                          evidence="adapter_config.json", adapter=facts)
-    index = _json(directory, "model_index.json") if "model_index.json" in has else None
+    index = json_file(directory, "model_index.json") if "model_index.json" in has else None
     if isinstance(index, dict) and "_class_name" in index:
         parts = tuple(sorted(k for k, v in index.items() if isinstance(v, list) and len(v) == 2
                              and k in dirs))
@@ -117,7 +117,7 @@ def folder_facts(directory: str, files: list[str], dirs: list[str]) -> Framework
                          f"a diffusers pipeline ({index['_class_name']}, {here})",
                          model_class=str(index["_class_name"]), evidence="model_index.json",
                          components=parts)
-    if "modules.json" in has and isinstance(_json(directory, "modules.json"), list):
+    if "modules.json" in has and isinstance(json_file(directory, "modules.json"), list):
         return Framework("sentence-transformers", directory,
                          f"a sentence-transformers model ({here})", model_class=model_class,
                          model_type=model_type, tie_word_embeddings=tied,
@@ -169,7 +169,7 @@ def _adapter_facts(adapter: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in facts.items() if v is not None}
 
 
-def _json(directory: str, name: str) -> Any:
+def json_file(directory: str, name: str) -> Any:
     """The JSON in ``directory/name``, or None (missing, too big, not JSON)."""
     try:
         with open(os.path.join(directory, name), "rb") as f:

@@ -153,7 +153,7 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
         return Layout(DEEPSPEED, path, path,
                       tag=os.path.basename(os.path.normpath(os.path.abspath(path)))), ""
     tags = [d for d in dirs if any(MODEL_FILE.match(n) or OPTIM_FILE.match(n)
-                                   for n in _listing(os.path.join(path, d)))]
+                                   for n in listing(os.path.join(path, d)))]
     if not tags:
         return None, ""
     tag = _latest(path) if LATEST in files else None
@@ -260,7 +260,7 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
     facts = framework.folder_facts(path, files, dirs)
     models = [d for d in facts.components if any(
         is_checkpoint_file(os.path.join(path, d, n)) or INDEX_NAME.search(n)
-        for n in sorted(_listing(os.path.join(path, d)))[:MAX_SNIFFED])] if facts else []
+        for n in sorted(listing(os.path.join(path, d)))[:MAX_SNIFFED])] if facts else []
     if facts is not None and models:
         raise InputError(
             f"{path} is {facts.description}, whose models are read one at a time: "
@@ -307,10 +307,10 @@ def _accelerate_index(name: str) -> int:
 
 def _holds_dcp(folder: str) -> bool:
     return os.path.isfile(os.path.join(folder, METADATA)) or any(
-        RANK_METADATA.match(n) for n in _listing(folder))
+        RANK_METADATA.match(n) for n in listing(folder))
 
 
-def _listing(folder: str) -> list[str]:
+def listing(folder: str) -> list[str]:
     try:
         return os.listdir(folder)
     except OSError:
