@@ -30,14 +30,15 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ckptool.errors import CkptoolError, UnsupportedCheckpointError
-from ckptool.keys import split_key, unescape
+from ckptool.errors import UnsupportedCheckpointError
+from ckptool.keys import join_key, split_key, unescape
 from ckptool.model import Checkpoint
 from ckptool.read.constructors import NDArray
 from ckptool.read.layouts.dcp import DCP, nest
+from ckptool.read.layouts.per_rank import PER_RANK
+from ckptool.read.placement import LoadError, MapLocation, Placement, view
 from ckptool.read.reader import no_cycle_collection, open_checkpoint
 from ckptool.read.tensor_data import TensorData
 from ckptool.read.tensor_source import TensorValues
@@ -48,13 +49,8 @@ from ckptool.read.walk import key_text as walk_key
 if TYPE_CHECKING:
     import torch
 
-MapLocation = Any  # str | torch.device | dict[str, str] | Callable | None
 MAX_DEPTH = 200
 _MISSING = object()
-
-
-class LoadError(CkptoolError):
-    """``ckptool.load`` refused a checkpoint, or could not place it."""
 
 
 def load(path: str | os.PathLike[str], map_location: MapLocation = None, *,
@@ -75,9 +71,11 @@ def load(path: str | os.PathLike[str], map_location: MapLocation = None, *,
         return Builder(ckpt, map_location, mmap).build(ckpt.root)
 
 
-def _state_dict_of_many(ckpt: Checkpoint, map_location: MapLocation) -> dict[str, Any]:
+def _state_dict_of_many(ckpt: Checkpoint, map_location: MapLocation) -> Any:
     if ckpt.format == DCP:
         return _dcp_tree(ckpt, map_location)
+    if ckpt.format == PER_RANK:
+        return _whole_tree(ckpt, map_location)
     out: dict[str, Any] = {}
     place = Placement(map_location)
     with TensorValues(ckpt) as values:
@@ -109,79 +107,31 @@ def _dcp_tree(ckpt: Checkpoint, map_location: MapLocation) -> dict[str, Any]:
     return nest(items, {fqn: ckpt.tree_paths.get(fqn, (fqn,)) for fqn in items})
 
 
-class Placement:
-    """Where each storage goes, as ``map_location`` says (see ``load``)."""
+def _whole_tree(ckpt: Checkpoint, map_location: MapLocation) -> Any:
+    """Everything a checkpoint saved per rank holds, nested as each rank saved
+    it, every DTensor whole (what ``torch.load`` of a file of the gathered
+    state dict gives)."""
+    place = Placement(map_location)
+    by_key = {t.key: t for t in ckpt.tensors}
+    with TensorValues(ckpt) as values:
 
-    def __init__(self, map_location: MapLocation) -> None:
-        self.map_location = map_location
+        def build(obj: Any, key: str, depth: int) -> Any:
+            if depth > MAX_DEPTH:
+                raise LoadError("the object tree nests deeper than ckptool builds", "")
+            if isinstance(obj, (TensorRecord, CompositeTensor, StorageRef)):
+                t = by_key[key]
+                return place.tensor(values.values(t), t.location or "cpu")
+            if isinstance(obj, dict):
+                made = type(obj)() if type(obj) is not dict else {}
+                for k, v in obj.items():
+                    made[k] = build(v, join_key(key, walk_key(k)), depth + 1)
+                return made
+            if isinstance(obj, (list, tuple)):
+                items = [build(v, join_key(key, str(i)), depth + 1) for i, v in enumerate(obj)]
+                return items if isinstance(obj, list) else tuple(items)
+            return obj
 
-    def target(self, tag: str) -> str | None:
-        """The device a storage saved on ``tag`` goes to (None: a callable decides)."""
-        import torch
-
-        ml = self.map_location
-        if ml is None:
-            _check_available(tag)
-            return tag
-        if isinstance(ml, (str, torch.device)):
-            return str(ml)
-        if isinstance(ml, dict):
-            to = ml.get(tag, tag)
-            if to == tag:
-                _check_available(tag)
-            return str(to)
-        if callable(ml):
-            return None
-        raise LoadError(f"map_location {ml!r} is not a device, a dict or a callable",
-                        "pass 'cpu', torch.device('cuda:0'), {'cuda:2': 'cuda:0'} or a function")
-
-    def storage(self, storage: torch.UntypedStorage, tag: str) -> torch.UntypedStorage:
-        target = self.target(tag)
-        if target is None:
-            fn: Callable[[Any, str], Any] = self.map_location
-            moved = fn(storage, tag)
-            return storage if moved is None else moved
-        if target == "cpu":
-            return storage
-        return storage.to(device=target)
-
-    def tensor(self, value: torch.Tensor, tag: str) -> torch.Tensor:
-        target = self.target(tag)
-        if target is None:
-            storage = self.storage(value.untyped_storage(), tag)
-            return _view(storage, value.dtype, tuple(value.shape), tuple(value.stride()),
-                         int(value.storage_offset()))
-        return value if target == "cpu" else value.to(target)
-
-
-def _check_available(tag: str) -> None:
-    import torch
-
-    kind, _, index = tag.partition(":")
-    if kind == "cpu" or kind == "meta":
-        return
-    if kind == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(index or 0) < count:
-            return
-        raise LoadError(
-            f"the checkpoint was saved on {tag}, and this machine has "
-            f"{'no CUDA GPU' if count == 0 else f'{count} CUDA GPU(s)'}",
-            "pass map_location='cpu', or map the tag: map_location={" + repr(tag) + ": 'cuda:0'}")
-    backend = getattr(torch.backends, kind, None)
-    available = getattr(backend, "is_available", None)
-    if not (callable(available) and available()):
-        raise LoadError(f"the checkpoint was saved on {tag}, which this machine does not have",
-                        f"pass map_location='cpu', or map the tag: map_location={{{tag!r}: 'cpu'}}")
-
-
-def _view(storage: torch.UntypedStorage, dtype: torch.dtype, shape: tuple[int, ...],
-          stride: tuple[int, ...], offset: int) -> torch.Tensor:
-    import torch
-
-    t = torch.empty((0,), dtype=dtype, device=storage.device)
-    t.set_(storage, offset, shape, stride)
-    return t
+        return build(ckpt.root, "", 0)
 
 
 class Builder:
@@ -329,7 +279,7 @@ class Builder:
             raise UnsupportedCheckpointError(f"this torch has no dtype {rec.dtype}",
                                              "upgrade torch to load these values")
         storage = self._storage(rec.storage)
-        t = _view(storage, dtype, rec.shape, rec.stride, rec.storage_offset)
+        t = view(storage, dtype, rec.shape, rec.stride, rec.storage_offset)
         if rec.is_parameter:
             return torch.nn.Parameter(t, requires_grad=rec.requires_grad)
         if rec.requires_grad and (t.is_floating_point() or t.is_complex()):
