@@ -81,6 +81,9 @@ class Chunk:
     transforms: tuple[str, ...] = ()  # what to undo first ("stream.zstd/1")
     flat: bool = False
     dtype: str | None = None
+    # raw: a row-major box of raw little-endian elements at byte_offset (a
+    # rank's local DTensor shard in its zip, an HF storage writer's shard)
+    raw: bool = False
 
 
 @dataclass(frozen=True)

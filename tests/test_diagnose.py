@@ -475,7 +475,7 @@ def test_cli_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     # every documented field, and nothing undocumented
     assert set(data) == {"schema_version", "path", "format", "target", "load", "devices",
                          "main_state_dict", "keys", "findings", "fix_command", "fix_output",
-                         "fix_refused", "remaining", "exit_code"}
+                         "fix_refused", "remaining", "exit_code", "framework"}
     assert set(data["target"]) == {"description", "source", "device_count", "cuda_available",
                                    "cuda_visible_devices", "note", "gpus"}
     assert set(data["keys"]) == {"against", "rewrite", "expected", "matched_as_saved",

@@ -55,8 +55,8 @@ class Diagnosis:
         """What plain ``torch.load(path)`` raises here, one line per cause
         (for Hugging Face ``.bin`` shards: ``torch.load`` of a shard)."""
         out = [f"RuntimeError: {t.error}" for t in self.tags if t.error]
-        if self.checkpoint.format in ("dcp", "deepspeed"):  # not torch.load's to load
-            return [] if self.checkpoint.format == "deepspeed" else out
+        if self.checkpoint.format in ("dcp", "deepspeed", "dtensor-ranks"):  # not torch.load's
+            return out if self.checkpoint.format == "dcp" else []
         refused = loadcheck.refused_globals(self.checkpoint)
         if not loadcheck.weights_only_default():
             return out

@@ -31,6 +31,8 @@ from ckptool.describe import plural
 from ckptool.model import Checkpoint
 
 HF_BIN, HF_SAFETENSORS, DCP, DEEPSPEED = "hf-bin", "hf-safetensors", "dcp", "deepspeed"
+PER_RANK = "dtensor-ranks"  # ckptool.read.layouts.per_rank
+HF_STORAGE = "hf-storage"  # ckptool.read.layouts.hf_storage
 
 
 def loader(ckpt: Checkpoint) -> str:
@@ -41,6 +43,10 @@ def loader(ckpt: Checkpoint) -> str:
         return "torch.distributed.checkpoint.load"
     if ckpt.format in (HF_BIN, HF_SAFETENSORS):
         return "huggingface_hub.load_torch_model"
+    if ckpt.format == PER_RANK:
+        return "torch.load of each rank's file (its shards)"
+    if ckpt.format == HF_STORAGE:
+        return "torch.distributed.checkpoint.load with a HuggingFaceStorageReader"
     return "torch.load"
 
 
@@ -54,7 +60,8 @@ def no_problems(ckpt: Checkpoint) -> str:
 
 def load_label(ckpt: Checkpoint) -> str:
     """The label of the row saying how loading goes."""
-    return {DCP: "dcp.load", HF_SAFETENSORS: "loading"}.get(ckpt.format, "torch.load")
+    return {DCP: "dcp.load", HF_SAFETENSORS: "loading", HF_STORAGE: "dcp.load"}.get(
+        ckpt.format, "torch.load")
 
 
 def loads_text(ckpt: Checkpoint) -> str:
@@ -67,10 +74,13 @@ def loads_text(ckpt: Checkpoint) -> str:
     if ckpt.format == DCP:
         return ("no device recorded (DCP saves none): tensors load into the state dict "
                 "you pass, on its tensors' devices")
-    if ckpt.format == HF_SAFETENSORS:
+    if ckpt.format in (HF_SAFETENSORS, HF_STORAGE):
         return "safetensors shards record no device: the loader picks it (map_location=...)"
     if ckpt.format == HF_BIN:
         return f"loads each of its {len(shards(ckpt))} shards"
+    if ckpt.format == PER_RANK:
+        return ("each rank's file loads alone (after `import torch.distributed.tensor`) as "
+                "that rank's shards")
     return "loads"
 
 
@@ -86,7 +96,7 @@ def landing_header(ckpt: Checkpoint) -> str:
 def records_devices(ckpt: Checkpoint) -> bool:
     """Whether saved devices mean anything: not for DCP, nor for DeepSpeed
     (its weights are converted into a file that records none)."""
-    return ckpt.format not in (DCP, DEEPSPEED)
+    return ckpt.format not in (DCP, DEEPSPEED, HF_STORAGE)
 
 
 def entry_prefix(ckpt: Checkpoint) -> str:

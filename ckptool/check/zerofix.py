@@ -23,6 +23,7 @@ from ckptool.model import Checkpoint
 from ckptool.write.plan import FixOptions
 
 DEEPSPEED = "deepspeed"
+PER_RANK = "dtensor-ranks"  # ckptool.read.layouts.per_rank
 
 
 @dataclass
@@ -33,7 +34,10 @@ class Consolidation:
 
 
 def plan(ckpt: Checkpoint) -> Consolidation | None:
-    """The finding and convert command for a DeepSpeed checkpoint; None for any other."""
+    """The finding and convert command for a DeepSpeed checkpoint, or one
+    saved per rank; None for any other."""
+    if ckpt.format == PER_RANK:
+        return _per_rank(ckpt)
     if ckpt.format != DEEPSPEED:
         return None
     output, snippet = consolidated(ckpt)
@@ -50,6 +54,18 @@ def plan(ckpt: Checkpoint) -> Consolidation | None:
         message += (f". The fix writes a torch file: it keeps the tied names ({tied[0]} = "
                     f"{tied[1]}) that safetensors would drop")
     finding = Finding("zero-checkpoint", ERROR, message, command, snippet)
+    return Consolidation(finding, output, command)
+
+
+def _per_rank(ckpt: Checkpoint) -> Consolidation:
+    output, snippet = consolidated(ckpt)
+    command = f"ckptool convert {shell_name(ckpt.path)} {shell_name(output)}"
+    ranks = plural(ckpt.metadata.get("ranks") or 1, "rank")
+    message = (f"saved per rank: each of the {ranks}' files holds that rank's shards of "
+               "DTensors (torch.load of one gives a shard, and only after "
+               "`import torch.distributed.tensor`); no model loads them as they are until "
+               "the ranks' shards are joined")
+    finding = Finding("per-rank-checkpoint", ERROR, message, command, snippet)
     return Consolidation(finding, output, command)
 
 

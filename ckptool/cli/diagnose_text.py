@@ -63,8 +63,9 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
         return
     for f in d.findings:
         render_finding(console, f)
-    console.print()
-    render_fix_command(console, d, d.remaining)
+    if d.fix_command or d.fix_refused:
+        console.print()
+        render_fix_command(console, d, d.remaining)
 
 
 def render_finding(console: Console, f: Finding) -> None:

@@ -183,6 +183,13 @@ def many_files_format(ckpt: Checkpoint) -> str:
         if meta.get("ds_version"):
             said.append(f"DeepSpeed {meta['ds_version']}")
         return f"deepspeed ({' · '.join(said)})"
+    if ckpt.format == "dtensor-ranks":
+        mesh = "x".join(str(n) for n in meta.get("mesh") or ())
+        return (f"dtensor-ranks (torch.save of DTensors, one file per rank · "
+                f"{plural(meta.get('ranks') or 0, 'rank')}{f' · mesh {mesh}' if mesh else ''})")
+    if ckpt.format == "hf-storage":
+        return (f"hf-storage (torch's HuggingFaceStorageWriter shards, joined by their "
+                f"DCP_SHARDING_INFO · {plural(meta.get('ranks') or 0, 'rank')})")
     return f"{ckpt.format} (index {meta.get('index')})"
 
 
@@ -197,7 +204,7 @@ def files_lines(ckpt: Checkpoint) -> list[str]:
             what.append(plural(info.num_tensors, "chunk"))
         elif info.role == "shard":
             what.append(plural(info.num_tensors, "tensor"))
-        elif info.role != "data":
+        elif info.role not in ("data", "rank"):
             what.append(info.role)
         if info.num_values:
             what.append(plural(info.num_values, "value"))

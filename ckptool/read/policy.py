@@ -176,6 +176,11 @@ _TORCH_DATA_PREFIXES = (
     "torch.distributed.checkpoint.metadata.", "torch.distributed.checkpoint.planner.",
     "torch.distributed.checkpoint.filesystem._StorageInfo",
     "torch.distributed.tensor.placement_types.", "torch.distributed._shard.metadata.",
+    # a DTensor and its spec, as torch.save writes them (torch.load(weights_only=True)
+    # allows them once torch.distributed.tensor is imported): data, mesh shapes, ranks
+    "torch.distributed.tensor.DTensor", "torch.distributed.tensor._api.DTensor",
+    "torch.distributed.tensor._dtensor_spec.", "torch.distributed.device_mesh.DeviceMesh",
+    "torch.distributed._mesh_layout.",
     "torch.distributed._shard.sharded_tensor.metadata.",
 )
 

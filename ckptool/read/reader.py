@@ -25,11 +25,12 @@ from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
 from ckptool.read import companions, formats, observe, optim, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
-from ckptool.read.layouts import dcp, deepspeed, hf_sharded, recognise
+from ckptool.read.layouts import dcp, deepspeed, hf_sharded, hf_storage, per_rank, recognise
 from ckptool.read.layouts.base import MultiRead
 from ckptool.read.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
+from ckptool.read.values import StandIn
 from ckptool.read.walk import Candidate, walk
 
 TENSORS = (TensorRecord, StorageRef, CompositeTensor)
@@ -94,8 +95,16 @@ def _open(given: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> 
             with observe.observe(_partial_tensors(on_tensors), TENSORS):
                 raw = formats.read(path)
             ckpt = assemble(path, raw)
-        if layout is not None and layout.notes:  # what else its directory holds
-            ckpt.metadata["notes"] = [*ckpt.metadata.get("notes", ()), *layout.notes]
+        notes = list(layout.notes) if layout is not None else []  # what else its folder holds
+        if any(t.subclass for t in ckpt.tensors):
+            shard = per_rank.one_rank(path, ckpt.root)
+            notes += [shard] if shard else []
+        if ckpt.format == "safetensors" and hf_storage.SHARDING_INFO in (
+                ckpt.metadata.get("metadata") or {}):
+            piece = hf_storage.one_piece(path, ckpt.metadata)
+            notes += [piece] if piece else []
+        if notes:
+            ckpt.metadata["notes"] = [*ckpt.metadata.get("notes", ()), *notes]
     ckpt.framework = companions.framework_of(given, layout, ckpt)
     return ckpt
 
@@ -119,6 +128,10 @@ def read_layout(layout: recognise.Layout) -> MultiRead:
             return hf_sharded.read(layout)
         if layout.kind == recognise.DEEPSPEED:
             return deepspeed.read(layout)
+        if layout.kind == recognise.PER_RANK:
+            return per_rank.read(layout)
+        if layout.kind == recognise.HF_STORAGE:
+            return hf_storage.read(layout)
         return dcp.read(layout)
 
 
@@ -132,7 +145,8 @@ def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
         ckpt.metadata["notes"] = list(multi.notes)
     for s in ckpt.storages.values():
         s.file = multi.storage_files.get(s.id)
-    chunks = {join_key("", name): c for name, c in multi.chunks.items()}  # names -> keys
+    chunks = multi.chunks if multi.chunk_keys else {  # names -> keys
+        join_key("", name): c for name, c in multi.chunks.items()}
     for t in ckpt.tensors:
         t.chunks = chunks.get(t.key, ())
         t.file = multi.storage_files.get(t.storage) if t.storage is not None else None
@@ -177,8 +191,8 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
     seen = raw.seen
     storages = _storages(raw.storages, tensors)
     unviewed = [s.id for s in storages.values() if not s.tensors]
-    if unviewed:  # a per-channel quantizer's scales are its tensor's, not unviewed
-        held = _quantizer_storages(walked.tensors)
+    if unviewed:  # a quantizer's scales, a DTensor's local shard: its tensor's
+        held = _held_storages(walked.tensors)
         unviewed = [sid for sid in unviewed if sid not in held]
     warnings = list(raw.warnings)
     if unviewed:  # reached by the pickle, yet in no object ckptool lists
@@ -212,12 +226,27 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
     )
 
 
-def _quantizer_storages(records: list[tuple[str, Any]]) -> set[str]:
-    """Storages a quantized tensor's quantizer holds (per-channel scales and
-    zero points): part of that tensor."""
-    return {p.storage.key for _, rec in records
-            if type(rec) is TensorRecord and rec.extra and "quantizer" in rec.extra
-            for p in rec.extra["quantizer"] if isinstance(p, TensorRecord) and p.storage}
+def _held_storages(records: list[tuple[str, Any]]) -> set[str]:
+    """Storages a tensor record holds beside its own: a quantizer's
+    per-channel scales, a DTensor's local shard and its mesh's rank map.
+    Part of that tensor, not unviewed."""
+    held: set[str] = set()
+    stack = [(0, rec.extra) for _, rec in records if type(rec) is TensorRecord and rec.extra]
+    while stack:
+        depth, obj = stack.pop()
+        if isinstance(obj, TensorRecord):
+            if obj.storage is not None:
+                held.add(obj.storage.key)
+            obj = obj.extra
+        if depth > 8 or obj is None:
+            continue
+        if isinstance(obj, dict):
+            stack += [(depth + 1, v) for v in obj.values()]
+        elif isinstance(obj, (list, tuple)):
+            stack += [(depth + 1, v) for v in obj]
+        elif isinstance(obj, StandIn):
+            stack += [(depth + 1, obj.state), (depth + 1, obj.args)]
+    return held
 
 
 def tensor_info(key: str, rec: Any) -> TensorInfo:

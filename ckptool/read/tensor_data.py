@@ -222,6 +222,10 @@ def _check_readable(tensor: TensorInfo) -> None:
         raise UnsupportedCheckpointError(
             f"{tensor.key} is a {tensor.layout} tensor: reading its values is not supported",
             _HINT)
+    if tensor.storage is None and (tensor.subclass or "").endswith(".DTensor"):
+        raise UnsupportedCheckpointError(
+            f"{tensor.key} is a DTensor: this file holds one rank's shard of it",
+            "read the directory holding every rank's file: ckptool joins the shards")
     if tensor.storage is None or tensor.stride is None:
         what = "a meta tensor" if tensor.location == "meta" else "a tensor without storage"
         raise UnsupportedCheckpointError(f"{tensor.key} is {what}: the file holds no values",

@@ -103,9 +103,12 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     if layout is not None and layout.kind != recognise.FILE:  # HF shards, DCP
         from ckptool.write import fix_dcp, fix_shards
 
-        if layout.kind == recognise.DEEPSPEED:
+        if layout.kind in (recognise.DEEPSPEED, recognise.PER_RANK, recognise.HF_STORAGE):
+            what = {recognise.DEEPSPEED: "a DeepSpeed checkpoint",
+                    recognise.PER_RANK: "a checkpoint saved per rank"}.get(
+                layout.kind, "a HuggingFaceStorageWriter checkpoint")
             raise UnsupportedCheckpointError(
-                f"{src} is a DeepSpeed checkpoint: fix rewrites state dicts, and this one is "
+                f"{src} is {what}: fix rewrites state dicts, and this one is "
                 "partitioned over its ranks' files",
                 f"consolidate it first: ckptool convert {shell_word(src)} "
                 f"{shell_word(beside(src, '.safetensors'))}, then fix that file")

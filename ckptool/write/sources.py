@@ -143,6 +143,9 @@ class TensorSource:
         """Where a chunk's elements start in its file, when they lie there
         densely, little-endian, as the tensor's dtype; else None."""
         assert self.ckpt.directory is not None
+        if c.raw:  # a box of raw elements where the chunk says (checked when read)
+            return c.byte_offset if c.byte_length == math.prod(c.sizes) * dtypes.itemsize(
+                t.dtype) else None
         path = os.path.join(self.ckpt.directory, c.file)
         raw, offsets = embedded.read_item(path, f"{c.file} (chunk of {t.key})",
                                           c.byte_offset, c.byte_length)

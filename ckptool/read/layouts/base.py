@@ -36,6 +36,7 @@ class MultiRead:
     groups: dict[str, list[str]] | None = None
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # DCP planner_data
     notes: list[str] = field(default_factory=list)  # what else is there: no problem
+    chunk_keys: bool = False  # chunks are keyed by key text (nested trees), not by names
 
 
 def member(directory: str, name: object, named_by: str) -> str:

@@ -38,7 +38,12 @@ from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointErr
 from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
 from ckptool.read.layouts import framework
 
-FILE, HF, DCP, DEEPSPEED = "file", "hf", "dcp", "deepspeed"
+FILE, HF, DCP, DEEPSPEED, PER_RANK = "file", "hf", "dcp", "deepspeed", "per-rank"
+HF_STORAGE = "hf-storage"
+# torch's HuggingFaceStorageWriter(save_distributed=True): rank, then file
+HF_STORAGE_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
+# model_world_size_2_rank_0.pt (veRL), rank_0.pt, checkpoint-rank3.pth...
+RANK_NAME = re.compile(r"^(?P<stem>.*?)[_-]?rank[_-]?(?P<rank>\d+)\.(?:pt|pth|bin)$")
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
@@ -66,7 +71,7 @@ class Layout:
     directory: str  # the folder every file name below is relative to
     file: str | None = None  # FILE: the one checkpoint file (a full path)
     index: str | None = None  # HF: the index's file name
-    metadata: tuple[str, ...] = ()  # DCP: the .metadata files ("sub/.metadata"...)
+    metadata: tuple[str, ...] = ()  # DCP: the .metadata files; PER_RANK: each rank's file
     extras: tuple[str, ...] = ()  # files read beside (Lightning's meta.pt)
     wrapper: str | None = None  # "lightning" or "accelerate" (DCP)
     notes: tuple[str, ...] = ()  # what else the directory holds, said as warnings
@@ -240,12 +245,18 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
             "copy the checkpoint's .metadata too (`cp src/* dst/` skips dot files), or wait "
             "for the save to finish: it writes .metadata last")
     found = [n for n in files[:MAX_SNIFFED] if is_checkpoint_file(os.path.join(path, n))]
+    pieces = [n for n in found if HF_STORAGE_SHARD.match(n)]
+    if pieces and len(pieces) == len(found):  # even one: its name says which of how many
+        return Layout(HF_STORAGE, path, path, metadata=tuple(pieces))
     model = framework.pick_model(found, framework.configures_model(files)) \
         if len(found) > 1 else None
     if model is not None:  # a Trainer's checkpoint-N/, accelerate's save_state folder
         found = [model]
     if len(found) == 1:
         return Layout(FILE, path, path, file=os.path.join(path, found[0]), notes=notes)
+    ranked = _rank_files(path, found)
+    if ranked is not None:
+        return ranked
     if found:
         raise InputError(
             f"{path} is a directory holding {len(found)} checkpoint files "
@@ -278,6 +289,28 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
         f"{path} is a directory with no checkpoint in it: it holds {what}",
         "ckptool reads a checkpoint file, a directory of Hugging Face shards with their "
         "*.index.json, or a torch.distributed.checkpoint directory (.metadata + *.distcp)")
+
+
+def _rank_files(path: str, found: list[str]) -> Layout | None:
+    """Files named by rank (``model_world_size_2_rank_0.pt``...): one
+    checkpoint saved per rank, every rank's file there (0 to N-1). Where
+    several kinds are saved per rank (veRL's model, optim and extra_state),
+    the model's; the others are named."""
+    groups: dict[str, dict[int, str]] = {}
+    for name in found:
+        m = RANK_NAME.match(name)
+        if m:
+            groups.setdefault(m.group("stem"), {})[int(m.group("rank"))] = name
+    whole = {stem: ranks for stem, ranks in groups.items()
+             if len(ranks) > 1 and sorted(ranks) == list(range(len(ranks)))}
+    if not whole or sum(len(r) for r in whole.values()) != len(found):
+        return None
+    stems = sorted(whole, key=lambda s: (not s.startswith("model"), s))
+    ranks = whole[stems[0]]
+    notes = tuple(f"{path} also holds {_names([whole[s][0]])} ... ({plural(len(whole[s]), 'rank')}"
+                  "): read them alone by naming one" for s in stems[1:])
+    return Layout(PER_RANK, path, path, metadata=tuple(ranks[r] for r in sorted(ranks)),
+                  notes=notes)
 
 
 def _other_framework(files: list[str], dirs: list[str]) -> tuple[str, str] | None:
@@ -359,4 +392,8 @@ def describe(layout: Layout) -> str:
         return f"a torch.distributed.checkpoint directory{wrapper}"
     if layout.kind == DEEPSPEED:
         return f"a DeepSpeed checkpoint (tag {layout.tag})"
+    if layout.kind == PER_RANK:
+        return f"a checkpoint saved per rank ({len(layout.metadata)} files)"
+    if layout.kind == HF_STORAGE:
+        return f"a HuggingFaceStorageWriter checkpoint ({len(layout.metadata)} shards)"
     return f"a directory holding one checkpoint file ({layout.file})"

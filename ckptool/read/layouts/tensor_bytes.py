@@ -134,7 +134,29 @@ def _assemble_flat(ckpt: Checkpoint, tensor: TensorInfo, dtype: torch.dtype) -> 
     return out.view(tensor.shape)
 
 
+def _read_raw(ckpt: Checkpoint, tensor: TensorInfo, chunk: Chunk) -> torch.Tensor:
+    """A box of raw little-endian elements, row-major, at its byte offset."""
+    import torch
+
+    assert ckpt.directory is not None
+    need = math.prod(chunk.sizes) * torch.empty((), dtype=getattr(torch, tensor.dtype)
+                                                ).element_size()
+    if chunk.byte_length != need:
+        raise CorruptCheckpointError(f"{tensor.key}: its chunk in {chunk.file} is "
+                                     f"{chunk.byte_length} bytes, {need} expected", BROKEN_HINT)
+    data = bytearray(need)
+    with open(os.path.join(ckpt.directory, chunk.file), "rb") as f:
+        f.seek(chunk.byte_offset)
+        got = f.readinto(data)
+    if got != need:
+        raise CorruptCheckpointError(
+            f"{chunk.file} ends before the bytes of {tensor.key} (truncated)", BROKEN_HINT)
+    return torch.frombuffer(data, dtype=getattr(torch, tensor.dtype)).view(chunk.sizes)
+
+
 def _read_chunk(ckpt: Checkpoint, tensor: TensorInfo, chunk: Chunk) -> torch.Tensor:
+    if chunk.raw:
+        return _read_raw(ckpt, tensor, chunk)
     assert ckpt.directory is not None
     path = os.path.join(ckpt.directory, chunk.file)
     shown = f"{chunk.file} (chunk of {tensor.key} at {list(chunk.offsets)})"

@@ -1,0 +1,327 @@
+"""Per-rank ``torch.save`` of DTensor state dicts (FSDP2, tensor parallel):
+what veRL and many RL trainers write, one file per rank
+(``model_world_size_2_rank_0.pt`` ...), read as one checkpoint.
+
+A DTensor pickles as its global shape (``_rebuild_wrapper_subclass``), its
+rank's local tensor and its spec: the device mesh (its shape, this rank's
+coordinate on each of its dimensions) and one placement per mesh dimension
+(``Shard(d)``, ``Replicate()``). No offset is stored: each rank's box in the
+global tensor is computed as torch places it, every ``Shard(d)`` splitting
+what the earlier mesh dimensions left along ``d`` as ``torch.chunk`` does
+(the first pieces ``ceil(n/k)`` long, the last shorter or empty), in the
+order the spec's ``shard_order`` gives. The box must have the local tensor's
+shape; every tensor must be covered exactly once (replicated boxes keep the
+lowest rank's copy).
+
+Each DTensor becomes a logical tensor of its global shape whose chunks are
+the ranks' local tensors: row-major runs of raw elements inside a storage
+record of a rank's zip (``Chunk.raw``), read in place one tensor at a time
+(FSDP2 pads its local storages: only the local tensor's own elements are
+read). Plain tensors (an optimizer's ``step``) and other values are rank 0's.
+The tree is rank 0's: ``{"model": ..., "optimizer": ...}`` stays nested.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+from ckptool import dtypes
+from ckptool.describe import plural
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo
+from ckptool.read import formats
+from ckptool.read.formats.base import RawRead
+from ckptool.read.layouts.base import BROKEN_HINT, MultiRead
+from ckptool.read.layouts.recognise import Layout
+from ckptool.read.seen import GlobalsSeen
+from ckptool.read.tensor_data import TensorData
+from ckptool.read.tensors import StorageRef, TensorRecord
+from ckptool.read.values import StandIn
+
+PER_RANK = "dtensor-ranks"
+MAX_DEPTH = 8  # {"model": {...}, "optimizer": {"state": {0: {"exp_avg": ...}}}}
+Path = tuple[Any, ...]
+
+
+def read(layout: Layout) -> MultiRead:
+    names = list(layout.metadata)  # the ranks' files, rank 0 first
+    seen = GlobalsSeen()
+    reads: list[RawRead] = []
+    files: list[FileInfo] = []
+    for rank, name in enumerate(names):
+        full = os.path.join(layout.directory, name)
+        raw = formats.read(full)
+        seen.merge(raw.seen, name)
+        reads.append(raw)
+        files.append(FileInfo(name, "rank", raw.format, os.path.getsize(full), rank=rank))
+    found = [_dtensors(raw.root) for raw in reads]
+    if not found[0]:
+        raise UnsupportedCheckpointError(
+            f"{layout.path} holds {plural(len(names), 'file')} named by rank "
+            f"({names[0]} ...) but no DTensor in {names[0]}: nothing says how they join",
+            f"name one file to read it alone: ckptool inspect "
+            f"{os.path.join(layout.path, names[0])}")
+    for rank, (name, each) in enumerate(zip(names, found, strict=True)):
+        if each.keys() != found[0].keys():
+            raise CorruptCheckpointError(
+                f"{name} holds other DTensors than {names[0]} (ranks save the same state "
+                "dict)", BROKEN_HINT)
+        _check_rank(name, rank, len(names), each)
+    chunks: dict[str, tuple[Chunk, ...]] = {}
+    root = reads[0].root
+    for path, first in found[0].items():
+        shape, dtype = first.shape, first.dtype
+        boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
+        for rank, (name, each) in enumerate(zip(names, found, strict=True)):
+            rec = each[path]
+            if (rec.shape, rec.dtype) != (shape, dtype):
+                raise CorruptCheckpointError(
+                    f"{_key(path)} is {list(shape)} {dtype} on rank 0 and {list(rec.shape)} "
+                    f"{rec.dtype} in {name}", BROKEN_HINT)
+            offsets, sizes = _box(_key(path), rec, name)
+            if (offsets, sizes) not in boxes:  # replicated: the lowest rank's copy
+                boxes[(offsets, sizes)] = _chunk(layout.directory, name, rank, rec, offsets,
+                                                 sizes, reads[rank])
+        chunks[_key(path)] = tuple(boxes.values())
+        ref = StorageRef(f"{PER_RANK}:{_key(path)}", dtype, first.location, math.prod(shape))
+        root = _replace(root, path, TensorRecord(
+            shape, dtype, _contiguous(shape), 0, ref, first.location, first.requires_grad,
+            first.is_parameter))
+    rank0 = {id(ref) for ref in reads[0].storages.values()}
+    storage_files = {}
+    for ref in _storages(root):  # rank 0's plain tensors (a step count), read in its file
+        if id(ref) in rank0:
+            ref.key = f"{names[0]}:{ref.key}"
+            storage_files[ref.key] = names[0]
+    storages = {ref.key: ref for ref in _storages(root)}
+    mesh = _mesh_shape(next(iter(found[0].values())))
+    meta: dict[str, Any] = {"ranks": len(names), "world_size": len(names),
+                            "mesh": list(mesh) if mesh else None,
+                            "placements": {_key(p): _placements(r) for p, r in found[0].items()}}
+    raw_all = RawRead(PER_RANK, root, storages, seen, meta,
+                      warnings=[f"{n}: {w}" for n, raw in zip(names, reads, strict=True)
+                                for w in raw.warnings])
+    return MultiRead(raw_all, layout.directory, files, storage_files, chunks,
+                     notes=list(layout.notes), chunk_keys=True)
+
+
+def one_rank(path: str, root: Any) -> str | None:
+    """What a single rank's file of DTensors is, in a note; None without DTensors."""
+    found = _dtensors(root)
+    if not found:
+        return None
+    try:
+        shape, coord = _mesh(_parts(next(iter(found.values())))[1])
+    except CorruptCheckpointError:
+        return None
+    flat = 0
+    for c, n in zip(coord, shape, strict=True):
+        flat = flat * n + c
+    folder = os.path.dirname(path) or "."
+    are = "is a DTensor" if len(found) == 1 else "are DTensors"
+    ranks = plural(math.prod(shape), "rank")
+    return (f"{plural(len(found), 'tensor')} here {are}: this file holds rank {flat}'s shards "
+            f"of them (of {ranks}); read the folder holding every rank's file to get them "
+            f"whole: ckptool inspect {folder}")
+
+
+def _dtensors(root: Any) -> dict[Path, TensorRecord]:
+    """Every DTensor record in a rank's tree, by its path from the root."""
+    out: dict[Path, TensorRecord] = {}
+    stack: list[tuple[Path, Any]] = [((), root)]
+    while stack:
+        path, obj = stack.pop()
+        if isinstance(obj, TensorRecord):
+            if is_dtensor(obj):
+                out[path] = obj
+        elif len(path) < MAX_DEPTH and isinstance(obj, dict):
+            stack += [((*path, k), v) for k, v in obj.items() if isinstance(k, (str, int))]
+        elif len(path) < MAX_DEPTH and isinstance(obj, (list, tuple)):
+            stack += [((*path, i), v) for i, v in enumerate(obj)]
+    return dict(sorted(out.items(), key=lambda kv: [str(p) for p in kv[0]]))
+
+
+def is_dtensor(rec: TensorRecord) -> bool:
+    name = rec.subclass or ""
+    return name.startswith("torch.distributed.") and name.rsplit(".", 1)[-1] == "DTensor"
+
+
+def _parts(rec: TensorRecord) -> tuple[TensorRecord, dict[str, Any]]:
+    """A DTensor's local tensor and its spec's state."""
+    state = (rec.extra or {}).get("state")
+    slots = state[1] if isinstance(state, tuple) and len(state) == 2 else state
+    local = slots.get("_local_tensor") if isinstance(slots, dict) else None
+    spec = slots.get("_spec") if isinstance(slots, dict) else None
+    if not isinstance(local, TensorRecord) or not isinstance(spec, StandIn) \
+            or not isinstance(spec.state, dict):
+        raise CorruptCheckpointError("a DTensor without its local tensor and spec", BROKEN_HINT)
+    return local, spec.state
+
+
+def _mesh(spec: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the mesh's shape, this rank's coordinate on it)."""
+    mesh = spec.get("mesh")
+    state = mesh.state if isinstance(mesh, StandIn) and isinstance(mesh.state, dict) else {}
+    coord = state.get("_coordinate_on_dim")
+    layout = state.get("_layout")
+    axes = layout.state.get("axes") if isinstance(layout, StandIn) and isinstance(
+        layout.state, dict) else None
+    shape: list[int] = []
+    for axis in axes if isinstance(axes, tuple) else ():
+        size = axis.state.get("shape") if isinstance(axis, StandIn) and isinstance(
+            axis.state, dict) else None
+        if not (isinstance(size, tuple) and all(type(s) is int and s > 0 for s in size)):
+            raise CorruptCheckpointError("a DTensor's mesh has a bad shape", BROKEN_HINT)
+        shape.append(math.prod(size))
+    if not (isinstance(coord, tuple) and len(coord) == len(shape)
+            and all(type(c) is int and 0 <= c < n for c, n in zip(coord, shape, strict=True))):
+        raise CorruptCheckpointError("a DTensor's mesh coordinate does not fit its mesh",
+                                     BROKEN_HINT)
+    return tuple(shape), coord
+
+
+def _mesh_shape(rec: TensorRecord) -> tuple[int, ...]:
+    return _mesh(_parts(rec)[1])[0]
+
+
+def _placements(rec: TensorRecord) -> list[str]:
+    out = []
+    for p in _parts(rec)[1].get("placements") or ():
+        name = p.qualname.rsplit(".", 1)[-1] if isinstance(p, StandIn) else repr(p)
+        dim = p.state.get("dim") if isinstance(p, StandIn) and isinstance(p.state, dict) else None
+        out.append(f"{name}({dim})" if dim is not None else f"{name}()")
+    return out
+
+
+def _box(key: str, rec: TensorRecord, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Where this rank's local tensor lies in the global one, as torch places it."""
+    local, spec = _parts(rec)
+    shape, coord = _mesh(spec)
+    placements = spec.get("placements")
+    if not isinstance(placements, tuple) or len(placements) != len(shape):
+        raise CorruptCheckpointError(f"{key} in {name}: its placements do not match its mesh",
+                                     BROKEN_HINT)
+    order: dict[int, list[int]] = {}  # tensor dim -> the mesh dims splitting it, in order
+    for mesh_dim, p in enumerate(placements):
+        kind = p.qualname.rsplit(".", 1)[-1] if isinstance(p, StandIn) else ""
+        if kind == "Replicate":
+            continue
+        dim = p.state.get("dim") if isinstance(p.state, dict) else None
+        if kind != "Shard" or type(dim) is not int:
+            raise UnsupportedCheckpointError(
+                f"{key} in {name} is placed {kind or p!r} on mesh dimension {mesh_dim}: "
+                "ckptool joins Shard(d) and Replicate() placements only",
+                "gather it with torch (full_tensor()) and save that")
+        if not 0 <= dim < len(rec.shape):
+            raise CorruptCheckpointError(f"{key} in {name} is sharded on dimension {dim} of a "
+                                         f"{len(rec.shape)}-d tensor", BROKEN_HINT)
+        order.setdefault(dim, []).append(mesh_dim)
+    for entry in spec.get("shard_order") or ():  # ShardOrderEntry(tensor_dim, mesh_dims)
+        args = entry.args if isinstance(entry, StandIn) else ()
+        if len(args) == 2 and args[0] in order and sorted(args[1]) == sorted(order[args[0]]):
+            order[args[0]] = list(args[1])
+    offsets, sizes = [0] * len(rec.shape), list(rec.shape)
+    for dim, mesh_dims in order.items():
+        for mesh_dim in mesh_dims:
+            piece = -(-sizes[dim] // shape[mesh_dim])  # torch.chunk: ceil(n / k)
+            start = min(coord[mesh_dim] * piece, sizes[dim])
+            offsets[dim] += start
+            sizes[dim] = max(0, min(piece, sizes[dim] - start))
+    if tuple(sizes) != local.shape:
+        raise CorruptCheckpointError(
+            f"{key} in {name}: its local tensor is {list(local.shape)}, but its placements "
+            f"give this rank {sizes} of {list(rec.shape)}", BROKEN_HINT)
+    return tuple(offsets), tuple(sizes)
+
+
+def _check_rank(name: str, rank: int, count: int, found: dict[Path, TensorRecord]) -> None:
+    """The file named rank ``rank`` holds that rank's shards, of a mesh of
+    ``count`` ranks."""
+    rec = next(iter(found.values()))
+    shape, coord = _mesh(_parts(rec)[1])
+    if math.prod(shape) != count:
+        raise CorruptCheckpointError(
+            f"{name} holds DTensors of a mesh of {math.prod(shape)} ranks, and the directory "
+            f"holds {plural(count, 'rank file')}", "copy every rank's file, and only those")
+    # its rank on the mesh, row-major (DeviceMesh's default layout)
+    flat = 0
+    for c, n in zip(coord, shape, strict=True):
+        flat = flat * n + c
+    if flat != rank:
+        raise CorruptCheckpointError(f"{name} holds rank {flat}'s shards, not rank {rank}'s",
+                                     "a file was renamed or copied from another checkpoint")
+
+
+def _chunk(directory: str, name: str, rank: int, rec: TensorRecord, offsets: tuple[int, ...],
+           sizes: tuple[int, ...], raw: RawRead) -> Chunk:
+    local, _ = _parts(rec)
+    itemsize = dtypes.itemsize(rec.dtype)
+    length = math.prod(sizes) * itemsize
+    if local.dtype != rec.dtype:
+        raise CorruptCheckpointError(f"{_name(rec)} in {name}: its local tensor is "
+                                     f"{local.dtype}, the DTensor {rec.dtype}", BROKEN_HINT)
+    if length == 0:
+        return Chunk(name, offsets, sizes, 0, 0, rank, raw=True)
+    ref = local.storage
+    if ref is None or local.stride is None or any(
+            s != c for n, s, c in zip(sizes, local.stride, _contiguous(sizes), strict=True)
+            if n > 1):
+        raise UnsupportedCheckpointError(
+            f"a DTensor's local tensor in {name} is not row-major: ckptool does not join it yet",
+            "gather it with torch (full_tensor()) and save that")
+    path = os.path.join(directory, name)
+    view = Checkpoint(path=path, format=raw.format, file_size=os.path.getsize(path), tensors=[],
+                      storages={ref.key: StorageInfo(ref.key, ref.dtype, ref.location,
+                                                     ref.nbytes, ref.record, ())},
+                      entries=[], globals=[], main_state_dict=None, metadata=raw.metadata)
+    with TensorData(view) as data:
+        start = data.storage_offset(ref.key) + local.storage_offset * itemsize
+    if local.storage_offset * itemsize + length > ref.nbytes:
+        raise CorruptCheckpointError(f"a local tensor in {name} runs past its storage",
+                                     BROKEN_HINT)
+    return Chunk(name, offsets, sizes, start, length, rank, raw=True)
+
+
+def _replace(root: Any, path: Path, value: Any) -> Any:
+    if not path:
+        return value
+    node = root
+    for step in path[:-1]:
+        node = node[step]
+    if isinstance(node, tuple):
+        raise UnsupportedCheckpointError("a DTensor inside a tuple: ckptool joins DTensors in "
+                                         "dicts and lists", BROKEN_HINT)
+    node[path[-1]] = value
+    return root
+
+
+def _storages(root: Any) -> list[StorageRef]:
+    """The storages the tensors of ``root`` view (depth-bounded)."""
+    out: dict[str, StorageRef] = {}
+    stack: list[tuple[int, Any]] = [(0, root)]
+    while stack:
+        depth, obj = stack.pop()
+        if isinstance(obj, TensorRecord):
+            if obj.storage is not None:
+                out[obj.storage.key] = obj.storage
+        elif depth < MAX_DEPTH and isinstance(obj, dict):
+            stack += [(depth + 1, v) for v in obj.values()]
+        elif depth < MAX_DEPTH and isinstance(obj, (list, tuple)):
+            stack += [(depth + 1, v) for v in obj]
+    return list(out.values())
+
+
+def _key(path: Path) -> str:
+    from ckptool.keys import escape
+
+    return "/".join(escape(str(p)) for p in path)
+
+
+def _name(rec: TensorRecord) -> str:
+    return f"a {list(rec.shape)} DTensor"
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

@@ -1,0 +1,109 @@
+"""Per-rank torch.save of DTensor state dicts (FSDP2, distribute_tensor on
+1-D and 2-D meshes, an AdamW state), written by torch's real writers under
+torchrun (tests/fixtures/multifile/make_distributed.py): read as one
+checkpoint, joined exactly; one rank's file alone says what it is."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptool
+from ckptool.check.diagnosis import diagnose
+from ckptool.check.gpus import Machine
+from ckptool.cli import main
+
+HERE = Path(__file__).parent / "fixtures" / "multifile" / "per_rank_dtensor"
+CASES = ["fsdp2_ws2", "placements_ws2", "mesh2d_ws4", "optim_ws2"]
+CPU = Machine((), False, None, "none", "")
+
+
+def flat(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(flat(v, f"{prefix}{k}/"))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def reference(case: str) -> dict[str, torch.Tensor]:
+    return flat(torch.load(HERE / f"{case}.reference.pt", weights_only=True))
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_the_ranks_read_as_one_checkpoint_with_global_shapes(case: str) -> None:
+    ckpt = ckptool.open(HERE / case)
+    placements = json.loads((HERE / f"{case}.placements.json").read_text())
+    assert ckpt.format == "dtensor-ranks" and ckpt.warnings == []
+    shapes = {t.key.replace("/", "."): list(t.shape) for t in ckpt.tensors}  # as the json names
+    for key, facts in placements.items():
+        assert shapes[key] == facts["shape"], key
+    assert not ckpt.unsafe_globals
+    assert not [g for g in ckpt.globals if g.category == "custom"]  # torch's own classes
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_load_joins_every_placement_exactly(case: str) -> None:
+    """Shard(0) and Shard(1) uneven, empty shards, Replicate(), 2-D meshes,
+    [Shard(0), Shard(0)], FSDP2's padded local storages, an AdamW state."""
+    got = flat(ckptool.load(HERE / case))
+    want = reference(case)
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
+
+
+@pytest.mark.parametrize("case", ["fsdp2_ws2", "mesh2d_ws4"])
+def test_convert_writes_the_whole_tensors(tmp_path: Path, case: str,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", str(HERE / case), str(out)]) == 0, capsys.readouterr().err
+    written, want = load_file(out), reference(case)
+    assert written.keys() == want.keys() and all(torch.equal(written[k], want[k]) for k in want)
+
+
+def test_diagnose_says_to_join_them_and_its_fix_works(tmp_path: Path) -> None:
+    folder = tmp_path / "ranks"
+    shutil.copytree(HERE / "fsdp2_ws2", folder)
+    d = diagnose(ckptool.open(folder), CPU)
+    assert [f.code for f in d.findings] == ["per-rank-checkpoint"]
+    assert d.fix_command is not None
+    args = d.fix_command.split()[1:]
+    assert main(args) == 0
+    written = load_file(str(d.fix_output))
+    assert all(torch.equal(written[k], v) for k, v in reference("fsdp2_ws2").items())
+
+
+def test_fix_of_the_ranks_points_to_convert(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["fix", str(HERE / "fsdp2_ws2"), "--strip-prefix", "0."]) == 3
+    assert "ckptool convert" in capsys.readouterr().err
+
+
+def test_one_ranks_file_says_what_it_is(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    one = HERE / "fsdp2_ws2" / "model_world_size_2_rank_1.pt"
+    ckpt = ckptool.open(one)
+    assert ckpt.warnings == []  # its local shards are its DTensors', not unreached
+    assert any("rank 1's shards" in n for n in ckpt.metadata["notes"])
+    assert main(["convert", str(one), str(tmp_path / "x.safetensors")]) == 3
+    err = capsys.readouterr().err
+    assert "DTensor" in err and "every rank's file" in err
+    assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_a_missing_or_foreign_rank_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "ranks"
+    shutil.copytree(HERE / "mesh2d_ws4", folder)
+    (folder / "model_world_size_4_rank_3.pt").unlink()
+    with pytest.raises(ckptool.CkptoolError, match="mesh of 4 ranks"):
+        ckptool.open(folder)
+    shutil.copy(folder / "model_world_size_4_rank_2.pt", folder / "model_world_size_4_rank_3.pt")
+    with pytest.raises(ckptool.CkptoolError, match="holds rank 2's shards, not rank 3's"):
+        ckptool.open(folder)
