@@ -20,6 +20,7 @@ from ckptool.errors import (
     UnsupportedCheckpointError,
 )
 from ckptool.read import pickles
+from ckptool.read.formats import pt2
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.formats.torch_legacy import read_bytes
 from ckptool.read.seen import GlobalsSeen
@@ -79,6 +80,8 @@ def read_archive(zf: Archive) -> RawRead:
     root = root_of(names)
     prefix = f"{root}/" if root else ""
     if f"{prefix}data.pkl" not in infos:
+        if pt2.is_pt2(infos, prefix):
+            return pt2.read_archive(zf, prefix, _read_record)
         _explain_other_zip(names)
     # (the names tested in C: an optimizer state has 100,000 records)
     is_script = f"{prefix}constants.pkl" in infos or any(
@@ -171,9 +174,9 @@ def _explain_other_zip(names: list[str]) -> None:
             "load it with keras.saving.load_model")
     if any(n.endswith("archive_format") or "/models/" in n for n in names):
         raise UnsupportedCheckpointError(
-            "torch.export (.pt2) archives are not supported yet",
-            "load it with torch.export.load on a trusted file",
-        )
+            "a torch.export (.pt2) archive whose layout ckptool does not know (no "
+            "archive_format record where torch.export.save puts it)",
+            "load it with torch.export.load on a trusted file")
     raise NotACheckpointError(
         "zip archive without a data.pkl record: not a PyTorch checkpoint",
         "ckptool reads torch.save files, TorchScript archives and safetensors",

@@ -1,0 +1,83 @@
+"""torch.export.save archives (.pt2), written by torch.export itself:
+weights (by the exported module's names, ties shared) and constants
+listed, read and converted; the program's JSON is never run."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ckptool
+from ckptool.cli import main
+
+
+class Net(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+        self.register_buffer("scale", torch.full((3,), 2.0))
+        self.emb = torch.nn.Embedding(5, 4)
+        self.head = torch.nn.Linear(4, 5, bias=False)
+        self.head.weight = self.emb.weight  # tied
+        self.offset = torch.arange(3.0)  # a constant of the program
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.scale + self.offset + self.head(x).sum()
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(Net(), (torch.randn(2, 4),))
+        path = tmp_path_factory.mktemp("pt2") / "net.pt2"
+        torch.export.save(program, path)
+    return path, {k: v.detach() for k, v in program.state_dict.items()}
+
+
+def test_weights_and_constants_are_listed(exported: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, state = exported
+    ckpt = ckptool.open(path)
+    assert ckpt.format == "torch-export" and not ckpt.unsafe_globals
+    assert ckpt.main_state_dict is not None
+    assert set(ckpt.main_state_dict.keys) == set(state)
+    keys = {t.key for t in ckpt.tensors}
+    assert "<constants>/offset" in keys or any(k.startswith("<constants>/") for k in keys)
+    by_key = {t.key: t for t in ckpt.tensors}
+    assert by_key["head.weight"].storage == by_key["emb.weight"].storage  # tied
+    assert by_key["lin.weight"].is_parameter and not by_key["scale"].is_parameter
+
+
+def test_values_are_the_programs(exported: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, state = exported
+    got = ckptool.load_state_dict(path)
+    assert got.keys() == state.keys() and all(torch.equal(got[k], v) for k, v in state.items())
+
+
+def test_convert_keeps_the_exports_names(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                         exported: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path, state = exported
+    out = tmp_path / "net.safetensors"
+    assert main(["convert", str(path), str(out)]) == 0, capsys.readouterr().err
+    written = load_file(out)
+    assert set(written) == set(state) - {"head.weight"}  # tied to emb.weight, recorded
+    assert all(torch.equal(written[k], state[k]) for k in written)
+
+
+def test_a_damaged_archive_is_refused(tmp_path: Path,
+                                      exported: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    import zipfile
+
+    path, _ = exported
+    broken = tmp_path / "broken.pt2"
+    with zipfile.ZipFile(path) as src, zipfile.ZipFile(broken, "w") as dst:
+        for info in src.infolist():
+            if not info.filename.endswith("data/weights/weight_0"):
+                dst.writestr(info, src.read(info.filename))
+    with pytest.raises(ckptool.CkptoolError, match=r"weight_0 is missing"):
+        ckptool.open(broken)
