@@ -104,7 +104,8 @@ def _tensor(fqn: str, meta: Any, record: str, size: int, storages: dict[str, Sto
             named_by: str, is_param: bool) -> TensorRecord:
     if not isinstance(meta, dict):
         raise CorruptCheckpointError(f"{named_by}: {fqn!r:.80} has no tensor_meta", BROKEN)
-    dtype = DTYPES.get(meta.get("dtype"))  # type: ignore[arg-type]
+    code = meta.get("dtype")
+    dtype = DTYPES.get(code) if type(code) is int else None
     shape, stride = _ints(meta.get("sizes")), _ints(meta.get("strides"))
     offset = _ints([meta.get("storage_offset")])
     if dtype is None or shape is None or stride is None or offset is None \
