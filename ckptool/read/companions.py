@@ -144,7 +144,10 @@ def _with_names(facts: Framework, ckpt: Checkpoint) -> Framework:
     sd = ckpt.main_state_dict
     if sd is None or not facts.evidence:
         return replace(facts, own_prefix="")
-    _, rest = prefixes.split_wrappers(sd.prefix)
+    prefix, entry = sd.prefix, ckpt.metadata.get("state_dict_entry")
+    if isinstance(entry, str) and prefix.startswith(entry + "."):  # DCP's {"model": sd}
+        prefix = prefix[len(entry) + 1:]
+    _, rest = prefixes.split_wrappers(prefix)
     return replace(facts, own_prefix=rest)
 
 
