@@ -70,6 +70,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_fix.py
 	$(BIN)/python bench/bench_browse.py
 	$(BIN)/python bench/bench_multifile.py
+	$(BIN)/python bench/bench_hf_storage.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
