@@ -326,4 +326,16 @@ def test_a_sentence_transformers_folder_lists_every_modules_weights() -> None:
     assert len(ckpt.tensors) == 39
     dense = next(c for c in fw.companions if c.path == "2_Dense/model.safetensors")
     assert dense.role == "module 2 (Dense) weights" and dense.format == "safetensors"
-    assert dense.detail == "2 tensors: linear.bias, linear.weight"
+    assert dense.detail == "2 tensors: linear.bias 8, linear.weight 8x16"
+
+
+def test_a_fixed_copy_of_a_framework_folder_keeps_its_config(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "fixed"
+    assert main(["fix", str(HERE / "llama_tied_bin_sharded"), "--dtype", "bf16",
+                 "-o", str(out)]) == 0, capsys.readouterr().err
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "generation_config.json", "pytorch_model.bin.index.json"} <= names
+    assert (out / "config.json").read_bytes() == \
+        (HERE / "llama_tied_bin_sharded" / "config.json").read_bytes()
+    assert {t.dtype for t in ckptool.open(out).tensors} == {"bfloat16"}

@@ -20,6 +20,7 @@ from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
 from ckptool.read import formats, optim, policy, prefixes
 from ckptool.read.layouts import framework, recognise
+from ckptool.read.tensors import TensorRecord
 
 # files read as pickles (or torch files) to scan them: by name or by bytes
 PICKLE_NAMES = re.compile(r"\.(pt|pth|bin|pkl|pickle|ckpt|safetensors)$")
@@ -85,15 +86,16 @@ def _modules(directory: str) -> list[Companion]:
                 out.append(Companion(f"{sub}/{name}", role, os.path.getsize(full),
                                      error=exc.message.removeprefix(f"{full}: ")))
                 continue
-            names = [k for k in raw.root if isinstance(k, str)] \
-                if isinstance(raw.root, dict) else []
+            shapes = [f"{k} {'x'.join(map(str, v.shape)) or 'scalar'}"
+                      for k, v in raw.root.items() if isinstance(k, str)
+                      and isinstance(v, TensorRecord)] if isinstance(raw.root, dict) else []
             verdicts = raw.seen.final()
             out.append(Companion(
                 f"{sub}/{name}", role, os.path.getsize(full), raw.format,
                 tuple(n for n, v in verdicts.items() if v.category == policy.UNSAFE),
                 tuple(n for n, v in verdicts.items() if v.category == policy.CUSTOM),
-                detail=f"{len(names)} tensor{'s' if len(names) != 1 else ''}: "
-                       f"{', '.join(names[:4])}{' …' if len(names) > 4 else ''}"))
+                detail=f"{len(shapes)} tensor{'s' if len(shapes) != 1 else ''}: "
+                       f"{', '.join(shapes[:6])}{' …' if len(shapes) > 6 else ''}"))
     return out
 
 

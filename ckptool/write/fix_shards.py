@@ -36,7 +36,7 @@ from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.hf_sharded import HF_SAFETENSORS
 from ckptool.write import convert_plan, shards
 from ckptool.write.commit import AtomicOutput
-from ckptool.write.convert_dir import write_directory
+from ckptool.write.convert_dir import framework_files, write_directory
 from ckptool.write.convert_plan import TORCH, Written
 from ckptool.write.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
 from ckptool.write.results import FixResult
@@ -88,8 +88,10 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
         result.verified_storages = len(written.tensors)
         return result
     planned = shards.same_files(written, kind, file_of)
+    stem, configs = framework_files(source)  # the framework's index name, its config files
     _, result.bytes_written = write_directory(source, written, kind, output, force=force,
-                                              fsync=fsync, progress=progress, planned=planned)
+                                              fsync=fsync, progress=progress, planned=planned,
+                                              extras=configs, stem=stem)
     result.output = output
     result.verified_storages = len(written.tensors)
     return result
