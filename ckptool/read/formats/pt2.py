@@ -16,6 +16,7 @@ globals they name.
 
 from __future__ import annotations
 
+import io
 import json
 import math
 from typing import Any
@@ -25,6 +26,7 @@ from ckptool.errors import CorruptCheckpointError
 from ckptool.read.formats.base import RawRead
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
+from ckptool.read.ziparchive import ZipArchive, ZipError
 
 PT2 = "torch-export"
 BROKEN = ("the archive does not match what torch.export.save writes: it was damaged or "
@@ -43,9 +45,10 @@ def is_pt2(members: dict[str, Any], prefix: str) -> bool:
     return f"{prefix}archive_format" in members
 
 
-def read_archive(zf: Any, prefix: str, read_record: Any) -> RawRead:
+def read_archive(zf: Any, prefix: str, read_record: Any, read_zip: Any) -> RawRead:
     """The weights and constants of a ``.pt2`` archive (``zf`` its open
-    directory, ``read_record(zf, name)`` a record's bytes)."""
+    directory, ``read_record(zf, name)`` a record's bytes, ``read_zip(zf)``
+    the torch zip reader, for the sample inputs)."""
     members = zf.members
     fmt = read_record(zf, f"{prefix}archive_format").decode("ascii", "replace").strip()
     if fmt != "pt2":
@@ -60,7 +63,7 @@ def read_archive(zf: Any, prefix: str, read_record: Any) -> RawRead:
     extra: dict[str, Any] = {"constants": constants} if constants else {}
     for name in sorted(members):
         if name.startswith(f"{prefix}data/sample_inputs/") and name.endswith(".pt"):
-            warnings += _scan(read_record(zf, name), name, seen)
+            warnings += _scan(read_record(zf, name), name, seen, read_zip)
     meta: dict[str, Any] = {"archive_root": prefix.rstrip("/"), "archive_format": "pt2"}
     if f"{prefix}archive_version" in members:
         meta["version"] = read_record(zf, f"{prefix}archive_version").decode(
@@ -142,16 +145,11 @@ def _ints(items: Any) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _scan(data: bytes, name: str, seen: GlobalsSeen) -> list[str]:
+def _scan(data: bytes, name: str, seen: GlobalsSeen, read_zip: Any) -> list[str]:
     """The sample inputs' ``torch.save`` archive, read for the globals it names
     (``torch.export.load`` unpickles it); its tensors are not listed."""
-    import io
-
-    from ckptool.read.formats import torch_zip
-    from ckptool.read.ziparchive import ZipArchive, ZipError
-
     try:
-        raw = torch_zip.read_archive(ZipArchive(io.BytesIO(data), len(data)))
+        raw = read_zip(ZipArchive(io.BytesIO(data), len(data)))
     except (ZipError, CorruptCheckpointError) as exc:
         return [f"{name} is not a readable torch.save archive ({exc}); not scanned"]
     seen.merge(raw.seen, name)

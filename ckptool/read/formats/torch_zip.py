@@ -81,7 +81,7 @@ def read_archive(zf: Archive) -> RawRead:
     prefix = f"{root}/" if root else ""
     if f"{prefix}data.pkl" not in infos:
         if pt2.is_pt2(infos, prefix):
-            return pt2.read_archive(zf, prefix, _read_record)
+            return pt2.read_archive(zf, prefix, _read_record, read_archive)
         _explain_other_zip(names)
     # (the names tested in C: an optimizer state has 100,000 records)
     is_script = f"{prefix}constants.pkl" in infos or any(
