@@ -138,3 +138,30 @@ def test_a_bad_f4_entry_is_refused(tmp_path: Path) -> None:
         ckptool.open(tmp_path / "odd.safetensors")
 
 
+
+
+def test_a_quantizer_torch_refuses_is_an_error_not_a_crash(tmp_path: Path) -> None:
+    """The quantizer's numbers come from the file: where torch's own
+    rebuild refuses them, ckptool says so (never a bare ValueError)."""
+    import pickle
+    import zipfile
+
+    path = tmp_path / "q.pt"
+    torch.save({"q": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)}, path)
+    with zipfile.ZipFile(path) as z:
+        names = z.namelist()
+        records = {n: z.read(n) for n in names}
+    pkl = next(n for n in names if n.endswith("data.pkl"))
+    data = records[pkl]
+    # the pickled per-tensor quantizer (scheme, 0.1, 0) loses its zero point:
+    # BINFLOAT 0.1, BININT1 0, TUPLE3 becomes BINFLOAT 0.1, TUPLE2
+    patched = data.replace(pickle.dumps(0.1, 2)[2:-1] + b"K\x00\x87", pickle.dumps(0.1, 2)[2:-1]
+                           + b"\x86")
+    assert patched != data
+    records[pkl] = patched
+    with zipfile.ZipFile(path, "w") as z:
+        for n in names:
+            z.writestr(n, records[n])
+    for build in (ckptool.load, ckptool.load_state_dict):
+        with pytest.raises(ckptool.CkptoolError, match="quantizer torch refuses"):
+            build(path)

@@ -339,3 +339,28 @@ def test_a_fixed_copy_of_a_framework_folder_keeps_its_config(
     assert (out / "config.json").read_bytes() == \
         (HERE / "llama_tied_bin_sharded" / "config.json").read_bytes()
     assert {t.dtype for t in ckptool.open(out).tensors} == {"bfloat16"}
+
+
+def test_a_config_of_another_architecture_is_no_evidence(tmp_path: Path) -> None:
+    """A BERT config beside keys under 'model.': a BERT keeps its weights
+    under 'bert.', so 'model.' is no evidence of anything: explained, not
+    waved through."""
+    folder = tmp_path / "m"
+    shutil.copytree(HERE / "llama_tied", folder)
+    shutil.copy(HERE / "bert" / "config.json", folder / "config.json")
+    d = diagnose(ckptool.open(folder), CPU)
+    assert [f.code for f in d.findings] == ["ambiguous-prefix"]
+    config = json.loads((folder / "config.json").read_text())
+    config.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    (folder / "config.json").write_text(json.dumps(config))
+    assert diagnose(ckptool.open(folder), CPU).findings == []
+
+
+def test_a_fifo_in_a_framework_folder_is_never_opened(tmp_path: Path) -> None:
+    folder = tmp_path / "st"
+    shutil.copytree(HERE / "sentence_transformers", folder)
+    os.remove(folder / "2_Dense" / "model.safetensors")
+    os.mkfifo(folder / "2_Dense" / "model.safetensors")
+    os.mkfifo(folder / "extra.bin")
+    ckpt = ckptool.open(folder)  # would block for ever on opening a FIFO
+    assert len(ckpt.tensors) == 39

@@ -76,3 +76,12 @@ def test_a_missing_piece_or_sharding_info_is_refused(tmp_path: Path) -> None:
     _drop_sharding_info(folder / "shard-00001-model-00001-of-00001.safetensors")
     with pytest.raises(ckptool.CkptoolError, match="records no DCP_SHARDING_INFO"):
         ckptool.open(folder)
+
+
+def test_a_shard_numbered_zero_is_refused(tmp_path: Path) -> None:
+    folder = tmp_path / "d"
+    folder.mkdir()
+    shutil.copy(HERE / "distributed" / "shard-00001-model-00001-of-00001.safetensors",
+                folder / "shard-00000-model-00001-of-00001.safetensors")
+    with pytest.raises(ckptool.CkptoolError, match="from shard-00001"):
+        ckptool.open(folder)

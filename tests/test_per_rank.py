@@ -107,3 +107,20 @@ def test_a_missing_or_foreign_rank_is_refused(tmp_path: Path) -> None:
     shutil.copy(folder / "model_world_size_4_rank_2.pt", folder / "model_world_size_4_rank_3.pt")
     with pytest.raises(ckptool.CkptoolError, match="holds rank 2's shards, not rank 3's"):
         ckptool.open(folder)
+
+
+def test_shards_that_leave_a_gap_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Boxes computed from a damaged spec that leave rows no rank holds:
+    refused, never filled with whatever memory holds."""
+    from ckptool.read.layouts import per_rank
+
+    box = per_rank._box
+
+    def short(key: str, rec: Any, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        offsets, sizes = box(key, rec, name)
+        return ((offsets[0] + 1, *offsets[1:]), sizes) if name.endswith("rank_1.pt") \
+            else (offsets, sizes)
+
+    monkeypatch.setattr(per_rank, "_box", short)
+    with pytest.raises(ckptool.CkptoolError, match="do not make it whole"):
+        ckptool.open(HERE / "fsdp2_ws2")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import warnings
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -81,3 +82,33 @@ def test_a_damaged_archive_is_refused(tmp_path: Path,
                 dst.writestr(info, src.read(info.filename))
     with pytest.raises(ckptool.CkptoolError, match=r"weight_0 is missing"):
         ckptool.open(broken)
+
+
+def _edited(src: Path, dst: Path, edit: Any) -> Path:
+    """``src`` with its weights' config edited by ``edit(config)``."""
+    import json
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(dst, "w") as zout:
+        for info in zin.infolist():
+            data = zin.read(info.filename)
+            if info.filename.endswith("model_weights_config.json"):
+                config = json.loads(data)
+                edit(next(iter(config["config"].values())))
+                data = json.dumps(config).encode()
+            zout.writestr(info, data)
+    return dst
+
+
+@pytest.mark.parametrize(("what", "edit"), [
+    ("huge", lambda e: e["tensor_meta"].update(sizes=[{"as_int": 2**70}],
+                                               strides=[{"as_int": 0}])),
+    ("device", lambda e: e["tensor_meta"].update(device={"type": ["x"], "index": 10**30})),
+    ("dtype", lambda e: e["tensor_meta"].update(dtype=[7])),
+    ("record", lambda e: e.update(path_name=5)),
+])
+def test_a_bad_tensor_entry_is_refused(tmp_path: Path, what: str, edit: Any,
+                                       exported: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    path = _edited(exported[0], tmp_path / f"{what}.pt2", edit)
+    with pytest.raises(ckptool.CkptoolError):
+        ckptool.open(path)

@@ -29,10 +29,10 @@ from ckptool.check.diagnosis import diagnose
 from ckptool.check.findings import Finding
 from ckptool.check.gpus import assumed
 from ckptool.check.modelspec import module_keys
-from ckptool.errors import CkptoolError, UsageError
+from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.read.companions import why_no_weights
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.materialize import Builder, MapLocation, Placement
+from ckptool.read.materialize import Builder, MapLocation, Placement, pick
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.tensor_source import TensorValues
 from ckptool.write.convert_plan import recorded_aliases
@@ -98,14 +98,22 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
     place = Placement(map_location)
     out: dict[str, torch.Tensor] = {}
     made: dict[str, torch.Tensor] = {}
-    built = Builder(ckpt, "cpu", mmap=False)  # sparse, nested, quantized: from their parts
+    tree: Any = None  # sparse, nested, quantized: the file built once, each taken from it
     with TensorValues(ckpt) as values:
         for name, stored in names.items():
             if stored not in made:
                 t = tensors[stored]
-                plain = t.layout == "strided" and not t.parts
-                value = place.tensor(values.values(t) if plain else built.at(t.key),
-                                     t.location or "cpu")
+                if t.layout == "strided" and not t.parts:
+                    value = values.values(t)
+                else:
+                    if ckpt.is_multifile:
+                        raise UnsupportedCheckpointError(
+                            f"{t.key} is a {t.layout} tensor in {t.file or 'a shard'}: "
+                            "ckptool builds those from single files", "name the file")
+                    if tree is None:
+                        tree = Builder(ckpt, "cpu", mmap=True).build(ckpt.root)
+                    value = pick(tree, t.key)
+                value = place.tensor(value, t.location or "cpu")
                 if cast is not None and value.is_floating_point():
                     value = value.to(cast)
                 made[stored] = value

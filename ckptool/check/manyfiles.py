@@ -29,10 +29,11 @@ from __future__ import annotations
 
 from ckptool.describe import plural
 from ckptool.model import Checkpoint
+from ckptool.read.layouts.hf_storage import HF_STORAGE
+from ckptool.read.layouts.per_rank import PER_RANK
 
 HF_BIN, HF_SAFETENSORS, DCP, DEEPSPEED = "hf-bin", "hf-safetensors", "dcp", "deepspeed"
-PER_RANK = "dtensor-ranks"  # ckptool.read.layouts.per_rank
-HF_STORAGE = "hf-storage"  # ckptool.read.layouts.hf_storage
+
 
 
 def loader(ckpt: Checkpoint) -> str:

@@ -20,10 +20,11 @@ from ckptool.check.findings import ERROR, Finding
 from ckptool.check.fixcommand import command_flags, shell_name
 from ckptool.describe import beside, plural
 from ckptool.model import Checkpoint
+from ckptool.read.layouts.per_rank import PER_RANK
 from ckptool.write.plan import FixOptions
 
 DEEPSPEED = "deepspeed"
-PER_RANK = "dtensor-ranks"  # ckptool.read.layouts.per_rank
+
 
 
 @dataclass

@@ -28,6 +28,7 @@ from ckptool.describe import (
 from ckptool.describe import shown as shown_text
 from ckptool.keys import pieces
 from ckptool.model import NO_LOCATION, Checkpoint, Companion, TensorInfo
+from ckptool.read import optim
 
 
 def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:
@@ -137,13 +138,10 @@ def adapter_line(adapter: dict[str, Any]) -> str:
 
 
 def optimizer_line(state: dict[str, Any]) -> str:
-    """One optimizer state: ``'state' · Adam/AdamW · exp_avg, exp_avg_sq,
-    step for 9 parameters · 1 param group``."""
+    """One optimizer state: ``'optimizer' · Adam/AdamW: exp_avg, exp_avg_sq,
+    step for 9 parameters, 1 param group``."""
     where = f"'{state['path']}'" if state["path"] else "the whole file"
-    kind = [state["kind"]] if state.get("kind") else []
-    names = ", ".join(state["state_names"]) or "no per-parameter state"
-    return " · ".join([where, *kind, f"{names} for {plural(state['parameters'], 'parameter')}",
-                       plural(state["param_groups"], "param group")])
+    return f"{where} · {optim.summary(optim.OptimizerState.from_dict(state))}"
 
 
 def companion_text(c: Companion) -> Text:

@@ -150,7 +150,8 @@ def _with_names(facts: Framework, ckpt: Checkpoint) -> Framework:
     if isinstance(entry, str) and prefix.startswith(entry + "."):  # DCP's {"model": sd}
         prefix = prefix[len(entry) + 1:]
     _, rest = prefixes.split_wrappers(prefix)
-    return replace(facts, own_prefix=rest)
+    own = framework.own_naming(facts.kind, facts.model_type, rest)
+    return replace(facts, own_prefix=rest if own else "")
 
 
 def model_beside(path: str) -> str | None:
@@ -171,7 +172,7 @@ def model_beside(path: str) -> str | None:
 def why_no_weights(ckpt: Checkpoint) -> str:
     """Why ``ckpt`` has no state dict: an optimizer's state (and where the
     model is), or no dict of tensors at all."""
-    states = [optim.OptimizerState(**{**s, "state_names": tuple(s["state_names"])})
+    states = [optim.OptimizerState.from_dict(s)
               for s in ckpt.metadata.get("optimizer_states") or ()]
     if not states:
         return ("no state dict found: no dict of tensors a model could load, so there are "

@@ -32,7 +32,7 @@ import os
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
-from ckptool.errors import UnsupportedCheckpointError
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.keys import join_key, split_key, unescape
 from ckptool.model import Checkpoint
 from ckptool.read.constructors import NDArray
@@ -107,12 +107,32 @@ def _dcp_tree(ckpt: Checkpoint, map_location: MapLocation) -> dict[str, Any]:
     return nest(items, {fqn: ckpt.tree_paths.get(fqn, (fqn,)) for fqn in items})
 
 
+def pick(tree: Any, key: str) -> Any:
+    """The object at ``key`` (a tensor's key, as ``ckptool.open`` keys it)
+    in a tree ``Builder`` built from a file's."""
+    obj = tree
+    for name in split_key(key):
+        if isinstance(obj, dict):
+            found = obj.get(name, _MISSING) if name in obj else next(
+                (v for k, v in obj.items() if walk_key(k) == name), _MISSING)
+        elif isinstance(obj, (list, tuple)) and name.isdigit() and int(name) < len(obj):
+            found = obj[int(name)]
+        else:
+            found = _MISSING
+        if found is _MISSING:
+            raise UnsupportedCheckpointError(f"{key}: not found in the built tree",
+                                             "ckptool.load(path) builds the whole file")
+        obj = found
+    return obj
+
+
 def _whole_tree(ckpt: Checkpoint, map_location: MapLocation) -> Any:
     """Everything a checkpoint saved per rank holds, nested as each rank saved
     it, every DTensor whole (what ``torch.load`` of a file of the gathered
     state dict gives)."""
     place = Placement(map_location)
     by_key = {t.key: t for t in ckpt.tensors}
+    others = Builder(ckpt, map_location, mmap=False)  # an argparse.Namespace, a numpy array
     with TensorValues(ckpt) as values:
 
         def build(obj: Any, key: str, depth: int) -> Any:
@@ -129,7 +149,7 @@ def _whole_tree(ckpt: Checkpoint, map_location: MapLocation) -> Any:
             if isinstance(obj, (list, tuple)):
                 items = [build(v, join_key(key, str(i)), depth + 1) for i, v in enumerate(obj)]
                 return items if isinstance(obj, list) else tuple(items)
-            return obj
+            return others.build(obj)
 
         return build(ckpt.root, "", 0)
 
@@ -152,32 +172,6 @@ class Builder:
         finally:
             if self._data is not None:
                 self._data.close()
-
-    def at(self, key: str) -> Any:
-        """The object at ``key`` (a tensor's key) of a single file's tree, built."""
-        obj = self.ckpt.root
-        for name in split_key(key):
-            if isinstance(obj, dict):
-                found = next((v for k, v in obj.items() if walk_key(k) == name), _MISSING)
-            elif isinstance(obj, (list, tuple)) and name.isdigit() and int(name) < len(obj):
-                found = obj[int(name)]
-            else:
-                found = _MISSING
-            if found is _MISSING or self.ckpt.is_multifile:
-                raise UnsupportedCheckpointError(
-                    f"{key}: ckptool builds a {self._what(key)} only from a single file's tree",
-                    "ckptool.load(path) builds the whole file")
-            obj = found
-        try:
-            return self._value(obj, 0)
-        finally:
-            if self._data is not None:
-                self._data.close()
-                self._data = None
-
-    def _what(self, key: str) -> str:
-        return next((f"{t.layout} tensor" for t in self.ckpt.tensors if t.key == key),
-                    "tensor")
 
     def _value(self, obj: Any, depth: int) -> Any:
         if depth > MAX_DEPTH:
@@ -305,14 +299,24 @@ class Builder:
         typed = torch.storage.TypedStorage(wrap_storage=self._storage(rec.storage),
                                            dtype=dtype, _internal=True)
         rest = tuple(self._value(p, 0) for p in params[1:])
-        return torch._utils._rebuild_qtensor(
-            typed, rec.storage_offset, rec.shape, rec.stride, (scheme, *rest),
-            rec.requires_grad, OrderedDict())
+        try:
+            return torch._utils._rebuild_qtensor(
+                typed, rec.storage_offset, rec.shape, rec.stride, (scheme, *rest),
+                rec.requires_grad, OrderedDict())
+        except (ValueError, TypeError, IndexError, RuntimeError) as exc:
+            raise CorruptCheckpointError(
+                f"a quantized tensor whose quantizer torch refuses ({str(exc)[:200]})",
+                "ckptool.open lists it; the file is damaged") from exc
 
     def _composite(self, obj: CompositeTensor, depth: int) -> torch.Tensor:
 
         parts = {k: self._value(v, depth) for k, v in obj.parts.items()}
-        return compose(obj.layout, obj.shape, parts, obj.extra or {})
+        try:
+            return compose(obj.layout, obj.shape, parts, obj.extra or {})
+        except (KeyError, ValueError, TypeError, IndexError, RuntimeError) as exc:
+            raise CorruptCheckpointError(
+                f"a {obj.layout} tensor whose parts torch refuses ({str(exc)[:200]})",
+                "ckptool.open lists it; the file is damaged") from exc
 
 
 def compose(layout: str, shape: tuple[int, ...], parts: dict[str, Any],

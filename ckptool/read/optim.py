@@ -35,6 +35,12 @@ class OptimizerState:
     state_names: tuple[str, ...]  # per-parameter names: exp_avg, exp_avg_sq, step...
     kind: str | None  # "Adam/AdamW", "SGD with momentum"... as the names suggest
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> OptimizerState:
+        """The state ``as_dict`` made (``Checkpoint.metadata["optimizer_states"]``)."""
+        return cls(data["path"], data["parameters"], data["param_groups"],
+                   tuple(data["state_names"]), data["kind"])
+
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "parameters": self.parameters,
                 "param_groups": self.param_groups, "state_names": list(self.state_names),

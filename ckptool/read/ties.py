@@ -31,4 +31,4 @@ def rank(name: str) -> int:
 
 def preferred(names: list[str]) -> str:
     """The name to keep of ``names`` (in the source's order), tied to one tensor."""
-    return min(names, key=lambda n: (rank(n), names.index(n)))
+    return names[min(range(len(names)), key=lambda i: (rank(names[i]), i))]

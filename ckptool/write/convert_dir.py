@@ -86,8 +86,9 @@ def convert(source: Checkpoint, dst: str, kind: str, *, force: bool = False,
 
 # a framework's own name for its weights, and the files its loader reads beside them
 STEMS = {"diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
+# (not sentence-transformers' modules.json: it names module folders convert does not write)
 CONFIG_ROLES = ("model config", "generation config", "adapter config (PEFT)", "tokenizer",
-                "preprocessor config", "sentence-transformers config")
+                "preprocessor config")
 
 
 def framework_files(source: Checkpoint) -> tuple[str | None, list[tuple[str, str]]]:

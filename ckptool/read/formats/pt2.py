@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from ckptool.dtypes import ITEMSIZE
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import CkptoolError, CorruptCheckpointError
 from ckptool.read.formats.base import RawRead
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
@@ -32,6 +32,7 @@ PT2 = "torch-export"
 BROKEN = ("the archive does not match what torch.export.save writes: it was damaged or "
           "rewritten")
 MAX_JSON = 256 << 20
+MAX_SAMPLE = 64 << 20  # a program's sample inputs: small tensors
 # torch._export.serde.schema.ScalarType
 DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float16",
           7: "float32", 8: "float64", 9: "complex32", 10: "complex64", 11: "complex128",
@@ -39,6 +40,7 @@ DTYPES = {1: "uint8", 2: "int8", 3: "int16", 4: "int32", 5: "int64", 6: "float16
           31: "float8_e4m3fnuz", 32: "float8_e5m2fnuz", 33: "float8_e8m0fnu", 34: "uint32",
           35: "uint64"}
 STRIDED = 7  # schema.Layout.Strided
+MAX_INT64 = 2**63 - 1
 
 
 def is_pt2(members: dict[str, Any], prefix: str) -> bool:
@@ -63,6 +65,10 @@ def read_archive(zf: Any, prefix: str, read_record: Any, read_zip: Any) -> RawRe
     extra: dict[str, Any] = {"constants": constants} if constants else {}
     for name in sorted(members):
         if name.startswith(f"{prefix}data/sample_inputs/") and name.endswith(".pt"):
+            if members[name].size > MAX_SAMPLE:
+                warnings.append(f"{name} is {members[name].size} bytes: not scanned "
+                                f"(ckptool reads sample inputs up to {MAX_SAMPLE >> 20} MiB)")
+                continue
             warnings += _scan(read_record(zf, name), name, seen, read_zip)
     meta: dict[str, Any] = {"archive_root": prefix.rstrip("/"), "archive_format": "pt2"}
     if f"{prefix}archive_version" in members:
@@ -115,13 +121,20 @@ def _tensor(fqn: str, meta: Any, record: str, size: int, storages: dict[str, Sto
             or len(shape) != len(stride) or meta.get("layout", STRIDED) != STRIDED:
         raise CorruptCheckpointError(
             f"{named_by}: {fqn!r:.80} is no strided tensor of a known dtype", BROKEN)
+    if math.prod(shape) > MAX_INT64:
+        raise CorruptCheckpointError(f"{named_by}: {fqn!r:.80} has more elements than torch "
+                                     "can index", BROKEN)
     itemsize = ITEMSIZE.get(dtype, 1)
     ref = storages.get(record)
     if ref is None:
         device = meta.get("device")
         kind, index = (device.get("type", "cpu"), device.get("index")) \
             if isinstance(device, dict) else ("cpu", None)
-        location = f"{kind}:{index}" if isinstance(index, int) else str(kind)
+        if not (isinstance(kind, str) and kind.isidentifier() and len(kind) <= 32) or not (
+                index is None or (type(index) is int and 0 <= index < 1 << 16)):
+            raise CorruptCheckpointError(f"{named_by}: {fqn!r:.80} names no device",
+                                         BROKEN)
+        location = f"{kind}:{index}" if index is not None else kind
         ref = storages[record] = StorageRef(record, dtype, location, size // itemsize, record)
     numel = math.prod(shape)
     last = offset[0] + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) \
@@ -139,7 +152,7 @@ def _ints(items: Any) -> tuple[int, ...] | None:
     out = []
     for item in items:
         value = item.get("as_int") if isinstance(item, dict) else None
-        if type(value) is not int or value < 0:
+        if type(value) is not int or not 0 <= value <= MAX_INT64:
             return None
         out.append(value)
     return tuple(out)
@@ -149,8 +162,13 @@ def _scan(data: bytes, name: str, seen: GlobalsSeen, read_zip: Any) -> list[str]
     """The sample inputs' ``torch.save`` archive, read for the globals it names
     (``torch.export.load`` unpickles it); its tensors are not listed."""
     try:
-        raw = read_zip(ZipArchive(io.BytesIO(data), len(data)))
-    except (ZipError, CorruptCheckpointError) as exc:
+        inner = ZipArchive(io.BytesIO(data), len(data))
+        names = list(inner.members)
+        if names and is_pt2(inner.members, names[0].split("/", 1)[0] + "/"):
+            return [f"{name} is itself a .pt2 archive, not the torch.save archive "
+                    "torch.export writes there: not read"]
+        raw = read_zip(inner)
+    except (ZipError, CkptoolError) as exc:
         return [f"{name} is not a readable torch.save archive ({exc}); not scanned"]
     seen.merge(raw.seen, name)
     return []

@@ -9,6 +9,7 @@ assembles it into a ``Checkpoint`` the same way as any file.
 
 from __future__ import annotations
 
+import math
 import os
 import stat
 from dataclasses import dataclass, field
@@ -37,6 +38,11 @@ class MultiRead:
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # DCP planner_data
     notes: list[str] = field(default_factory=list)  # what else is there: no problem
     chunk_keys: bool = False  # chunks are keyed by key text (nested trees), not by names
+
+
+def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a row-major tensor of ``shape``."""
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def member(directory: str, name: object, named_by: str) -> str:

@@ -33,7 +33,7 @@ from ckptool.read import formats
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import sniff as sniff_safetensors
 from ckptool.read.layouts import dcp_metadata, embedded
-from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, file_size, member
+from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous, file_size, member
 from ckptool.read.layouts.dcp_metadata import Item, Metadata, TensorMeta
 from ckptool.read.layouts.recognise import Layout
 from ckptool.read.seen import GlobalsSeen
@@ -79,7 +79,7 @@ def read(layout: Layout) -> MultiRead:
         _check_lengths(fqn, tm)
         ref = StorageRef(fqn, tm.dtype, None, math.prod(tm.shape))
         storages[fqn] = ref
-        root[fqn] = TensorRecord(tm.shape, tm.dtype, _contiguous(tm.shape), 0, ref, None,
+        root[fqn] = TensorRecord(tm.shape, tm.dtype, contiguous(tm.shape), 0, ref, None,
                                  requires_grad=tm.requires_grad)
         chunks[fqn] = tuple(_chunk(o, s, item) for o, s, item in tm.boxes)
     for fqn, item in merged.values.items():
@@ -238,10 +238,6 @@ def _rank(name: str) -> int | None:
 def _chunk(offsets: tuple[int, ...], sizes: tuple[int, ...], item: Item) -> Chunk:
     return Chunk(item.file, offsets, sizes, item.offset, item.length, _rank(item.file),
                  item.transforms)
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
 
 
 def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,

@@ -44,7 +44,7 @@ from ckptool.keys import join_key, split_key
 from ckptool.model import Checkpoint, Chunk, FileInfo
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import zero
-from ckptool.read.layouts.base import BROKEN_HINT, MultiRead
+from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
 from ckptool.read.layouts.deepspeed_files import (
     MIXED_HINT,
     Files,
@@ -112,7 +112,7 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
         shape = shape_of.shape
         ref = StorageRef(name, dtype, None, math.prod(shape))
         storages[name] = ref
-        root[name] = TensorRecord(shape, dtype, _contiguous(shape), 0, ref, None,
+        root[name] = TensorRecord(shape, dtype, contiguous(shape), 0, ref, None,
                                   requires_grad=kind == "trainable",
                                   is_parameter=kind in ("trainable", "frozen", "module"))
         chunks[name] = tuple(_chunk(offsets, name, dtype, run) for run in runs) or (
@@ -210,7 +210,7 @@ def _check_steps(files: Files, offsets: Offsets) -> None:
 def _dense(rec: TensorRecord) -> bool:
     """A plain tensor whose elements lie one after the other in its storage."""
     return rec.storage is not None and rec.layout == "strided" and rec.storage_offset >= 0 \
-        and (rec.numel <= 1 or rec.stride == _contiguous(rec.shape))
+        and (rec.numel <= 1 or rec.stride == contiguous(rec.shape))
 
 
 def _whole(f: Saved, rec: TensorRecord, name: str) -> Run:
@@ -376,8 +376,4 @@ def _chunk(offsets: Offsets, name: str, dtype: str, run: Run) -> Chunk:
 
 
 def _shaped(shape: tuple[int, ...], dtype: str) -> TensorRecord:
-    return TensorRecord(tuple(shape), dtype, _contiguous(tuple(shape)), 0, None, None)
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    return TensorRecord(tuple(shape), dtype, contiguous(tuple(shape)), 0, None, None)

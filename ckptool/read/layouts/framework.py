@@ -16,6 +16,9 @@ diffusers and sentence-transformers put beside a model, and what it says.
   accelerate's ``random_states_N.pkl``, a diffusers ``model_index.json``, a
   sentence-transformers ``modules.json``.
 
+- ``other_framework``: the folders other frameworks write (a TensorFlow
+  SavedModel or checkpoint, an orbax checkpoint), named when refused.
+
 Only names and small JSON files are read here: the companions' pickles are
 scanned by ``ckptool.read.companions``.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from typing import Any
 
 from ckptool.model import Framework
@@ -64,6 +68,38 @@ MODEL_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetens
                "diffusion_pytorch_model.bin", "pytorch_model.pt")
 # accelerate numbers a second prepared model model_1.safetensors, pytorch_model_1.bin
 OTHER_MODEL = re.compile(r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$")
+
+
+# transformers' base_model_prefix by model_type: a task model (LlamaForCausalLM)
+# keeps its base model's weights under it ("model.layers.0..."), the base
+# model class (LlamaModel) without it
+BASE_PREFIX = {
+    **dict.fromkeys(("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe",
+                     "gemma", "gemma2", "gemma3_text", "phi", "phi3", "opt", "bart", "mbart",
+                     "whisper", "olmo", "olmo2", "starcoder2", "cohere", "granite",
+                     "deepseek_v2", "deepseek_v3", "smollm3", "glm", "helium"), "model"),
+    **dict.fromkeys(("gpt2", "gptj", "falcon", "bloom", "mpt", "gpt_bigcode", "codegen",
+                     "t5", "mt5"), "transformer"),
+    "bert": "bert", "roberta": "roberta", "xlm-roberta": "roberta", "distilbert": "distilbert",
+    "albert": "albert", "electra": "electra", "deberta": "deberta", "deberta-v2": "deberta",
+    "gpt_neox": "gpt_neox", "vit": "vit", "camembert": "roberta", "mpnet": "mpnet",
+}
+
+
+def own_naming(kind: str, model_type: str | None, prefix: str) -> bool:
+    """Whether a state dict's non-wrapper ``prefix`` is the framework's own
+    naming: PEFT's ``base_model.model.`` (over the base model's); or the
+    base model's prefix a transformers task model puts its weights under
+    (``model.`` for a Llama, ``bert.`` for a BERT; for an architecture not
+    listed, any one component). ``model.model.`` is never a Llama's own."""
+    if not prefix:
+        return True
+    if kind == "peft":
+        return prefix.startswith("base_model.model.")
+    known = BASE_PREFIX.get(model_type or "")
+    if known is not None:
+        return prefix == f"{known}."
+    return prefix.count(".") == 1
 
 
 def role_of(name: str) -> str | None:
@@ -151,7 +187,7 @@ def _model_facts(config: Any) -> tuple[str | None, str | None, bool | None]:
     model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
     if model_class is None and model_type is None:
         return None, None, None
-    tied = config.get("tie_word_embeddings", True if "_class_name" not in config else None)
+    tied = config.get("tie_word_embeddings")  # absent: the config class's default, unknown here
     return model_class, model_type, tied if isinstance(tied, bool) else None
 
 
@@ -170,12 +206,34 @@ def _adapter_facts(adapter: dict[str, Any]) -> dict[str, Any]:
 
 
 def json_file(directory: str, name: str) -> Any:
-    """The JSON in ``directory/name``, or None (missing, too big, not JSON)."""
+    """The JSON in ``directory/name``, or None (missing, too big, not JSON,
+    not a regular file)."""
+    path = os.path.join(directory, name)
     try:
-        with open(os.path.join(directory, name), "rb") as f:
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return None
+        with open(path, "rb") as f:
             data = f.read(MAX_JSON_BYTES + 1)
         if len(data) > MAX_JSON_BYTES:
             return None
         return json.loads(data)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError):
         return None
+
+
+def other_framework(files: list[str], dirs: list[str]) -> tuple[str, str] | None:
+    """Checkpoint directories of other frameworks, by the files they write."""
+    names = set(files)
+    if "saved_model.pb" in names or "saved_model.pbtxt" in names:
+        return ("a TensorFlow SavedModel", "load it with tf.saved_model.load; transformers' "
+                "from_pretrained(..., from_tf=True) converts TensorFlow models")
+    if names & {"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"} or (
+            "checkpoint" in names and "d" in dirs):
+        return ("an orbax (JAX) checkpoint",
+                "restore it with orbax.checkpoint; transformers' from_pretrained(..., "
+                "from_flax=True) converts Flax models")
+    if any(n.endswith(".index") for n in names) and any(
+            re.search(r"\.data-\d{5}-of-\d{5}$", n) for n in names):
+        return ("a TensorFlow checkpoint (.index + .data files)",
+                "read it with tf.train.load_checkpoint")
+    return None

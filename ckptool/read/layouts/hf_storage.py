@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import re
 from typing import Any
 
 from ckptool.describe import plural
@@ -26,14 +25,13 @@ from ckptool.model import Chunk, FileInfo
 from ckptool.read import formats
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import dcp_metadata
-from ckptool.read.layouts.base import BROKEN_HINT, MultiRead
-from ckptool.read.layouts.recognise import Layout
+from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
+from ckptool.read.layouts.recognise import HF_STORAGE_SHARD, Layout
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
 
 HF_STORAGE = "hf-storage"
 SHARDING_INFO = "DCP_SHARDING_INFO"
-SHARD_FILE = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")  # recognise's
 
 
 def read(layout: Layout) -> MultiRead:
@@ -90,7 +88,7 @@ def read(layout: Layout) -> MultiRead:
             raise CorruptCheckpointError(f"{fqn} is not whole: {problem}", BROKEN_HINT)
         ref = StorageRef(f"{HF_STORAGE}:{fqn}", dtype, None, math.prod(shape))
         storages[ref.key] = ref
-        root[fqn] = TensorRecord(shape, dtype, _contiguous(shape), 0, ref, None)
+        root[fqn] = TensorRecord(shape, dtype, contiguous(shape), 0, ref, None)
         chunks[fqn] = tuple(boxes.values())
     meta: dict[str, Any] = {"ranks": len(ranks), "files": len(files)}
     return MultiRead(RawRead(HF_STORAGE, root, storages, seen, meta), layout.directory,
@@ -135,9 +133,11 @@ def one_piece(path: str, metadata: dict[str, Any]) -> str | None:
 
 
 def _rank(name: str) -> int | None:
-    m = SHARD_FILE.match(name)
-    return int(m.group(1)) - 1 if m else None
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+    """The rank that wrote shard file ``name`` (torch numbers them from 1)."""
+    m = HF_STORAGE_SHARD.match(name)
+    if m is None:
+        return None
+    if int(m.group(1)) == 0:
+        raise CorruptCheckpointError(f"{name}: torch numbers the ranks' shard files from "
+                                     "shard-00001", BROKEN_HINT)
+    return int(m.group(1)) - 1

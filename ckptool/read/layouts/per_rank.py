@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Any
 
 from ckptool import dtypes
@@ -33,12 +34,13 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo
 from ckptool.read import formats
 from ckptool.read.formats.base import RawRead
-from ckptool.read.layouts.base import BROKEN_HINT, MultiRead
+from ckptool.read.layouts import dcp_metadata
+from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
 from ckptool.read.layouts.recognise import Layout
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensor_data import TensorData
 from ckptool.read.tensors import StorageRef, TensorRecord
-from ckptool.read.values import StandIn
+from ckptool.read.values import StandIn, brief
 
 PER_RANK = "dtensor-ranks"
 MAX_DEPTH = 8  # {"model": {...}, "optimizer": {"state": {0: {"exp_avg": ...}}}}
@@ -71,24 +73,30 @@ def read(layout: Layout) -> MultiRead:
         _check_rank(name, rank, len(names), each)
     chunks: dict[str, tuple[Chunk, ...]] = {}
     root = reads[0].root
-    for path, first in found[0].items():
-        shape, dtype = first.shape, first.dtype
-        boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
-        for rank, (name, each) in enumerate(zip(names, found, strict=True)):
-            rec = each[path]
-            if (rec.shape, rec.dtype) != (shape, dtype):
-                raise CorruptCheckpointError(
-                    f"{_key(path)} is {list(shape)} {dtype} on rank 0 and {list(rec.shape)} "
-                    f"{rec.dtype} in {name}", BROKEN_HINT)
-            offsets, sizes = _box(_key(path), rec, name)
-            if (offsets, sizes) not in boxes:  # replicated: the lowest rank's copy
-                boxes[(offsets, sizes)] = _chunk(layout.directory, name, rank, rec, offsets,
-                                                 sizes, reads[rank])
-        chunks[_key(path)] = tuple(boxes.values())
-        ref = StorageRef(f"{PER_RANK}:{_key(path)}", dtype, first.location, math.prod(shape))
-        root = _replace(root, path, TensorRecord(
-            shape, dtype, _contiguous(shape), 0, ref, first.location, first.requires_grad,
-            first.is_parameter))
+    with _StorageOffsets(layout.directory, names, reads) as offsets_of:
+        for path, first in found[0].items():
+            shape, dtype = first.shape, first.dtype
+            boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
+            for rank, (name, each) in enumerate(zip(names, found, strict=True)):
+                rec = each[path]
+                if (rec.shape, rec.dtype) != (shape, dtype):
+                    raise CorruptCheckpointError(
+                        f"{_key(path)} is {list(shape)} {dtype} on rank 0 and "
+                        f"{list(rec.shape)} {rec.dtype} in {name}", BROKEN_HINT)
+                offsets, sizes = _box(_key(path), rec, name)
+                if (offsets, sizes) not in boxes:  # replicated: the lowest rank's copy
+                    boxes[(offsets, sizes)] = _chunk(name, rank, rec, offsets, sizes,
+                                                     offsets_of)
+            problem = dcp_metadata.check_cover(shape, list(boxes))
+            if problem:
+                raise CorruptCheckpointError(f"{_key(path)}: the ranks' shards do not make "
+                                             f"it whole: {problem}", BROKEN_HINT)
+            chunks[_key(path)] = tuple(boxes.values())
+            ref = StorageRef(f"{PER_RANK}:{_key(path)}", dtype, first.location,
+                             math.prod(shape))
+            root = _replace(root, path, TensorRecord(
+                shape, dtype, contiguous(shape), 0, ref, first.location, first.requires_grad,
+                first.is_parameter))
     rank0 = {id(ref) for ref in reads[0].storages.values()}
     storage_files = {}
     for ref in _storages(root):  # rank 0's plain tensors (a step count), read in its file
@@ -113,16 +121,14 @@ def one_rank(path: str, root: Any) -> str | None:
     if not found:
         return None
     try:
-        shape, coord = _mesh(_parts(next(iter(found.values())))[1])
+        mesh = _mesh(_parts(next(iter(found.values())))[1])
     except CorruptCheckpointError:
         return None
-    flat = 0
-    for c, n in zip(coord, shape, strict=True):
-        flat = flat * n + c
+    here = mesh.rank if mesh.rank is not None else mesh.flat
     folder = os.path.dirname(path) or "."
     are = "is a DTensor" if len(found) == 1 else "are DTensors"
-    ranks = plural(math.prod(shape), "rank")
-    return (f"{plural(len(found), 'tensor')} here {are}: this file holds rank {flat}'s shards "
+    ranks = plural(math.prod(mesh.shape), "rank")
+    return (f"{plural(len(found), 'tensor')} here {are}: this file holds rank {here}'s shards "
             f"of them (of {ranks}); read the folder holding every rank's file to get them "
             f"whole: ckptool inspect {folder}")
 
@@ -160,8 +166,27 @@ def _parts(rec: TensorRecord) -> tuple[TensorRecord, dict[str, Any]]:
     return local, spec.state
 
 
-def _mesh(spec: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(the mesh's shape, this rank's coordinate on it)."""
+@dataclass(frozen=True)
+class Mesh:
+    """What a DTensor's pickled DeviceMesh says: its shape, this rank's
+    coordinate on it, and this rank's global number where it is recorded."""
+
+    shape: tuple[int, ...]
+    coord: tuple[int, ...]
+    rank: int | None
+
+    @property
+    def flat(self) -> int:
+        """The coordinate as a row-major index (DeviceMesh's default layout)."""
+        flat = 0
+        for c, n in zip(self.coord, self.shape, strict=True):
+            flat = flat * n + c
+        return flat
+
+
+def _mesh(spec: dict[str, Any]) -> Mesh:
+    """A DTensor's mesh: from its layout's axes (torch >= 2.9), or from the
+    shape of its ``mesh`` tensor of ranks (earlier torch)."""
     mesh = spec.get("mesh")
     state = mesh.state if isinstance(mesh, StandIn) and isinstance(mesh.state, dict) else {}
     coord = state.get("_coordinate_on_dim")
@@ -169,21 +194,25 @@ def _mesh(spec: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
     axes = layout.state.get("axes") if isinstance(layout, StandIn) and isinstance(
         layout.state, dict) else None
     shape: list[int] = []
-    for axis in axes if isinstance(axes, tuple) else ():
-        size = axis.state.get("shape") if isinstance(axis, StandIn) and isinstance(
-            axis.state, dict) else None
-        if not (isinstance(size, tuple) and all(type(s) is int and s > 0 for s in size)):
-            raise CorruptCheckpointError("a DTensor's mesh has a bad shape", BROKEN_HINT)
-        shape.append(math.prod(size))
-    if not (isinstance(coord, tuple) and len(coord) == len(shape)
-            and all(type(c) is int and 0 <= c < n for c, n in zip(coord, shape, strict=True))):
+    if isinstance(axes, tuple):
+        for axis in axes:
+            size = axis.state.get("shape") if isinstance(axis, StandIn) and isinstance(
+                axis.state, dict) else None
+            if not (isinstance(size, tuple) and all(type(s) is int and s > 0 for s in size)):
+                raise CorruptCheckpointError("a DTensor's mesh has a bad shape", BROKEN_HINT)
+            shape.append(math.prod(size))
+    elif isinstance(state.get("mesh"), TensorRecord):
+        shape = list(state["mesh"].shape)
+    if not shape or not (isinstance(coord, (tuple, list)) and len(coord) == len(shape) and all(
+            type(c) is int and 0 <= c < n for c, n in zip(coord, shape, strict=True))):
         raise CorruptCheckpointError("a DTensor's mesh coordinate does not fit its mesh",
                                      BROKEN_HINT)
-    return tuple(shape), coord
+    rank = state.get("_rank")
+    return Mesh(tuple(shape), tuple(coord), rank if type(rank) is int else None)
 
 
 def _mesh_shape(rec: TensorRecord) -> tuple[int, ...]:
-    return _mesh(_parts(rec)[1])[0]
+    return _mesh(_parts(rec)[1]).shape
 
 
 def _placements(rec: TensorRecord) -> list[str]:
@@ -198,29 +227,37 @@ def _placements(rec: TensorRecord) -> list[str]:
 def _box(key: str, rec: TensorRecord, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """Where this rank's local tensor lies in the global one, as torch places it."""
     local, spec = _parts(rec)
-    shape, coord = _mesh(spec)
+    mesh = _mesh(spec)
+    shape, coord = mesh.shape, mesh.coord
     placements = spec.get("placements")
     if not isinstance(placements, tuple) or len(placements) != len(shape):
         raise CorruptCheckpointError(f"{key} in {name}: its placements do not match its mesh",
                                      BROKEN_HINT)
     order: dict[int, list[int]] = {}  # tensor dim -> the mesh dims splitting it, in order
     for mesh_dim, p in enumerate(placements):
-        kind = p.qualname.rsplit(".", 1)[-1] if isinstance(p, StandIn) else ""
+        if not isinstance(p, StandIn):
+            raise CorruptCheckpointError(f"{key} in {name}: a placement that is no placement "
+                                         f"({brief(p)})", BROKEN_HINT)
+        kind = p.qualname.rsplit(".", 1)[-1]
         if kind == "Replicate":
             continue
         dim = p.state.get("dim") if isinstance(p.state, dict) else None
         if kind != "Shard" or type(dim) is not int:
             raise UnsupportedCheckpointError(
-                f"{key} in {name} is placed {kind or p!r} on mesh dimension {mesh_dim}: "
+                f"{key} in {name} is placed {kind} on mesh dimension {mesh_dim}: "
                 "ckptool joins Shard(d) and Replicate() placements only",
                 "gather it with torch (full_tensor()) and save that")
         if not 0 <= dim < len(rec.shape):
             raise CorruptCheckpointError(f"{key} in {name} is sharded on dimension {dim} of a "
                                          f"{len(rec.shape)}-d tensor", BROKEN_HINT)
         order.setdefault(dim, []).append(mesh_dim)
-    for entry in spec.get("shard_order") or ():  # ShardOrderEntry(tensor_dim, mesh_dims)
-        args = entry.args if isinstance(entry, StandIn) else ()
-        if len(args) == 2 and args[0] in order and sorted(args[1]) == sorted(order[args[0]]):
+    entries = spec.get("shard_order")
+    for entry in entries if isinstance(entries, (tuple, list)) else ():
+        args = entry.args if isinstance(entry, StandIn) else ()  # (tensor_dim, mesh_dims)
+        if len(args) == 2 and type(args[0]) is int and args[0] in order \
+                and isinstance(args[1], (tuple, list)) \
+                and all(type(m) is int for m in args[1]) \
+                and sorted(args[1]) == sorted(order[args[0]]):
             order[args[0]] = list(args[1])
     offsets, sizes = [0] * len(rec.shape), list(rec.shape)
     for dim, mesh_dims in order.items():
@@ -237,25 +274,57 @@ def _box(key: str, rec: TensorRecord, name: str) -> tuple[tuple[int, ...], tuple
 
 
 def _check_rank(name: str, rank: int, count: int, found: dict[Path, TensorRecord]) -> None:
-    """The file named rank ``rank`` holds that rank's shards, of a mesh of
-    ``count`` ranks."""
-    rec = next(iter(found.values()))
-    shape, coord = _mesh(_parts(rec)[1])
-    if math.prod(shape) != count:
-        raise CorruptCheckpointError(
-            f"{name} holds DTensors of a mesh of {math.prod(shape)} ranks, and the directory "
-            f"holds {plural(count, 'rank file')}", "copy every rank's file, and only those")
-    # its rank on the mesh, row-major (DeviceMesh's default layout)
-    flat = 0
-    for c, n in zip(coord, shape, strict=True):
-        flat = flat * n + c
-    if flat != rank:
-        raise CorruptCheckpointError(f"{name} holds rank {flat}'s shards, not rank {rank}'s",
-                                     "a file was renamed or copied from another checkpoint")
+    """The file named rank ``rank`` of ``count`` holds that rank's shards:
+    every DTensor's mesh (a submesh too: a data-parallel norm beside tensor
+    parallel weights) fits ``count`` ranks and, where the mesh records this
+    rank's number, names ``rank``; a mesh of all the ranks places it there."""
+    for rec in found.values():
+        mesh = _mesh(_parts(rec)[1])
+        size = math.prod(mesh.shape)
+        if size > count or count % size:
+            raise CorruptCheckpointError(
+                f"{name} holds DTensors of a mesh of {size} ranks, and the directory holds "
+                f"{plural(count, 'rank file')}", "copy every rank's file, and only those")
+        here = mesh.rank if mesh.rank is not None else (mesh.flat if size == count else rank)
+        if here != rank:
+            raise CorruptCheckpointError(f"{name} holds rank {here}'s shards, not rank {rank}'s",
+                                         "a file was renamed or copied from another checkpoint")
 
 
-def _chunk(directory: str, name: str, rank: int, rec: TensorRecord, offsets: tuple[int, ...],
-           sizes: tuple[int, ...], raw: RawRead) -> Chunk:
+class _StorageOffsets:
+    """Where each rank's storages start in its zip: one open directory per
+    rank file for the whole read (a directory per tensor would cost the
+    square of the tensors)."""
+
+    def __init__(self, directory: str, names: list[str], reads: list[RawRead]) -> None:
+        self.directory, self.names, self.reads = directory, names, reads
+        self.data: dict[str, TensorData] = {}
+
+    def __enter__(self) -> _StorageOffsets:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for data in self.data.values():
+            data.close()
+
+    def start(self, name: str, ref: StorageRef) -> int:
+        data = self.data.get(name)
+        if data is None:
+            raw = self.reads[self.names.index(name)]
+            path = os.path.join(self.directory, name)
+            view = Checkpoint(path=path, format=raw.format, file_size=os.path.getsize(path),
+                              tensors=[], storages={
+                                  r.key: StorageInfo(r.key, r.dtype, r.location, r.nbytes,
+                                                     r.record, ())
+                                  for r in raw.storages.values()},
+                              entries=[], globals=[], main_state_dict=None,
+                              metadata=raw.metadata)
+            data = self.data[name] = TensorData(view)
+        return data.storage_offset(ref.key)
+
+
+def _chunk(name: str, rank: int, rec: TensorRecord, offsets: tuple[int, ...],
+           sizes: tuple[int, ...], offsets_of: _StorageOffsets) -> Chunk:
     local, _ = _parts(rec)
     itemsize = dtypes.itemsize(rec.dtype)
     length = math.prod(sizes) * itemsize
@@ -266,21 +335,15 @@ def _chunk(directory: str, name: str, rank: int, rec: TensorRecord, offsets: tup
         return Chunk(name, offsets, sizes, 0, 0, rank, raw=True)
     ref = local.storage
     if ref is None or local.stride is None or any(
-            s != c for n, s, c in zip(sizes, local.stride, _contiguous(sizes), strict=True)
+            s != c for n, s, c in zip(sizes, local.stride, contiguous(sizes), strict=True)
             if n > 1):
         raise UnsupportedCheckpointError(
             f"a DTensor's local tensor in {name} is not row-major: ckptool does not join it yet",
             "gather it with torch (full_tensor()) and save that")
-    path = os.path.join(directory, name)
-    view = Checkpoint(path=path, format=raw.format, file_size=os.path.getsize(path), tensors=[],
-                      storages={ref.key: StorageInfo(ref.key, ref.dtype, ref.location,
-                                                     ref.nbytes, ref.record, ())},
-                      entries=[], globals=[], main_state_dict=None, metadata=raw.metadata)
-    with TensorData(view) as data:
-        start = data.storage_offset(ref.key) + local.storage_offset * itemsize
     if local.storage_offset * itemsize + length > ref.nbytes:
         raise CorruptCheckpointError(f"a local tensor in {name} runs past its storage",
                                      BROKEN_HINT)
+    start = offsets_of.start(name, ref) + local.storage_offset * itemsize
     return Chunk(name, offsets, sizes, start, length, rank, raw=True)
 
 
@@ -321,7 +384,3 @@ def _key(path: Path) -> str:
 
 def _name(rec: TensorRecord) -> str:
     return f"a {list(rec.shape)} DTensor"
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

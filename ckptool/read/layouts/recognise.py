@@ -191,6 +191,8 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
 
 def _latest(path: str) -> str | None:
     """The tag a DeepSpeed ``latest`` file names (one line of text), or None."""
+    if not regular_file(os.path.join(path, LATEST)):
+        return None
     try:
         with open(os.path.join(path, LATEST), "rb") as f:
             data = f.read(MAX_TAG_BYTES + 1)
@@ -281,7 +283,7 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
         raise NotACheckpointError(f"{path} is an empty directory",
                                   "point ckptool at a checkpoint file or a checkpoint directory")
     what = _names(files + [d + "/" for d in dirs])
-    other = _other_framework(files, dirs)
+    other = framework.other_framework(files, dirs)
     if other is not None:
         raise NotACheckpointError(f"{path} is {other[0]}, not a PyTorch checkpoint: it holds "
                                   f"{what}", other[1])
@@ -313,24 +315,6 @@ def _rank_files(path: str, found: list[str]) -> Layout | None:
                   notes=notes)
 
 
-def _other_framework(files: list[str], dirs: list[str]) -> tuple[str, str] | None:
-    """Checkpoint directories of other frameworks, by the files they write."""
-    names = set(files)
-    if "saved_model.pb" in names or "saved_model.pbtxt" in names:
-        return ("a TensorFlow SavedModel", "load it with tf.saved_model.load; transformers' "
-                "from_pretrained(..., from_tf=True) converts TensorFlow models")
-    if names & {"_CHECKPOINT_METADATA", "_METADATA", "manifest.ocdbt"} or (
-            "checkpoint" in names and "d" in dirs):
-        return ("an orbax (JAX) checkpoint",
-                "restore it with orbax.checkpoint; transformers' from_pretrained(..., "
-                "from_flax=True) converts Flax models")
-    if any(n.endswith(".index") for n in names) and any(
-            re.search(r"\.data-\d{5}-of-\d{5}$", n) for n in names):
-        return ("a TensorFlow checkpoint (.index + .data files)",
-                "read it with tf.train.load_checkpoint")
-    return None
-
-
 def _accelerate_index(name: str) -> int:
     """``pytorch_model_fsdp_1`` -> 1 (accelerate's number of the model or
     optimizer); no number is 0."""
@@ -350,8 +334,19 @@ def listing(folder: str) -> list[str]:
         return []
 
 
+def regular_file(path: str) -> bool:
+    """Whether ``path`` is a regular file (a FIFO or device is never opened:
+    reading one could block for ever)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
 def is_checkpoint_file(path: str) -> bool:
     """A torch zip, legacy torch file or safetensors file, by its first bytes."""
+    if not regular_file(path):
+        return False
     try:
         with open(path, "rb") as f:
             head = f.read(16)
@@ -362,6 +357,8 @@ def is_checkpoint_file(path: str) -> bool:
 
 def _index_json(path: str) -> dict[str, object] | None:
     """The JSON of a shard index (an object with a ``weight_map`` object), or None."""
+    if not regular_file(path):
+        return None
     try:
         with open(path, "rb") as f:
             if not f.read(64).lstrip().startswith(b"{"):
