@@ -50,7 +50,7 @@ def test_the_ranks_read_as_one_checkpoint_with_global_shapes(case: str) -> None:
     assert not [g for g in ckpt.globals if g.category == "custom"]  # torch's own classes
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", [*CASES, "fsdp1_ws2"])
 def test_load_joins_every_placement_exactly(case: str) -> None:
     """Shard(0) and Shard(1) uneven, empty shards, Replicate(), 2-D meshes,
     [Shard(0), Shard(0)], FSDP2's padded local storages, an AdamW state."""
@@ -102,7 +102,7 @@ def test_a_missing_or_foreign_rank_is_refused(tmp_path: Path) -> None:
     folder = tmp_path / "ranks"
     shutil.copytree(HERE / "mesh2d_ws4", folder)
     (folder / "model_world_size_4_rank_3.pt").unlink()
-    with pytest.raises(ckptool.CkptoolError, match="mesh of 4 ranks"):
+    with pytest.raises(ckptool.CkptoolError, match="over 4 ranks, and the directory holds 3"):
         ckptool.open(folder)
     shutil.copy(folder / "model_world_size_4_rank_2.pt", folder / "model_world_size_4_rank_3.pt")
     with pytest.raises(ckptool.CkptoolError, match="holds rank 2's shards, not rank 3's"):
@@ -124,3 +124,16 @@ def test_shards_that_leave_a_gap_are_refused(monkeypatch: pytest.MonkeyPatch) ->
     monkeypatch.setattr(per_rank, "_box", short)
     with pytest.raises(ckptool.CkptoolError, match="do not make it whole"):
         ckptool.open(HERE / "fsdp2_ws2")
+
+
+def test_fsdp1_sharded_tensors_join_without_running_anything() -> None:
+    """FSDP1's ShardedTensors name their process group's state as
+    getattr(ShardedTensor, 'ProcessGroupState') (protocol 2): a nested class,
+    not code; their shards record their own offsets."""
+    ckpt = ckptool.open(HERE / "fsdp1_ws2")
+    assert not ckpt.unsafe_globals
+    assert not [g for g in ckpt.globals if g.category == "custom"]
+    getattr_ = next(g for g in ckpt.globals if g.name == "builtins.getattr")
+    assert getattr_.category == "data" and getattr_.uses == ("nested-class",)
+    one = ckptool.open(HERE / "fsdp1_ws2" / "pytorch_model_fsdp_rank1.bin")
+    assert any("ShardedTensors" in n and "rank 1's" in n for n in one.metadata["notes"])

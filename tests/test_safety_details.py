@@ -203,3 +203,23 @@ def test_a_second_pickle_is_reported_even_when_harmless(tmp_path: Path) -> None:
     assert ckpt.warnings == [f"{size} bytes follow the end of the pickle (1 more pickle, read "
                              "for what they name, then 4 bytes that are not): torch.load "
                              "ignores them, but they are not what torch.save writes"]
+
+
+@pytest.mark.parametrize(("ops", "getattr_is", "flagged"), [
+    # getattr(argparse.Namespace, 'Foo'): how protocol 2 names a nested class
+    (b"c__builtin__\ngetattr\ncargparse\nNamespace\nX\x03\x00\x00\x00Foo\x86R", "data", False),
+    # a nested class of an unsafe module is that module's: still flagged
+    (b"c__builtin__\ngetattr\ncsubprocess\nPopen\nX\x03\x00\x00\x00Foo\x86R", "data", True),
+    # any other getattr is a call that can reach anything
+    (b"c__builtin__\ngetattr\ncposix\nsystem\nX\x03\x00\x00\x00Foo\x86R", "unsafe", True),
+    (b"c__builtin__\ngetattr\ncargparse\nNamespace\nX\x04\x00\x00\x00keys\x86R", "unsafe", True),
+    (b"c__builtin__\ngetattr\n", "unsafe", True),
+])
+def test_getattr_is_allowed_only_to_name_a_nested_class(tmp_path: Path, ops: bytes,
+                                                        getattr_is: str, flagged: bool) -> None:
+    path = tmp_path / "g.pkl"
+    path.write_bytes(b"\x80\x02" + ops + b".")
+    ckpt = ckptool.open(path)
+    verdicts = {g.name: g.category for g in ckpt.globals}
+    assert verdicts["builtins.getattr"] == getattr_is
+    assert bool(ckpt.unsafe_globals) == flagged

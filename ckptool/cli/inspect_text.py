@@ -183,7 +183,7 @@ def many_files_format(ckpt: Checkpoint) -> str:
         return f"deepspeed ({' · '.join(said)})"
     if ckpt.format == "dtensor-ranks":
         mesh = "x".join(str(n) for n in meta.get("mesh") or ())
-        return (f"dtensor-ranks (torch.save of DTensors, one file per rank · "
+        return (f"dtensor-ranks (each rank's torch.save of its shards · "
                 f"{plural(meta.get('ranks') or 0, 'rank')}{f' · mesh {mesh}' if mesh else ''})")
     if ckpt.format == "hf-storage":
         return (f"hf-storage (torch's HuggingFaceStorageWriter shards, joined by their "

@@ -181,6 +181,10 @@ _TORCH_DATA_PREFIXES = (
     "torch.distributed.tensor.DTensor", "torch.distributed.tensor._api.DTensor",
     "torch.distributed.tensor._dtensor_spec.", "torch.distributed.device_mesh.DeviceMesh",
     "torch.distributed._mesh_layout.",
+    # FSDP1's ShardedTensor, its shards and their metadata
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor",
+    "torch.distributed._shard.sharded_tensor.shard.Shard",
+    "torch.distributed.remote_device._remote_device", "torch.distributed._shard.sharding_spec.",
     "torch.distributed._shard.sharded_tensor.metadata.",
 )
 
@@ -217,7 +221,11 @@ CALLED = "called"  # REDUCE, INST or OBJ: called with the file's arguments
 CALLED_INSTANCE = "called-instance"  # an object made from it is called
 CREATED = "created"  # NEWOBJ, copyreg reconstruction: cls.__new__(cls)
 BUILT = "built"  # BUILD on an object made from it: its __setstate__
-USES = (CALLED, CALLED_INSTANCE, CREATED, BUILT)
+# getattr(Outer, "Inner") on a class the pickle named: how protocols 0-2 name
+# a nested class (torch's ShardedTensor.ProcessGroupState); nothing else
+NESTED = "nested-class"
+USES = (CALLED, CALLED_INSTANCE, CREATED, BUILT, NESTED)
+GETATTR = "builtins.getattr"
 
 # called with the file's arguments by every torch checkpoint, and known to
 # build data only: lowercase names ``judge`` does not take for code
@@ -332,6 +340,9 @@ _TORCH_VALUES = frozenset({
 def judge(dotted: str, verdict: Verdict, uses: frozenset[str] | set[str]) -> Verdict:
     """The verdict on a global once the pickle has been read: its name's
     (``classify``), made stricter by what loading does with it."""
+    if dotted == GETATTR and uses and set(uses) == {NESTED}:
+        return Verdict(DATA, "names a nested class (getattr(Outer, 'Inner')), as protocols "
+                       "0-2 must; used for nothing else")
     if verdict.category == UNSAFE:
         return verdict
     if CALLED_INSTANCE in uses:

@@ -47,7 +47,7 @@ from typing import IO, Any
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read import constructors, observe, policy, values
-from ckptool.read.resolve import resolve_global
+from ckptool.read.resolve import is_faithful, resolve_global
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.treecheck import HINT
 from ckptool.read.values import StandIn
@@ -295,6 +295,11 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         args = stack.pop()
         func = stack[-1]
         if type(func) is type and issubclass(func, StandIn):
+            nested = self._nested_class(func, args)
+            if nested is not None:
+                self.seen.use(func.qualname, policy.NESTED)
+                stack[-1] = nested
+                return
             self.seen.use(func.qualname, policy.CALLED)
             if func.qualname in _CREATORS:
                 self._created(args)
@@ -303,6 +308,24 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         elif func in _CREATOR_FUNCTIONS:
             self._created(args)
         stack[-1] = func(*args)
+
+    def _nested_class(self, func: type[StandIn], args: Any) -> Any:
+        """``getattr(Outer, "Inner")`` on a class the pickle named, both names
+        classes': the global ``Outer.Inner``, classified as any global (a
+        read for a rewrite keeps the call, which it cannot write back as a
+        name). None for any other call of getattr, which stays a call."""
+        if func.qualname != policy.GETATTR or is_faithful() or not (
+                isinstance(args, tuple) and len(args) == 2):
+            return None
+        outer, name = args
+        if not (type(outer) is type and issubclass(outer, StandIn)
+                and isinstance(name, str) and name.isidentifier()
+                and name[:1].isupper() and "." in outer.qualname):
+            return None
+        module, cls = outer.qualname.rsplit(".", 1)
+        if not cls[:1].isupper():
+            return None
+        return self.find_class(module, f"{cls}.{name}")
 
     def _created(self, args: Any) -> None:
         """copyreg's reconstructors: ``cls.__new__(cls)`` for their first argument."""

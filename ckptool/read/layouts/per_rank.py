@@ -1,6 +1,8 @@
 """Per-rank ``torch.save`` of DTensor state dicts (FSDP2, tensor parallel):
 what veRL and many RL trainers write, one file per rank
-(``model_world_size_2_rank_0.pt`` ...), read as one checkpoint.
+(``model_world_size_2_rank_0.pt`` ...), read as one checkpoint; and FSDP1's
+``SHARDED_STATE_DICT`` saved the same way, whose ShardedTensors record each
+local shard's offsets and sizes and the rank's number.
 
 A DTensor pickles as its global shape (``_rebuild_wrapper_subclass``), its
 rank's local tensor and its spec: the device mesh (its shape, this rank's
@@ -83,10 +85,10 @@ def read(layout: Layout) -> MultiRead:
                     raise CorruptCheckpointError(
                         f"{_key(path)} is {list(shape)} {dtype} on rank 0 and "
                         f"{list(rec.shape)} {rec.dtype} in {name}", BROKEN_HINT)
-                offsets, sizes = _box(_key(path), rec, name)
-                if (offsets, sizes) not in boxes:  # replicated: the lowest rank's copy
-                    boxes[(offsets, sizes)] = _chunk(name, rank, rec, offsets, sizes,
-                                                     offsets_of)
+                for piece in _pieces(_key(path), rec, name):
+                    box = (piece.offsets, piece.sizes)
+                    if box not in boxes:  # replicated: the lowest rank's copy
+                        boxes[box] = _chunk(name, rank, rec.dtype, piece, offsets_of)
             problem = dcp_metadata.check_cover(shape, list(boxes))
             if problem:
                 raise CorruptCheckpointError(f"{_key(path)}: the ranks' shards do not make "
@@ -104,7 +106,8 @@ def read(layout: Layout) -> MultiRead:
             ref.key = f"{names[0]}:{ref.key}"
             storage_files[ref.key] = names[0]
     storages = {ref.key: ref for ref in _storages(root)}
-    mesh = _mesh_shape(next(iter(found[0].values())))
+    first = next(iter(found[0].values()))
+    mesh = _mesh(_parts(first)[1]).shape if is_dtensor(first) else ()
     meta: dict[str, Any] = {"ranks": len(names), "world_size": len(names),
                             "mesh": list(mesh) if mesh else None,
                             "placements": {_key(p): _placements(r) for p, r in found[0].items()}}
@@ -121,26 +124,27 @@ def one_rank(path: str, root: Any) -> str | None:
     if not found:
         return None
     try:
-        mesh = _mesh(_parts(next(iter(found.values())))[1])
+        here, world = _rank_of(next(iter(found.values())))
     except CorruptCheckpointError:
         return None
-    here = mesh.rank if mesh.rank is not None else mesh.flat
     folder = os.path.dirname(path) or "."
-    are = "is a DTensor" if len(found) == 1 else "are DTensors"
-    ranks = plural(math.prod(mesh.shape), "rank")
+    kind = "DTensor" if is_dtensor(next(iter(found.values()))) else "ShardedTensor"
+    are = f"is a {kind}" if len(found) == 1 else f"are {kind}s"
+    ranks = plural(world, "rank")
     return (f"{plural(len(found), 'tensor')} here {are}: this file holds rank {here}'s shards "
             f"of them (of {ranks}); read the folder holding every rank's file to get them "
             f"whole: ckptool inspect {folder}")
 
 
 def _dtensors(root: Any) -> dict[Path, TensorRecord]:
-    """Every DTensor record in a rank's tree, by its path from the root."""
+    """Every DTensor (or FSDP1 ShardedTensor) record in a rank's tree, by its
+    path from the root."""
     out: dict[Path, TensorRecord] = {}
     stack: list[tuple[Path, Any]] = [((), root)]
     while stack:
         path, obj = stack.pop()
         if isinstance(obj, TensorRecord):
-            if is_dtensor(obj):
+            if is_dtensor(obj) or is_sharded_tensor(obj):
                 out[path] = obj
         elif len(path) < MAX_DEPTH and isinstance(obj, dict):
             stack += [((*path, k), v) for k, v in obj.items() if isinstance(k, (str, int))]
@@ -152,6 +156,84 @@ def _dtensors(root: Any) -> dict[Path, TensorRecord]:
 def is_dtensor(rec: TensorRecord) -> bool:
     name = rec.subclass or ""
     return name.startswith("torch.distributed.") and name.rsplit(".", 1)[-1] == "DTensor"
+
+
+def is_sharded_tensor(rec: TensorRecord) -> bool:
+    name = rec.subclass or ""
+    return name.startswith("torch.distributed.") and name.rsplit(".", 1)[-1] == "ShardedTensor"
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One rank's piece of a tensor: its box in the whole, and its values."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    local: TensorRecord
+
+
+def _pieces(key: str, rec: TensorRecord, name: str) -> list[Piece]:
+    """The pieces of ``rec`` this rank's file holds: a DTensor's local
+    tensor where its placements put it; a ShardedTensor's local shards where
+    their metadata says."""
+    if is_dtensor(rec):
+        offsets, sizes = _box(key, rec, name)
+        return [Piece(offsets, sizes, _parts(rec)[0])]
+    out = []
+    for local, offsets, sizes in _shards(rec):
+        if len(offsets) != len(rec.shape) or local.shape != sizes:
+            raise CorruptCheckpointError(
+                f"{key} in {name}: a shard of {list(local.shape)} described as {list(sizes)} "
+                f"at {list(offsets)} of {list(rec.shape)}", BROKEN_HINT)
+        out.append(Piece(offsets, sizes, local))
+    return out
+
+
+def _state_dict_of(obj: Any) -> dict[str, Any]:
+    """A stand-in's BUILD state as a dict: ``{...}`` or ``(None, {...})``."""
+    state = obj.state if isinstance(obj, StandIn) else None
+    if isinstance(state, tuple) and len(state) == 2:
+        state = state[1]
+    return state if isinstance(state, dict) else {}
+
+
+def _shards(rec: TensorRecord) -> list[tuple[TensorRecord, tuple[int, ...], tuple[int, ...]]]:
+    """A ShardedTensor's local shards: (tensor, offsets, sizes) each, from its
+    pickled state (local shards, metadata, process group state, spec)."""
+    state = (rec.extra or {}).get("state")
+    shards = state[0] if isinstance(state, tuple) and state else None
+    if not isinstance(shards, list):
+        raise CorruptCheckpointError("a ShardedTensor without its local shards", BROKEN_HINT)
+    out = []
+    for shard in shards:
+        fields = _state_dict_of(shard)
+        local, meta = fields.get("tensor"), _state_dict_of(fields.get("metadata"))
+        offsets, sizes = meta.get("shard_offsets"), meta.get("shard_sizes")
+        if not (isinstance(local, TensorRecord) and isinstance(offsets, (list, tuple))
+                and isinstance(sizes, (list, tuple)) and _ints(offsets) and _ints(sizes)):
+            raise CorruptCheckpointError("a ShardedTensor shard without its tensor, offsets "
+                                         "and sizes", BROKEN_HINT)
+        out.append((local, tuple(offsets), tuple(sizes)))
+    return out
+
+
+def _ints(value: Any) -> bool:
+    return isinstance(value, (list, tuple)) and all(type(v) is int and v >= 0 for v in value)
+
+
+def _rank_of(rec: TensorRecord) -> tuple[int, int]:
+    """(the rank whose file holds ``rec``'s pieces, of how many ranks)."""
+    if is_dtensor(rec):
+        mesh = _mesh(_parts(rec)[1])
+        return (mesh.rank if mesh.rank is not None else mesh.flat), math.prod(mesh.shape)
+    state = (rec.extra or {}).get("state")
+    group = state[2] if isinstance(state, tuple) and len(state) > 2 else None
+    fields = _state_dict_of(group)
+    rank, world = fields.get("global_rank"), fields.get("global_world_size")
+    if type(rank) is not int or type(world) is not int or not 0 <= rank < world:
+        raise CorruptCheckpointError("a ShardedTensor without its rank and world size",
+                                     BROKEN_HINT)
+    return rank, world
 
 
 def _parts(rec: TensorRecord) -> tuple[TensorRecord, dict[str, Any]]:
@@ -211,11 +293,9 @@ def _mesh(spec: dict[str, Any]) -> Mesh:
     return Mesh(tuple(shape), tuple(coord), rank if type(rank) is int else None)
 
 
-def _mesh_shape(rec: TensorRecord) -> tuple[int, ...]:
-    return _mesh(_parts(rec)[1]).shape
-
-
 def _placements(rec: TensorRecord) -> list[str]:
+    if not is_dtensor(rec):
+        return ["ShardedTensor (offsets in its metadata)"]
     out = []
     for p in _parts(rec)[1].get("placements") or ():
         name = p.qualname.rsplit(".", 1)[-1] if isinstance(p, StandIn) else repr(p)
@@ -274,18 +354,23 @@ def _box(key: str, rec: TensorRecord, name: str) -> tuple[tuple[int, ...], tuple
 
 
 def _check_rank(name: str, rank: int, count: int, found: dict[Path, TensorRecord]) -> None:
-    """The file named rank ``rank`` of ``count`` holds that rank's shards:
+    """The file named rank ``rank`` of ``count`` holds that rank's pieces:
     every DTensor's mesh (a submesh too: a data-parallel norm beside tensor
     parallel weights) fits ``count`` ranks and, where the mesh records this
-    rank's number, names ``rank``; a mesh of all the ranks places it there."""
+    rank's number, names ``rank``; a mesh of all the ranks places it there. A
+    ShardedTensor records its rank and world size."""
     for rec in found.values():
-        mesh = _mesh(_parts(rec)[1])
-        size = math.prod(mesh.shape)
+        if is_dtensor(rec):
+            mesh = _mesh(_parts(rec)[1])
+            size = math.prod(mesh.shape)
+            here = mesh.rank if mesh.rank is not None else (
+                mesh.flat if size == count else rank)
+        else:
+            here, size = _rank_of(rec)
         if size > count or count % size:
             raise CorruptCheckpointError(
-                f"{name} holds DTensors of a mesh of {size} ranks, and the directory holds "
+                f"{name} holds pieces of tensors over {size} ranks, and the directory holds "
                 f"{plural(count, 'rank file')}", "copy every rank's file, and only those")
-        here = mesh.rank if mesh.rank is not None else (mesh.flat if size == count else rank)
         if here != rank:
             raise CorruptCheckpointError(f"{name} holds rank {here}'s shards, not rank {rank}'s",
                                          "a file was renamed or copied from another checkpoint")
@@ -323,28 +408,28 @@ class _StorageOffsets:
         return data.storage_offset(ref.key)
 
 
-def _chunk(name: str, rank: int, rec: TensorRecord, offsets: tuple[int, ...],
-           sizes: tuple[int, ...], offsets_of: _StorageOffsets) -> Chunk:
-    local, _ = _parts(rec)
-    itemsize = dtypes.itemsize(rec.dtype)
+def _chunk(name: str, rank: int, dtype: str, piece: Piece,
+           offsets_of: _StorageOffsets) -> Chunk:
+    local, sizes = piece.local, piece.sizes
+    itemsize = dtypes.itemsize(dtype)
     length = math.prod(sizes) * itemsize
-    if local.dtype != rec.dtype:
-        raise CorruptCheckpointError(f"{_name(rec)} in {name}: its local tensor is "
-                                     f"{local.dtype}, the DTensor {rec.dtype}", BROKEN_HINT)
+    if local.dtype != dtype:
+        raise CorruptCheckpointError(f"a piece in {name} is {local.dtype}, its tensor {dtype}",
+                                     BROKEN_HINT)
     if length == 0:
-        return Chunk(name, offsets, sizes, 0, 0, rank, raw=True)
+        return Chunk(name, piece.offsets, sizes, 0, 0, rank, raw=True)
     ref = local.storage
     if ref is None or local.stride is None or any(
             s != c for n, s, c in zip(sizes, local.stride, contiguous(sizes), strict=True)
             if n > 1):
         raise UnsupportedCheckpointError(
-            f"a DTensor's local tensor in {name} is not row-major: ckptool does not join it yet",
+            f"a local shard in {name} is not row-major: ckptool does not join it yet",
             "gather it with torch (full_tensor()) and save that")
     if local.storage_offset * itemsize + length > ref.nbytes:
         raise CorruptCheckpointError(f"a local tensor in {name} runs past its storage",
                                      BROKEN_HINT)
     start = offsets_of.start(name, ref) + local.storage_offset * itemsize
-    return Chunk(name, offsets, sizes, start, length, rank, raw=True)
+    return Chunk(name, piece.offsets, sizes, start, length, rank, raw=True)
 
 
 def _replace(root: Any, path: Path, value: Any) -> Any:
@@ -381,6 +466,3 @@ def _key(path: Path) -> str:
 
     return "/".join(escape(str(p)) for p in path)
 
-
-def _name(rec: TensorRecord) -> str:
-    return f"a {list(rec.shape)} DTensor"
