@@ -112,16 +112,16 @@ def test_a_missing_or_foreign_rank_is_refused(tmp_path: Path) -> None:
 def test_shards_that_leave_a_gap_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
     """Boxes computed from a damaged spec that leave rows no rank holds:
     refused, never filled with whatever memory holds."""
-    from ckptool.read.layouts import per_rank
+    from ckptool.read.layouts import shards
 
-    box = per_rank._box
+    box = shards.dtensor_box
 
     def short(key: str, rec: Any, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
         offsets, sizes = box(key, rec, name)
         return ((offsets[0] + 1, *offsets[1:]), sizes) if name.endswith("rank_1.pt") \
             else (offsets, sizes)
 
-    monkeypatch.setattr(per_rank, "_box", short)
+    monkeypatch.setattr(shards, "dtensor_box", short)
     with pytest.raises(ckptool.CkptoolError, match="do not make it whole"):
         ckptool.open(HERE / "fsdp2_ws2")
 

@@ -337,6 +337,17 @@ _TORCH_VALUES = frozenset({
 })
 
 
+def nested_class(outer: str, name: object) -> tuple[str, str] | None:
+    """``getattr(Outer, "Inner")`` on the class ``outer`` (dotted), both names
+    classes': how protocols 0-2 name a nested class. (module, "Outer.Inner"),
+    to classify as any global; None for any other use of getattr."""
+    module, _, cls = outer.rpartition(".")
+    if not (module and _is_class_name(cls) and isinstance(name, str) and name.isidentifier()
+            and _is_class_name(name) and not name.startswith("_")):
+        return None
+    return module, f"{cls}.{name}"
+
+
 def judge(dotted: str, verdict: Verdict, uses: frozenset[str] | set[str]) -> Verdict:
     """The verdict on a global once the pickle has been read: its name's
     (``classify``), made stricter by what loading does with it."""

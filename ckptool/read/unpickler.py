@@ -310,22 +310,14 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         stack[-1] = func(*args)
 
     def _nested_class(self, func: type[StandIn], args: Any) -> Any:
-        """``getattr(Outer, "Inner")`` on a class the pickle named, both names
-        classes': the global ``Outer.Inner``, classified as any global (a
-        read for a rewrite keeps the call, which it cannot write back as a
-        name). None for any other call of getattr, which stays a call."""
+        """``getattr(Outer, "Inner")``: the global ``Outer.Inner`` (a rewrite's
+        read keeps the call); None for any other call (``policy.nested_class``)."""
+        outer = args[0] if isinstance(args, tuple) and len(args) == 2 else None
         if func.qualname != policy.GETATTR or is_faithful() or not (
-                isinstance(args, tuple) and len(args) == 2):
+                type(outer) is type and issubclass(outer, StandIn)):
             return None
-        outer, name = args
-        if not (type(outer) is type and issubclass(outer, StandIn)
-                and isinstance(name, str) and name.isidentifier()
-                and name[:1].isupper() and "." in outer.qualname):
-            return None
-        module, cls = outer.qualname.rsplit(".", 1)
-        if not cls[:1].isupper():
-            return None
-        return self.find_class(module, f"{cls}.{name}")
+        found = policy.nested_class(outer.qualname, args[1])
+        return None if found is None else self.find_class(*found)
 
     def _created(self, args: Any) -> None:
         """copyreg's reconstructors: ``cls.__new__(cls)`` for their first argument."""

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-from dataclasses import dataclass
 from typing import Any
 
 from ckptool import dtypes
@@ -36,13 +35,12 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo
 from ckptool.read import formats
 from ckptool.read.formats.base import RawRead
-from ckptool.read.layouts import dcp_metadata
+from ckptool.read.layouts import dcp_metadata, shards
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
 from ckptool.read.layouts.recognise import Layout
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensor_data import TensorData
 from ckptool.read.tensors import StorageRef, TensorRecord
-from ckptool.read.values import StandIn, brief
 
 PER_RANK = "dtensor-ranks"
 MAX_DEPTH = 8  # {"model": {...}, "optimizer": {"state": {0: {"exp_avg": ...}}}}
@@ -85,7 +83,7 @@ def read(layout: Layout) -> MultiRead:
                     raise CorruptCheckpointError(
                         f"{_key(path)} is {list(shape)} {dtype} on rank 0 and "
                         f"{list(rec.shape)} {rec.dtype} in {name}", BROKEN_HINT)
-                for piece in _pieces(_key(path), rec, name):
+                for piece in shards.pieces(_key(path), rec, name):
                     box = (piece.offsets, piece.sizes)
                     if box not in boxes:  # replicated: the lowest rank's copy
                         boxes[box] = _chunk(name, rank, rec.dtype, piece, offsets_of)
@@ -107,10 +105,11 @@ def read(layout: Layout) -> MultiRead:
             storage_files[ref.key] = names[0]
     storages = {ref.key: ref for ref in _storages(root)}
     first = next(iter(found[0].values()))
-    mesh = _mesh(_parts(first)[1]).shape if is_dtensor(first) else ()
+    mesh = shards.mesh_of(shards.dtensor_parts(first)[1]).shape if shards.is_dtensor(first) else ()
     meta: dict[str, Any] = {"ranks": len(names), "world_size": len(names),
                             "mesh": list(mesh) if mesh else None,
-                            "placements": {_key(p): _placements(r) for p, r in found[0].items()}}
+                            "placements": {_key(p): shards.placements(r)
+                                           for p, r in found[0].items()}}
     raw_all = RawRead(PER_RANK, root, storages, seen, meta,
                       warnings=[f"{n}: {w}" for n, raw in zip(names, reads, strict=True)
                                 for w in raw.warnings])
@@ -124,11 +123,11 @@ def one_rank(path: str, root: Any) -> str | None:
     if not found:
         return None
     try:
-        here, world = _rank_of(next(iter(found.values())))
+        here, world = shards.rank_of(next(iter(found.values())))
     except CorruptCheckpointError:
         return None
     folder = os.path.dirname(path) or "."
-    kind = "DTensor" if is_dtensor(next(iter(found.values()))) else "ShardedTensor"
+    kind = "DTensor" if shards.is_dtensor(next(iter(found.values()))) else "ShardedTensor"
     are = f"is a {kind}" if len(found) == 1 else f"are {kind}s"
     ranks = plural(world, "rank")
     return (f"{plural(len(found), 'tensor')} here {are}: this file holds rank {here}'s shards "
@@ -144,213 +143,13 @@ def _dtensors(root: Any) -> dict[Path, TensorRecord]:
     while stack:
         path, obj = stack.pop()
         if isinstance(obj, TensorRecord):
-            if is_dtensor(obj) or is_sharded_tensor(obj):
+            if shards.is_dtensor(obj) or shards.is_sharded_tensor(obj):
                 out[path] = obj
         elif len(path) < MAX_DEPTH and isinstance(obj, dict):
             stack += [((*path, k), v) for k, v in obj.items() if isinstance(k, (str, int))]
         elif len(path) < MAX_DEPTH and isinstance(obj, (list, tuple)):
             stack += [((*path, i), v) for i, v in enumerate(obj)]
     return dict(sorted(out.items(), key=lambda kv: [str(p) for p in kv[0]]))
-
-
-def is_dtensor(rec: TensorRecord) -> bool:
-    name = rec.subclass or ""
-    return name.startswith("torch.distributed.") and name.rsplit(".", 1)[-1] == "DTensor"
-
-
-def is_sharded_tensor(rec: TensorRecord) -> bool:
-    name = rec.subclass or ""
-    return name.startswith("torch.distributed.") and name.rsplit(".", 1)[-1] == "ShardedTensor"
-
-
-@dataclass(frozen=True)
-class Piece:
-    """One rank's piece of a tensor: its box in the whole, and its values."""
-
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    local: TensorRecord
-
-
-def _pieces(key: str, rec: TensorRecord, name: str) -> list[Piece]:
-    """The pieces of ``rec`` this rank's file holds: a DTensor's local
-    tensor where its placements put it; a ShardedTensor's local shards where
-    their metadata says."""
-    if is_dtensor(rec):
-        offsets, sizes = _box(key, rec, name)
-        return [Piece(offsets, sizes, _parts(rec)[0])]
-    out = []
-    for local, offsets, sizes in _shards(rec):
-        if len(offsets) != len(rec.shape) or local.shape != sizes:
-            raise CorruptCheckpointError(
-                f"{key} in {name}: a shard of {list(local.shape)} described as {list(sizes)} "
-                f"at {list(offsets)} of {list(rec.shape)}", BROKEN_HINT)
-        out.append(Piece(offsets, sizes, local))
-    return out
-
-
-def _state_dict_of(obj: Any) -> dict[str, Any]:
-    """A stand-in's BUILD state as a dict: ``{...}`` or ``(None, {...})``."""
-    state = obj.state if isinstance(obj, StandIn) else None
-    if isinstance(state, tuple) and len(state) == 2:
-        state = state[1]
-    return state if isinstance(state, dict) else {}
-
-
-def _shards(rec: TensorRecord) -> list[tuple[TensorRecord, tuple[int, ...], tuple[int, ...]]]:
-    """A ShardedTensor's local shards: (tensor, offsets, sizes) each, from its
-    pickled state (local shards, metadata, process group state, spec)."""
-    state = (rec.extra or {}).get("state")
-    shards = state[0] if isinstance(state, tuple) and state else None
-    if not isinstance(shards, list):
-        raise CorruptCheckpointError("a ShardedTensor without its local shards", BROKEN_HINT)
-    out = []
-    for shard in shards:
-        fields = _state_dict_of(shard)
-        local, meta = fields.get("tensor"), _state_dict_of(fields.get("metadata"))
-        offsets, sizes = meta.get("shard_offsets"), meta.get("shard_sizes")
-        if not (isinstance(local, TensorRecord) and isinstance(offsets, (list, tuple))
-                and isinstance(sizes, (list, tuple)) and _ints(offsets) and _ints(sizes)):
-            raise CorruptCheckpointError("a ShardedTensor shard without its tensor, offsets "
-                                         "and sizes", BROKEN_HINT)
-        out.append((local, tuple(offsets), tuple(sizes)))
-    return out
-
-
-def _ints(value: Any) -> bool:
-    return isinstance(value, (list, tuple)) and all(type(v) is int and v >= 0 for v in value)
-
-
-def _rank_of(rec: TensorRecord) -> tuple[int, int]:
-    """(the rank whose file holds ``rec``'s pieces, of how many ranks)."""
-    if is_dtensor(rec):
-        mesh = _mesh(_parts(rec)[1])
-        return (mesh.rank if mesh.rank is not None else mesh.flat), math.prod(mesh.shape)
-    state = (rec.extra or {}).get("state")
-    group = state[2] if isinstance(state, tuple) and len(state) > 2 else None
-    fields = _state_dict_of(group)
-    rank, world = fields.get("global_rank"), fields.get("global_world_size")
-    if type(rank) is not int or type(world) is not int or not 0 <= rank < world:
-        raise CorruptCheckpointError("a ShardedTensor without its rank and world size",
-                                     BROKEN_HINT)
-    return rank, world
-
-
-def _parts(rec: TensorRecord) -> tuple[TensorRecord, dict[str, Any]]:
-    """A DTensor's local tensor and its spec's state."""
-    state = (rec.extra or {}).get("state")
-    slots = state[1] if isinstance(state, tuple) and len(state) == 2 else state
-    local = slots.get("_local_tensor") if isinstance(slots, dict) else None
-    spec = slots.get("_spec") if isinstance(slots, dict) else None
-    if not isinstance(local, TensorRecord) or not isinstance(spec, StandIn) \
-            or not isinstance(spec.state, dict):
-        raise CorruptCheckpointError("a DTensor without its local tensor and spec", BROKEN_HINT)
-    return local, spec.state
-
-
-@dataclass(frozen=True)
-class Mesh:
-    """What a DTensor's pickled DeviceMesh says: its shape, this rank's
-    coordinate on it, and this rank's global number where it is recorded."""
-
-    shape: tuple[int, ...]
-    coord: tuple[int, ...]
-    rank: int | None
-
-    @property
-    def flat(self) -> int:
-        """The coordinate as a row-major index (DeviceMesh's default layout)."""
-        flat = 0
-        for c, n in zip(self.coord, self.shape, strict=True):
-            flat = flat * n + c
-        return flat
-
-
-def _mesh(spec: dict[str, Any]) -> Mesh:
-    """A DTensor's mesh: from its layout's axes (torch >= 2.9), or from the
-    shape of its ``mesh`` tensor of ranks (earlier torch)."""
-    mesh = spec.get("mesh")
-    state = mesh.state if isinstance(mesh, StandIn) and isinstance(mesh.state, dict) else {}
-    coord = state.get("_coordinate_on_dim")
-    layout = state.get("_layout")
-    axes = layout.state.get("axes") if isinstance(layout, StandIn) and isinstance(
-        layout.state, dict) else None
-    shape: list[int] = []
-    if isinstance(axes, tuple):
-        for axis in axes:
-            size = axis.state.get("shape") if isinstance(axis, StandIn) and isinstance(
-                axis.state, dict) else None
-            if not (isinstance(size, tuple) and all(type(s) is int and s > 0 for s in size)):
-                raise CorruptCheckpointError("a DTensor's mesh has a bad shape", BROKEN_HINT)
-            shape.append(math.prod(size))
-    elif isinstance(state.get("mesh"), TensorRecord):
-        shape = list(state["mesh"].shape)
-    if not shape or not (isinstance(coord, (tuple, list)) and len(coord) == len(shape) and all(
-            type(c) is int and 0 <= c < n for c, n in zip(coord, shape, strict=True))):
-        raise CorruptCheckpointError("a DTensor's mesh coordinate does not fit its mesh",
-                                     BROKEN_HINT)
-    rank = state.get("_rank")
-    return Mesh(tuple(shape), tuple(coord), rank if type(rank) is int else None)
-
-
-def _placements(rec: TensorRecord) -> list[str]:
-    if not is_dtensor(rec):
-        return ["ShardedTensor (offsets in its metadata)"]
-    out = []
-    for p in _parts(rec)[1].get("placements") or ():
-        name = p.qualname.rsplit(".", 1)[-1] if isinstance(p, StandIn) else repr(p)
-        dim = p.state.get("dim") if isinstance(p, StandIn) and isinstance(p.state, dict) else None
-        out.append(f"{name}({dim})" if dim is not None else f"{name}()")
-    return out
-
-
-def _box(key: str, rec: TensorRecord, name: str) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """Where this rank's local tensor lies in the global one, as torch places it."""
-    local, spec = _parts(rec)
-    mesh = _mesh(spec)
-    shape, coord = mesh.shape, mesh.coord
-    placements = spec.get("placements")
-    if not isinstance(placements, tuple) or len(placements) != len(shape):
-        raise CorruptCheckpointError(f"{key} in {name}: its placements do not match its mesh",
-                                     BROKEN_HINT)
-    order: dict[int, list[int]] = {}  # tensor dim -> the mesh dims splitting it, in order
-    for mesh_dim, p in enumerate(placements):
-        if not isinstance(p, StandIn):
-            raise CorruptCheckpointError(f"{key} in {name}: a placement that is no placement "
-                                         f"({brief(p)})", BROKEN_HINT)
-        kind = p.qualname.rsplit(".", 1)[-1]
-        if kind == "Replicate":
-            continue
-        dim = p.state.get("dim") if isinstance(p.state, dict) else None
-        if kind != "Shard" or type(dim) is not int:
-            raise UnsupportedCheckpointError(
-                f"{key} in {name} is placed {kind} on mesh dimension {mesh_dim}: "
-                "ckptool joins Shard(d) and Replicate() placements only",
-                "gather it with torch (full_tensor()) and save that")
-        if not 0 <= dim < len(rec.shape):
-            raise CorruptCheckpointError(f"{key} in {name} is sharded on dimension {dim} of a "
-                                         f"{len(rec.shape)}-d tensor", BROKEN_HINT)
-        order.setdefault(dim, []).append(mesh_dim)
-    entries = spec.get("shard_order")
-    for entry in entries if isinstance(entries, (tuple, list)) else ():
-        args = entry.args if isinstance(entry, StandIn) else ()  # (tensor_dim, mesh_dims)
-        if len(args) == 2 and type(args[0]) is int and args[0] in order \
-                and isinstance(args[1], (tuple, list)) \
-                and all(type(m) is int for m in args[1]) \
-                and sorted(args[1]) == sorted(order[args[0]]):
-            order[args[0]] = list(args[1])
-    offsets, sizes = [0] * len(rec.shape), list(rec.shape)
-    for dim, mesh_dims in order.items():
-        for mesh_dim in mesh_dims:
-            piece = -(-sizes[dim] // shape[mesh_dim])  # torch.chunk: ceil(n / k)
-            start = min(coord[mesh_dim] * piece, sizes[dim])
-            offsets[dim] += start
-            sizes[dim] = max(0, min(piece, sizes[dim] - start))
-    if tuple(sizes) != local.shape:
-        raise CorruptCheckpointError(
-            f"{key} in {name}: its local tensor is {list(local.shape)}, but its placements "
-            f"give this rank {sizes} of {list(rec.shape)}", BROKEN_HINT)
-    return tuple(offsets), tuple(sizes)
 
 
 def _check_rank(name: str, rank: int, count: int, found: dict[Path, TensorRecord]) -> None:
@@ -360,13 +159,13 @@ def _check_rank(name: str, rank: int, count: int, found: dict[Path, TensorRecord
     rank's number, names ``rank``; a mesh of all the ranks places it there. A
     ShardedTensor records its rank and world size."""
     for rec in found.values():
-        if is_dtensor(rec):
-            mesh = _mesh(_parts(rec)[1])
+        if shards.is_dtensor(rec):
+            mesh = shards.mesh_of(shards.dtensor_parts(rec)[1])
             size = math.prod(mesh.shape)
             here = mesh.rank if mesh.rank is not None else (
                 mesh.flat if size == count else rank)
         else:
-            here, size = _rank_of(rec)
+            here, size = shards.rank_of(rec)
         if size > count or count % size:
             raise CorruptCheckpointError(
                 f"{name} holds pieces of tensors over {size} ranks, and the directory holds "
@@ -408,7 +207,7 @@ class _StorageOffsets:
         return data.storage_offset(ref.key)
 
 
-def _chunk(name: str, rank: int, dtype: str, piece: Piece,
+def _chunk(name: str, rank: int, dtype: str, piece: shards.Piece,
            offsets_of: _StorageOffsets) -> Chunk:
     local, sizes = piece.local, piece.sizes
     itemsize = dtypes.itemsize(dtype)
