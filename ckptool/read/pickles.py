@@ -44,7 +44,7 @@ def scan_rest(stream: IO[bytes], end: int, seen: GlobalsSeen, part: str,
         while stream.tell() < end and pickles < MAX_TRAILING_PICKLES:
             at = stream.tell()
             try:
-                load(stream, _ignore_persistent, seen, {}, read_embedded)
+                load(stream, ignore_persistent, seen, {}, read_embedded)
             except CorruptCheckpointError:
                 stream.seek(at)
                 break
@@ -59,7 +59,7 @@ def scan_rest(stream: IO[bytes], end: int, seen: GlobalsSeen, part: str,
             "ignores them, but they are not what torch.save writes")
 
 
-def _ignore_persistent(pid: tuple[Any, ...]) -> None:
+def ignore_persistent(pid: tuple[Any, ...]) -> None:
     """A pickle after the one torch reads refers to storages nothing loads."""
     return None
 

@@ -38,7 +38,21 @@ def sniff(head: bytes) -> bool:
 
 
 def sniff_tar(head: bytes) -> bool:
-    return len(head) >= 262 and head[257:262] == b"ustar"
+    """A tar archive, as torch's legacy loader takes one (``tarfile.open``,
+    which accepts a header by its checksum: pre-POSIX v7 tars have no
+    ``ustar`` magic)."""
+    if len(head) >= 262 and head[257:262] == b"ustar":
+        return True
+    if len(head) < 512:
+        return False
+    field = head[148:156].rstrip(b" \0").lstrip(b" ")
+    try:
+        stored = int(field, 8) if field else -1
+    except ValueError:
+        return False
+    unsigned = 256 + sum(head[:148]) + sum(head[156:512])  # the field counted as spaces
+    signed = 256 + sum(b - 256 if b > 127 else b for b in head[:148] + head[156:512])
+    return stored in (unsigned, signed)
 
 
 def read(path: str) -> RawRead:

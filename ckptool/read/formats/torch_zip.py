@@ -77,6 +77,8 @@ def read_archive(zf: Archive) -> RawRead:
     if not names:
         raise NotACheckpointError("empty zip archive, not a checkpoint",
                                   "the file holds no records; fetch it again")
+    if len(set(map(str.lower, names))) != len(names):  # (in C: 100,000 records)
+        _refuse_case_twins(names)
     root = root_of(names)
     prefix = f"{root}/" if root else ""
     if f"{prefix}data.pkl" not in infos:
@@ -128,6 +130,15 @@ def read_archive(zf: Archive) -> RawRead:
             consts = load("constants.pkl", "constants", "constants/")
             if consts:
                 extra["constants"] = consts
+        for other in sorted(n for n in names if n.lower().endswith(".pkl")
+                            and n not in (f"{prefix}data.pkl", f"{prefix}constants.pkl")):
+            # a pickle torch does not load today: read all the same (its
+            # objects dropped), for what it names
+            seen.part = other
+            pickles.load(io.BytesIO(_read_record(zf, other)), pickles.ignore_persistent, seen,
+                         {}, read_bytes)
+            warnings.append(f"{other}: a pickle record torch.load does not read; "
+                            "read for the globals it names")
     named = {ref.record for ref in storages.values()}
     unnamed = sorted(n for n in infos.keys() - named  # (the set difference in C)
                      if n.startswith(f"{prefix}data/") and not n.endswith("/"))
@@ -142,6 +153,21 @@ def read_archive(zf: Archive) -> RawRead:
                 "ascii", "replace").strip()
     fmt = TORCHSCRIPT if is_script else TORCH_ZIP
     return RawRead(fmt, obj, storages, seen, meta, extra, warnings)
+
+
+def _refuse_case_twins(names: list[str]) -> None:
+    """torch's reader finds a record ignoring case (miniz), so of two records
+    whose names differ only in case it may load either: not the one a
+    case-sensitive reader reads (a clean ``data.pkl`` beside a ``DATA.pkl``)."""
+    first: dict[str, str] = {}
+    for name in names:
+        seen = first.setdefault(name.lower(), name)
+        if seen != name:
+            raise UnsupportedCheckpointError(
+                f"the archive holds records whose names differ only in case ({seen}, "
+                f"{name}): torch finds records ignoring case, so which one it loads is not "
+                "what ckptool would read", "do not load this file with torch: it looks "
+                "made to hide what it runs; torch.save never writes such names")
 
 
 def _read_record(zf: Archive, name: str) -> bytes:

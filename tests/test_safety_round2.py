@@ -1,0 +1,129 @@
+"""Safety, second round (issue 25): what torch would read is what ckptool
+reads, or the file is refused.
+
+- zip records whose names differ only in case: torch's reader (miniz) finds
+  records ignoring case, so a clean ``data.pkl`` beside a ``DATA.pkl`` loads
+  the second (checked against torch below, with a harmless callable);
+- a pickle record torch.load does not read is read all the same for what
+  it names;
+- a pre-POSIX (v7) tar, without the ``ustar`` magic, is a tar to torch's
+  legacy loader: refused as one, never read as a pickle.
+
+Every payload calls ``os.system`` on a canary file: nothing may create it.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import tarfile
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import ckptool
+from ckptool.cli import main
+
+
+class Payload:
+    def __init__(self, canary: Path) -> None:
+        self.canary = canary
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (os.system, (f"touch {self.canary}",))
+
+
+def torch_file(path: Path) -> list[tuple[zipfile.ZipInfo, bytes]]:
+    torch.save({"w": torch.ones(2)}, path)
+    with zipfile.ZipFile(path) as z:
+        return [(i, z.read(i.filename)) for i in z.infolist()]
+
+
+def rewrite(path: Path, records: list[tuple[zipfile.ZipInfo, bytes]],
+            extra: dict[str, bytes]) -> Path:
+    with zipfile.ZipFile(path, "w") as z:
+        for info, data in records:
+            z.writestr(info, data)
+        for name, data in extra.items():
+            z.writestr(name, data)
+    return path
+
+
+@pytest.mark.parametrize("twin", ["DATA.pkl", "Data.Pkl"])
+def test_records_that_differ_only_in_case_are_refused(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], twin: str) -> None:
+    canary = tmp_path / "ran"
+    records = torch_file(tmp_path / "clean.pt")
+    root = records[0][0].filename.split("/")[0]
+    path = rewrite(tmp_path / "twin.pt", records,
+                   {f"{root}/{twin}": pickle.dumps({"w": Payload(canary)}, protocol=2)})
+    for args in (["inspect", str(path)], ["diagnose", str(path)],
+                 ["convert", str(path), str(tmp_path / "o.safetensors")],
+                 ["fix", str(path), "-o", str(tmp_path / "o.pt")]):
+        assert main(args) == 3, args
+        assert "differ only in case" in capsys.readouterr().err
+    assert not canary.exists()
+    assert not (tmp_path / "o.safetensors").exists() and not (tmp_path / "o.pt").exists()
+
+
+def test_torch_does_read_the_other_case(tmp_path: Path) -> None:
+    """The premise, with a harmless callable: torch.load of the archive
+    builds what DATA.pkl says, not data.pkl."""
+    records = torch_file(tmp_path / "clean.pt")
+    root = records[0][0].filename.split("/")[0]
+    path = rewrite(tmp_path / "twin.pt", records,
+                   {f"{root}/DATA.pkl": pickle.dumps({"marker": 42}, protocol=2)})
+    assert torch.load(path, weights_only=False) == {"marker": 42}
+
+
+def test_a_pickle_record_torch_does_not_read_is_scanned(tmp_path: Path) -> None:
+    canary = tmp_path / "ran"
+    records = torch_file(tmp_path / "clean.pt")
+    root = records[0][0].filename.split("/")[0]
+    path = rewrite(tmp_path / "extra.pt", records,
+                   {f"{root}/extra.pkl": pickle.dumps({"w": Payload(canary)}, protocol=2)})
+    ckpt = ckptool.open(path)
+    assert ckpt.unsafe_globals == ["posix.system"]
+    assert any("extra.pkl" in w for w in ckpt.warnings)
+    assert not canary.exists()
+
+
+def v7_tar(path: Path, members: dict[str, bytes]) -> Path:
+    """A pre-POSIX tar: no ustar magic, each header's checksum recomputed."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.USTAR_FORMAT) as t:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+    raw = bytearray(buf.getvalue())
+    at = 0
+    while at + 512 <= len(raw) and any(raw[at:at + 512]):
+        header = raw[at:at + 512]
+        header[257:265] = bytes(8)
+        header[148:156] = b" " * 8
+        header[148:156] = b"%06o\0 " % sum(header)
+        raw[at:at + 512] = header
+        size = int(bytes(header[124:136]).strip(b"\0 ") or b"0", 8)
+        at += 512 + (size + 511) // 512 * 512
+    path.write_bytes(bytes(raw))
+    return path
+
+
+def test_a_v7_tar_is_a_tar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    canary = tmp_path / "ran"
+    path = v7_tar(tmp_path / "old.pt", {
+        "sys_info": pickle.dumps({"protocol_version": 1001}, protocol=2),
+        "pickle": pickle.dumps({"w": Payload(canary)}, protocol=2),
+        "storages": pickle.dumps(0, protocol=2), "tensors": pickle.dumps(0, protocol=2)})
+    assert tarfile.is_tarfile(path)  # what torch's legacy loader asks
+    assert main(["inspect", str(path)]) == 3
+    assert "tar-format torch checkpoint" in capsys.readouterr().err
+    v7_tar(tmp_path / "other.tar", {"notes.txt": b"hello"})
+    assert main(["inspect", str(tmp_path / "other.tar")]) == 3
+    assert "tar archive" in capsys.readouterr().err
+    assert not canary.exists()
