@@ -127,3 +127,43 @@ def test_a_v7_tar_is_a_tar(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert main(["inspect", str(tmp_path / "other.tar")]) == 3
     assert "tar archive" in capsys.readouterr().err
     assert not canary.exists()
+
+
+def framed(length: int, body: bytes) -> bytes:
+    import struct
+
+    return b"\x80\x04\x95" + struct.pack("<Q", length) + body
+
+
+PAYLOAD_OPS = b"cposix\nsystem\n(Vtouch CANARY\ntR."
+
+
+@pytest.mark.parametrize("length", [3, 10, 20, 27])
+def test_a_frame_ending_inside_an_opcode_is_refused(tmp_path: Path, length: int) -> None:
+    """CPython's C unpickler (torch.load, pickle.load) reads through a frame's
+    end; a frame ending inside an opcode's argument is how a pickle shows one
+    reader another program than the next: refused, alone or after a STOP."""
+    canary = tmp_path / "ran"
+    body = PAYLOAD_OPS.replace(b"CANARY", str(canary).encode())
+    alone = tmp_path / "f.pkl"
+    alone.write_bytes(framed(length, body))
+    with pytest.raises(ckptool.CkptoolError, match="frame ends inside an opcode"):
+        ckptool.open(alone)
+    after = tmp_path / "after.pkl"
+    after.write_bytes(pickle.dumps({"ok": 1}, protocol=2) + framed(length, body))
+    with pytest.raises(ckptool.CkptoolError, match="frame ends inside an opcode"):
+        ckptool.open(after)
+    assert not canary.exists()
+
+
+def test_frames_on_opcode_boundaries_read_as_before(tmp_path: Path) -> None:
+    canary = tmp_path / "ran"
+    body = PAYLOAD_OPS.replace(b"CANARY", str(canary).encode())
+    path = tmp_path / "f.pkl"
+    path.write_bytes(framed(14, body))  # the frame holds exactly the GLOBAL
+    assert ckptool.open(path).unsafe_globals == ["posix.system"]
+    for proto in (4, 5):
+        path.write_bytes(pickle.dumps({"a": list(range(30000)), "b": b"x" * 200000,
+                                       "c": {"n": 1.5}}, protocol=proto))
+        assert ckptool.open(path).unsafe_globals == []
+    assert not canary.exists()

@@ -17,22 +17,19 @@ the file's own objects are ours too, not only ``find_class``:
   every later read shares, nor on a tensor or storage record already checked;
 - every dict key and set item is checked before it is hashed
   (``values.check_key``): the C unpickler hashes a 100k-deep tuple key
-  straight into a stack overflow, a crash no ``except`` catches.
+  straight into a stack overflow, a crash no ``except`` catches;
+- ``FRAME``s are read through as the C unpickler does, each checked to end
+  where an opcode does (``ckptool.read.frames``).
 
-After a load, ``check_tree`` refuses trees nested deeper than ``MAX_DEPTH``
-and integers too long to print, so what follows (walk, render, JSON) stays
-bounded.
+After a load, ``check_tree`` refuses too deep trees and too long integers.
 
-A read inside ``ckptool.read.observe.observe(callback)`` reports dict
-entries as they are read (the opcodes of ``observe.Observing``); other reads
-use the plain dispatch table and cost nothing extra.
+Inside ``ckptool.read.observe.observe(callback)`` dict entries are reported
+as they are read (``observe.Observing``); other reads cost nothing extra.
 
 Tensors pickled with plain pickle carry their storage as an embedded legacy
-torch file (``torch.storage._load_from_bytes``). The format reader that
-meets them passes ``read_embedded``, which parses those bytes in memory:
-this layer knows no file format. It only says where in the stream those
-bytes lie (the bytes opcodes record where each ``bytes`` object's data
-starts), so that a storage's bytes can later be read in place.
+torch file (``torch.storage._load_from_bytes``): the format reader passes
+``read_embedded``, which parses those bytes in memory, and this layer says
+where in the stream they lie, so that they can later be read in place.
 """
 
 from __future__ import annotations
@@ -46,7 +43,7 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read import constructors, observe, policy, values
+from ckptool.read import constructors, frames, observe, policy, values
 from ckptool.read.resolve import is_faithful, resolve_global
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.treecheck import HINT
@@ -60,6 +57,7 @@ EmbeddedReader = Callable[[bytes, str, int | None], Any]
 
 MAX_GLOBALS = 10_000  # distinct globals one file may name: each becomes a class
 MAX_EMBEDDED_DEPTH = 2  # legacy files inside storages inside legacy files...
+MAX_FRAME = 64 << 20  # pickle frames are ~64 KiB; a bigger claim is checked against this
 
 
 _U32 = struct.Struct("<I").unpack
@@ -91,16 +89,14 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
                  seen: GlobalsSeen, embedded: dict[str, Any] | None = None,
                  read_embedded: EmbeddedReader | None = None) -> None:
         super().__init__(file)
-        # straight from the stream: frames only group opcodes, so reading
-        # through them is the same bytes without a Python call per read
-        self.read = file.read
+        self.read = file.read  # straight from the stream, through frames (as C does)
         self.readline = file.readline
         self._persistent = persistent
         self.seen = seen
         # storages of tensors pickled with plain pickle, keyed by storage id
         self.embedded = embedded if embedded is not None else {}
         self._read_embedded = read_embedded
-        self._tell = file.tell
+        self._tell, self._seek = file.tell, file.seek
         # id of each bytes object read -> (it, the stream offset of its data)
         self._bytes_at: dict[int, tuple[bytes, int]] = {}
         self._dispatch = self.dispatch
@@ -213,8 +209,11 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
     def _load_stop(self) -> None:
         raise _Done(self.stack.pop())
 
-    def _load_frame(self) -> None:
-        self.read(8)  # frame length: the opcodes inside are read as they come
+    def _load_frame(self) -> None:  # the opcodes inside are read as they come, but
+        (length,) = struct.unpack("<Q", self.read(8))  # the frame must end where one does
+        at = self._tell()
+        frames.check(self.read(min(length, MAX_FRAME)), length)
+        self._seek(at)
 
     # bytes as they are in the stream (protocol 3 and later): where each
     # object's data starts is kept, for an embedded torch file's storages
