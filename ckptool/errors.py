@@ -46,5 +46,12 @@ class CorruptCheckpointError(InputError):
     """The file claims to be a checkpoint but is truncated or malformed."""
 
 
+class RefusedPickleError(CorruptCheckpointError):
+    """A pickle refused for what it does, not for being malformed: a tensor
+    rebuilt by an unknown function, a frame made to be read two ways. The
+    same in every pickle of a file: one after the first is never taken for
+    junk bytes."""
+
+
 class UnsupportedCheckpointError(InputError):
     """A recognised checkpoint variety that ckptool cannot read yet."""

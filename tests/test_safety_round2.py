@@ -167,3 +167,17 @@ def test_frames_on_opcode_boundaries_read_as_before(tmp_path: Path) -> None:
                                        "c": {"n": 1.5}}, protocol=proto))
         assert ckptool.open(path).unsafe_globals == []
     assert not canary.exists()
+
+
+def test_one_policy_for_every_pickle(tmp_path: Path) -> None:
+    """A tensor 'rebuilt' by an arbitrary function is refused in the first
+    pickle; after a STOP it is refused the same, never junk bytes."""
+    rebuild = (b"ctorch._tensor\n_rebuild_from_type_v2\n(cmypkg.gadgets\nrun\n"
+               b"ctorch\nTensor\n(Vx\ntNtR.")
+    first = tmp_path / "first.pkl"
+    first.write_bytes(b"\x80\x02" + rebuild)
+    after = tmp_path / "after.pkl"
+    after.write_bytes(pickle.dumps({"ok": 1}, protocol=2) + b"\x80\x02" + rebuild)
+    for path in (first, after):
+        with pytest.raises(ckptool.CkptoolError, match="rebuilt by an unknown function"):
+            ckptool.open(path)

@@ -13,15 +13,14 @@ from __future__ import annotations
 
 import pickletools
 
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import RefusedPickleError
 
 HINT = ("torch.save and pickle never write such a frame: the file was made to show "
         "different readers different things; do not load it with torch")
 
 
-class FrameError(CorruptCheckpointError):
-    """A frame that does not end on an opcode boundary: refused wherever it
-    is, a pickle after the first one too (never taken for junk bytes)."""
+class FrameError(RefusedPickleError):
+    """A frame that does not end on an opcode boundary."""
 
 
 def check(content: bytes, declared: int) -> None:

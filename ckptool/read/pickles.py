@@ -15,8 +15,8 @@ import struct
 from typing import IO, Any
 
 from ckptool.describe import plural
-from ckptool.errors import CorruptCheckpointError
-from ckptool.read import fastpickle, frames, observe
+from ckptool.errors import CorruptCheckpointError, RefusedPickleError
+from ckptool.read import fastpickle, observe
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.treecheck import HINT, check_tree
 from ckptool.read.unpickler import EmbeddedReader, PersistentLoader, SafeUnpickler
@@ -45,8 +45,8 @@ def scan_rest(stream: IO[bytes], end: int, seen: GlobalsSeen, part: str,
             at = stream.tell()
             try:
                 load(stream, ignore_persistent, seen, {}, read_embedded)
-            except frames.FrameError:
-                raise  # a pickle made to read two ways: the file is refused
+            except RefusedPickleError:
+                raise  # refused for what it does: as the first pickle would be
             except CorruptCheckpointError:
                 stream.seek(at)
                 break

@@ -19,7 +19,7 @@ from typing import Any
 
 from ckptool import dtypes
 from ckptool.dtypes import ITEMSIZE
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import CorruptCheckpointError, RefusedPickleError
 from ckptool.read.values import StandIn, TorchDtype, brief, name_of
 
 # these records are what ckptool's checks made: no pickle sets state on them
@@ -206,7 +206,7 @@ def _keep_state(rec: TensorRecord, state: Any) -> None:
 def rebuild_from_type_v2(func: Any, new_type: Any, args: Any, state: Any = None) -> Any:
     known = func in REBUILDERS.values() or hasattr(func, "ckpt_global")
     if not known or not isinstance(args, tuple):
-        raise CorruptCheckpointError("tensor rebuilt by an unknown function")
+        raise RefusedPickleError("tensor rebuilt by an unknown function")
     result = func(*args)
     if isinstance(result, TensorRecord):
         _keep_state(result, state)
