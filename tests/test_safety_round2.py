@@ -181,3 +181,19 @@ def test_one_policy_for_every_pickle(tmp_path: Path) -> None:
     for path in (first, after):
         with pytest.raises(ckptool.CkptoolError, match="rebuilt by an unknown function"):
             ckptool.open(path)
+
+
+def test_a_whole_module_in_the_legacy_format_reads(tmp_path: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """torch.save(model, _use_new_zipfile_serialization=False) persists the
+    module's class with its source ('module', cls, file, source): read as
+    the class the pickle named, no false alarm; its weights extract."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 2))
+    path = tmp_path / "whole.pt"
+    torch.save(model, path, _use_new_zipfile_serialization=False)
+    ckpt = ckptool.open(path)
+    assert ckpt.main_state_dict is not None and ckpt.main_state_dict.kind == "module"
+    assert set(ckpt.state_dict()) == {"0.weight", "0.bias"} and not ckpt.unsafe_globals
+    out = tmp_path / "sd.pth"
+    assert main(["fix", str(path), "--extract", "-o", str(out)]) == 0, capsys.readouterr().err
+    assert torch.equal(torch.load(out)["0.weight"], model.state_dict()["0.weight"])

@@ -18,7 +18,7 @@ from ckptool.read import pickles
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef
-from ckptool.read.values import brief
+from ckptool.read.values import StandIn, brief
 
 TORCH_LEGACY = "torch-legacy"
 MAGIC = 0x1950A86A20F9469CFC6C
@@ -84,7 +84,14 @@ def _read_stream(f: IO[bytes], size: int, id_prefix: str, seen: GlobalsSeen) -> 
     storages: dict[str, StorageRef] = {}
     views: dict[tuple[str, int, int], StorageRef] = {}
 
-    def persistent(pid: tuple[Any, ...]) -> StorageRef:
+    def persistent(pid: tuple[Any, ...]) -> Any:
+        if len(pid) == 4 and pid[0] == "module":
+            # a whole nn.Module's class, with its source (torch.save of a model,
+            # legacy format): the class the pickle named, an inert stand-in
+            if not (type(pid[1]) is type and issubclass(pid[1], StandIn)):
+                raise CorruptCheckpointError(f"module id of no class: {brief(pid, 100)}",
+                                             pickles.HINT)
+            return pid[1]
         stype, key, location, numel = parse_storage_pid(pid, 6)
         sid = id_prefix + key
         ref = storages.get(sid)
