@@ -197,3 +197,24 @@ def test_a_whole_module_in_the_legacy_format_reads(tmp_path: Path,
     out = tmp_path / "sd.pth"
     assert main(["fix", str(path), "--extract", "-o", str(out)]) == 0, capsys.readouterr().err
     assert torch.equal(torch.load(out)["0.weight"], model.state_dict()["0.weight"])
+
+
+def test_a_partial_is_judged_by_what_it_wraps(tmp_path: Path) -> None:
+    """functools.partial(torch.optim.Adam, lr=...) in hyper-parameters
+    (Lightning, hydra, timm's norm layers) builds a partial and calls
+    nothing: no alarm. A partial of os.system is flagged for os.system; a
+    partial called at load time is a call."""
+    import functools
+
+    ok = tmp_path / "ok.pt"
+    torch.save({"w": torch.ones(2), "opt": functools.partial(torch.optim.Adam, lr=0.1),
+                "norm": functools.partial(torch.nn.LayerNorm, eps=1e-6)}, ok)
+    ckpt = ckptool.open(ok)
+    assert ckpt.unsafe_globals == []
+    assert {g.name: g.category for g in ckpt.globals}["functools.partial"] == "data"
+    bad = tmp_path / "bad.pt"
+    torch.save({"bad": functools.partial(os.system, "true")}, bad)
+    assert ckptool.open(bad).unsafe_globals == ["posix.system"]
+    called = tmp_path / "called.pkl"  # partial(posix.system)('true'): a call at load time
+    called.write_bytes(b"\x80\x02cfunctools\npartial\ncposix\nsystem\n\x85R(Vtrue\ntR.")
+    assert "functools.partial" in ckptool.open(called).unsafe_globals

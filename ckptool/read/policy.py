@@ -224,8 +224,12 @@ BUILT = "built"  # BUILD on an object made from it: its __setstate__
 # getattr(Outer, "Inner") on a class the pickle named: how protocols 0-2 name
 # a nested class (torch's ShardedTensor.ProcessGroupState); nothing else
 NESTED = "nested-class"
-USES = (CALLED, CALLED_INSTANCE, CREATED, BUILT, NESTED)
+# functools.partial(f) of a class or function the file names: builds the
+# partial, calls nothing (what it wraps is judged as any global is)
+PARTIAL = "partial-of-a-global"
+USES = (CALLED, CALLED_INSTANCE, CREATED, BUILT, NESTED, PARTIAL)
 GETATTR = "builtins.getattr"
+PARTIAL_OF = "functools.partial"
 
 # called with the file's arguments by every torch checkpoint, and known to
 # build data only: lowercase names ``judge`` does not take for code
@@ -354,6 +358,9 @@ def judge(dotted: str, verdict: Verdict, uses: frozenset[str] | set[str]) -> Ver
     if dotted == GETATTR and uses and set(uses) == {NESTED}:
         return Verdict(DATA, "names a nested class (getattr(Outer, 'Inner')), as protocols "
                        "0-2 must; used for nothing else")
+    if dotted == PARTIAL_OF and uses and set(uses) <= {PARTIAL, BUILT}:
+        return Verdict(DATA, "a partial of a class or function the file names (judged on "
+                       "its own): loading builds it and calls nothing")
     if verdict.category == UNSAFE:
         return verdict
     if CALLED_INSTANCE in uses:

@@ -215,8 +215,7 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         frames.check(self.read(min(length, MAX_FRAME)), length)
         self._seek(at)
 
-    # bytes as they are in the stream (protocol 3 and later): where each
-    # object's data starts is kept, for an embedded torch file's storages
+    # bytes (protocol 3+): where each one's data starts, for embedded storages
     def _load_short_binbytes(self) -> None:
         self._bytes(self.read(1)[0])
 
@@ -299,7 +298,9 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
                 self.seen.use(func.qualname, policy.NESTED)
                 stack[-1] = nested
                 return
-            self.seen.use(func.qualname, policy.CALLED)
+            wraps = args[0] if isinstance(args, tuple) and len(args) == 1 else None
+            self.seen.use(func.qualname, policy.PARTIAL if func.qualname == policy.PARTIAL_OF
+                          and type(wraps) is type and issubclass(wraps, StandIn) else policy.CALLED)
             if func.qualname in _CREATORS:
                 self._created(args)
         elif isinstance(func, StandIn):
