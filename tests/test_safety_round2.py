@@ -218,3 +218,32 @@ def test_a_partial_is_judged_by_what_it_wraps(tmp_path: Path) -> None:
     called = tmp_path / "called.pkl"  # partial(posix.system)('true'): a call at load time
     called.write_bytes(b"\x80\x02cfunctools\npartial\ncposix\nsystem\n\x85R(Vtrue\ntR.")
     assert "functools.partial" in ckptool.open(called).unsafe_globals
+
+
+@pytest.mark.parametrize(("module", "name"), [
+    ("wave", "Wave_write"), ("mailbox", "Maildir"), ("mailbox", "MMDF"), ("aifc", "open"),
+    ("string", "Template"), ("zipfile", "ZipFile"), ("sqlite3", "connect"),
+])
+def test_standard_library_globals_not_known_harmless_are_unsafe(
+        tmp_path: Path, module: str, name: str) -> None:
+    """wave.Wave_write(path), mailbox.Maildir(path, create=True)... create or
+    truncate files when made: the standard library is a known world, and
+    what is not listed as harmless is unsafe, not "custom"."""
+    path = tmp_path / "s.pkl"
+    canary = tmp_path / "made"
+    path.write_bytes(b"\x80\x02c" + f"{module}\n{name}\n".encode() + b"(V" +
+                     str(canary).encode() + b"\ntR.")
+    assert f"{module}.{name}" in ckptool.open(path).unsafe_globals
+    assert not canary.exists()
+
+
+def test_known_harmless_standard_library_and_user_classes(tmp_path: Path) -> None:
+    import random
+
+    path = tmp_path / "ok.pt"
+    torch.save({"w": torch.ones(2), "rng": random.Random(0),
+                "od": __import__("collections").OrderedDict(a=1)}, path)
+    ckpt = ckptool.open(path)
+    assert ckpt.unsafe_globals == []
+    path.write_bytes(b"\x80\x02cmypkg.nets\nResNet\n)\x81.")  # a user's class: custom
+    assert [g.category for g in ckptool.open(path).globals] == ["custom"]

@@ -44,6 +44,7 @@ lookup on names and uses.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 from ckptool import dtypes
@@ -105,6 +106,9 @@ _UNSAFE_MODULES = (
     "numpy.testing", "numpy.f2py", "numpy.distutils", "numpy.ctypeslib",
 )
 
+# the standard library's top-level modules (Python 3.10+; the stdlib's own list)
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"__builtin__", "copy_reg"}
+
 # builtins that merely build data; every other builtin is unsafe
 _SAFE_BUILTINS = frozenset({
     "set", "frozenset", "slice", "complex", "bytearray", "bytes", "range",
@@ -152,6 +156,7 @@ _KNOWN: dict[str, str] = {
     "re._compile": DATA, "re.compile": DATA,
     "datetime.datetime": DATA, "datetime.date": DATA, "datetime.time": DATA,
     "datetime.timedelta": DATA, "datetime.timezone": DATA, "datetime.tzinfo": DATA,
+    "random.Random": DATA,  # Random() then setstate: a generator's state
 }
 
 # these name data types (their classes are kept inert); functions in them
@@ -307,6 +312,11 @@ def classify(module: str, name: str) -> Verdict:
                 return Verdict(DATA)
             return Verdict(UNSAFE, f"function in {mod} that is not a known data constructor "
                            "(some evaluate strings or run commands)")
+    if module.split(".", 1)[0] in _STDLIB:
+        # the standard library is a known world: what ckptool does not list as
+        # harmless may act when made (wave.Wave_write, mailbox.Maildir create files)
+        return Verdict(UNSAFE, "a standard-library global ckptool does not know to be "
+                       "harmless to make or call")
     return Verdict(CUSTOM, "needs its module imported to load with torch")
 
 
