@@ -247,3 +247,40 @@ def test_known_harmless_standard_library_and_user_classes(tmp_path: Path) -> Non
     assert ckpt.unsafe_globals == []
     path.write_bytes(b"\x80\x02cmypkg.nets\nResNet\n)\x81.")  # a user's class: custom
     assert [g.category for g in ckptool.open(path).globals] == ["custom"]
+
+
+def test_a_large_dcp_value_is_still_read_for_what_it_names(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """dcp.load unpickles a BYTE_IO item whatever its size: ckptool keeps a
+    large one's value unread, but reads its pickle for the globals it names."""
+    import torch.distributed.checkpoint as dcp
+
+    from ckptool.read.layouts import dcp as dcp_layout
+
+    canary = tmp_path / "ran"
+    folder = tmp_path / "ckpt"
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.ones(2), "hook": Payload(canary)}, checkpoint_id=str(folder))
+    monkeypatch.setattr(dcp_layout, "MAX_VALUE_BYTES", 0)
+    ckpt = ckptool.open(folder)
+    assert "posix.system" in ckpt.unsafe_globals
+    assert not canary.exists()
+
+
+def test_the_file_read_is_the_one_transformers_loads(tmp_path: Path) -> None:
+    """transformers loads pytorch_model.bin before a pytorch_model.bin.index.json
+    beside it: that file is the checkpoint read (the shards are scanned)."""
+    import shutil
+
+    here = Path(__file__).parent / "fixtures" / "frameworks"
+    folder = tmp_path / "both"
+    shutil.copytree(here / "llama_tied_bin_sharded", folder)
+    shutil.copy(here / "llama_tied_bin" / "pytorch_model.bin", folder / "pytorch_model.bin")
+    ckpt = ckptool.open(folder)
+    assert ckpt.path.endswith("pytorch_model.bin") and not ckpt.is_multifile
+    assert ckpt.framework is not None
+    shards = [c for c in ckpt.framework.companions if c.path.startswith("pytorch_model-")]
+    assert len(shards) == 2 and all(c.format for c in shards)

@@ -246,11 +246,12 @@ def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,
     it keep where their bytes lie in the .distcp file."""
     if item.transforms:
         return Unread(f"stored through {', '.join(item.transforms)}")
-    if item.length > MAX_VALUE_BYTES:
-        return Unread(f"{item.length} bytes")
     path = os.path.join(layout.directory, item.file)
     shown = f"{item.file} (item {fqn})"
     raw, offsets = embedded.read_item(path, shown, item.offset, item.length)
+    if item.length > MAX_VALUE_BYTES:  # dcp.load unpickles it whatever its size: so do we
+        seen.merge(raw.seen, f"{item.file}: {fqn}")
+        return Unread(f"{item.length} bytes; read for the globals it names")
     for key, ref in raw.storages.items():
         ref.key, ref.record = f"{fqn}:{key}", f"@{offsets[key]}"
         storages[ref.key], storage_files[ref.key] = ref, item.file

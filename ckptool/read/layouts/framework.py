@@ -66,6 +66,8 @@ ROLES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 MODEL_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors",
                "pytorch_model.bin", "diffusion_pytorch_model.safetensors",
                "diffusion_pytorch_model.bin", "pytorch_model.pt")
+# transformers' single files, each looked for before the index beside it
+SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 # accelerate numbers a second prepared model model_1.safetensors, pytorch_model_1.bin
 OTHER_MODEL = re.compile(r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$")
 
@@ -166,11 +168,10 @@ def folder_facts(directory: str, files: list[str], dirs: list[str]) -> Framework
         return Framework("accelerate", directory, f"an accelerate save_state folder ({here})",
                          model_class, model_type, tied, evidence=evidence)
     if evidence:
-        what = model_class or model_type
         if isinstance(config, dict) and "_class_name" in config:
-            return Framework("diffusers", directory, f"a diffusers {what} ({here})",
-                             what, None, None, evidence=evidence)
-        return Framework("transformers", directory, f"a transformers {what} ({here})",
+            return Framework("diffusers", directory, f"a diffusers model folder ({here})",
+                             model_class or model_type, None, None, evidence=evidence)
+        return Framework("transformers", directory, f"a transformers model folder ({here})",
                          model_class, model_type, tied, evidence=evidence)
     return None
 

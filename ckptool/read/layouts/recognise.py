@@ -111,6 +111,15 @@ def _directory(path: str) -> Layout:
         return _dcp(path, files, metadata)
     named = [n for n in files if INDEX_NAME.search(n)]
     indexes = [n for n in named if _index_json(os.path.join(path, n))]
+    for single, index in zip(framework.SINGLE_FILES, PREFERRED_INDEXES, strict=True):
+        if single in files and is_checkpoint_file(os.path.join(path, single)):
+            if index in indexes:  # transformers loads the single file before its index
+                return Layout(FILE, path, path, file=os.path.join(path, single), notes=(
+                    f"{path} also holds {index} and its shards: transformers loads "
+                    f"{single} first, so that is what is read (the shards are scanned)",))
+            break
+        if index in indexes:
+            break
     if indexes:
         layout = _hf(path, indexes)
         tag = _latest(path) if LATEST in files else None
