@@ -357,8 +357,11 @@ def test_hostile_client_state_is_named_and_never_run(
     torch.save(states, name)
     code, out, _ = run_cli("inspect", str(d))
     assert "UNSAFE" in out and "system" in out and not marker.exists()
+    # a flagged checkpoint is written from only when asked (--salvage): then
     # the weights come out; the payload stays behind, never run
-    code, out, _ = run_cli("convert", str(d), str(tmp_path / "m.safetensors"))
+    code, _, err = run_cli("convert", str(d), str(tmp_path / "m.safetensors"))
+    assert code == 3 and "--salvage" in err and not (tmp_path / "m.safetensors").exists()
+    code, out, _ = run_cli("convert", str(d), str(tmp_path / "m.safetensors"), "--salvage")
     assert code == 0 and not marker.exists()
     assert "note" in out  # left out, said
     written = ckptool.open(tmp_path / "m.safetensors")

@@ -88,6 +88,9 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
         result.findings += findings.memory_findings(tags, machine)
         result.findings += findings.wrapping_findings(ckpt, opts, name)
         result.findings += findings.global_findings(ckpt, opts, name)
+        if opts.salvage:  # every fix of a flagged file salvages, or fix refuses it
+            result.findings = [replace(f, fix=f"{f.fix} --salvage") if f.fix and f.fix.startswith(
+                "ckptool fix ") and "--salvage" not in f.fix else f for f in result.findings]
     result.findings += findings.content_findings(ckpt)
     result.findings += findings.companion_findings(ckpt)
     # DCP: the keys carry the entry they were saved under ("model."), which

@@ -150,6 +150,8 @@ def global_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Findi
     extract = f"ckptool fix {name} --extract" if ckpt.main_state_dict else None
     if unsafe:
         opts.extract = opts.extract or ("auto" if extract else None)
+        opts.salvage = bool(extract)  # a flagged file is written from only when asked
+        extract = f"{extract} --salvage" if extract else None
         # what loading does with it, where that is what makes it unsafe
         how = "".join(f"; {g.reason}" for g in unsafe if g.reason.startswith("calls"))
         out.append(Finding(

@@ -82,6 +82,8 @@ def command_flags(opts: FixOptions) -> list[str]:
     if opts.to:
         flags.append(f"--to {opts.to}")
     flags += [f"--map {a}={b}" for a, b in opts.maps]
+    if opts.salvage:
+        flags.append("--salvage")
     return flags
 
 

@@ -34,12 +34,16 @@ if TYPE_CHECKING:
               help="Of a DeepSpeed checkpoint: fp32 (the default) writes the consolidated fp32 "
               "master weights; module the weights the model held (bf16/fp16 in such a run; "
               "ZeRO 1 and 2 only).")
+@click.option("--salvage", is_flag=True,
+              help="Write from a file flagged unsafe: its tensors and plain values only, "
+                   "the output re-read and refused unless clean.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--fsync", is_flag=True, help=fsync_help("--force"))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtype: str | None,
-            weights: str | None, force: bool, fsync: bool, quiet: bool, as_json: bool) -> None:
+            weights: str | None, salvage: bool, force: bool, fsync: bool, quiet: bool,
+            as_json: bool) -> None:
     """Convert PATH (a file, a Hugging Face directory, a DCP or DeepSpeed directory) into OUT:
     one file (safetensors or torch, from OUT's extension) or a directory
     (--format)."""
@@ -52,7 +56,7 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         result = run_convert(path, output, force=force, progress=update, fsync=fsync, fmt=fmt,
                              max_shard_size=max_shard_size,
                              dtype=planning.DTYPE_NAMES[dtype] if dtype else None,
-                             weights=None if weights == "fp32" else weights)
+                             weights=None if weights == "fp32" else weights, salvage=salvage)
     if as_json:
         write_json(convert_dict(result))
     elif not quiet:

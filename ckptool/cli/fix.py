@@ -34,6 +34,9 @@ if TYPE_CHECKING:
               help="Save every storage as on DEVICE (cpu, cuda:0...).")
 @click.option("--map", "maps", multiple=True, metavar="SRC=DST",
               help="Move storages saved on SRC to DST (e.g. cuda:2=cuda:0).")
+@click.option("--salvage", is_flag=True,
+              help="Write from a file flagged unsafe: its tensors and plain values only, "
+                   "the output re-read and refused unless clean.")
 @click.option("--dry-run", is_flag=True, help="Show the plan and write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--in-place", is_flag=True, help="Replace IN itself (atomically).")
@@ -43,7 +46,7 @@ if TYPE_CHECKING:
 def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: str | None, rename: tuple[str, ...], extract: str | None,
         drop: tuple[str, ...], dtype: str | None, to: str | None, maps: tuple[str, ...],
-        dry_run: bool, force: bool, in_place: bool, fsync: bool, quiet: bool,
+        salvage: bool, dry_run: bool, force: bool, in_place: bool, fsync: bool, quiet: bool,
         as_json: bool) -> None:
     """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
     from ckptool.cli.inputs import is_spooled, shown_path
@@ -66,6 +69,7 @@ def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: 
         to=planning.parse_device(to) if to else None,
         maps=tuple((planning.parse_tag(a), planning.parse_device(b))
                    for a, b in (planning.parse_pair(m, "--map") for m in maps)),
+        salvage=salvage,
     )
     with progress(quiet) as update:
         result = run_fix(path, opts, output, force=force, in_place=in_place,

@@ -48,6 +48,7 @@ from ckptool.write import convert_plan
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.convert_files import write_safetensors, write_torch
 from ckptool.write.convert_plan import TORCH, WHOLE, Written
+from ckptool.write.flagged import refuse_flagged
 from ckptool.write.outdir import check_apart
 from ckptool.write.plan import REWRITABLE
 from ckptool.write.results import ConvertResult
@@ -84,18 +85,22 @@ def output_format(dst: str, fmt: str | None) -> str:
 
 def convert(src: str, dst: str, *, force: bool = False, progress: Progress | None = None,
             fsync: bool = False, fmt: str | None = None, max_shard_size: int | None = None,
-            dtype: str | None = None, weights: str | None = None) -> ConvertResult:
+            dtype: str | None = None, weights: str | None = None,
+            salvage: bool = False) -> ConvertResult:
     """Convert ``src`` into ``dst``: one file (the format from its extension)
     or a directory of ``fmt`` (hf, hf-bin, dcp), its floating tensors cast to
     ``dtype`` if given; of a DeepSpeed checkpoint, ``weights="module"``
     writes the module's (half-precision) weights instead of the fp32
     masters. The output is durable on disk before this returns when
-    ``fsync`` is set or it replaces a file."""
+    ``fsync`` is set or it replaces a file. A checkpoint whose verdict is
+    unsafe is refused unless ``salvage`` (convert writes no byte of its
+    pickles: tensors, and plain values it pickles itself)."""
     kind = output_format(dst, fmt)
     if max_shard_size is not None and kind not in ("hf", "hf-bin"):
         raise UsageError("--max-shard-size sizes the shards of --format hf or hf-bin",
                          "leave it out, or write a Hugging Face directory")
     source = open_checkpoint(src)  # 1. read
+    refuse_flagged(source, salvage, "convert")
     if weights == "module":
         source = with_state_dict(source, *deepspeed.module_weights(source))
     if source.directory is not None:  # never written into the directory it reads

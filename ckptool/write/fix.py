@@ -35,6 +35,7 @@ from ckptool.describe import beside, shell_word
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint
 from ckptool.read import formats
+from ckptool.read.companions import framework_of
 from ckptool.read.formats import torch_legacy as legacy_reader
 from ckptool.read.formats import torch_zip as zip_reader
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
@@ -47,9 +48,17 @@ from ckptool.read.ziparchive import ZipArchive, ZipError
 from ckptool.write import copy, inplace, repickle, verify
 from ckptool.write.bytecheck import ByteChecker
 from ckptool.write.commit import AtomicOutput
+from ckptool.write.flagged import prove_clean, refuse_flagged
 from ckptool.write.formats import safetensors, torch_legacy, torch_zip
 from ckptool.write.layout import checked_cast
-from ckptool.write.plan import FixOptions, Plan, check_rewritable, make_plan, new_pid, refuse_unsafe
+from ckptool.write.plan import (
+    FixOptions,
+    Plan,
+    check_rewritable,
+    make_plan,
+    new_pid,
+    refuse_unsafe,
+)
 from ckptool.write.results import FixResult
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -113,6 +122,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
                 f"consolidate it first: ckptool convert {shell_word(src)} "
                 f"{shell_word(beside(src, '.safetensors'))}, then fix that file")
         source = open_checkpoint(src)
+        refuse_flagged(source, opts.salvage, "fix")
         output = output or fix_shards.default_output(src)
         if layout.kind == recognise.DCP:
             return fix_dcp.fix(source, opts, output, force=force, in_place=in_place,
@@ -120,6 +130,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         return fix_shards.fix(source, opts, output, fix_file=fix, force=force,
                               in_place=in_place, dry_run=dry_run, progress=progress,
                               fsync=fsync)
+    given = src
     if layout is not None and layout.file is not None:
         src = layout.file  # a directory holding one checkpoint file is that file
     target = src if in_place else (output or default_output(src))
@@ -137,6 +148,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         check_unchanged(src, identity)
         check_rewritable(raw.format, opts, src)
         source = assemble(src, raw)
+        source.framework = framework_of(given, layout, source)
+        refuse_flagged(source, opts.salvage, "fix")
         # 2. plan
         plan = make_plan(source, opts)
         refuse_unsafe(plan.unsafe)
@@ -162,6 +175,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             result.verified_storages = _write_legacy(src, source, plan, out, progress, stack,
                                                      identity)
         result.bytes_written = os.fstat(out.file.fileno()).st_size
+        if opts.salvage:
+            prove_clean(out.read_path, target)
         # 6. commit
         out.commit()
     result.output = target

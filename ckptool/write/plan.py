@@ -61,6 +61,7 @@ class FixOptions:
     dtype: str | None = None  # canonical name
     to: str | None = None
     maps: tuple[tuple[str, str], ...] = ()  # (source tag, target tag)
+    salvage: bool = False  # write from a flagged file: its tensors and plain values only
 
     def changes_keys(self) -> bool:
         return bool(self.strip_module or self.strip_prefixes or self.add_prefix

@@ -104,6 +104,24 @@ def own_naming(kind: str, model_type: str | None, prefix: str) -> bool:
     return prefix.count(".") == 1
 
 
+def single_before_index(files: list[str], indexes: list[tuple[str, Any]],
+                        is_checkpoint: Any) -> tuple[str, str] | None:
+    """(single file, index) where transformers loads a single model file
+    rather than the index beside it (``model.safetensors``, then its index,
+    then ``pytorch_model.bin``, then its index); None where it loads an index
+    (or an index that names only that file, which is the same)."""
+    by_name = dict(indexes)
+    for single, index in zip(SINGLE_FILES, ("model.safetensors.index.json",
+                                             "pytorch_model.bin.index.json"), strict=True):
+        if single in files and is_checkpoint(single):
+            weight_map = (by_name.get(index) or {}).get("weight_map")
+            shards = set(weight_map.values()) if isinstance(weight_map, dict) else set()
+            return (single, index) if shards and shards != {single} else None
+        if index in by_name:
+            return None
+    return None
+
+
 def role_of(name: str) -> str | None:
     """What a file the frameworks write beside a model holds, or None."""
     for pattern, role in ROLES:

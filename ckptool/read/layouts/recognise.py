@@ -1,10 +1,9 @@
 """What a path holds, when it is a directory or an index file: recognised by
 content, and a clear error for anything else.
 
-- an index file (JSON with a ``weight_map``), or a directory holding one
-  (``*.index.json``, ``*.index.<variant>.json``): Hugging Face shards. Where a
-  directory holds several, ``model.safetensors.index.json`` wins, then
-  ``pytorch_model.bin.index.json``, as transformers chooses;
+- an index file (JSON with a ``weight_map``), or a directory holding one:
+  Hugging Face shards, chosen as transformers chooses (a single model file
+  before its index; ``model.safetensors*`` before ``pytorch_model.bin*``);
 - a directory with a ``.metadata`` pickle (or one ``__<rank>.metadata`` per
   rank, from ``dcp.save(use_collectives=False)``): DCP, Lightning's sharded
   ``.ckpt`` directory when a ``meta.pt`` sits beside it;
@@ -14,11 +13,10 @@ content, and a clear error for anything else.
   ``*_optim_states.pt``), or the directory above it whose ``latest`` names
   the tag (Lightning's DeepSpeed ``.ckpt`` directory is one: tag
   ``checkpoint``); without ``latest``, its one tag directory;
-- a directory holding exactly one checkpoint file (by its first bytes:
-  torch zip, legacy torch, safetensors): that file; or one model file beside
-  files a framework writes with it (a Trainer's ``checkpoint-N/``:
-  ``model.safetensors`` with ``optimizer.pt``, ``rng_state.pth``,
-  ``training_args.bin``...; ``ckptool.read.layouts.framework``): the model.
+- files saved per rank (``*rank_<r>.pt``), or torch's HuggingFaceStorageWriter
+  shards (``shard-00001-model-00001-of-00001.safetensors``): joined;
+- a directory holding exactly one checkpoint file (by its first bytes), or
+  one model beside a framework's other files (``ckptool.read.layouts.framework``).
   A diffusers pipeline's root is refused with its components named.
 
 Nothing here reads more than an index's JSON and a few bytes of each file,
@@ -111,15 +109,13 @@ def _directory(path: str) -> Layout:
         return _dcp(path, files, metadata)
     named = [n for n in files if INDEX_NAME.search(n)]
     indexes = [n for n in named if _index_json(os.path.join(path, n))]
-    for single, index in zip(framework.SINGLE_FILES, PREFERRED_INDEXES, strict=True):
-        if single in files and is_checkpoint_file(os.path.join(path, single)):
-            if index in indexes:  # transformers loads the single file before its index
-                return Layout(FILE, path, path, file=os.path.join(path, single), notes=(
-                    f"{path} also holds {index} and its shards: transformers loads "
-                    f"{single} first, so that is what is read (the shards are scanned)",))
-            break
-        if index in indexes:
-            break
+    single = framework.single_before_index(
+        files, [(n, _index_json(os.path.join(path, n))) for n in indexes],
+        lambda n: is_checkpoint_file(os.path.join(path, n)))
+    if single is not None:
+        return Layout(FILE, path, path, file=os.path.join(path, single[0]), notes=(
+            f"{path} also holds {single[1]} and its shards: transformers loads {single[0]} "
+            "first, so that is what is read (the shards are scanned)",))
     if indexes:
         layout = _hf(path, indexes)
         tag = _latest(path) if LATEST in files else None
@@ -303,10 +299,8 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
 
 
 def _rank_files(path: str, found: list[str]) -> Layout | None:
-    """Files named by rank (``model_world_size_2_rank_0.pt``...): one
-    checkpoint saved per rank, every rank's file there (0 to N-1). Where
-    several kinds are saved per rank (veRL's model, optim and extra_state),
-    the model's; the others are named."""
+    """Files named by rank (``model_world_size_2_rank_0.pt``), ranks 0 to N-1:
+    one checkpoint; of several (veRL's model, optim...) the model's."""
     groups: dict[str, dict[int, str]] = {}
     for name in found:
         m = RANK_NAME.match(name)

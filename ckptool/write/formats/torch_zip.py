@@ -202,9 +202,12 @@ class Tail:
             writer.add_existing(piece.name, piece.header, piece.size, piece.crc, piece.flags,
                                 piece.data)
         storage_names = {p.name for p in self.pieces}
+        # the small records as they are; never a pickle but data.pkl, written anew
         others = sorted((m for m in self.archive.members.values()
                          if m.name not in storage_names
-                         and not m.name.startswith(f"{self.prefix}data/")),
+                         and not m.name.startswith(f"{self.prefix}data/")
+                         and (not m.name.lower().endswith(".pkl")
+                              or m.name == f"{self.prefix}data.pkl")),
                         key=lambda m: m.header_offset)
         for member in others:
             if member.name == f"{self.prefix}data.pkl":
