@@ -192,8 +192,11 @@ def test_an_unsafe_global_in_a_tensors_attributes_refuses_as_the_fix_does(
     torch.save({"state_dict": {"module.w": w, "module.b": torch.zeros(3)}, "epoch": 1}, path)
     options = {name: OPTIONS[name] for name in ("nothing", "strip", "extract", "to", "drop")}
     check(path, options)
-    with pytest.raises(CkptoolError, match=r"unsafe globals: posix\.system"):
+    with pytest.raises(CkptoolError, match=r"run code when loaded \(posix\.system\)"):
         preview(ckptool.open(path), FixOptions(extract="auto"))
+    # salvaging cannot take it out either: it travels with the tensor
+    with pytest.raises(CkptoolError, match=r"unsafe globals: posix\.system"):
+        preview(ckptool.open(path), FixOptions(extract="auto", salvage=True))
     assert not canary.exists()
 
 

@@ -33,6 +33,7 @@ from ckptool.read.tensors import CompositeTensor
 from ckptool.read.values import StandIn
 from ckptool.read.walk import walk
 from ckptool.write import plan as plans
+from ckptool.write.flagged import refuse_flagged
 from ckptool.write.plan import FixOptions, Plan
 
 
@@ -100,6 +101,7 @@ class Previewer:
                     "dialog rewrites single files",
                     "fix it from the shell: `ckptool diagnose` prints the command")
             plans.check_rewritable(self.ckpt.format, opts, self.ckpt.path)
+            refuse_flagged(self.ckpt, opts.salvage, "fix")
             plan = plans.make_plan(
                 dataclasses.replace(self.ckpt, root=copy_tree(self.ckpt.root)), opts)
             plans.refuse_unsafe(plan.unsafe)
