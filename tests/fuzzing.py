@@ -29,6 +29,7 @@ import functools
 import hashlib
 import io
 import json
+import pickle
 import pickletools
 import random
 import resource
@@ -98,6 +99,35 @@ def mutate_pickle(rng: random.Random, data: bytes) -> bytes:
         name = next(n for n in z.namelist() if n.endswith("data.pkl"))
         pkl = z.read(name)
     return _rezip(data, {name: _mutate_opcodes(rng, pkl, 0, len(pkl))})
+
+
+def mutate_frames(rng: random.Random, data: bytes) -> bytes:
+    """data.pkl as protocol 4 with a FRAME of a random length: ending on an
+    opcode boundary, inside an opcode's argument, or past the pickle."""
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        name = next(n for n in z.namelist() if n.endswith("data.pkl"))
+        pkl = z.read(name)
+    body = pkl[2:] if pkl[:1] == b"\x80" else pkl
+    length = rng.choice([rng.randint(1, len(body)), len(body), len(body) + rng.randint(1, 64)])
+    at = rng.randrange(len(body) + 1) if rng.random() < 0.3 else 0  # a frame not at the start
+    framed = body[:at] + b"\x95" + struct.pack("<Q", length) + body[at:]
+    return _rezip(data, {name: b"\x80\x04" + framed})
+
+
+def mutate_names(rng: random.Random, data: bytes) -> bytes:
+    """A record added whose name differs from another's only in case, or a
+    pickle record torch does not read."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+        infos = src.infolist()
+        for info in infos:
+            dst.writestr(info.filename, src.read(info))
+        victim = rng.choice(infos).filename
+        twin = "".join(c.upper() if rng.random() < 0.5 else c.lower() for c in victim)
+        extra = victim.rsplit("/", 1)[0] + f"/x{rng.randrange(100)}.pkl"
+        name = twin if twin != victim and rng.random() < 0.7 else extra
+        dst.writestr(name, rng.choice([src.read(victim), pickle.dumps({"a": 1}, 2), b"\x80"]))
+    return out.getvalue()
 
 
 def mutate_legacy(rng: random.Random, data: bytes) -> bytes:
@@ -290,7 +320,7 @@ def corpus() -> dict[str, tuple[bytes, list[str]]]:
         if data[:4] == b"PK\x03\x04":
             kinds += ["zipdir"]
             if any(n.endswith("data.pkl") for n in zipfile.ZipFile(path).namelist()):
-                kinds += ["pickle"]
+                kinds += ["pickle", "frames", "names"]
         elif path.suffix == ".safetensors":
             kinds += ["safetensors"]
         elif data[:4] == b"\x80\x02\x8a\x0a":  # a legacy torch file's magic number
@@ -305,6 +335,7 @@ MUTATORS: dict[str, Callable[[random.Random, bytes], bytes]] = {
     "bytes": mutate_bytes, "pickle": mutate_pickle, "legacy": mutate_legacy,
     "safetensors": mutate_safetensors,
     "zipdir": mutate_zipdir, "zip64": mutate_zip64,
+    "frames": mutate_frames, "names": mutate_names,
 }
 
 
