@@ -284,3 +284,16 @@ def test_the_file_read_is_the_one_transformers_loads(tmp_path: Path) -> None:
     assert ckpt.framework is not None
     shards = [c for c in ckpt.framework.companions if c.path.startswith("pytorch_model-")]
     assert len(shards) == 2 and all(c.format for c in shards)
+
+
+@pytest.mark.parametrize(("module", "name", "category"), [
+    ("torch.utils.hooks", "RemovableHandle", "unsafe"),
+    ("torch.utils.cpp_extension", "load", "unsafe"),
+    ("torch.nn.functional", "relu", "torch"),  # self.act = F.relu in a pickled module
+    ("torch.nn.modules.linear", "Linear", "torch"),
+    ("torch.torch_version", "TorchVersion", "torch"),
+])
+def test_torch_is_a_known_world_too(module: str, name: str, category: str) -> None:
+    from ckptool.read import policy
+
+    assert policy.classify(module, name).category == category

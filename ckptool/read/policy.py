@@ -190,6 +190,10 @@ _TORCH_DATA_PREFIXES = (
     "torch.distributed._shard.sharded_tensor.api.ShardedTensor",
     "torch.distributed._shard.sharded_tensor.shard.Shard",
     "torch.distributed.remote_device._remote_device", "torch.distributed._shard.sharding_spec.",
+    # what modules hold: activation functions (self.act = F.relu, never called
+    # by loading: a call is judged by its use), the version string torch.__version__
+    "torch.nn.functional.", "torch.torch_version.TorchVersion", "torch.nn.utils.",
+    "torch.distributions.",
     "torch.distributed._shard.sharded_tensor.metadata.",
 )
 
@@ -312,6 +316,10 @@ def classify(module: str, name: str) -> Verdict:
                 return Verdict(DATA)
             return Verdict(UNSAFE, f"function in {mod} that is not a known data constructor "
                            "(some evaluate strings or run commands)")
+    if _under(module, "torch"):
+        # torch is a known world too: what is not listed above may act
+        return Verdict(UNSAFE, "a torch global ckptool does not know to be harmless to make "
+                       "or call")
     if module.split(".", 1)[0] in _STDLIB:
         # the standard library is a known world: what ckptool does not list as
         # harmless may act when made (wave.Wave_write, mailbox.Maildir create files)
