@@ -364,3 +364,14 @@ def test_a_fifo_in_a_framework_folder_is_never_opened(tmp_path: Path) -> None:
     os.mkfifo(folder / "extra.bin")
     ckpt = ckptool.open(folder)  # would block for ever on opening a FIFO
     assert len(ckpt.tensors) == 39
+
+
+def test_a_hostile_config_shows_no_junk(tmp_path: Path) -> None:
+    folder = tmp_path / "a"
+    shutil.copytree(HERE / "peft_lora", folder)
+    (folder / "adapter_config.json").write_text(json.dumps(
+        {"peft_type": [1, 2], "r": "x", "target_modules": [{"a": 1}, "q_proj"],
+         "base_model_name_or_path": 7}))
+    fw = ckptool.open(folder).framework
+    assert fw is not None and fw.adapter == {"peft_type": "unknown",
+                                             "target_modules": ["q_proj"]}

@@ -203,7 +203,9 @@ def _model_facts(config: Any) -> tuple[str | None, str | None, bool | None]:
     arch = config.get("architectures")
     model_class = arch[0] if isinstance(arch, list) and arch and isinstance(arch[0], str) \
         else config.get("_class_name") if isinstance(config.get("_class_name"), str) else None
-    model_type = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+    model_type = config["model_type"][:100] if isinstance(config.get("model_type"), str) \
+        else None
+    model_class = model_class[:200] if isinstance(model_class, str) else None
     if model_class is None and model_type is None:
         return None, None, None
     tied = config.get("tie_word_embeddings")  # absent: the config class's default, unknown here
@@ -211,13 +213,22 @@ def _model_facts(config: Any) -> tuple[str | None, str | None, bool | None]:
 
 
 def _adapter_facts(adapter: dict[str, Any]) -> dict[str, Any]:
+    """What an adapter_config.json says, each field only when it has the type
+    PEFT writes (a hostile config shows no junk)."""
+    def text(key: str) -> str | None:
+        value = adapter.get(key)
+        return value[:200] if isinstance(value, str) else None
+
+    def number(key: str) -> int | float | None:
+        value = adapter.get(key)
+        return value if type(value) in (int, float) else None
+
     targets = adapter.get("target_modules")
-    if isinstance(targets, list):
-        targets = sorted(str(t) for t in targets)
-    facts = {"peft_type": str(adapter.get("peft_type")), "r": adapter.get("r"),
-             "lora_alpha": adapter.get("lora_alpha"), "target_modules": targets,
-             "base_model": adapter.get("base_model_name_or_path"),
-             "task_type": adapter.get("task_type")}
+    targets = sorted(t[:100] for t in targets if isinstance(t, str))[:64] \
+        if isinstance(targets, list) else text("target_modules")
+    facts = {"peft_type": text("peft_type") or "unknown", "r": number("r"),
+             "lora_alpha": number("lora_alpha"), "target_modules": targets,
+             "base_model": text("base_model_name_or_path"), "task_type": text("task_type")}
     auto = adapter.get("auto_mapping")
     if isinstance(auto, dict) and isinstance(auto.get("base_model_class"), str):
         facts["base_model_class"] = auto["base_model_class"]
