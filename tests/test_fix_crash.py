@@ -371,7 +371,11 @@ def test_kill_9_during_fix_leaves_nothing_or_the_whole_output(
             res = run_and_kill(fix_args(src, outdir / "out.pth"), src, outdir, trigger, label,
                                env)
             state = check_after_kill(res, src, src_digest, outdir, expected, ref, named_temp)
-            if res.killed or label.startswith("random") or label == "OUT appeared":
+            # a kill meant for a moment before the rename that finds OUT already
+            # there came too late (the rename follows the last write by ~1 ms)
+            overran = label.startswith("write") and "out.pth" in res.last.names
+            if (res.killed and not overran) or label.startswith("random") \
+                    or label == "OUT appeared":
                 break
         states[label] = state if res.killed else "not killed: " + state
         lines.append(f"{describe(res, ref.size)} -> {state}")
