@@ -146,10 +146,11 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         with faithful():
             raw = formats.read_zip(src, early.archive) if early else formats.read(src)
         check_unchanged(src, identity)
-        check_rewritable(raw.format, opts, src)
         source = assemble(src, raw)
         source.framework = framework_of(given, layout, source)
+        # a flagged file is refused as flagged, whatever else fix says of it
         refuse_flagged(source, opts.salvage, "fix")
+        check_rewritable(raw.format, opts, src)
         # 2. plan
         plan = make_plan(source, opts)
         refuse_unsafe(plan.unsafe)

@@ -16,6 +16,7 @@ gaps or overlaps.
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
 import os
@@ -24,6 +25,7 @@ from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read import pickles
+from ckptool.read.formats.torch_legacy import read_bytes
 from ckptool.read.layouts.base import BROKEN_HINT
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import MAX_INT64
@@ -69,8 +71,12 @@ def parse(directory: str, name: str, seen: GlobalsSeen) -> Metadata:
     with open(os.path.join(directory, name), "rb") as f:
         data = f.read()
     seen.part = name
+    stream = io.BytesIO(data)
     with seen.naming_unsafe():
-        obj = pickles.load(data, None, seen)
+        # an embedded torch file (torch.storage._load_from_bytes) is read for
+        # what it names, and so is every pickle after this one's STOP
+        obj = pickles.load(stream, None, seen, {}, read_bytes)
+        pickles.scan_rest(stream, len(data), seen, name, read_bytes)
         if not _is(obj, "metadata.Metadata"):
             return Metadata(other=obj)
         return _metadata(obj, os.path.dirname(name), name)

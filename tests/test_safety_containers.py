@@ -1,0 +1,291 @@
+"""Every payload in every container ckptool reads (issue 25, item 9).
+
+``test_safety_corpus`` places the payloads in raw pickles, torch zips,
+trailing pickles and legacy files; this adds the containers left: the raw
+protocols 1, 3 and 4, a torch zip whose data.pkl runs the payload and pops
+its result before the real object (so the file still loads as a state
+dict), each of a legacy file's three header pickles, an HF ``.bin`` shard,
+a DCP ``.metadata`` and a DCP BYTE_IO item, and a DeepSpeed model-states
+file. Each container starts from what a real writer wrote (torch.save,
+transformers, dcp.save, DeepSpeed) and is changed the way an attacker
+would, opcode by opcode.
+
+For each: ckptool flags the payload's globals or refuses the file naming
+one (exit 3), the canary file proves nothing ran, and fix / convert refuse
+it and write nothing.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import pickletools
+import shutil
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+import ckptool
+from ckptool.cli import main
+from tests.test_malicious import split
+from tests.test_safety_corpus import CORPUS, flagged_or_refused
+
+FIXTURES = Path(__file__).parent / "fixtures"
+HF_SHARDED = FIXTURES / "frameworks" / "llama_tied_bin_sharded"
+DEEPSPEED = FIXTURES / "deepspeed" / "z1_fp32"
+
+
+def inject(payload: bytes, victim: bytes) -> bytes:
+    """``victim`` (one pickle) running ``payload`` first and popping its
+    result: the stream still ends with the victim's object."""
+    _, body = split(payload)
+    header = victim[:2] if victim[:1] == b"\x80" else b""
+    return header + body + b"0" + victim[len(header):]
+
+
+def first_pickle_end(data: bytes, start: int = 0) -> int:
+    stream = io.BytesIO(data)
+    stream.seek(start)
+    for op, _, pos in pickletools.genops(stream):
+        if op.name == "STOP":
+            assert pos is not None
+            return pos + 1
+    raise AssertionError("no STOP")
+
+
+def zip_injected(payload: bytes, src: Path, dst: Path) -> None:
+    """A torch zip whose data.pkl runs the payload first (records in order,
+    stored, as torch writes them)."""
+    with zipfile.ZipFile(src) as z_in, zipfile.ZipFile(dst, "w", zipfile.ZIP_STORED) as z_out:
+        for info in z_in.infolist():
+            data = z_in.read(info)
+            if info.filename.endswith("/data.pkl"):
+                data = inject(payload, data)
+            z_out.writestr(info.filename, data)
+
+
+def legacy_slot(payload: bytes, template: Path, slot: int) -> bytes:
+    """A legacy torch file with its ``slot``-th pickle (0 magic, 1 protocol
+    version, 2 sys_info) running the payload first."""
+    data = template.read_bytes()
+    start = 0
+    for _ in range(slot):
+        start = first_pickle_end(data, start)
+    end = first_pickle_end(data, start)
+    return data[:start] + inject(payload, data[start:end]) + data[end:]
+
+
+# -- the containers: each writes the checkpoint to open and returns its path --
+
+Container = Callable[[bytes, Path, dict[str, Path]], Path]
+
+
+def _raw(proto: int) -> Container:
+    def make(payload: bytes, tmp: Path, t: dict[str, Path]) -> Path:
+        _, body = split(payload)
+        path = tmp / "evil.pkl"
+        path.write_bytes((bytes([0x80, proto]) if proto >= 2 else b"") + body + b".")
+        return path
+    return make
+
+
+def _zip_injected(payload: bytes, tmp: Path, t: dict[str, Path]) -> Path:
+    path = tmp / "evil.pth"
+    zip_injected(payload, t["zip"], path)
+    return path
+
+
+def _legacy(slot: int) -> Container:
+    def make(payload: bytes, tmp: Path, t: dict[str, Path]) -> Path:
+        path = tmp / "evil.pth"
+        path.write_bytes(legacy_slot(payload, t["legacy"], slot))
+        return path
+    return make
+
+
+def _hf_shard(payload: bytes, tmp: Path, t: dict[str, Path]) -> Path:
+    folder = tmp / "model"
+    shutil.copytree(HF_SHARDED, folder)
+    shard = sorted(folder.glob("pytorch_model-*.bin"))[-1]
+    clean = tmp / "clean.bin"
+    shard.rename(clean)
+    zip_injected(payload, clean, shard)
+    return folder
+
+
+def _dcp(tmp: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    folder = tmp / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(6.0).reshape(2, 3), "args": "lr=0.1"},
+                 checkpoint_id=str(folder))
+    return folder
+
+
+def _dcp_metadata(payload: bytes, tmp: Path, t: dict[str, Path]) -> Path:
+    folder = _dcp(tmp)
+    meta = folder / ".metadata"
+    meta.write_bytes(inject(payload, meta.read_bytes()))
+    return folder
+
+
+def _dcp_byte_io(payload: bytes, tmp: Path, t: dict[str, Path]) -> Path:
+    """The BYTE_IO item (torch.save of 'lr=0.1') rewritten to
+    run the payload; the items after it and .metadata's offsets move."""
+    folder = _dcp(tmp)
+    meta_path = folder / ".metadata"
+    # our own file, just written by dcp.save: safe to unpickle
+    meta = pickle.loads(meta_path.read_bytes())
+    target = next(k for k in meta.storage_data if k.fqn == "args")
+    info = meta.storage_data[target]
+    distcp = folder / info.relative_path
+    data = distcp.read_bytes()
+    item = data[info.offset:info.offset + info.length]
+    src, dst = tmp / "item_in.pt", tmp / "item_out.pt"
+    src.write_bytes(item)
+    zip_injected(payload, src, dst)
+    new_item = dst.read_bytes()
+    grow = len(new_item) - info.length
+    distcp.write_bytes(data[:info.offset] + new_item + data[info.offset + info.length:])
+    for key, other in meta.storage_data.items():
+        if other.relative_path != info.relative_path:
+            continue
+        if key == target:
+            other.length = len(new_item)
+        elif other.offset > info.offset:
+            other.offset += grow
+    meta_path.write_bytes(pickle.dumps(meta))
+    return folder
+
+
+def _deepspeed(payload: bytes, tmp: Path, t: dict[str, Path]) -> Path:
+    folder = tmp / "ds"
+    shutil.copytree(DEEPSPEED, folder)
+    states = next(folder.glob("global_step*/mp_rank_00_model_states.pt"))
+    clean = tmp / "clean_states.pt"
+    states.rename(clean)
+    zip_injected(payload, clean, states)
+    return folder
+
+
+CONTAINERS: dict[str, Container] = {
+    "protocol1": _raw(1),
+    "protocol3": _raw(3),
+    "protocol4": _raw(4),
+    "zip_injected_popped": _zip_injected,
+    "legacy_magic": _legacy(0),
+    "legacy_protocol": _legacy(1),
+    "legacy_sys_info_popped": _legacy(2),
+    "hf_bin_shard": _hf_shard,
+    "dcp_metadata": _dcp_metadata,
+    "dcp_byte_io": _dcp_byte_io,
+    "deepspeed_model_states": _deepspeed,
+}
+
+# payloads of every kind (a call, a class that acts, a rebuild gadget, an
+# extension code, an unknown module...), not all 30: the containers are
+# what this file tests
+NAMES = ["os_system", "builtins_eval", "functools_partial", "runpy_run_code",
+         "import_getattr_chain", "stack_global_dunder_chain", "ext_opcode",
+         "numpy_open_memmap", "torch_load_from_bytes", "unknown_function",
+         "called_object", "build_setstate", "inst_opcode"]
+
+
+def test_the_containers_are_what_real_loaders_read(tmp_path: Path,
+                                                   torch_files: dict[str, Path]) -> None:
+    """Control: with a harmless payload (a ``set()`` call the loaders allow)
+    each rewritten container still loads with its real loader, so the
+    payloads below sit where a loader runs them."""
+    import torch.distributed.checkpoint as dcp
+
+    harmless = b"\x80\x02cbuiltins\nset\n)R."  # builtins.set(): weights_only allows it
+    for name, make in CONTAINERS.items():
+        where = tmp_path / name
+        where.mkdir()
+        path = make(harmless, where, torch_files)
+        if name.startswith("protocol"):
+            assert pickle.loads(path.read_bytes()) == set()
+        elif name in ("zip_injected_popped",) or name.startswith("legacy"):
+            assert torch.equal(torch.load(path, weights_only=False)["b"], torch.zeros(3))
+        elif name == "hf_bin_shard":
+            for shard in path.glob("pytorch_model-*.bin"):
+                assert torch.load(shard, weights_only=False)
+        elif name.startswith("dcp"):
+            sd: dict[str, object] = {"w": torch.zeros(2, 3), "args": ""}
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                dcp.load(sd, checkpoint_id=str(path))
+            assert sd["args"] == "lr=0.1"
+        else:
+            states = next(path.glob("global_step*/mp_rank_00_model_states.pt"))
+            assert "module" in torch.load(states, weights_only=False)
+        ckpt = ckptool.open(path)
+        assert ckpt.unsafe_globals == [], name
+        if name.startswith("legacy") or name == "zip_injected_popped":
+            # read as torch reads it: the state dict after the popped value
+            assert set(ckpt.state_dict()) == {"w", "b"}, name
+
+
+@pytest.mark.parametrize("container", sorted(CONTAINERS))
+@pytest.mark.parametrize("name", NAMES)
+def test_never_clean_never_run(name: str, container: str, tmp_path: Path,
+                               torch_files: dict[str, Path]) -> None:
+    payload = CORPUS[name]
+    canary = tmp_path / "CANARY"
+    path = CONTAINERS[container](payload.build(canary), tmp_path, torch_files)
+    flagged_or_refused(path, payload.unsafe)
+    assert not canary.exists(), "the payload ran"
+
+
+def snapshot(root: Path) -> dict[str, bytes]:
+    if root.is_file():
+        return {root.name: root.read_bytes()}
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*"))
+            if p.is_file()}
+
+
+@pytest.mark.parametrize("container", sorted(CONTAINERS))
+@pytest.mark.parametrize("name", ["os_system", "functools_partial", "unknown_function"])
+def test_writers_refuse_every_container(name: str, container: str, tmp_path: Path,
+                                        torch_files: dict[str, Path],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """fix and convert exit 3 naming a global, write nothing, change nothing."""
+    payload = CORPUS[name]
+    canary = tmp_path / "CANARY"
+    path = CONTAINERS[container](payload.build(canary), tmp_path, torch_files)
+    before = snapshot(path)
+    outs = tmp_path / "outs"
+    outs.mkdir()
+    runs = [["convert", str(path), str(outs / "out.safetensors")],
+            ["convert", str(path), str(outs / "out.pth")]]
+    if path.is_file():
+        runs.append(["fix", str(path), "--to", "cpu", "-o", str(outs / "fixed.pth")])
+    for args in runs:
+        code = main(args)
+        err = capsys.readouterr().err
+        assert code == 3, (args, code, err)
+        assert any(n in err for n in payload.unsafe), err
+        assert "Traceback" not in err
+    assert list(outs.iterdir()) == []
+    assert snapshot(path) == before
+    assert not canary.exists()
+
+
+def test_salvage_of_a_popped_payload_writes_only_the_weights(
+        tmp_path: Path, torch_files: dict[str, Path]) -> None:
+    """The opt-in: the state dict that followed the payload comes out,
+    written by ckptool, and the output is clean."""
+    canary = tmp_path / "CANARY"
+    path = _zip_injected(CORPUS["os_system"].build(canary), tmp_path, torch_files)
+    out = tmp_path / "salvaged.pth"
+    assert main(["fix", str(path), "--salvage", "-o", str(out)]) == 0
+    assert ckptool.open(out).unsafe_globals == []
+    loaded = torch.load(out, weights_only=True)
+    assert set(loaded) == {"w", "b"} and torch.equal(loaded["b"], torch.zeros(3))
+    assert not canary.exists()
