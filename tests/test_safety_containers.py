@@ -188,14 +188,6 @@ CONTAINERS: dict[str, Container] = {
     "deepspeed_model_states": _deepspeed,
 }
 
-# payloads of every kind (a call, a class that acts, a rebuild gadget, an
-# extension code, an unknown module...), not all 30: the containers are
-# what this file tests
-NAMES = ["os_system", "builtins_eval", "functools_partial", "runpy_run_code",
-         "import_getattr_chain", "stack_global_dunder_chain", "ext_opcode",
-         "numpy_open_memmap", "torch_load_from_bytes", "unknown_function",
-         "called_object", "build_setstate", "inst_opcode"]
-
 
 def test_the_containers_are_what_real_loaders_read(tmp_path: Path,
                                                    torch_files: dict[str, Path]) -> None:
@@ -233,7 +225,7 @@ def test_the_containers_are_what_real_loaders_read(tmp_path: Path,
 
 
 @pytest.mark.parametrize("container", sorted(CONTAINERS))
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", sorted(CORPUS))  # every payload kind
 def test_never_clean_never_run(name: str, container: str, tmp_path: Path,
                                torch_files: dict[str, Path]) -> None:
     payload = CORPUS[name]
@@ -288,4 +280,40 @@ def test_salvage_of_a_popped_payload_writes_only_the_weights(
     assert ckptool.open(out).unsafe_globals == []
     loaded = torch.load(out, weights_only=True)
     assert set(loaded) == {"w", "b"} and torch.equal(loaded["b"], torch.zeros(3))
+    assert not canary.exists()
+
+
+def zero_crc(path: Path, suffix: str) -> None:
+    """Zero the CRC-32 of the record ending in ``suffix``, in its local
+    header and its central directory entry (picklescan's CRC bypass)."""
+    data = bytearray(path.read_bytes())
+    with zipfile.ZipFile(path) as z:
+        info = next(i for i in z.infolist() if i.filename.endswith(suffix))
+    data[info.header_offset + 14:info.header_offset + 18] = bytes(4)
+    pos = data.find(b"PK\x01\x02")
+    while pos >= 0:
+        length = int.from_bytes(data[pos + 28:pos + 30], "little")
+        if bytes(data[pos + 46:pos + 46 + length]).endswith(suffix.encode()):
+            data[pos + 16:pos + 20] = bytes(4)
+        pos = data.find(b"PK\x01\x02", pos + 4)
+    path.write_bytes(bytes(data))
+
+
+def test_torch_ignores_a_record_checksum(tmp_path: Path,
+                                         torch_files: dict[str, Path]) -> None:
+    """Control: torch.load reads a data.pkl whose CRC is wrong as it is."""
+    path = _zip_injected(b"\x80\x02cbuiltins\nset\n)R.", tmp_path, torch_files)
+    zero_crc(path, "/data.pkl")
+    assert torch.equal(torch.load(path, weights_only=False)["b"], torch.zeros(3))
+
+
+@pytest.mark.parametrize("name", ["os_system", "builtins_eval", "functools_partial",
+                                  "unknown_function", "torch_load_from_bytes"])
+def test_a_record_with_a_wrong_checksum_is_refused_naming_what_it_runs(
+        name: str, tmp_path: Path, torch_files: dict[str, Path]) -> None:
+    payload = CORPUS[name]
+    canary = tmp_path / "CANARY"
+    path = _zip_injected(payload.build(canary), tmp_path, torch_files)
+    zero_crc(path, "/data.pkl")
+    assert flagged_or_refused(path, payload.unsafe) == "refused"
     assert not canary.exists()

@@ -27,6 +27,16 @@ class ZipError(ValueError):
     """The archive is truncated or malformed."""
 
 
+class ChecksumMismatch(ZipError):
+    """A record of the size it claims whose CRC-32 is not the one recorded:
+    torch's reader (miniz, as torch.load uses it) does not check it and
+    reads ``data`` as it is."""
+
+    def __init__(self, message: str, data: bytes) -> None:
+        super().__init__(message)
+        self.data = data
+
+
 @dataclass(slots=True)
 class Member:
     name: str
@@ -135,8 +145,11 @@ class ZipArchive:
                 raise ZipError(f"cannot inflate {name}: {exc}") from exc
         else:
             raise ZipError(f"{name} uses unsupported compression method {member.method}")
-        if len(data) != member.size or zlib.crc32(data) != member.crc:
+        if len(data) != member.size:
             raise ZipError(f"{name} does not match its size or checksum (damaged)")
+        if zlib.crc32(data) != member.crc:
+            raise ChecksumMismatch(f"{name} does not match its checksum (damaged or "
+                                   "changed after it was written)", data)
         return data
 
 

@@ -25,7 +25,7 @@ from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.formats.torch_legacy import read_bytes
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef
-from ckptool.read.ziparchive import Member, ZipArchive, ZipError
+from ckptool.read.ziparchive import ChecksumMismatch, Member, ZipArchive, ZipError
 
 TORCH_ZIP = "torch-zip"
 TORCHSCRIPT = "torchscript"
@@ -180,9 +180,30 @@ def _read_record(zf: Archive, name: str) -> bytes:
     try:
         # a stored record's size is bounded by the file; a deflated one by MAX_INFLATED
         return zf.read(name, max(MAX_INFLATED, info.compressed_size))
+    except ChecksumMismatch as exc:
+        unsafe = _unsafe_in(exc.data) if name.lower().endswith(".pkl") else []
+        runs = (f"; torch.load does not check it and would run {', '.join(unsafe)}"
+                if unsafe else "")
+        raise CorruptCheckpointError(
+            f"cannot read {name} from the archive: {exc}{runs}",
+            "do not load this file with torch: it looks made to run code when loaded"
+            if unsafe else TRUNCATED_HINT) from exc
     except (ZipError, OSError) as exc:
         raise CorruptCheckpointError(f"cannot read {name} from the archive: {exc}",
                                      TRUNCATED_HINT) from exc
+
+
+def _unsafe_in(data: bytes) -> list[str]:
+    """The unsafe globals a pickle record names, read as far as it reads (a
+    record refused for its checksum is still what torch would unpickle)."""
+    seen = GlobalsSeen()
+    stream = io.BytesIO(data)
+    try:
+        pickles.load(stream, pickles.ignore_persistent, seen, {}, read_bytes)
+        pickles.scan_rest(stream, len(data), seen, "the record", read_bytes)
+    except CorruptCheckpointError:
+        return seen.unsafe()  # what it named before the point it broke
+    return seen.unsafe()
 
 
 def _explain_other_zip(names: list[str]) -> None:
