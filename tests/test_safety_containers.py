@@ -317,3 +317,30 @@ def test_a_record_with_a_wrong_checksum_is_refused_naming_what_it_runs(
     zero_crc(path, "/data.pkl")
     assert flagged_or_refused(path, payload.unsafe) == "refused"
     assert not canary.exists()
+
+
+@pytest.mark.parametrize("evil_first", [False, True], ids=["evil_last", "evil_first"])
+def test_a_repeated_record_name_is_refused(evil_first: bool, tmp_path: Path,
+                                           torch_files: dict[str, Path]) -> None:
+    """Two records named data.pkl: torch loads one of them (the last, with
+    this torch), a dict keyed by name another; the archive is refused."""
+    canary = tmp_path / "CANARY"
+    evil = CORPUS["os_system"].build(canary)
+    path = tmp_path / "twice.pth"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile: "Duplicate name"
+        with zipfile.ZipFile(torch_files["zip"]) as src, zipfile.ZipFile(path, "w") as dst:
+            for info in src.infolist():
+                data = src.read(info)
+                if info.filename.endswith("/data.pkl"):
+                    pair = [evil, data] if evil_first else [data, evil]
+                    for blob in pair:
+                        dst.writestr(info.filename, blob)
+                else:
+                    dst.writestr(info.filename, data)
+    with pytest.raises(ckptool.CkptoolError, match="more than one record named") as exc:
+        ckptool.open(path)
+    assert exc.value.exit_code == 3
+    assert main(["convert", str(path), str(tmp_path / "out.safetensors")]) == 3
+    assert not (tmp_path / "out.safetensors").exists()
+    assert not canary.exists()

@@ -54,7 +54,8 @@ class ZipArchive:
     def __init__(self, f: IO[bytes], size: int) -> None:
         self.f = f
         self.size = size
-        self.members: dict[str, Member] = {}
+        self.members: dict[str, Member] = {}  # by name: the last of a repeated name
+        self.duplicates: list[str] = []  # names the directory repeats
         self._read_directory()
 
     def _read_directory(self) -> None:
@@ -111,6 +112,8 @@ class ZipArchive:
                 usize, csize, offset = _zip64_fields(cd[at:at + xlen], usize, csize, offset)
             if offset > last_start:
                 raise ZipError(f"record {name} starts past the end of the file (truncated?)")
+            if name in members:
+                self.duplicates.append(name)
             members[name] = Member(name, flags, method, crc, csize, usize, offset)
         self.end_of_records = cd_offset  # where the central directory starts
 

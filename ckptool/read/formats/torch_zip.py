@@ -77,6 +77,11 @@ def read_archive(zf: Archive) -> RawRead:
     if not names:
         raise NotACheckpointError("empty zip archive, not a checkpoint",
                                   "the file holds no records; fetch it again")
+    repeated: list[str] = getattr(zf, "duplicates", [])
+    if repeated:
+        raise UnsupportedCheckpointError(
+            f"the archive holds more than one record named {repeated[0]}: which one "
+            "torch loads is not what ckptool would read", _HIDING_HINT)
     if len(set(map(str.lower, names))) != len(names):  # (in C: 100,000 records)
         _refuse_case_twins(names)
     root = root_of(names)
@@ -166,8 +171,11 @@ def _refuse_case_twins(names: list[str]) -> None:
             raise UnsupportedCheckpointError(
                 f"the archive holds records whose names differ only in case ({seen}, "
                 f"{name}): torch finds records ignoring case, so which one it loads is not "
-                "what ckptool would read", "do not load this file with torch: it looks "
-                "made to hide what it runs; torch.save never writes such names")
+                "what ckptool would read", _HIDING_HINT)
+
+
+_HIDING_HINT = ("do not load this file with torch: it looks made to hide what it runs; "
+                "torch.save never writes such names")
 
 
 def _read_record(zf: Archive, name: str) -> bytes:
