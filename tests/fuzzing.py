@@ -39,6 +39,7 @@ import sys
 import tempfile
 import time
 import traceback
+import warnings
 import zipfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -115,17 +116,21 @@ def mutate_frames(rng: random.Random, data: bytes) -> bytes:
 
 
 def mutate_names(rng: random.Random, data: bytes) -> bytes:
-    """A record added whose name differs from another's only in case, or a
-    pickle record torch does not read."""
+    """A record added whose name differs from another's only in case, or
+    repeats it exactly, or a pickle record torch does not read."""
     out = io.BytesIO()
-    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst:
+    with zipfile.ZipFile(io.BytesIO(data)) as src, zipfile.ZipFile(out, "w") as dst, \
+            warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile's "Duplicate name"
         infos = src.infolist()
         for info in infos:
             dst.writestr(info.filename, src.read(info))
         victim = rng.choice(infos).filename
         twin = "".join(c.upper() if rng.random() < 0.5 else c.lower() for c in victim)
         extra = victim.rsplit("/", 1)[0] + f"/x{rng.randrange(100)}.pkl"
-        name = twin if twin != victim and rng.random() < 0.7 else extra
+        roll = rng.random()
+        name = (twin if twin != victim and roll < 0.5 else victim if roll < 0.75
+                else extra)
         dst.writestr(name, rng.choice([src.read(victim), pickle.dumps({"a": 1}, 2), b"\x80"]))
     return out.getvalue()
 
