@@ -344,3 +344,23 @@ def test_a_repeated_record_name_is_refused(evil_first: bool, tmp_path: Path,
     assert main(["convert", str(path), str(tmp_path / "out.safetensors")]) == 3
     assert not (tmp_path / "out.safetensors").exists()
     assert not canary.exists()
+
+
+def test_a_dcp_value_stored_through_a_transform_is_not_vouched_for(tmp_path: Path) -> None:
+    """dcp.load undoes a value's transform (stream.zstd) and unpickles it;
+    ckptool does not undo it, so the value is unsafe (fail closed), named,
+    and the writers refuse the checkpoint. Tensors stored through one are
+    data, not pickles: they stay no alarm."""
+    folder = _dcp(tmp_path)
+    meta_path = folder / ".metadata"
+    meta = pickle.loads(meta_path.read_bytes())  # our own file, just written
+    for key, info in meta.storage_data.items():
+        if key.fqn == "args":
+            info.transform_descriptors = ["stream.zstd/1"]
+    meta_path.write_bytes(pickle.dumps(meta))
+    ckpt = ckptool.open(folder)
+    assert [g for g in ckpt.unsafe_globals if "transform" in g], ckpt.unsafe_globals
+    glob = next(g for g in ckpt.globals if g.category == "unsafe")
+    assert "stream.zstd/1" in glob.reason and "weights_only=False" in glob.reason
+    out = tmp_path / "out.safetensors"
+    assert main(["convert", str(folder), str(out)]) == 3 and not out.exists()

@@ -153,7 +153,8 @@ def global_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Findi
         opts.salvage = bool(extract)  # a flagged file is written from only when asked
         extract = f"{extract} --salvage" if extract else None
         # what loading does with it, where that is what makes it unsafe
-        how = "".join(f"; {g.reason}" for g in unsafe if g.reason.startswith("calls"))
+        how = "".join(f"; {g.reason}" for g in unsafe
+                      if g.reason.startswith(("calls", "a value stored through")))
         out.append(Finding(
             "unsafe-globals", ERROR,
             f"the file names {', '.join(g.name for g in unsafe)}{how}: "

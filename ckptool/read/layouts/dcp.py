@@ -29,7 +29,7 @@ from ckptool import dtypes
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Chunk, FileInfo
-from ckptool.read import formats
+from ckptool.read import formats, policy
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import sniff as sniff_safetensors
 from ckptool.read.layouts import dcp_metadata, embedded
@@ -42,6 +42,8 @@ from ckptool.read.values import brief
 
 DCP = "dcp"
 RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# the name under which a value ckptool cannot read is reported
+UNREAD_VALUE = "torch.distributed.checkpoint.<value stored through a transform>"
 MAX_VALUE_BYTES = 64 << 20  # a non-tensor value read for inspect; larger ones are not
 TRUNCATED_HINT = "the file was cut short while copying or downloading; copy it again"
 
@@ -245,7 +247,16 @@ def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,
     """A BYTE_IO item's object, read with ckptool's unpickler; tensors inside
     it keep where their bytes lie in the .distcp file."""
     if item.transforms:
-        return Unread(f"stored through {', '.join(item.transforms)}")
+        # dcp.load undoes the transforms (stream.zstd) and unpickles the
+        # value with weights_only=False; ckptool cannot read it, so it
+        # cannot vouch for it: failing closed, the value counts as unsafe
+        how, outer = ", ".join(item.transforms), seen.part
+        seen.part = f"{item.file}: {fqn}"
+        seen.add(UNREAD_VALUE, policy.Verdict(
+            policy.UNSAFE, f"a value stored through {how}, which ckptool does not undo: "
+            "dcp.load unpickles it with weights_only=False, and what it runs is unknown"))
+        seen.part = outer
+        return Unread(f"stored through {how}; not read, so not vouched for")
     path = os.path.join(layout.directory, item.file)
     shown = f"{item.file} (item {fqn})"
     raw, offsets = embedded.read_item(path, shown, item.offset, item.length)
