@@ -149,7 +149,7 @@ class ZipArchive:
         else:
             raise ZipError(f"{name} uses unsupported compression method {member.method}")
         if len(data) != member.size:
-            raise ZipError(f"{name} does not match its size or checksum (damaged)")
+            raise ZipError(f"{name} does not match its recorded size (damaged)")
         if zlib.crc32(data) != member.crc:
             raise ChecksumMismatch(f"{name} does not match its checksum (damaged or "
                                    "changed after it was written)", data)
