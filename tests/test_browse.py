@@ -20,6 +20,7 @@ import pytest
 import torch
 from textual.widgets import Input
 
+import ckptool
 from ckptool.check import gpus
 from ckptool.cli import main
 from ckptool.model import TensorInfo
@@ -514,6 +515,44 @@ def test_fix_writes_through_the_core_after_confirmation(tmp_path: Path) -> None:
     for k, v in ref.items():
         assert torch.equal(sd[k.removeprefix("module.")], v)
     del model
+
+
+def test_fix_dialog_salvages_a_flagged_file_only_when_asked(tmp_path: Path) -> None:
+    """A flagged file: the dialog offers salvage (ticked, as diagnose suggests);
+    unticked, the preview is refused; ticked, the output holds the weights
+    only, written by ckptool, and names no unsafe global."""
+    from tests.test_safety_containers import zip_injected
+    from tests.test_safety_corpus import CORPUS
+
+    canary = tmp_path / "CANARY"
+    clean = tmp_path / "clean.pth"
+    torch.save({"w": torch.ones(2, 3), "b": torch.zeros(3)}, clean)
+    src = tmp_path / "flagged.pth"
+    zip_injected(CORPUS["os_system"].build(canary), clean, src)
+    original = src.read_bytes()
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen = app.screen
+        await until(pilot, lambda: screen.preview is not None, "the plan")  # type: ignore[attr-defined]
+        salvage = screen.query_one("#fix-salvage")
+        assert salvage.value and screen.opts.salvage  # type: ignore[attr-defined]
+        salvage.value = False
+        await until(pilot, lambda: "writes nothing from it" in str(
+            screen.query_one("#fix-summary").render()), "the refusal")
+        assert screen.preview is None  # type: ignore[attr-defined]
+        salvage.value = True
+        await until(pilot, lambda: screen.preview is not None, "the plan")  # type: ignore[attr-defined]
+        await pilot.press("ctrl+s", "y")
+        await until(pilot, lambda: screen.written is not None, "the write")  # type: ignore[attr-defined]
+        await pilot.press("escape")
+
+    drive(src, script, size=(100, 30))
+    assert src.read_bytes() == original
+    out = tmp_path / "flagged.fixed.pth"
+    assert ckptool.open(out).unsafe_globals == []
+    assert set(torch.load(out, weights_only=True)) == {"w", "b"}
+    assert not canary.exists()
 
 
 def test_fix_errors_show_in_the_dialog(tmp_path: Path) -> None:

@@ -33,6 +33,7 @@ from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
 from ckptool.tui.screens import ConfirmScreen
 from ckptool.write.fix import FixResult, fresh_output
+from ckptool.write.flagged import flagged
 from ckptool.write.plan import FixOptions, parse_device
 from ckptool.write.preview import FixPreview, Previewer
 
@@ -50,6 +51,7 @@ class FixDefaults:
     move: bool
     device: str
     extract: bool
+    salvage: bool = False  # a flagged file: write its tensors and plain values only
 
     @classmethod
     def suggested(cls, ckpt: Checkpoint, diagnosis: Diagnosis | None) -> FixDefaults:
@@ -63,7 +65,8 @@ class FixDefaults:
         strip = bool(opts.strip_module or opts.strip_prefixes)
         if opts.strip_prefixes:
             prefix = opts.strip_prefixes[0]
-        return cls(strip, prefix, bool(opts.to or opts.maps), device, opts.extract is not None)
+        return cls(strip, prefix, bool(opts.to or opts.maps), device, opts.extract is not None,
+                   opts.salvage)
 
 
 class FixScreen(ModalScreen[str | None]):
@@ -80,6 +83,8 @@ class FixScreen(ModalScreen[str | None]):
         self.previewer = previewer
         self.path = previewer.ckpt.path
         self.defaults = defaults
+        # a file whose verdict is unsafe is written from only when salvaging
+        self.flagged = bool(flagged(previewer.ckpt))
         self.opts: FixOptions | None = None  # what the fields ask for now
         self.preview: FixPreview | None = None  # the preview of ``opts``, once made
         self.planning = False  # a preview is being made on a worker
@@ -105,6 +110,10 @@ class FixScreen(ModalScreen[str | None]):
                             id="fix-device")
             with Horizontal(classes="fix-row"):
                 yield Checkbox("extract the state dict", d.extract, id="fix-extract")
+            if self.flagged:
+                with Horizontal(classes="fix-row"):
+                    yield Checkbox("salvage: the file is flagged; write only its tensors and "
+                                   "plain values", d.salvage, id="fix-salvage")
             with Horizontal(classes="fix-row"):
                 yield Label("output", classes="fix-label")
                 yield Input(os.path.basename(fresh_output(self.path)),
@@ -139,6 +148,7 @@ class FixScreen(ModalScreen[str | None]):
             strip_prefixes=(prefix,) if strip else (),
             to=parse_device(device) if move else None,
             extract="auto" if self.query_one("#fix-extract", Checkbox).value else None,
+            salvage=self.flagged and self.query_one("#fix-salvage", Checkbox).value,
         )
 
     def _output(self) -> str:
