@@ -137,3 +137,13 @@ def test_fsdp1_sharded_tensors_join_without_running_anything() -> None:
     assert getattr_.category == "data" and getattr_.uses == ("nested-class",)
     one = ckptool.open(HERE / "fsdp1_ws2" / "pytorch_model_fsdp_rank1.bin")
     assert any("ShardedTensors" in n and "rank 1's" in n for n in one.metadata["notes"])
+
+
+def test_load_builds_a_per_rank_tree_as_builder_does() -> None:
+    """The joined tree keeps what Builder keeps: a state dict's _metadata
+    (load_state_dict reads its versions) and one object per shared value."""
+    import ckptool as api
+
+    tree = api.load(Path(__file__).parent / "fixtures" / "multifile" / "per_rank_dtensor"
+                    / "fsdp2_ws2")
+    assert isinstance(tree, dict) and isinstance(getattr(tree, "_metadata", None), dict)

@@ -33,7 +33,7 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.keys import join_key, split_key, unescape
+from ckptool.keys import split_key, unescape
 from ckptool.model import Checkpoint
 from ckptool.read.constructors import NDArray
 from ckptool.read.layouts.dcp import DCP, nest
@@ -45,6 +45,7 @@ from ckptool.read.tensor_source import TensorValues
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
 from ckptool.read.values import StandIn, is_plain, name_of
 from ckptool.read.walk import key_text as walk_key
+from ckptool.read.walk import walk
 
 if TYPE_CHECKING:
     import torch
@@ -130,28 +131,8 @@ def _whole_tree(ckpt: Checkpoint, map_location: MapLocation) -> Any:
     """Everything a checkpoint saved per rank holds, nested as each rank saved
     it, every DTensor whole (what ``torch.load`` of a file of the gathered
     state dict gives)."""
-    place = Placement(map_location)
-    by_key = {t.key: t for t in ckpt.tensors}
-    others = Builder(ckpt, map_location, mmap=False)  # an argparse.Namespace, a numpy array
     with TensorValues(ckpt) as values:
-
-        def build(obj: Any, key: str, depth: int) -> Any:
-            if depth > MAX_DEPTH:
-                raise LoadError("the object tree nests deeper than ckptool builds", "")
-            if isinstance(obj, (TensorRecord, CompositeTensor, StorageRef)):
-                t = by_key[key]
-                return place.tensor(values.values(t), t.location or "cpu")
-            if isinstance(obj, dict):
-                made = type(obj)() if type(obj) is not dict else {}
-                for k, v in obj.items():
-                    made[k] = build(v, join_key(key, walk_key(k)), depth + 1)
-                return made
-            if isinstance(obj, (list, tuple)):
-                items = [build(v, join_key(key, str(i)), depth + 1) for i, v in enumerate(obj)]
-                return items if isinstance(obj, list) else tuple(items)
-            return others.build(obj)
-
-        return build(ckpt.root, "", 0)
+        return _JoinedBuilder(ckpt, map_location, values).build(ckpt.root)
 
 
 class Builder:
@@ -369,3 +350,22 @@ def _numpy(arr: NDArray) -> Any:
     except ImportError:
         return arr
     return arr.to_numpy(np)
+
+
+class _JoinedBuilder(Builder):
+    """A Builder whose tensor leaves are the checkpoint's joined tensors (a
+    per-rank DTensor's shards made whole), the rest built as Builder builds it."""
+
+    def __init__(self, ckpt: Checkpoint, map_location: MapLocation,
+                 values: TensorValues) -> None:
+        super().__init__(ckpt, map_location, mmap=False)
+        by_key = {t.key: t for t in ckpt.tensors}
+        self._joined = {id(record): by_key[key] for key, record in walk(ckpt.root).tensors
+                        if key in by_key}
+        self._values = values
+
+    def _make(self, obj: Any, depth: int) -> Any:
+        t = self._joined.get(id(obj))
+        if t is not None:
+            return self.place.tensor(self._values.values(t), t.location or "cpu")
+        return super()._make(obj, depth)
