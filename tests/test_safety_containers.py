@@ -364,3 +364,40 @@ def test_a_dcp_value_stored_through_a_transform_is_not_vouched_for(tmp_path: Pat
     assert "stream.zstd/1" in glob.reason and "weights_only=False" in glob.reason
     out = tmp_path / "out.safetensors"
     assert main(["convert", str(folder), str(out)]) == 3 and not out.exists()
+
+
+def test_every_fix_diagnose_prints_for_a_flagged_folder_salvages(tmp_path: Path) -> None:
+    """A model whose folder holds a flagged file (a Trainer's rng_state.pth):
+    fix refuses without --salvage, so every fix command diagnose prints has
+    it, the prefix fix that comes later included, and the command runs."""
+    from tests.helpers import SAMPLES
+
+    folder = tmp_path / "run"
+    folder.mkdir()
+    shutil.copy(SAMPLES / "dataparallel_cuda2.pth", folder / "model.pth")
+    clean = tmp_path / "clean.pt"
+    torch.save({"a": 1}, clean)
+    zip_injected(CORPUS["os_system"].build(tmp_path / "CANARY"), clean, folder / "rng_state.pth")
+    diagnosis = ckptool.diagnose(ckptool.open(folder))
+    fixes = [f.fix for f in diagnosis.findings if f.fix and f.fix.startswith("ckptool fix ")]
+    assert any("--strip-module" in f for f in fixes)
+    assert fixes and all("--salvage" in f for f in fixes), fixes
+    assert diagnosis.fix_command is not None and "--salvage" in diagnosis.fix_command
+    out = tmp_path / "fixed.pth"
+    assert main(["fix", str(folder / "model.pth"), "--strip-module", "--salvage", "-o",
+                 str(out), "-q"]) == 0
+    assert ckptool.open(out).unsafe_globals == []
+    assert not (tmp_path / "CANARY").exists()
+
+
+def test_a_pickle_shaped_like_msgpack_is_read_as_the_pickle_it_is(tmp_path: Path) -> None:
+    """0x8c opens a msgpack map and is pickle's SHORT_BINUNICODE: a file the
+    C unpickler runs is read as a pickle, not waved off as Flax msgpack."""
+    canary = tmp_path / "CANARY"
+    path = tmp_path / "params.pkl"
+    path.write_bytes(b"\x8c\xa6params" + 160 * b"x" + b"0" + CORPUS["os_system"].build(canary)[2:])
+    pickle.loads(path.read_bytes())  # the control: the C unpickler runs it
+    assert canary.exists()
+    canary.unlink()
+    assert flagged_or_refused(path, CORPUS["os_system"].unsafe) == "flagged"
+    assert not canary.exists()

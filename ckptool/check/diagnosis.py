@@ -20,6 +20,7 @@ from ckptool.check.modelspec import ModelKeys, saved_settings
 from ckptool.check.reconcile import KeyReport, ShapeHint, explain_shapes, reconcile
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 from ckptool.model import Checkpoint
+from ckptool.write.flagged import flagged
 from ckptool.write.plan import FixOptions
 
 __all__ = ["ERROR", "WARNING", "Diagnosis", "Finding", "describe_keys", "diagnose"]
@@ -88,9 +89,9 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
         result.findings += findings.memory_findings(tags, machine)
         result.findings += findings.wrapping_findings(ckpt, opts, name)
         result.findings += findings.global_findings(ckpt, opts, name)
-        if opts.salvage:  # every fix of a flagged file salvages, or fix refuses it
-            result.findings = [replace(f, fix=f"{f.fix} --salvage") if f.fix and f.fix.startswith(
-                "ckptool fix ") and "--salvage" not in f.fix else f for f in result.findings]
+        # a file flagged for what lies beside it (a Trainer's rng_state.pth)
+        # is refused by fix too: its fixes salvage as well
+        opts.salvage = opts.salvage or (bool(flagged(ckpt)) and ckpt.main_state_dict is not None)
     result.findings += findings.content_findings(ckpt)
     result.findings += findings.companion_findings(ckpt)
     # DCP: the keys carry the entry they were saved under ("model."), which
@@ -111,6 +112,9 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
                                                  opts, name)
     elif ckpt.main_state_dict is not None:
         result.findings += findings.prefix_findings(ckpt, opts, name, entry)
+    if opts.salvage:  # every fix of a flagged file salvages, or fix refuses it
+        result.findings = [replace(f, fix=f"{f.fix} --salvage") if f.fix and f.fix.startswith(
+            "ckptool fix ") and "--salvage" not in f.fix else f for f in result.findings]
     if consolidate is not None:
         result.fix_command, result.fix_output = zerofix.command(consolidate, opts)
         result.fix_options = None if opts == FixOptions() else opts

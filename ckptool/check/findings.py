@@ -151,7 +151,6 @@ def global_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Findi
     if unsafe:
         opts.extract = opts.extract or ("auto" if extract else None)
         opts.salvage = bool(extract)  # a flagged file is written from only when asked
-        extract = f"{extract} --salvage" if extract else None
         # what loading does with it, where that is what makes it unsafe
         how = "".join(f"; {g.reason}" for g in unsafe
                       if g.reason.startswith(("calls", "a value stored through")))

@@ -160,7 +160,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             _check_suffix(raw.format, target)
         if dry_run:
             return result
-        if in_place and raw.format == TORCH_ZIP and inplace.supported(plan):
+        # (a salvage is read back before commit: never the metadata-only path)
+        if in_place and raw.format == TORCH_ZIP and inplace.supported(plan) and not opts.salvage:
             result.bytes_written = inplace.rewrite_in_place(src, source, plan)
             result.output, result.metadata_only = src, True
             return result

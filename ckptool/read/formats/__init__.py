@@ -129,11 +129,14 @@ def _reader_for(path: str) -> Callable[[str], RawRead]:
     for magic, what, hint in _LOOKALIKES:
         if head.lstrip().startswith(magic):
             raise NotACheckpointError(f"{path} is {what}, not a PyTorch checkpoint", hint)
+    # a pickle before the formats known by their first bytes' shape alone:
+    # a pickle may open like a msgpack map (SHORT_BINUNICODE is 0x8c), and
+    # what torch.load would unpickle is read as the pickle it is
+    if pickle_fmt.sniff(head, tail):
+        return pickle_fmt.read
     other = _other_format(head)
     if other is not None:
         raise NotACheckpointError(f"{path} is {other[0]}, not a PyTorch checkpoint", other[1])
-    if pickle_fmt.sniff(head, tail):
-        return pickle_fmt.read
     raise NotACheckpointError(
         f"{path} is not a checkpoint: no known format starts with {head[:8]!r}",
         "ckptool reads torch.save files (zip and legacy), TorchScript archives, "
