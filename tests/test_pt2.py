@@ -112,3 +112,45 @@ def test_a_bad_tensor_entry_is_refused(tmp_path: Path, what: str, edit: Any,
     path = _edited(exported[0], tmp_path / f"{what}.pt2", edit)
     with pytest.raises(ckptool.CkptoolError):
         ckptool.open(path)
+
+
+def _pickled_weight(src: Path, dst: Path, blob: bytes) -> Path:
+    """``src`` with its first weight marked use_pickle and its record ``blob``
+    (torch.export.load reads such a record with torch.load, weights_only=False)."""
+    import json
+    import zipfile
+
+    with zipfile.ZipFile(src) as zin:
+        config_name = next(n for n in zin.namelist() if n.endswith("model_weights_config.json"))
+        config = json.loads(zin.read(config_name))
+        entry = next(iter(config["config"].values()))
+        entry["use_pickle"] = True
+        record = config_name.rsplit("/", 1)[0] + "/" + entry["path_name"]
+        with zipfile.ZipFile(dst, "w") as zout:
+            for info in zin.infolist():
+                data = zin.read(info.filename)
+                if info.filename == config_name:
+                    data = json.dumps(config).encode()
+                elif info.filename == record:
+                    data = blob
+                zout.writestr(info, data)
+    return dst
+
+
+def test_a_pickled_weight_is_read_for_what_it_names(
+        tmp_path: Path, exported: tuple[Path, dict[str, torch.Tensor]]) -> None:
+    from tests.test_safety_containers import zip_injected
+    from tests.test_safety_corpus import CORPUS
+
+    canary = tmp_path / "CANARY"
+    clean, evil = tmp_path / "w.pt", tmp_path / "evil.pt"
+    torch.save(torch.ones(2), clean)
+    zip_injected(CORPUS["os_system"].build(canary), clean, evil)
+    ok = ckptool.open(_pickled_weight(exported[0], tmp_path / "ok.pt2", clean.read_bytes()))
+    assert ok.unsafe_globals == []
+    bad = ckptool.open(_pickled_weight(exported[0], tmp_path / "bad.pt2", evil.read_bytes()))
+    assert "os.system" in bad.unsafe_globals
+    with pytest.raises(ckptool.CkptoolError, match="weights_only=False") as exc:
+        ckptool.open(_pickled_weight(exported[0], tmp_path / "junk.pt2", b"not a zip"))
+    assert exc.value.exit_code == 3
+    assert not canary.exists()

@@ -22,7 +22,7 @@ import math
 from typing import Any
 
 from ckptool.dtypes import ITEMSIZE
-from ckptool.errors import CkptoolError, CorruptCheckpointError
+from ckptool.errors import CkptoolError, CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read.formats.base import RawRead
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
@@ -56,12 +56,22 @@ def read_archive(zf: Any, prefix: str, read_record: Any, read_zip: Any) -> RawRe
     if fmt != "pt2":
         raise CorruptCheckpointError(f"archive_format says {fmt!r:.40}, not pt2", BROKEN)
     storages: dict[str, StorageRef] = {}
+    pickled: list[str] = []  # records torch.export.load reads with torch.load
     weights = _tensors(zf, members, prefix, "weights", "model_weights_config.json", storages,
-                       read_record)
+                       read_record, pickled)
     constants = _tensors(zf, members, prefix, "constants", "model_constants_config.json",
-                         storages, read_record)
+                         storages, read_record, pickled)
     seen = GlobalsSeen()
     warnings: list[str] = []
+    for name in pickled:  # unpickled with weights_only=False: read, or refused
+        problem = (f"{members[name].size} bytes, more than ckptool reads"
+                   if members[name].size > MAX_SAMPLE else None)
+        problem = problem or next(iter(_scan(read_record(zf, name), name, seen, read_zip)), None)
+        if problem is not None:
+            raise UnsupportedCheckpointError(
+                f"{name}: a pickled tensor torch.export.load unpickles with "
+                f"weights_only=False, which ckptool cannot read ({problem})",
+                "do not load this archive with torch unless you wrote it")
     extra: dict[str, Any] = {"constants": constants} if constants else {}
     for name in sorted(members):
         if name.startswith(f"{prefix}data/sample_inputs/") and name.endswith(".pt"):
@@ -81,7 +91,8 @@ def read_archive(zf: Any, prefix: str, read_record: Any, read_zip: Any) -> RawRe
 
 
 def _tensors(zf: Any, members: dict[str, Any], prefix: str, folder: str, config: str,
-             storages: dict[str, StorageRef], read_record: Any) -> dict[str, Any]:
+             storages: dict[str, StorageRef], read_record: Any,
+             pickled: list[str]) -> dict[str, Any]:
     path = f"{prefix}data/{folder}/{config}"
     if path not in members:
         return {}
@@ -102,7 +113,9 @@ def _tensors(zf: Any, members: dict[str, Any], prefix: str, folder: str, config:
         if record not in members:
             raise CorruptCheckpointError(f"{record} is missing (named by {path})", BROKEN)
         if entry.get("use_pickle"):
-            out[fqn] = f"<a tensor torch.export pickled: {entry['path_name']} (not read)>"
+            out[fqn] = f"<a tensor torch.export pickled: {entry['path_name']} (read for the " \
+                "globals it names)>"
+            pickled.append(record)
             continue
         out[fqn] = _tensor(fqn, entry.get("tensor_meta"), record, members[record].size,
                            storages, path, bool(entry.get("is_param")))
