@@ -401,3 +401,21 @@ def test_a_pickle_shaped_like_msgpack_is_read_as_the_pickle_it_is(tmp_path: Path
     canary.unlink()
     assert flagged_or_refused(path, CORPUS["os_system"].unsafe) == "flagged"
     assert not canary.exists()
+
+
+def test_a_salvaged_dcp_copies_no_flagged_extra(tmp_path: Path) -> None:
+    """Lightning's meta.pt is copied into a fixed DCP checkpoint as it is:
+    flagged, fix refuses it, and a salvage leaves it out."""
+    folder = tmp_path / "lightning.ckpt"
+    shutil.copytree(FIXTURES / "multifile" / "lightning_fsdp.ckpt", folder)
+    clean = tmp_path / "meta_clean.pt"
+    (folder / "meta.pt").rename(clean)
+    zip_injected(CORPUS["os_system"].build(tmp_path / "CANARY"), clean, folder / "meta.pt")
+    out = tmp_path / "fixed.ckpt"
+    assert main(["fix", str(folder), "--add-prefix", "x.", "-o", str(out), "-q"]) == 3
+    assert not out.exists()
+    assert main(["fix", str(folder), "--add-prefix", "x.", "--salvage", "-o", str(out),
+                 "-q"]) == 0
+    assert not (out / "meta.pt").exists()
+    assert ckptool.open(out).unsafe_globals == []
+    assert not (tmp_path / "CANARY").exists()

@@ -64,8 +64,10 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, force: bool = Fals
             f"leave it out with --drop {escape(written.unplain[0])}, or convert the model "
             f"into one file: ckptool convert {path} model.safetensors")
     assert source.directory is not None
-    extras = [(os.path.join(source.directory, f.path), f.path)  # Lightning's meta.pt
-              for f in source.files if f.role == "extra"]
+    # Lightning's meta.pt, copied as it is: never by a salvage, which writes
+    # no byte of an input's pickles
+    extras = [] if opts.salvage else [(os.path.join(source.directory, f.path), f.path)
+                                      for f in source.files if f.role == "extra"]
     if opts.changes_keys():
         _rename(source, written, opts, plan)
     for name, t in written.tensors.items():
