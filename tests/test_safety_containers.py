@@ -419,3 +419,17 @@ def test_a_salvaged_dcp_copies_no_flagged_extra(tmp_path: Path) -> None:
     assert not (out / "meta.pt").exists()
     assert ckptool.open(out).unsafe_globals == []
     assert not (tmp_path / "CANARY").exists()
+
+
+def test_a_pickle_after_an_extra_records_stop_is_read(tmp_path: Path,
+                                                     torch_files: dict[str, Path]) -> None:
+    """One policy for every pickle: what follows the STOP of a pickle record
+    torch does not read is read too."""
+    path = tmp_path / "extra.pth"
+    with zipfile.ZipFile(torch_files["zip"]) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            dst.writestr(info, src.read(info))
+        dst.writestr("model_0/extra.pkl", pickle.dumps({"a": 1}, 2)
+                     + CORPUS["os_system"].build(tmp_path / "CANARY"))
+    assert "os.system" in ckptool.open(path).unsafe_globals
+    assert not (tmp_path / "CANARY").exists()

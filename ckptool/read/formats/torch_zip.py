@@ -8,6 +8,7 @@ is taken from its first entry: torch names it after the file's stem.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import operator
 import os
@@ -140,8 +141,7 @@ def read_archive(zf: Archive) -> RawRead:
             # a pickle torch does not load today: read all the same (its
             # objects dropped), for what it names
             seen.part = other
-            pickles.load(io.BytesIO(_read_record(zf, other)), pickles.ignore_persistent, seen,
-                         {}, read_bytes)
+            _scan_pickle(_read_record(zf, other), seen, other)
             warnings.append(f"{other}: a pickle record torch.load does not read; "
                             "read for the globals it names")
     named = {ref.record for ref in storages.values()}
@@ -205,13 +205,17 @@ def _unsafe_in(data: bytes) -> list[str]:
     """The unsafe globals a pickle record names, read as far as it reads (a
     record refused for its checksum is still what torch would unpickle)."""
     seen = GlobalsSeen()
-    stream = io.BytesIO(data)
-    try:
-        pickles.load(stream, pickles.ignore_persistent, seen, {}, read_bytes)
-        pickles.scan_rest(stream, len(data), seen, "the record", read_bytes)
-    except CorruptCheckpointError:
-        return seen.unsafe()  # what it named before the point it broke
+    with contextlib.suppress(CorruptCheckpointError):  # what it named before it broke counts
+        _scan_pickle(data, seen, "the record")
     return seen.unsafe()
+
+
+def _scan_pickle(data: bytes, seen: GlobalsSeen, part: str) -> None:
+    """A pickle record and the pickles after its STOP, read (objects dropped)
+    for the globals they name."""
+    stream = io.BytesIO(data)
+    pickles.load(stream, pickles.ignore_persistent, seen, {}, read_bytes)
+    pickles.scan_rest(stream, len(data), seen, part, read_bytes)
 
 
 def _explain_other_zip(names: list[str]) -> None:
