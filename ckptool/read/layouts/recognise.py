@@ -108,9 +108,10 @@ def _directory(path: str) -> Layout:
     if metadata:
         return _dcp(path, files, metadata)
     named = [n for n in files if INDEX_NAME.search(n)]
-    indexes = [n for n in named if _index_json(os.path.join(path, n))]
+    parsed = {n: _index_json(os.path.join(path, n)) for n in named}
+    indexes = [n for n in named if parsed[n]]
     single = framework.single_before_index(
-        files, [(n, _index_json(os.path.join(path, n))) for n in indexes],
+        files, [(n, parsed[n]) for n in indexes],
         lambda n: is_checkpoint_file(os.path.join(path, n)))
     if single is not None:
         return Layout(FILE, path, path, file=os.path.join(path, single[0]), notes=(

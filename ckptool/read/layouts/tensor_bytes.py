@@ -24,6 +24,7 @@ import os
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
+from ckptool import dtypes
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo, TensorInfo
 from ckptool.read.layouts import embedded
@@ -139,8 +140,7 @@ def _read_raw(ckpt: Checkpoint, tensor: TensorInfo, chunk: Chunk) -> torch.Tenso
     import torch
 
     assert ckpt.directory is not None
-    need = math.prod(chunk.sizes) * torch.empty((), dtype=getattr(torch, tensor.dtype)
-                                                ).element_size()
+    need = math.prod(chunk.sizes) * dtypes.itemsize(tensor.dtype)
     if chunk.byte_length != need:
         raise CorruptCheckpointError(f"{tensor.key}: its chunk in {chunk.file} is "
                                      f"{chunk.byte_length} bytes, {need} expected", BROKEN_HINT)
