@@ -92,7 +92,7 @@ def full_read(path: Path) -> float:
 async def first_screen(path: Path) -> tuple[float, float, float, float]:
     """(first paint, first screenful of rows drawn, the app first idle after
     it, read shown in full), seconds from the app's start."""
-    from ckptool.check import gpus
+    from ckptool.check.gpus import machine as gpus
     from ckptool.tui import make_app
     from ckptool.tui.table import TensorTable
 
@@ -136,7 +136,7 @@ async def keystrokes(path: Path, tree: bool, deep: str | None = None
                      ) -> tuple[list[float], list[float]]:
     """(ms per filter keystroke, ms per cursor keystroke) on a loaded app;
     with ``deep``, the cursor is put on that key first (``g``)."""
-    from ckptool.check import gpus
+    from ckptool.check.gpus import machine as gpus
     from ckptool.tui import make_app
     from ckptool.tui.table import TensorTable
 

@@ -36,9 +36,9 @@ __all__ = [
 
 _LAZY = {
     "diagnose": ("ckptool.check.diagnosis", "diagnose"),
-    "fix": ("ckptool.write.fix", "fix"),
-    "FixOptions": ("ckptool.write.plan", "FixOptions"),
-    "convert": ("ckptool.write.convert", "convert"),
+    "fix": ("ckptool.write.fix.run", "fix"),
+    "FixOptions": ("ckptool.write.fix.plan", "FixOptions"),
+    "convert": ("ckptool.write.convert.run", "convert"),
     "diff_checkpoints": ("ckptool.check.diff", "diff_checkpoints"),
     "load": ("ckptool.read.materialize", "load"),
     "load_state_dict": ("ckptool.check.loading", "load_state_dict"),
@@ -46,7 +46,7 @@ _LAZY = {
 
 
 # modules an earlier layout had at the top level, for ``from ckptool import gpus``
-_MOVED = {"gpus": "ckptool.check.gpus", "modelspec": "ckptool.check.modelspec"}
+_MOVED = {"gpus": "ckptool.check.gpus.machine", "modelspec": "ckptool.check.modelspec"}
 
 
 def __getattr__(name: str) -> Any:

@@ -21,7 +21,7 @@ import torch
 from textual.widgets import Input
 
 import ckptool
-from ckptool.check import gpus
+from ckptool.check.gpus import machine as gpus
 from ckptool.cli import main
 from ckptool.model import TensorInfo
 from ckptool.tui import make_app
@@ -663,9 +663,9 @@ def test_fix_preview_uses_the_read_checkpoint_and_plans_one_at_a_time(
     """No preview reads the file again (no dry run); edits in a burst make one
     preview, never two at once; renaming the output makes none; the write
     still goes through fix.fix."""
-    import ckptool.write.fix as rewrite
+    import ckptool.write.fix.run as rewrite
     from ckptool.tui.fixscreen import DEBOUNCE_S
-    from ckptool.write.preview import Previewer
+    from ckptool.write.fix.preview import Previewer
 
     src = tmp_path / "dp.pth"
     shutil.copy(DP, src)
@@ -735,7 +735,7 @@ def test_write_says_what_it_waits_for_and_takes_progress_from_any_thread(
     """Before its bytes are copied, a write reads the file again (no progress
     to show): the dialog says so and counts the seconds. The core may report
     progress from a thread of its own."""
-    import ckptool.write.fix as rewrite
+    import ckptool.write.fix.run as rewrite
 
     src = tmp_path / "dp.pth"
     shutil.copy(DP, src)
@@ -778,7 +778,7 @@ def test_write_says_what_it_waits_for_and_takes_progress_from_any_thread(
 
 
 def test_closing_the_fix_dialog_while_it_plans(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool.write.preview import Previewer
+    from ckptool.write.fix.preview import Previewer
 
     real = Previewer.preview
     release = threading.Event()  # the dialog's first plan ends once it closed

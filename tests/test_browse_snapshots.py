@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from ckptool.check import gpus
+from ckptool.check.gpus import machine as gpus
 from ckptool.tui import make_app
 from ckptool.tui.textshot import screen_text
 from tests.helpers import SAMPLES

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import ckptool
-from ckptool.check import gpus, modelspec
+from ckptool.check import modelspec
+from ckptool.check.gpus import machine as gpus
 
 RunCli = Callable[..., tuple[int, str, str]]
 

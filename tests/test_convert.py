@@ -130,7 +130,8 @@ def test_a_failed_conversion_leaves_no_threads(tmp_path: Path,
     thread may outlive the run."""
     import threading
 
-    from ckptool.write import convert, copy
+    from ckptool.write import copy
+    from ckptool.write.convert import run as convert
 
     src = tmp_path / "m.pth"
     torch.save({"a": torch.randn(100, 100), "b": torch.randn(50)}, src)

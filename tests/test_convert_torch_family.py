@@ -20,7 +20,7 @@ from torch import nn
 
 import ckptool
 from ckptool.read.tensor_data import TensorData
-from ckptool.write.preview import preview
+from ckptool.write.fix.preview import preview
 
 CliRun = Callable[..., tuple[int, str, str]]
 

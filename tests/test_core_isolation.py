@@ -45,7 +45,7 @@ def test_core_prints_nothing() -> None:
 
 def test_rewrite_api_is_public_and_loaded_on_first_use() -> None:
     code = ("import sys, ckptool\n"
-            "assert 'ckptool.write.fix' not in sys.modules\n"
+            "assert 'ckptool.write.fix.run' not in sys.modules\n"
             "assert callable(ckptool.fix) and callable(ckptool.convert)\n"
             "assert ckptool.FixOptions(strip_module=True).strip_module\n"
             "assert callable(ckptool.diff_checkpoints)\n"
@@ -81,8 +81,8 @@ def test_browser_view_model_imports_no_textual() -> None:
 
 def test_fix_preview_is_core() -> None:
     """The fix preview the browser shows is core: no views, no torch."""
-    setup = (f"import ckptool, ckptool.write.preview\n"
-             f"ckptool.write.preview.preview(ckptool.open({str(SAMPLE)!r}), "
+    setup = (f"import ckptool, ckptool.write.fix.preview\n"
+             f"ckptool.write.fix.preview.preview(ckptool.open({str(SAMPLE)!r}), "
              f"ckptool.FixOptions(extract='auto', strip_module=True, to='cpu'))")
     assert loaded_after(setup) == []
 

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 import torch.cuda
 
-from ckptool.check import gpus, loadcheck, scheduler
-from ckptool.check.gpus import Gpu, Machine
+from ckptool.check import loadcheck
+from ckptool.check.gpus import machine as gpus
+from ckptool.check.gpus import scheduler
+from ckptool.check.gpus.machine import Gpu, Machine
 from ckptool.cli import main
 from ckptool.describe import human_bytes
 
@@ -261,7 +263,7 @@ def python(code: str, env: dict[str, str]) -> str:
 @pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"),
                     reason="an NVIDIA driver is loaded: probe() rightly asks torch")
 def test_cpu_only_machine_never_imports_torch(tmp_path: Path) -> None:
-    code = f"import ckptool.check.gpus as g; g.probe(); {TORCH_LOADED}"
+    code = f"import ckptool.check.gpus.machine as g; g.probe(); {TORCH_LOADED}"
     assert python(code, {"PATH": str(tmp_path)}) == "False"
     code = ("import io, contextlib; from ckptool.cli import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
@@ -272,7 +274,7 @@ def test_cpu_only_machine_never_imports_torch(tmp_path: Path) -> None:
 
 def test_hidden_gpus_never_import_torch(tmp_path: Path) -> None:
     smi_script(tmp_path, csv([100, 200]))
-    code = f"import ckptool.check.gpus as g; assert g.probe().gpus == (); {TORCH_LOADED}"
+    code = f"import ckptool.check.gpus.machine as g; assert g.probe().gpus == (); {TORCH_LOADED}"
     assert python(code, {"PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}",
                          "CUDA_VISIBLE_DEVICES": ""}) == "False"
 

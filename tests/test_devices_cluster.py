@@ -21,8 +21,10 @@ from typing import Any
 
 import pytest
 
-from ckptool.check import dataparallel, gpuorder, gpus, scheduler
-from ckptool.check.gpus import Gpu
+from ckptool.check.gpus import dataparallel, scheduler
+from ckptool.check.gpus import machine as gpus
+from ckptool.check.gpus import order as gpuorder
+from ckptool.check.gpus.machine import Gpu
 from tests.conftest import CliResult
 from tests.test_devices import DP, MIB, UUIDS, csv, smi_script
 
@@ -173,7 +175,7 @@ def run(args: list[str], path: str, **env: str) -> subprocess.CompletedProcess[s
 @pytest.mark.skipif(os.path.exists("/proc/driver/nvidia"),
                     reason="an NVIDIA driver is loaded: NVML is rightly asked")
 def test_cpu_only_machine_never_imports_nvml(tmp_path: Path) -> None:
-    code = ("import sys; from ckptool.check import gpus; m = gpus.probe(); "
+    code = ("import sys; from ckptool.check.gpus import machine as gpus; m = gpus.probe(); "
             "print(m.source, 'pynvml' in sys.modules, 'torch' in sys.modules)")
     done = run([sys.executable, "-c", code], str(tmp_path))
     assert done.stdout.split() == ["none", "False", "False"]
@@ -569,7 +571,7 @@ def test_driver_with_failing_nvml_and_no_smi_names_both(machine: Setup) -> None:
 def test_driver_without_listers_never_imports_torch_for_export(tmp_path: Path) -> None:
     """The reviewer's repro, in a fresh process: no pynvml, no nvidia-smi, a driver."""
     (tmp_path / "driver").mkdir()
-    code = (f"import sys; from ckptool.check import gpus; gpus.DRIVER_DIR = "
+    code = (f"import sys; from ckptool.check.gpus import machine as gpus; gpus.DRIVER_DIR = "
             f"{str(tmp_path / 'driver')!r}; m = gpus.probe(ask_torch=False); "
             "print(m.source, 'torch' in sys.modules, 'pynvml' in sys.modules)")
     clean = {k: v for k, v in os.environ.items() if k not in scheduler.WATCHED}

@@ -20,9 +20,10 @@ from helpers import SAMPLES, saved_on
 from nets import Net, TiedLM
 
 import ckptool
-from ckptool.check import gpus, loadcheck
+from ckptool.check import loadcheck
 from ckptool.check.diagnosis import Diagnosis, diagnose
-from ckptool.check.gpus import Gpu, Machine
+from ckptool.check.gpus import machine as gpus
+from ckptool.check.gpus.machine import Gpu, Machine
 from ckptool.check.modelspec import build_model, reference_keys
 from ckptool.cli import main
 

@@ -28,9 +28,9 @@ from helpers import SAMPLES, make_samples, saved_on
 from nets import Net
 from torch import nn
 
-from ckptool.check.explain import explain
-from ckptool.check.explain_patterns import size_bytes
-from ckptool.check.explain_scan import find_errors, normalise
+from ckptool.check.explain.patterns import size_bytes
+from ckptool.check.explain.run import explain
+from ckptool.check.explain.scan import find_errors, normalise
 
 ROOT = Path(__file__).resolve().parent.parent
 NETS = Path(__file__).resolve().parent / "nets.py"

@@ -17,7 +17,7 @@ from helpers import make_samples, saved_on
 
 import ckptool
 from ckptool.cli import main
-from ckptool.read import formats
+from ckptool.read import dispatch
 from ckptool.read.resolve import faithful
 from ckptool.write import repickle
 
@@ -162,7 +162,7 @@ def test_unchanged_plan_reproduces_the_pickle_byte_for_byte(tmp_path: Path) -> N
     for sample in ("dataparallel_cuda2.pth", "lightning.ckpt", "whole_model_cuda1.pth",
                    "hostile_runs_code.pth"):
         with faithful():
-            raw = formats.read(str(SAMPLES / sample))
+            raw = dispatch.read(str(SAMPLES / sample))
         with zipfile.ZipFile(SAMPLES / sample) as zf:
             original = zf.read(f"{raw.metadata['archive_root']}/data.pkl")
         assert repickle.dumps(raw.root, lambda ref: tuple([*ref.pid])) == original, sample
@@ -186,7 +186,7 @@ def test_the_plain_value_shortcut_writes_the_same_bytes(
                                             "whole_model_cuda1.pth", "hostile_runs_code.pth"))]
     for file in files:
         with faithful():
-            raw = formats.read(str(file))
+            raw = dispatch.read(str(file))
         fast = repickle.dumps(raw.root, lambda ref: tuple([*ref.pid]))
         monkeypatch.setattr(repickle.Repickler, "plain_shortcut", False)
         slow = repickle.dumps(raw.root, lambda ref: tuple([*ref.pid]))
@@ -199,7 +199,7 @@ def test_the_plain_value_shortcut_writes_the_same_bytes(
 
 def formats_read_faithful(path: Path) -> Any:
     with faithful():
-        return formats.read(str(path))
+        return dispatch.read(str(path))
 
 
 def test_bytes_and_other_plain_values_survive_a_fix(tmp_path: Path) -> None:
@@ -350,7 +350,8 @@ def test_safetensors_has_no_device_to_retarget(tmp_path: Path,
 def test_disk_full_is_one_clean_error_and_leaves_nothing(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
         capsys: pytest.CaptureFixture[str], where: str) -> None:
-    from ckptool.write import copy, fix
+    from ckptool.write import copy
+    from ckptool.write.fix import run as fix
 
     src = tmp_path / "m.pth"
     dp_checkpoint(src)
@@ -378,7 +379,7 @@ def test_an_input_replaced_while_it_is_read_is_refused(tmp_path: Path,
     """A trainer re-saving the file (by rename) while fix reads it: the bytes of
     one version must not be written under the pickle of another."""
     from ckptool.read.formats import torch_zip
-    from ckptool.write import fix
+    from ckptool.write.fix import run as fix
 
     src, newer = tmp_path / "m.pth", tmp_path / "newer.pth"
     dp_checkpoint(src)

@@ -44,8 +44,9 @@ from helpers import saved_on
 
 import ckptool
 from ckptool.errors import CorruptCheckpointError
-from ckptool.write import fix, verify
-from ckptool.write.plan import FixOptions
+from ckptool.write import verify
+from ckptool.write.fix import run as fix
+from ckptool.write.fix.plan import FixOptions
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLES = ROOT / "samples"
@@ -513,7 +514,7 @@ def test_in_place_random_kill_9(many: tuple[Path, dict[str, torch.Tensor]],
 def test_in_place_verification_failure_restores_the_old_file(
         many: tuple[Path, dict[str, torch.Tensor]], tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool.write import inplace
+    from ckptool.write.fix import inplace
 
     src, expected = many
     path = tmp_path / "model.pth"

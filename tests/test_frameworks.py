@@ -26,7 +26,7 @@ from safetensors import safe_open
 
 import ckptool
 from ckptool.check.diagnosis import diagnose
-from ckptool.check.gpus import Machine
+from ckptool.check.gpus.machine import Machine
 from ckptool.cli import main
 from ckptool.read.layouts import framework
 

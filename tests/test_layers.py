@@ -57,6 +57,14 @@ def imports_of(name: str) -> set[str]:
                 target = target.rpartition(".")[0]
             if target.startswith("ckptool") and target != name:
                 found.add(target)
+            # importing a.b.c runs a.b's __init__ first: from outside the
+            # package a.b, that is a dependency too (a package's own modules
+            # are its __init__'s to import)
+            parent = target.rpartition(".")[0]
+            while parent.count(".") >= 1 and not name.startswith(parent + "."):
+                if parent != name and parent in MODULES:
+                    found.add(parent)
+                parent = parent.rpartition(".")[0]
     return found
 
 
@@ -123,6 +131,14 @@ def test_the_graph_sees_function_level_imports() -> None:
     """The walk is not only over module tops (the CLI imports lazily)."""
     assert "ckptool.read.reader" in GRAPH["ckptool.cli"] | set().union(
         *(GRAPH[n] for n in MODULES if n.startswith("ckptool.cli.")))
+
+
+def test_a_package_init_counts_for_its_modules() -> None:
+    """``from ckptool.read.formats import torch_zip`` runs ``formats/__init__``:
+    the walk sees it, so a package whose ``__init__`` imports a module that
+    imports one of the package's modules is a cycle."""
+    assert "ckptool.read.formats" in GRAPH["ckptool.read.layouts.recognise"]
+    assert "ckptool.read.layouts.recognise" not in GRAPH["ckptool.read.formats"]
 
 
 def test_few_modules_at_the_top() -> None:

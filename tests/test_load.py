@@ -18,7 +18,7 @@ from helpers import load_samples_module
 from nets import DSTiny, Net, TiedLM, Wrapped
 
 import ckptool
-from ckptool.check import gpus
+from ckptool.check.gpus import machine as gpus
 from ckptool.check.loading import StateDictMismatch
 from ckptool.read.materialize import LoadError
 from ckptool.read.values import StandIn

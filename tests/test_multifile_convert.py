@@ -22,8 +22,8 @@ from conftest import CliResult
 
 import ckptool
 from ckptool.errors import CkptoolError
-from ckptool.write import convert_dir
-from ckptool.write.convert import convert
+from ckptool.write.convert import directory as convert_dir
+from ckptool.write.convert.run import convert
 from ckptool.write.layout import Made, Span
 from ckptool.write.sources import TensorSource
 
@@ -241,8 +241,8 @@ def test_kill_9_leaves_no_directory_and_the_next_run_cleans_up(tmp_path: Path) -
     dst = tmp_path / "hf"
     script = (  # dies by SIGKILL as the second shard starts
         "import os, signal, sys\n"
-        "from ckptool.write import convert_dir\n"
-        "from ckptool.write.convert import convert\n"
+        "from ckptool.write.convert import directory as convert_dir\n"
+        "from ckptool.write.convert.run import convert\n"
         "real, n = convert_dir.write_safetensors, []\n"
         "def die(*a, **k):\n"
         "    n.append(1)\n"

@@ -226,5 +226,5 @@ def test_an_index_is_known_by_its_content(hf_dirs: dict[str, Path], tmp_path: Pa
     os.rename(folder / INDEX, folder / "weights.json")
     ckpt = ckptool.open(folder / "weights.json")
     assert ckpt.format == "hf-safetensors" and len(ckpt.tensors) == 4
-    from ckptool.read import formats
-    formats.check(str(folder / "weights.json"))  # browse's first check lets it through
+    from ckptool.read import dispatch
+    dispatch.check(str(folder / "weights.json"))  # browse's first check lets it through

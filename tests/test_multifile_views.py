@@ -23,9 +23,9 @@ from helpers import saved_on
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import ckptool
-from ckptool.check import gpus
 from ckptool.check.diagnosis import diagnose
 from ckptool.check.diff import diff_checkpoints
+from ckptool.check.gpus import machine as gpus
 from ckptool.check.stats import checkpoint_stats
 from ckptool.cli import main
 from ckptool.tui import make_app

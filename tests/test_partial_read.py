@@ -261,11 +261,11 @@ def test_an_observer_error_propagates_as_is(saved: dict[str, Path]) -> None:
 
 
 def test_legacy_header_pickles_are_not_observed(saved: dict[str, Path]) -> None:
-    from ckptool.read import formats
+    from ckptool.read import dispatch
 
     seen: list[tuple[tuple[str, ...], list[Any]]] = []
     with observe.observe(lambda path, pairs: seen.append((path, [k for k, _ in pairs]))):
-        formats.read(str(saved["legacy"]))
+        dispatch.read(str(saved["legacy"]))
     keys = {k for _, ks in seen for k in ks}
     assert "protocol_version" not in keys  # sys_info, the third of five pickles
     assert {"epoch", "state_dict"} <= keys

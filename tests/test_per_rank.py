@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 
 import ckptool
 from ckptool.check.diagnosis import diagnose
-from ckptool.check.gpus import Machine
+from ckptool.check.gpus.machine import Machine
 from ckptool.cli import main
 
 HERE = Path(__file__).parent / "fixtures" / "multifile" / "per_rank_dtensor"

@@ -1,4 +1,4 @@
-"""``ckptool.write.preview``: a fix planned from the checkpoint already read is the
+"""``ckptool.write.fix.preview``: a fix planned from the checkpoint already read is the
 plan ``fix.fix(..., dry_run=True)`` makes from a faithful read of the
 file: the same renames, drops, extraction, device moves (and casts, notes,
 errors), and every input tensor's key in the output."""
@@ -17,9 +17,9 @@ from helpers import SAMPLES, saved_on
 import ckptool
 from ckptool.errors import CkptoolError
 from ckptool.read.walk import walk
-from ckptool.write.fix import fix
-from ckptool.write.plan import FixOptions
-from ckptool.write.preview import Previewer, preview
+from ckptool.write.fix.plan import FixOptions
+from ckptool.write.fix.preview import Previewer, preview
+from ckptool.write.fix.run import fix
 
 OPTIONS = {
     "nothing": FixOptions(),

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 import ckptool
-from ckptool.check import gpus
+from ckptool.check.gpus import machine as gpus
 
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 FILES = sorted(p for p in FIXTURES.iterdir() if p.suffix in (".pth", ".ckpt"))

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 import ckptool
-from ckptool.check import gpus
+from ckptool.check.gpus import machine as gpus
 from ckptool.describe import shown
 from ckptool.errors import CkptoolError
 from ckptool.keys import escape

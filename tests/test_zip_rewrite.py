@@ -19,10 +19,11 @@ import ckptool
 from ckptool.cli import main
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read.ziparchive import ZipArchive
-from ckptool.write import copy, fix
+from ckptool.write import copy
+from ckptool.write.fix import run as fix
+from ckptool.write.fix.plan import FixOptions
 from ckptool.write.formats import torch_zip
 from ckptool.write.layout import Data, Made, Span
-from ckptool.write.plan import FixOptions
 
 
 def training_file(path: Path, tag: str = "cuda:2", big: bool = True) -> dict[str, torch.Tensor]:

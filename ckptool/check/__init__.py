@@ -4,11 +4,12 @@
 - ``diagnosis`` runs the checks of ``findings`` (one function per kind of
   problem) and plans their fix as one checked command (``fixcommand``);
 - ``loadcheck`` predicts what plain ``torch.load`` does on a machine;
-  ``gpus`` finds the machine's GPUs as torch numbers them (``gpulist``
-  asks NVML or nvidia-smi), ``scheduler`` maps a SLURM job's or a
-  container's GPUs onto them, ``gpuorder`` orders them for a new process's
-  ``CUDA_VISIBLE_DEVICES`` and ``dataparallel`` checks a DataParallel
-  plan's ``device_ids``; ``placement``
+  ``gpus/`` finds the machine's GPUs as torch numbers them (``machine``;
+  ``listing`` asks NVML or nvidia-smi), ``gpus.scheduler`` maps a SLURM
+  job's or a container's GPUs onto them, ``gpus.order`` orders them for a
+  new process's ``CUDA_VISIBLE_DEVICES`` and ``gpus.dataparallel`` checks
+  a DataParallel plan's ``device_ids``; ``explain/`` reads pasted errors;
+  ``placement``
   says where to load a checkpoint here; ``manyfiles`` says how a checkpoint
   of many files loads (its loader, its devices, DCP's entry prefix);
   ``zerofix`` says what a DeepSpeed checkpoint needs (a ``convert``, then

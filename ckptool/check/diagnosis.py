@@ -14,14 +14,14 @@ from dataclasses import dataclass, field, replace
 from ckptool.check import findings, loadcheck, manyfiles, zerofix
 from ckptool.check.findings import ERROR, WARNING, Finding
 from ckptool.check.fixcommand import plan_command, shell_name
-from ckptool.check.gpus import Machine, probe
+from ckptool.check.gpus.machine import Machine, probe
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.modelspec import ModelKeys, saved_settings
 from ckptool.check.reconcile import KeyReport, ShapeHint, explain_shapes, reconcile
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 from ckptool.model import Checkpoint
+from ckptool.write.fix.plan import FixOptions
 from ckptool.write.flagged import flagged
-from ckptool.write.plan import FixOptions
 
 __all__ = ["ERROR", "WARNING", "Diagnosis", "Finding", "describe_keys", "diagnose"]
 

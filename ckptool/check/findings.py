@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from ckptool.check import loadcheck, manyfiles
 from ckptool.check.fixcommand import command_flags, shell_name, stem
-from ckptool.check.gpus import Machine, describe_machine, fits, pick
+from ckptool.check.gpus.machine import Machine, describe_machine, fits, pick
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.modelspec import ModelKeys
 from ckptool.check.reconcile import KeyReport, ShapeHint
@@ -24,7 +24,7 @@ from ckptool.model import Checkpoint, GlobalInfo
 from ckptool.read import companions, policy
 from ckptool.read.policy import UNSAFE
 from ckptool.read.prefixes import common_prefix, describe_wrapper, split_wrappers, wrapper_prefix
-from ckptool.write.plan import FixOptions
+from ckptool.write.fix.plan import FixOptions
 
 ERROR, WARNING = "error", "warning"  # error: loading fails; warning: not as wanted
 

@@ -4,7 +4,7 @@ The options the findings asked for become one command line, with the
 paths as the user gave them (it runs from where diagnose ran), writing a
 file beside the checkpoint that does not exist yet. It is
 planned first with the same core as ``ckptool fix --dry-run``
-(``ckptool.write.preview``, from the checkpoint already read), so a command
+(``ckptool.write.fix.preview``, from the checkpoint already read), so a command
 that ``fix`` would refuse is never printed.
 """
 
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from ckptool.describe import shell_word
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
-from ckptool.write.plan import FixOptions
+from ckptool.write.fix.plan import FixOptions
 
 
 @dataclass
@@ -33,8 +33,8 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     """Turn the options the findings asked for into one checked command."""
     if opts == FixOptions():
         return Command()
-    from ckptool.write.fix import fresh_output
-    from ckptool.write.preview import preview
+    from ckptool.write.fix.preview import preview
+    from ckptool.write.fix.run import fresh_output
 
     if ckpt.is_multifile:  # HF shards: a new directory beside it; DCP: refused
         return _directory_command(ckpt, opts)
@@ -52,7 +52,7 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
 
 def _directory_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     """``fix``'s dry run on a checkpoint of many files, into a fresh directory."""
-    from ckptool.write.fix import fix, fresh_output
+    from ckptool.write.fix.run import fix, fresh_output
 
     output = fresh_output(ckpt.path.rstrip("/"))
     try:

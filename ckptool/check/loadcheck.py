@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from importlib import metadata
 
 from ckptool import dtypes
-from ckptool.check.gpus import Machine
+from ckptool.check.gpus.machine import Machine
 from ckptool.describe import human_bytes
 from ckptool.model import NO_LOCATION, Checkpoint
 

@@ -27,7 +27,7 @@ from ckptool import dtypes
 from ckptool.check import manyfiles
 from ckptool.check.diagnosis import diagnose
 from ckptool.check.findings import Finding
-from ckptool.check.gpus import assumed
+from ckptool.check.gpus.machine import assumed
 from ckptool.check.modelspec import module_keys
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.read.companions import why_no_weights
@@ -35,8 +35,8 @@ from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.materialize import Builder, MapLocation, Placement, pick
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.tensor_source import TensorValues
-from ckptool.write.convert_plan import recorded_aliases
-from ckptool.write.plan import DTYPE_NAMES
+from ckptool.write.convert.plan import recorded_aliases
+from ckptool.write.fix.plan import DTYPE_NAMES
 
 if TYPE_CHECKING:
     import torch

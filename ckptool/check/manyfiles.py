@@ -20,7 +20,7 @@ names its state dict is loaded under, and what ``ckptool`` can repair today.
   ``ckptool convert`` writes the consolidated weights as one file; its
   devices do not matter (the file records none).
 
-``ckptool fix`` takes a directory of shards (``ckptool.write.fix_shards``):
+``ckptool fix`` takes a directory of shards (``ckptool.write.fix.shards``):
 diagnose's command writes a fixed copy beside it; a DCP directory is
 consolidated by ``convert`` first, as a DeepSpeed one always is.
 """

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from ckptool.check.gpus import Machine, fits, pick
+from ckptool.check.gpus.machine import Machine, fits, pick
 from ckptool.describe import shell_word
 from ckptool.model import Checkpoint
 

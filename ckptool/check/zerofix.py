@@ -21,7 +21,7 @@ from ckptool.check.fixcommand import command_flags, shell_name
 from ckptool.describe import beside, plural
 from ckptool.model import Checkpoint
 from ckptool.read.layouts.per_rank import PER_RANK
-from ckptool.write.plan import FixOptions
+from ckptool.write.fix.plan import FixOptions
 
 DEEPSPEED = "deepspeed"
 

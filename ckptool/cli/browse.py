@@ -22,12 +22,12 @@ def browse(path: str, model_spec: str | None, model_args: tuple[str, ...],
            reference: str | None, device_count: int | None) -> int:
     """Browse a checkpoint in the terminal: module tree, tensors, devices,
     storage sharing, statistics, findings, and fixes with a preview."""
-    from ckptool.check import gpus
+    from ckptool.check.gpus import machine as gpus
     from ckptool.errors import UsageError
-    from ckptool.read import formats
+    from ckptool.read import dispatch
 
     loader = model_loader(model_spec, model_args, reference)
-    formats.check(path)  # a missing or foreign file fails here, before the screen opens
+    dispatch.check(path)  # a missing or foreign file fails here, before the screen opens
     if not _is_terminal():
         raise UsageError("browse needs a terminal (stdin and stdout are not both one)",
                          "for output you can pipe, use `ckptool inspect` or `inspect --json`")

@@ -14,7 +14,7 @@ from ckptool.cli.common import SCHEMA_VERSION, console, fsync_help, progress, wr
 from ckptool.cli.inputs import InputPath
 
 if TYPE_CHECKING:
-    from ckptool.write.convert import ConvertResult
+    from ckptool.write.convert.run import ConvertResult
 
 
 @click.command()
@@ -47,8 +47,8 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
     """Convert PATH (a file, a Hugging Face directory, a DCP or DeepSpeed directory) into OUT:
     one file (safetensors or torch, from OUT's extension) or a directory
     (--format)."""
-    from ckptool.write import plan as planning
-    from ckptool.write.convert import convert as run_convert
+    from ckptool.write.convert.run import convert as run_convert
+    from ckptool.write.fix import plan as planning
     from ckptool.write.shards import parse_size
 
     max_shard_size = parse_size(max_shard) if max_shard is not None else None
@@ -69,7 +69,7 @@ command = convert
 
 
 def convert_dict(result: ConvertResult) -> dict[str, Any]:
-    """The ``convert --json`` schema (a ConvertResult from ckptool.write.convert)."""
+    """The ``convert --json`` schema (a ConvertResult from ckptool.write.convert.run)."""
     return {
         "schema_version": SCHEMA_VERSION,
         "input": result.source.path,

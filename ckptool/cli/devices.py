@@ -18,12 +18,12 @@ from typing import Any
 
 import click
 
-from ckptool.check.dataparallel import Verdict
-from ckptool.check.gpuorder import Export
-from ckptool.check.gpus import Gpu, Machine
+from ckptool.check.gpus.dataparallel import Verdict
+from ckptool.check.gpus.machine import Gpu, Machine
+from ckptool.check.gpus.order import Export
+from ckptool.check.gpus.scheduler import Job
 from ckptool.check.loadcheck import missing_devices
 from ckptool.check.placement import recommend
-from ckptool.check.scheduler import Job
 from ckptool.cli.common import SCHEMA_VERSION, console, write_json
 from ckptool.errors import EXIT_FINDINGS, CkptoolError, UsageError
 from ckptool.model import Checkpoint
@@ -56,9 +56,10 @@ def devices(path: str | None, as_json: bool, export: bool, need: str | None,
     """Show the CUDA GPUs torch would see here (CUDA_VISIBLE_DEVICES and a
     SLURM job's GPUs mapped to cuda:N) and, given CKPT, which device to load
     it onto and how."""
-    from ckptool.check import dataparallel, gpuorder
-    from ckptool.check.gpus import probe
-    from ckptool.check.scheduler import read_job
+    from ckptool.check.gpus import dataparallel
+    from ckptool.check.gpus import order as gpuorder
+    from ckptool.check.gpus.machine import probe
+    from ckptool.check.gpus.scheduler import read_job
 
     if export and (as_json or device_ids is not None):
         other = "--json" if as_json else "--device-ids"

@@ -13,12 +13,12 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.check.dataparallel import Verdict, describe_ids
-from ckptool.check.gpuorder import Export
-from ckptool.check.gpus import LISTERS, Gpu, Machine
+from ckptool.check.gpus.dataparallel import Verdict, describe_ids
+from ckptool.check.gpus.machine import LISTERS, Gpu, Machine
+from ckptool.check.gpus.order import Export
+from ckptool.check.gpus.scheduler import Job, gpu_name
 from ckptool.check.loadcheck import missing_devices
 from ckptool.check.placement import Advice, fix_command, load_snippet, recommend
-from ckptool.check.scheduler import Job, gpu_name
 from ckptool.describe import human_bytes
 from ckptool.model import NO_LOCATION, Checkpoint
 

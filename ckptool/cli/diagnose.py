@@ -13,7 +13,7 @@ import click
 
 from ckptool.check import manyfiles
 from ckptool.check.diagnosis import Diagnosis
-from ckptool.check.gpus import describe_machine
+from ckptool.check.gpus.machine import describe_machine
 from ckptool.cli.common import (
     SCHEMA_VERSION,
     console,
@@ -34,8 +34,8 @@ def diagnose(path: str, model_spec: str | None, model_args: tuple[str, ...],
     """Say why a checkpoint will not load here (or into a model) and print the
     one `ckptool fix` command that repairs it. Exits 0 when nothing needs
     fixing, 1 when problems were found."""
-    from ckptool.check import gpus
     from ckptool.check.diagnosis import diagnose as run_diagnose
+    from ckptool.check.gpus import machine as gpus
     from ckptool.read.reader import open_checkpoint
 
     loader = model_loader(model_spec, model_args, reference)

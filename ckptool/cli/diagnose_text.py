@@ -17,7 +17,7 @@ from rich.text import Text
 from ckptool.check import manyfiles
 from ckptool.check.diagnosis import ERROR, WARNING, Diagnosis, describe_keys
 from ckptool.check.findings import Finding
-from ckptool.check.gpus import describe_target
+from ckptool.check.gpus.machine import describe_target
 from ckptool.check.loadcheck import describe_landing
 from ckptool.describe import framework_line, human_bytes, own_prefix_text, plural
 

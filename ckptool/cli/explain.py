@@ -16,9 +16,9 @@ from typing import Any
 
 import click
 
-from ckptool.check.explain import Explanation
+from ckptool.check.explain.run import Explanation
 from ckptool.check.findings import Finding
-from ckptool.check.gpus import describe_machine
+from ckptool.check.gpus.machine import describe_machine
 from ckptool.cli.common import SCHEMA_VERSION, console, model_loader, target_options, write_json
 from ckptool.cli.inputs import InputPath
 from ckptool.errors import InputError, UsageError
@@ -44,8 +44,8 @@ def explain(text: str | None, log: str | None, checkpoint: str | None, model_spe
     on GPUs means and what to do; with --checkpoint, print the one `ckptool
     fix` command that repairs the file. Exits 1 when an error was
     recognised, 0 when none was."""
-    from ckptool.check.explain import explain as run_explain
-    from ckptool.check.explain import with_checkpoint
+    from ckptool.check.explain.run import explain as run_explain
+    from ckptool.check.explain.run import with_checkpoint
 
     message, source = read_error(text, log)
     loader = model_loader(model_spec, model_args, reference)

@@ -11,9 +11,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.check.explain import Explanation
-from ckptool.check.explain_findings import PLACEHOLDER
-from ckptool.check.gpus import describe_target
+from ckptool.check.explain.findings import PLACEHOLDER
+from ckptool.check.explain.run import Explanation
+from ckptool.check.gpus.machine import describe_target
 from ckptool.cli.diagnose_text import render_finding, render_fix_command
 from ckptool.describe import human_bytes, plural
 

@@ -12,7 +12,7 @@ from ckptool.cli.common import SCHEMA_VERSION, console, fsync_help, progress, wr
 from ckptool.cli.inputs import InputPath
 
 if TYPE_CHECKING:
-    from ckptool.write.fix import FixResult
+    from ckptool.write.fix.run import FixResult
 
 
 @click.command()
@@ -51,8 +51,8 @@ def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: 
     """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
     from ckptool.cli.inputs import is_spooled, shown_path
     from ckptool.errors import UsageError
-    from ckptool.write import plan as planning
-    from ckptool.write.fix import fix as run_fix
+    from ckptool.write.fix import plan as planning
+    from ckptool.write.fix.run import fix as run_fix
 
     if path is None:
         _missing_path(extract)
@@ -101,7 +101,7 @@ def _missing_path(extract: str | None) -> NoReturn:
 
 
 def fix_dict(result: FixResult) -> dict[str, Any]:
-    """The ``fix --json`` schema (a FixResult from ckptool.write.fix)."""
+    """The ``fix --json`` schema (a FixResult from ckptool.write.fix.run)."""
     plan = result.plan
     devices, casts = result.moves()
     return {

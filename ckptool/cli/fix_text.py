@@ -12,8 +12,8 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.describe import human_bytes, plural
-from ckptool.write.convert import ConvertResult
-from ckptool.write.fix import FixResult
+from ckptool.write.convert.run import ConvertResult
+from ckptool.write.fix.run import FixResult
 
 
 def render_fix(console: Console, result: FixResult, shown: int = 20) -> None:

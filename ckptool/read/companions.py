@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
-from ckptool.read import formats, optim, policy, prefixes
+from ckptool.read import dispatch, optim, policy, prefixes
 from ckptool.read.layouts import framework, recognise
 from ckptool.read.tensors import TensorRecord
 
@@ -81,7 +81,7 @@ def _modules(directory: str) -> list[Companion]:
                 continue
             role = f"module {module.get('name', sub)} ({kind}) weights"
             try:
-                raw = formats.read(full)
+                raw = dispatch.read(full)
             except CkptoolError as exc:
                 out.append(Companion(f"{sub}/{name}", role, os.path.getsize(full),
                                      error=exc.message.removeprefix(f"{full}: ")))
@@ -125,7 +125,7 @@ def _companion(directory: str, name: str, scan: bool) -> Companion | None:
     if size == 0:
         return Companion(name, role or "empty file", size, error="empty (0 bytes)")
     try:
-        raw = formats.read(full)
+        raw = dispatch.read(full)
     except CkptoolError as exc:
         if role is None:
             return None  # a .bin that is no pickle: not ours to judge

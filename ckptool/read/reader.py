@@ -23,7 +23,7 @@ from typing import Any
 from ckptool.describe import plural
 from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import companions, formats, observe, optim, params, policy, prefixes
+from ckptool.read import companions, dispatch, observe, optim, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import dcp, deepspeed, hf_sharded, hf_storage, per_rank, recognise
 from ckptool.read.layouts.base import MultiRead
@@ -90,10 +90,10 @@ def _open(given: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> 
         # framework's other files) reads as that file
         path = layout.file if layout is not None and layout.file is not None else given
         if on_tensors is None:
-            ckpt = assemble(path, formats.read(path))
+            ckpt = assemble(path, dispatch.read(path))
         else:
             with observe.observe(_partial_tensors(on_tensors), TENSORS):
-                raw = formats.read(path)
+                raw = dispatch.read(path)
             ckpt = assemble(path, raw)
         notes = list(layout.notes) if layout is not None else []  # what else its folder holds
         if any(t.subclass for t in ckpt.tensors):
@@ -123,7 +123,7 @@ def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.
 
 def read_layout(layout: recognise.Layout) -> MultiRead:
     """The files of a checkpoint of many files, read and merged."""
-    with formats.explained(layout.path):
+    with dispatch.explained(layout.path):
         if layout.kind == recognise.HF:
             return hf_sharded.read(layout)
         if layout.kind == recognise.DEEPSPEED:

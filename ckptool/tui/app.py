@@ -20,7 +20,7 @@ from textual.events import Resize
 from textual.widgets import Footer, Input, Static
 from textual.worker import get_current_worker
 
-from ckptool.check.gpus import Machine
+from ckptool.check.gpus.machine import Machine
 from ckptool.check.stats import TensorStats
 from ckptool.describe import shown
 from ckptool.errors import CkptoolError
@@ -33,7 +33,7 @@ from ckptool.tui.loading import LoadingApp, ModelLoader
 from ckptool.tui.rows import key_of
 from ckptool.tui.screens import HelpScreen, JumpScreen
 from ckptool.tui.table import Pane, TensorTable
-from ckptool.write.preview import Previewer
+from ckptool.write.fix.preview import Previewer
 
 WIDE = 120  # columns from which the details sit beside the list
 

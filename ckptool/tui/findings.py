@@ -14,7 +14,7 @@ from rich.text import Text
 
 from ckptool.check import manyfiles
 from ckptool.check.diagnosis import ERROR, Diagnosis, describe_keys
-from ckptool.check.gpus import describe_target
+from ckptool.check.gpus.machine import describe_target
 from ckptool.check.loadcheck import describe_landing
 from ckptool.describe import human_bytes, shown
 

@@ -2,11 +2,11 @@
 it through the same core as ``ckptool fix``.
 
 The preview comes from the checkpoint the browser has read
-(``ckptool.write.preview``): no second read of the file. Edits to the prefix and
+(``ckptool.write.fix.preview``): no second read of the file. Edits to the prefix and
 device fields are planned ~250 ms after the last keystroke, one preview at
 a time (a newer request waits for the running one, and only the latest is
 made); the output name only changes the command shown. Writing calls
-``ckptool.write.fix.fix`` on a worker, as ``ckptool fix`` does: it reads the
+``ckptool.write.fix.run.fix`` on a worker, as ``ckptool fix`` does: it reads the
 file again, faithfully, then copies the bytes with a progress bar.
 """
 
@@ -32,10 +32,10 @@ from ckptool.describe import human_bytes, plural, shown
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
 from ckptool.tui.screens import ConfirmScreen
-from ckptool.write.fix import FixResult, fresh_output
+from ckptool.write.fix.plan import FixOptions, parse_device
+from ckptool.write.fix.preview import FixPreview, Previewer
+from ckptool.write.fix.run import FixResult, fresh_output
 from ckptool.write.flagged import flagged
-from ckptool.write.plan import FixOptions, parse_device
-from ckptool.write.preview import FixPreview, Previewer
 
 DEBOUNCE_S = 0.25
 SHORT = 20  # rows below which the dialog drops its title and shortens its summary
@@ -310,7 +310,7 @@ class FixScreen(ModalScreen[str | None]):
 
     @work(thread=True, exclusive=True, group="write")
     def _write(self, opts: FixOptions, out: str, force: bool) -> None:
-        from ckptool.write.fix import fix
+        from ckptool.write.fix.run import fix
 
         last = [-1.0]
 

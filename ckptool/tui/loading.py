@@ -19,7 +19,7 @@ from textual.app import App
 from textual.widgets import Static
 
 from ckptool.check.diagnosis import Diagnosis
-from ckptool.check.gpus import Machine
+from ckptool.check.gpus.machine import Machine
 from ckptool.check.modelspec import ModelKeys
 from ckptool.errors import CkptoolError, InputError
 from ckptool.model import Checkpoint, TensorInfo
@@ -148,7 +148,7 @@ class LoadingApp(App[int]):
     @work(thread=True, exclusive=True, group="diagnose")
     def _diagnose(self, ckpt: Checkpoint) -> None:
         from ckptool.check.diagnosis import diagnose
-        from ckptool.check.gpus import probe
+        from ckptool.check.gpus.machine import probe
 
         try:
             machine = self.machine or probe()

@@ -1,9 +1,9 @@
 """Rewriting checkpoints: ``fix`` and ``convert``, as one pipeline of stages,
-each a module the driver (``fix.py``, ``convert.py``) calls in turn:
+each a module the driver (``fix/run.py``, ``convert/run.py``) calls in turn:
 
 1. read: ``ckptool.read`` (``fix`` reads faithfully, so that every
    stand-in can be written back as it was);
-2. plan: ``plan`` (``FixOptions`` applied to the object tree; ``preview``
+2. plan: ``fix.plan`` (``FixOptions`` applied to the object tree; ``fix.preview``
    plans from a checkpoint already read, for ``diagnose`` and the browser);
 3. lay out: ``layout`` (where every byte of the output comes from: bytes in
    memory, ranges of the input, bytes made on the way), by output format in
@@ -16,14 +16,14 @@ each a module the driver (``fix.py``, ``convert.py``) calls in turn:
 6. commit: ``commit`` (a temporary file, renamed into place only once
    verified; durable where it replaces a file).
 
-``inplace`` is the one other path: ``fix --in-place`` that rewrites only a
+``fix.inplace`` is the one other path: ``fix --in-place`` that rewrites only a
 zip's pickle.
 
-Checkpoints of many files: ``convert_plan`` (what a conversion writes),
+Checkpoints of many files: ``convert.plan`` (what a conversion writes),
 ``sources`` (each tensor's bytes from a file, a shard or DCP chunks),
-``convert_files`` (one output file), ``convert_dir`` (a directory: HF shards
+``convert.files`` (one output file), ``convert.directory`` (a directory: HF shards
 split by ``shards``, or DCP through torch's writer), ``outdir`` (a
-directory that appears whole or not at all), ``fix_shards`` (``fix`` on HF
-shards), ``fix_dcp`` (``fix`` on a DCP directory); ``results`` holds what
+directory that appears whole or not at all), ``fix.shards`` (``fix`` on HF
+shards), ``fix.dcp`` (``fix`` on a DCP directory); ``results`` holds what
 ``fix`` and ``convert`` report. May import the top level and ``ckptool.read``.
 """

@@ -35,9 +35,9 @@ def refuse_flagged(ckpt: Checkpoint, salvage: bool, command: str) -> None:
 def prove_clean(path: str, shown: str) -> None:
     """A salvaged output, read back before it is committed: it must name no
     global that runs code (else nothing is written)."""
-    from ckptool.read import formats
+    from ckptool.read import dispatch
 
-    unsafe = formats.read(path).seen.unsafe()
+    unsafe = dispatch.read(path).seen.unsafe()
     if unsafe:
         raise UnsupportedCheckpointError(
             f"{shown} would still name globals that run code ({', '.join(unsafe[:4])}): "

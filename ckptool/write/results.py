@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ckptool.model import Checkpoint
-from ckptool.write.plan import Plan
+from ckptool.write.fix.plan import Plan
 
 if TYPE_CHECKING:
-    from ckptool.write.convert_plan import Written
+    from ckptool.write.convert.plan import Written
 
 
 @dataclass

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from ckptool.errors import UsageError
 
 if TYPE_CHECKING:
-    from ckptool.write.convert_plan import Written
+    from ckptool.write.convert.plan import Written
 
 DEFAULT_MAX = 5 * 10**9
 UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,

@@ -28,7 +28,7 @@ from ckptool.read.tensor_data import TensorData
 from ckptool.read.walk import walk
 from ckptool.read.ziparchive import ZipArchive, ZipError
 from ckptool.write.bytecheck import ByteChecker
-from ckptool.write.plan import Plan
+from ckptool.write.fix.plan import Plan
 from ckptool.write.zipwriter import Written
 
 # where each output storage's (or tensor's) bytes are, and how many

@@ -29,7 +29,7 @@ from ckptool import dtypes
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Chunk, FileInfo
-from ckptool.read import formats, policy
+from ckptool.read import dispatch, policy
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import sniff as sniff_safetensors
 from ckptool.read.layouts import dcp_metadata, embedded
@@ -91,7 +91,7 @@ def read(layout: Layout) -> MultiRead:
              for n in layout.metadata]
     files += _file_infos(merged, sizes)
     for name in layout.extras:
-        raw = formats.read(os.path.join(layout.directory, name))
+        raw = dispatch.read(os.path.join(layout.directory, name))
         extra_roots[name] = raw.root
         for key, ref in raw.storages.items():
             ref.key = f"{name}:{key}"

@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.read import formats
+from ckptool.read import dispatch
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT
 from ckptool.read.layouts.recognise import MODEL_FILE, OPTIM_FILE
@@ -125,7 +125,7 @@ def _rank_order(item: tuple[int | None, str]) -> int:
 
 
 def _read(folder: str, name: str, rank: int | None) -> Saved:
-    raw = formats.read(os.path.join(folder, name))
+    raw = dispatch.read(os.path.join(folder, name))
     tree = raw.root if isinstance(raw.root, dict) else {}
     if not tree:
         raise CorruptCheckpointError(f"{name} holds {type(raw.root).__name__}, not the "

@@ -21,7 +21,7 @@ from typing import Any
 from ckptool.describe import human_bytes, plural
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model import FileInfo
-from ckptool.read import formats
+from ckptool.read import dispatch
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, file_size, member
@@ -52,7 +52,7 @@ def read(layout: Layout) -> MultiRead:
     for shard in sorted(set(weight_map.values())):
         path = member(layout.directory, shard, layout.index)
         size = file_size(path, path, layout.index)
-        raw = formats.read(path)
+        raw = dispatch.read(path)
         tensors = _tensors_of(raw, shard)
         _check_shard(tensors, weight_map, holder, shard, layout.index)
         for key, ref in raw.storages.items():

@@ -22,7 +22,7 @@ from typing import Any
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model import Chunk, FileInfo
-from ckptool.read import formats
+from ckptool.read import dispatch
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import dcp_metadata
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
@@ -41,7 +41,7 @@ def read(layout: Layout) -> MultiRead:
     files: list[FileInfo] = []
     for name in names:
         path = os.path.join(layout.directory, name)
-        raw = formats.read(path)
+        raw = dispatch.read(path)
         offsets = sharding_info(raw.metadata, name)
         if not offsets and raw.root:
             raise CorruptCheckpointError(

@@ -33,7 +33,7 @@ from ckptool import dtypes
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo
-from ckptool.read import formats
+from ckptool.read import dispatch
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import dcp_metadata, shards
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
@@ -54,7 +54,7 @@ def read(layout: Layout) -> MultiRead:
     files: list[FileInfo] = []
     for rank, name in enumerate(names):
         full = os.path.join(layout.directory, name)
-        raw = formats.read(full)
+        raw = dispatch.read(full)
         seen.merge(raw.seen, name)
         reads.append(raw)
         files.append(FileInfo(name, "rank", raw.format, os.path.getsize(full), rank=rank))

@@ -16,8 +16,8 @@ from ckptool import dtypes
 from ckptool.errors import UnsupportedCheckpointError
 from ckptool.read.tensor_data import TensorData
 from ckptool.write import repickle
+from ckptool.write.fix.plan import Plan, new_pid
 from ckptool.write.layout import Data, Layout, Made, Segment, Span, checked_cast
-from ckptool.write.plan import Plan, new_pid
 from ckptool.write.verify import Placed
 
 

@@ -30,8 +30,8 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read.formats.torch_zip import read_archive
 from ckptool.read.ziparchive import Member, ZipArchive, ZipError
 from ckptool.write import verify
+from ckptool.write.fix.plan import Plan
 from ckptool.write.layout import CONGRUENT_MIN, Check, Data, Layout, Made, Segment, Span
-from ckptool.write.plan import Plan
 from ckptool.write.zipwriter import ALIGNMENT, Written, ZipWriter, descriptor, local_header
 
 Cast = tuple[int, Callable[[], bytes]]  # a record's size once cast, and its bytes

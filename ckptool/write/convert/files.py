@@ -20,7 +20,7 @@ from ckptool.read.tensors import StorageRef, StorageType, TensorRecord
 from ckptool.read.values import TorchDtype
 from ckptool.write import copy, repickle, verify
 from ckptool.write.commit import AtomicOutput
-from ckptool.write.convert_plan import Written
+from ckptool.write.convert.plan import Written
 from ckptool.write.formats import safetensors
 from ckptool.write.formats.torch_zip import NewArchive
 from ckptool.write.layout import contiguous_strides

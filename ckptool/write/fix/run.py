@@ -17,7 +17,7 @@ A torch zip whose storages are all kept as they are starts its copy first,
 before step 1, from the zip directory alone (``_start_zip``): reading,
 planning and re-pickling then cost no extra time. The input is never
 modified, except by ``in_place``, which replaces it atomically, or rewrites
-only its pickle (``ckptool.write.inplace``).
+only its pickle (``ckptool.write.fix.inplace``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from ckptool import dtypes
 from ckptool.describe import beside, shell_word
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint
-from ckptool.read import formats
+from ckptool.read import dispatch
 from ckptool.read.companions import framework_of
 from ckptool.read.formats import torch_legacy as legacy_reader
 from ckptool.read.formats import torch_zip as zip_reader
@@ -45,13 +45,11 @@ from ckptool.read.reader import assemble, open_checkpoint
 from ckptool.read.resolve import faithful
 from ckptool.read.tensor_data import Identity, TensorData, check_unchanged, file_identity
 from ckptool.read.ziparchive import ZipArchive, ZipError
-from ckptool.write import copy, inplace, repickle, verify
+from ckptool.write import copy, repickle, verify
 from ckptool.write.bytecheck import ByteChecker
 from ckptool.write.commit import AtomicOutput
-from ckptool.write.flagged import prove_clean, refuse_flagged
-from ckptool.write.formats import safetensors, torch_legacy, torch_zip
-from ckptool.write.layout import checked_cast
-from ckptool.write.plan import (
+from ckptool.write.fix import inplace
+from ckptool.write.fix.plan import (
     FixOptions,
     Plan,
     check_rewritable,
@@ -59,6 +57,9 @@ from ckptool.write.plan import (
     new_pid,
     refuse_unsafe,
 )
+from ckptool.write.flagged import prove_clean, refuse_flagged
+from ckptool.write.formats import safetensors, torch_legacy, torch_zip
+from ckptool.write.layout import checked_cast
 from ckptool.write.results import FixResult
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
@@ -110,7 +111,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         raise UsageError("--in-place and -o both name the output", "use one of them")
     layout = recognise.recognise(src)
     if layout is not None and layout.kind != recognise.FILE:  # HF shards, DCP
-        from ckptool.write import fix_dcp, fix_shards
+        from ckptool.write.fix import dcp as fix_dcp
+        from ckptool.write.fix import shards as fix_shards
 
         if layout.kind in (recognise.DEEPSPEED, recognise.PER_RANK, recognise.HF_STORAGE):
             what = {recognise.DEEPSPEED: "a DeepSpeed checkpoint",
@@ -144,7 +146,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             early = _start_zip_early(src, target, opts, force, fsync, progress, stack, identity)
         # 1. read (a started copy's own open file, when there is one: one version)
         with faithful():
-            raw = formats.read_zip(src, early.archive) if early else formats.read(src)
+            raw = dispatch.read_zip(src, early.archive) if early else dispatch.read(src)
         check_unchanged(src, identity)
         source = assemble(src, raw)
         source.framework = framework_of(given, layout, source)

@@ -15,8 +15,8 @@ from __future__ import annotations
 import shlex
 from dataclasses import dataclass
 
-from ckptool.check.gpulist import Gpu
-from ckptool.check.gpus import UNLISTED, Machine, strtoul
+from ckptool.check.gpus.listing import Gpu
+from ckptool.check.gpus.machine import UNLISTED, Machine, strtoul
 from ckptool.describe import human_bytes
 
 

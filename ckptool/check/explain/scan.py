@@ -17,8 +17,8 @@ from __future__ import annotations
 import gc
 import re
 
-from ckptool.check import explain_context as context
-from ckptool.check.explain_patterns import INVALID_ID, OOM, PATTERNS, PRIMARY, Error, Facts
+from ckptool.check.explain import context
+from ckptool.check.explain.patterns import INVALID_ID, OOM, PATTERNS, PRIMARY, Error, Facts
 
 TRACEBACK = "Traceback (most recent call last):"
 _ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")

@@ -27,10 +27,10 @@ from ckptool.errors import UsageError
 from ckptool.keys import escape, unescape
 from ckptool.model import Checkpoint
 from ckptool.read.prefixes import common_prefix, wrapper_prefix
-from ckptool.write import convert_plan
-from ckptool.write.convert_dir import write_directory
-from ckptool.write.convert_plan import WHOLE, Written
-from ckptool.write.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
+from ckptool.write.convert import plan as convert_plan
+from ckptool.write.convert.directory import write_directory
+from ckptool.write.convert.plan import WHOLE, Written
+from ckptool.write.fix.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
 from ckptool.write.results import FixResult
 
 Progress = Callable[[int, int], None]

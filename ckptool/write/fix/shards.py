@@ -34,15 +34,16 @@ from ckptool.model import Checkpoint
 from ckptool.read import ties
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.hf_sharded import HF_SAFETENSORS
-from ckptool.write import convert_plan, shards
+from ckptool.write import shards
 from ckptool.write.commit import AtomicOutput
-from ckptool.write.convert_dir import framework_files, write_directory
-from ckptool.write.convert_plan import TORCH, Written
-from ckptool.write.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
+from ckptool.write.convert import plan as convert_plan
+from ckptool.write.convert.directory import framework_files, write_directory
+from ckptool.write.convert.plan import TORCH, Written
+from ckptool.write.fix.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
 from ckptool.write.results import FixResult
 
 Progress = Callable[[int, int], None]
-FixFile = Callable[..., FixResult]  # ckptool.write.fix.fix, for one shard in place
+FixFile = Callable[..., FixResult]  # ckptool.write.fix.run.fix, for one shard in place
 
 
 def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,

@@ -32,9 +32,9 @@ from ckptool.model import NO_LOCATION, Checkpoint
 from ckptool.read.tensors import CompositeTensor
 from ckptool.read.values import StandIn
 from ckptool.read.walk import walk
-from ckptool.write import plan as plans
+from ckptool.write.fix import plan as plans
+from ckptool.write.fix.plan import FixOptions, Plan
 from ckptool.write.flagged import refuse_flagged
-from ckptool.write.plan import FixOptions, Plan
 
 
 class KeyChange(NamedTuple):

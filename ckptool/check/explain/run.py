@@ -17,15 +17,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ckptool.check import explain_patterns as p
-from ckptool.check import gpus
 from ckptool.check.diagnosis import Diagnosis, diagnose
-from ckptool.check.explain_findings import PLACEHOLDER, findings_for, key_prefix, prefix_fit
-from ckptool.check.explain_patterns import Error
-from ckptool.check.explain_scan import find_errors
+from ckptool.check.explain import patterns as p
+from ckptool.check.explain.findings import PLACEHOLDER, findings_for, key_prefix, prefix_fit
+from ckptool.check.explain.patterns import Error
+from ckptool.check.explain.scan import find_errors
 from ckptool.check.findings import Finding
 from ckptool.check.fixcommand import shell_name
-from ckptool.check.gpus import Machine
+from ckptool.check.gpus import machine as gpus
+from ckptool.check.gpus.machine import Machine
 from ckptool.check.modelspec import ModelKeys
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 from ckptool.model import Checkpoint

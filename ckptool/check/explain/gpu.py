@@ -10,8 +10,8 @@ an environment setting, or a ``ckptool devices`` command. Pure text: no torch.
 
 from __future__ import annotations
 
-from ckptool.check import explain_patterns as p
-from ckptool.check.explain_patterns import Facts
+from ckptool.check.explain import patterns as p
+from ckptool.check.explain.patterns import Facts
 from ckptool.check.findings import ERROR, Finding
 from ckptool.describe import plural
 

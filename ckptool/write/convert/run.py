@@ -1,7 +1,7 @@
 """``ckptool convert``: torch checkpoints to safetensors and back, and the
 weights of the torch files ``fix`` cannot rewrite (TorchScript archives,
 plain pickles) into a torch zip, as a pipeline (read, plan, lay out, copy,
-verify, commit: see ``ckptool.write.fix``).
+verify, commit: see ``ckptool.write.fix.run``).
 
 torch -> safetensors writes the main state dict (of any torch format,
 legacy, TorchScript and plain pickles included). safetensors cannot share
@@ -22,8 +22,8 @@ is ``fix``'s to rewrite (``fix --extract`` keeps only its state dict).
 
 A checkpoint of many files (Hugging Face shards, a DCP directory) converts
 the same way, into one file or into a directory (``--format hf``, ``hf-bin``
-or ``dcp``: ``ckptool.write.convert_dir``); which names and values are
-written is ``ckptool.write.convert_plan``'s to decide, where each tensor's
+or ``dcp``: ``ckptool.write.convert.directory``); which names and values are
+written is ``ckptool.write.convert.plan``'s to decide, where each tensor's
 bytes come from ``ckptool.write.sources``'s (a DCP tensor is made whole from
 its chunks, one tensor at a time).
 
@@ -44,13 +44,13 @@ from ckptool.model import TensorInfo
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import deepspeed
 from ckptool.read.reader import open_checkpoint, with_state_dict
-from ckptool.write import convert_plan
 from ckptool.write.commit import AtomicOutput
-from ckptool.write.convert_files import write_safetensors, write_torch
-from ckptool.write.convert_plan import TORCH, WHOLE, Written
+from ckptool.write.convert import plan as convert_plan
+from ckptool.write.convert.files import write_safetensors, write_torch
+from ckptool.write.convert.plan import TORCH, WHOLE, Written
+from ckptool.write.fix.plan import REWRITABLE
 from ckptool.write.flagged import refuse_flagged
 from ckptool.write.outdir import check_apart
-from ckptool.write.plan import REWRITABLE
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
 
@@ -106,7 +106,7 @@ def convert(src: str, dst: str, *, force: bool = False, progress: Progress | Non
     if source.directory is not None:  # never written into the directory it reads
         check_apart(Path(source.directory), Path(dst))
     if kind in DIRECTORY_FORMATS:
-        from ckptool.write import convert_dir
+        from ckptool.write.convert import directory as convert_dir
 
         return convert_dir.convert(source, dst, kind, force=force, progress=progress,
                                    fsync=fsync, max_shard_size=max_shard_size, dtype=dtype)

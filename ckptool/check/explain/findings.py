@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ckptool.check import explain_gpu as gpu
-from ckptool.check import explain_patterns as p
-from ckptool.check.explain_patterns import Error, Facts
+from ckptool.check.explain import gpu
+from ckptool.check.explain import patterns as p
+from ckptool.check.explain.patterns import Error, Facts
 from ckptool.check.findings import ERROR, Finding, some_keys, why_missing
 from ckptool.check.findings import explain as explain_hint
 from ckptool.check.fixcommand import command_flags
@@ -25,7 +25,7 @@ from ckptool.describe import plural
 from ckptool.read import policy
 from ckptool.read.prefixes import describe_wrapper, wrapper_prefix
 from ckptool.read.reader import PREFERRED_NAMES
-from ckptool.write.plan import FixOptions
+from ckptool.write.fix.plan import FixOptions
 
 PLACEHOLDER = "CKPT"  # the checkpoint in a fix, when none was given
 # what a refused global is, by ckptool's safety policy

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ckptool.check.gpulist import NO_DRIVER, NO_NVML, Gpu, query_nvml, query_smi
+from ckptool.check.gpus.listing import NO_DRIVER, NO_NVML, Gpu, query_nvml, query_smi
 
 DRIVER_DIR = "/proc/driver/nvidia"  # present wherever the NVIDIA kernel driver is loaded
 # the note's start where a driver is loaded but neither NVML nor nvidia-smi answers

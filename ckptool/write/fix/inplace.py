@@ -33,7 +33,7 @@ from ckptool.model import Checkpoint
 from ckptool.read.formats.torch_zip import open_archive
 from ckptool.read.reader import open_checkpoint
 from ckptool.write import repickle, verify
-from ckptool.write.plan import Plan, new_pid
+from ckptool.write.fix.plan import Plan, new_pid
 from ckptool.write.zipwriter import ZipWriter
 
 CRASH_ENV = "CKPTOOL_TEST_CRASH_AT"  # tests: die at a named step, as kill -9 would

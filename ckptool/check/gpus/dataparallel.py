@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ckptool.check.gpus import Machine
-from ckptool.check.scheduler import Job, gpu_name
+from ckptool.check.gpus.machine import Machine
+from ckptool.check.gpus.scheduler import Job, gpu_name
 
 INVALID = "AssertionError: Invalid device id"
 

@@ -32,8 +32,8 @@ from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.dcp import DCP
 from ckptool.read.layouts.deepspeed import DEEPSPEED
 from ckptool.read.values import is_plain
+from ckptool.write.fix.plan import CASTABLE
 from ckptool.write.formats.safetensors import ST_CODES
-from ckptool.write.plan import CASTABLE
 
 TORCH, WHOLE = "torch", "whole"  # into a torch file; into a torch file or DCP, all of it
 

@@ -4,7 +4,7 @@ A ``FixOptions`` says what to do; ``make_plan`` applies it to the object
 tree of a file read with ``resolve.faithful()`` and returns the new tree
 with the list of changes (key renames, dropped entries, new location tags,
 casts). Nothing is written here and no tensor byte is read: the writer
-(``ckptool.write.fix``) streams the bytes afterwards.
+(``ckptool.write.fix.run``) streams the bytes afterwards.
 
 Order of operations: ``--drop`` (paths in the input), ``--extract``, then key
 changes on the state dict (``--strip-module``, ``--strip-prefix``,

@@ -39,9 +39,10 @@ from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import tensor_bytes
 from ckptool.read.layouts.dcp import DCP, nest
 from ckptool.read.reader import open_checkpoint
-from ckptool.write import convert_plan, shards
-from ckptool.write.convert_files import write_safetensors, write_torch
-from ckptool.write.convert_plan import TORCH, WHOLE, Written
+from ckptool.write import shards
+from ckptool.write.convert import plan as convert_plan
+from ckptool.write.convert.files import write_safetensors, write_torch
+from ckptool.write.convert.plan import TORCH, WHOLE, Written
 from ckptool.write.outdir import AtomicDirectory
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource

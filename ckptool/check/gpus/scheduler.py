@@ -25,7 +25,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from ckptool.check.gpus import LISTERS, Machine
+from ckptool.check.gpus.machine import LISTERS, Machine
 
 # the variables `devices --json` reports under "environment", when set
 WATCHED = ("SLURM_JOB_ID", "SLURM_STEP_ID", "SLURM_JOB_GPUS", "SLURM_STEP_GPUS",
