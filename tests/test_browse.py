@@ -1066,6 +1066,28 @@ def test_cli_reports_a_read_error_from_the_app(ran: Ran, monkeypatch: pytest.Mon
     assert err == "ckptool: error: x.pth: cannot read pickle\nhint: fetch it again\n"
 
 
+@pytest.mark.parametrize(("keys", "code"), [(["q"], 0), (["ctrl+c"], 130),
+                                             (["slash", "a", "ctrl+c"], 130)])
+def test_cli_exits_with_the_apps_return_code(monkeypatch: pytest.MonkeyPatch, keys: list[str],
+                                             code: int) -> None:
+    """``ckptool browse`` run in-process: the real app, headless, quit by a key."""
+    def headless(self: BrowseApp, *args: Any, **kwargs: Any) -> int | None:
+        self.machine = gpus.assumed(0)
+
+        async def run() -> None:
+            async with self.run_test(size=(80, 24)) as pilot:
+                await settle(self, pilot)
+                await pilot.press(*keys)
+                await until(pilot, lambda: self.return_code is not None, "the app to exit")
+
+        asyncio.run(run())
+        return self.return_value
+
+    monkeypatch.setattr(BrowseApp, "run", headless)
+    monkeypatch.setattr("ckptool.cli.browse._is_terminal", lambda: True)
+    assert main(["browse", str(DP)]) == code
+
+
 @pytest.mark.parametrize(("args", "code", "message"), [
     (["browse", "missing.pth"], 3, "missing.pth: no such file"),
     (["browse", str(DP), "--model-arg", "a=1"], 2, "--model-arg needs --model"),

@@ -2,7 +2,8 @@
 
 A missing or foreign file fails before the screen opens (exit 3), and a
 session without a terminal is a usage error (exit 2) that points to
-``inspect``. The app itself lives in ``ckptool.tui``.
+``inspect``. The command exits with the app's return code: 0 when quit
+with ``q``, 130 with Ctrl-C. The app itself lives in ``ckptool.tui``.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def browse(path: str, model_spec: str | None, model_args: tuple[str, ...],
     app.run()
     if app.error is not None:
         raise app.error
-    return 0
+    # the app's own: 0 when quit with q, 130 with Ctrl-C (as any interrupted command)
+    return app.return_code or 0
 
 
 command = browse
