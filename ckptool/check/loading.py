@@ -12,8 +12,10 @@
   checkpoint has (``head.weight`` = ``embed.weight``) is given that tensor.
   Nothing else is changed silently: where keys are still missing, left over
   or shaped differently, a ``StateDictMismatch`` carries the findings and the
-  message ``diagnose`` prints (``strict=False`` returns what matches instead,
-  as ``load_state_dict(strict=False)`` would take it).
+  message ``diagnose`` prints. ``strict=False`` returns what
+  ``load_state_dict(strict=False)`` takes instead: the model's keys, each with
+  the model's shape; what it leaves out (keys the model does not have, keys
+  shaped differently) is said in a ``StateDictMismatchWarning``.
 - ``map_location`` (default ``"cpu"``) places every tensor; ``dtype`` casts
   floating tensors (``torch.bfloat16``, ``"bf16"``...).
 """
@@ -21,6 +23,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from typing import TYPE_CHECKING, Any
 
 from ckptool import dtypes
@@ -50,6 +53,15 @@ class StateDictMismatch(CkptoolError):
 
     def __init__(self, message: str, hint: str, findings: list[Finding]) -> None:
         super().__init__(message, hint)
+        self.findings = findings
+
+
+class StateDictMismatchWarning(UserWarning):
+    """``strict=False`` left out keys that do not fit the model (ones it does
+    not have, ones shaped differently): ``findings`` say how."""
+
+    def __init__(self, message: str, findings: list[Finding]) -> None:
+        super().__init__(message)
         self.findings = findings
 
 
@@ -93,8 +105,7 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
                 "see `ckptool diagnose` for the whole report, or pass strict=False",
                 found)
         if not strict:
-            expected = set(keys.shapes)
-            names = {n: s for n, s in names.items() if n in expected}
+            names = _what_fits(path, type(model).__name__, names, tensors, keys.shapes, bad)
     place = Placement(map_location)
     out: dict[str, torch.Tensor] = {}
     made: dict[str, torch.Tensor] = {}
@@ -119,6 +130,34 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
                 made[stored] = value
             out[name] = made[stored]
     return out
+
+
+def _what_fits(path: str, model: str, names: dict[str, str], tensors: dict[str, Any],
+               shapes: dict[str, tuple[int, ...] | None],
+               findings: list[Finding]) -> dict[str, str]:
+    """The names ``load_state_dict(strict=False)`` takes: the model's, each
+    with the model's shape. What is left out is said in a
+    ``StateDictMismatchWarning``."""
+    kept: dict[str, str] = {}
+    unexpected: list[str] = []
+    mismatched: list[str] = []
+    for name, stored in names.items():
+        if name not in shapes:
+            unexpected.append(name)
+        elif (want := shapes[name]) is not None and tuple(tensors[stored].shape) != want:
+            mismatched.append(name)
+        else:
+            kept[name] = stored
+    if unexpected or mismatched:
+        left = [f"{len(mismatched)} shaped differently ({', '.join(mismatched[:5])}"
+                f"{', ...' if len(mismatched) > 5 else ''})"] if mismatched else []
+        if unexpected:
+            left.append(f"{len(unexpected)} the model does not have "
+                        f"({', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''})")
+        warnings.warn(StateDictMismatchWarning(
+            f"{path} does not fit {model}: left out {' and '.join(left)}; "
+            + "; ".join(f"{f.code}: {f.message}" for f in findings), findings), stacklevel=3)
+    return kept
 
 
 def _dtype(dtype: Any) -> torch.dtype | None:

@@ -1,8 +1,11 @@
 """Where ``ckptool.load`` and ``load_state_dict`` put each storage:
 ``map_location`` as torch takes it (a device, a dict of saved tag to tag, a
 callable), and, with none, the saved device when this machine has it, else
-a ``LoadError`` saying which is missing and how to map it. Also the view of
-a storage as a tensor both build.
+a ``LoadError`` saying which is missing and how to map it. A device named as
+the destination is checked the same way before torch is asked to move
+anything (no GPU, an index past the count, a kind this build lacks, a
+malformed string), so every layout fails alike. Also the view of a storage
+as a tensor both build.
 """
 
 from __future__ import annotations
@@ -26,7 +29,12 @@ class Placement:
     """Where each storage goes, as ``map_location`` says (see ``load``)."""
 
     def __init__(self, map_location: MapLocation) -> None:
+        import torch
+
         self.map_location = map_location
+        self._usable: set[str] = set()  # devices checked to be on this machine
+        if isinstance(map_location, (str, torch.device)):
+            self._check_target(str(map_location))  # before any byte is read
 
     def target(self, tag: str) -> str | None:
         """The device a storage saved on ``tag`` goes to (None: a callable decides)."""
@@ -34,19 +42,40 @@ class Placement:
 
         ml = self.map_location
         if ml is None:
-            _check_available(tag)
+            self._check_saved(tag)
             return tag
         if isinstance(ml, (str, torch.device)):
             return str(ml)
         if isinstance(ml, dict):
             to = ml.get(tag, tag)
-            if to == tag:
-                _check_available(tag)
+            if str(to) == tag:
+                self._check_saved(tag)
+            else:
+                self._check_target(str(to))
             return str(to)
         if callable(ml):
             return None
         raise LoadError(f"map_location {ml!r} is not a device, a dict or a callable",
                         "pass 'cpu', torch.device('cuda:0'), {'cuda:2': 'cuda:0'} or a function")
+
+    def _check_saved(self, tag: str) -> None:
+        if tag in self._usable:
+            return
+        missing = unusable(tag)
+        if missing:
+            raise LoadError(f"the checkpoint was saved on {tag}: {missing}",
+                            "pass map_location='cpu', or map the tag: map_location={"
+                            + repr(tag) + ": " + repr(_instead(tag)) + "}")
+        self._usable.add(tag)
+
+    def _check_target(self, device: str) -> None:
+        if device in self._usable:
+            return
+        missing = unusable(device)
+        if missing:
+            raise LoadError(f"map_location {device!r}: {missing}",
+                            f"pass map_location={_instead(device)!r}")
+        self._usable.add(device)
 
     def storage(self, storage: torch.UntypedStorage, tag: str) -> torch.UntypedStorage:
         target = self.target(tag)
@@ -67,25 +96,43 @@ class Placement:
         return value if target == "cpu" else value.to(target)
 
 
-def _check_available(tag: str) -> None:
+def unusable(device: str) -> str:
+    """Why torch cannot put a storage on ``device`` on this machine ("" when
+    it can): not a device string torch knows, a kind this machine has none
+    of, an index past its count."""
     import torch
 
-    kind, _, index = tag.partition(":")
-    if kind == "cpu" or kind == "meta":
-        return
-    if kind == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if int(index or 0) < count:
-            return
-        raise LoadError(
-            f"the checkpoint was saved on {tag}, and this machine has "
-            f"{'no CUDA GPU' if count == 0 else f'{count} CUDA GPU(s)'}",
-            "pass map_location='cpu', or map the tag: map_location={" + repr(tag) + ": 'cuda:0'}")
-    backend = getattr(torch.backends, kind, None)
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, TypeError, ValueError):
+        return "not a device torch knows ('cpu', 'cuda:0', 'mps'...)"
+    kind, index = parsed.type, parsed.index
+    if kind in ("cpu", "meta"):
+        return ""
+    backend = getattr(torch, kind, None)
     available = getattr(backend, "is_available", None)
-    if not (callable(available) and available()):
-        raise LoadError(f"the checkpoint was saved on {tag}, which this machine does not have",
-                        f"pass map_location='cpu', or map the tag: map_location={{{tag!r}: 'cpu'}}")
+    count_of = getattr(backend, "device_count", None)
+    count = 0
+    if callable(available) and available():
+        count = int(count_of()) if callable(count_of) else 1
+    name = kind.upper() if kind in ("cuda", "mps", "xpu", "hpu", "mtia") else repr(kind)
+    if count == 0:
+        return f"this machine has no {name} device"
+    if index is not None and index >= count:
+        shown = ", ".join(f"{kind}:{i}" for i in range(min(count, 4)))
+        more = ", ..." if count > 4 else ""
+        return f"this machine has {count} {name} device{'s' if count > 1 else ''} ({shown}{more})"
+    return ""
+
+
+def _instead(device: str) -> str:
+    """The device to suggest in place of ``device``: its kind's first one,
+    when this machine has it, else the CPU."""
+    kind = device.partition(":")[0]
+    first = f"{kind}:0"
+    if kind not in ("cpu", "meta") and kind != device and not unusable(first):
+        return first
+    return "cpu"
 
 
 def view(storage: torch.UntypedStorage, dtype: torch.dtype, shape: tuple[int, ...],
