@@ -55,4 +55,26 @@ class ConvertResult:
     @classmethod
     def of(cls, source: Checkpoint, output: str, fmt: str, written: Written) -> ConvertResult:
         return cls(source, output, fmt, len(written.tensors), written.aliases, written.copies,
-                   list(written.entries), written.left_out, notes=list(written.notes))
+                   list(written.entries), written.left_out,
+                   notes=[*written.notes, *moved(written, fmt)])
+
+
+# how each output format keeps a device, for the note saying what was lost
+_DEVICE_AFTER = {
+    "safetensors": "safetensors records no device: load_file(path, device=...) picks one",
+    "hf-safetensors": "safetensors records no device: load_file(path, device=...) picks one",
+    "dcp": "DCP records no device: dcp.load puts each tensor where the state dict it is "
+           "given has it",
+}
+_RETARGET = "`ckptool fix --to DEVICE` retargets them"
+
+
+def moved(written: Written, fmt: str) -> list[str]:
+    """Every output's storages are written as on cpu: the note saying so of
+    those that were saved elsewhere (``cuda:2``), whatever the format."""
+    tags = sorted({str(t.location) for t in written.tensors.values()
+                   if t.location is not None and str(t.location) != "cpu"})
+    if not tags:
+        return []
+    return [f"storages saved on {', '.join(tags)} are written as on cpu "
+            f"({_DEVICE_AFTER.get(fmt, _RETARGET)})"]

@@ -40,7 +40,6 @@ from pathlib import Path
 
 from ckptool.describe import shell_word
 from ckptool.errors import UsageError
-from ckptool.model import TensorInfo
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import deepspeed
 from ckptool.read.reader import open_checkpoint, with_state_dict
@@ -132,7 +131,6 @@ def convert(src: str, dst: str, *, force: bool = False, progress: Progress | Non
     if dtype is not None:
         convert_plan.cast(written, dtype)
     result = ConvertResult.of(source, dst, "torch-zip", written)
-    result.notes += _moved(written.tensors)
     with TensorSource(source) as tensors:
         result.bytes_written = write_torch(written, tensors, AtomicOutput(dst, force, fsync),
                                            progress)
@@ -147,10 +145,3 @@ def _st_metadata(written: Written) -> dict[str, str]:
         meta["ckptool.entries"] = json.dumps(written.entries, default=repr)
     return meta
 
-
-def _moved(kept: dict[str, TensorInfo]) -> list[str]:
-    """The output's storages are all written as on cpu: say so of those that
-    were saved elsewhere."""
-    tags = sorted({t.location for t in kept.values()} - {"cpu", None}, key=str)
-    return [f"storages saved on {', '.join(map(str, tags))} are written as on cpu "
-            "(`ckptool fix --to DEVICE` retargets them)"] if tags else []
