@@ -10,16 +10,20 @@ training scripts put one beside the model (``{"model": ..., "optimizer":
 state dict looks like: ``find`` names them so that the reader ranks them
 out, and ``describe`` says what the optimizer holds.
 
-Pure: it looks at the inert object tree only, a few levels down.
+Pure: it looks at the inert object tree only, a few levels down
+(``holder`` then says which of a checkpoint's tensors are under them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ckptool.keys import join_key
+from ckptool.keys import join_key, key_of
+
+if TYPE_CHECKING:
+    from ckptool.model import Checkpoint, TensorInfo
 
 MAX_DEPTH = 3  # {"optimizer_states": [{"state": ...}]} is two levels down
 MAX_VISITED = 10_000  # containers looked into: a file of a million dicts costs no more
@@ -106,6 +110,58 @@ def _containers(root: Any) -> Iterator[tuple[str, Any]]:
                 below += [(join_key(path, str(i)), v) for i, v in enumerate(obj)
                           if isinstance(v, (dict, list, tuple))]
         level = below
+
+
+def find_flat(paths: Iterable[tuple[str | int, ...]]) -> list[OptimizerState]:
+    """The optimizer state dicts of a checkpoint saved flat, from each name's
+    path in the nested dict it was saved from (DCP's planner paths:
+    ``("optim", "state", "fc.weight", "exp_avg")``), within ``MAX_DEPTH``
+    levels as ``find`` finds them in a tree: a ``state`` of per-parameter
+    dicts beside ``param_groups`` that list ``params``. The tree is never
+    built: a path is only looked at, whatever it claims."""
+    groups: dict[tuple[str | int, ...], set[int]] = {}
+    params: dict[tuple[str | int, ...], set[str | int]] = {}
+    names: dict[tuple[str | int, ...], dict[str, None]] = {}
+    for path in paths:
+        for depth in range(min(MAX_DEPTH + 1, len(path) - 2)):
+            step, head, below, name = path[depth], path[:depth], path[depth + 1], path[depth + 2]
+            if step == "param_groups" and len(path) == depth + 3 and \
+                    isinstance(below, int) and name == "params":
+                groups.setdefault(head, set()).add(below)
+            elif step == "state":
+                params.setdefault(head, set()).add(below)
+                if isinstance(name, str):
+                    names.setdefault(head, {})[name] = None
+    found = sorted((h for h in params if h in groups), key=len)
+    # as ``find``: nothing inside an optimizer's state is another one
+    found = [h for h in found if not any(h[:len(o)] == o for o in found if len(o) < len(h))]
+    return [OptimizerState(key_of([str(step) for step in head]), len(params[head]),
+                           len(groups[head]), tuple(names.get(head, ())),
+                           _kind(set(names.get(head, ()))))
+            for head in found]
+
+
+def holder(ckpt: Checkpoint) -> Callable[[TensorInfo], bool] | None:
+    """Whether a tensor of ``ckpt`` is optimizer state: under the key of one
+    of its ``metadata["optimizer_states"]`` (for DCP, by its planner path:
+    ``optim.state.fc.weight.exp_avg`` is under ``optim``). None when the
+    checkpoint holds no optimizer state."""
+    paths = [s["path"] for s in ckpt.metadata.get("optimizer_states") or ()]
+    if not paths:
+        return None
+    if "" in paths:  # the whole file is one
+        return lambda t: True
+    exact, heads = set(paths), tuple(f"{p}/" for p in paths)
+    tree = ckpt.tree_paths
+
+    def holds(t: TensorInfo) -> bool:
+        key = t.key
+        steps = tree.get(key) if tree else None
+        if steps is not None:
+            key = key_of([str(step) for step in steps])
+        return key in exact or key.startswith(heads)
+
+    return holds
 
 
 def summary(s: OptimizerState) -> str:

@@ -142,7 +142,8 @@ class BrowseApp(LoadingApp):
             loads = ({t.location: t for t in self.diagnosis.tags}
                      if self.diagnosis is not None else None)
             stats = "computing…" if item.key in self.computing else self.stats.get(item.key)
-            detail.update(panes.tensor_detail(self.ckpt, item, loads, stats))
+            detail.update(panes.tensor_detail(self.ckpt, item, loads, stats,
+                                              self.index.is_optimizer(item)))
 
     # -- filter --------------------------------------------------------------------
     def action_filter(self) -> None:

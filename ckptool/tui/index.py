@@ -7,7 +7,10 @@ names): ``state_dict/module.fc.weight`` sits under ``state_dict`` >
 ``module`` > ``fc``. A ``/`` escaped inside a name (``a\\/b``, the key of
 ``{"a/b": t}``: ``ckptool.keys``) splits nothing, so that key is one leaf
 beside ``a`` > ``b``. Every module node carries its tensor count, parameter
-count (elements of floating tensors), bytes and saved locations.
+count (elements of floating tensors, a tied weight once, buffers not), bytes
+and saved locations. An optimizer's state (``optimizer/state/0/exp_avg``,
+DCP's ``optim.state.fc.weight.exp_avg``: ``ckptool.read.optim.holder``) is
+counted apart, as such: its moments are no parameters.
 
 Cost model, for 100,000 tensors: ``Index.extend`` is a few microseconds
 per tensor (done as batches arrive); a filter pass is one list
@@ -19,7 +22,7 @@ looked at (``ckptool.tui.rows``).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from itertools import compress
 from operator import attrgetter
 from typing import cast
@@ -49,8 +52,13 @@ Rows = Sequence["Node | TensorInfo"]
 class Index:
     """Every tensor of a checkpoint, as a tree and a flat list."""
 
-    def __init__(self, tensors: Iterable[TensorInfo] = ()) -> None:
+    def __init__(self, tensors: Iterable[TensorInfo] = (),
+                 optimizer: Callable[[TensorInfo], bool] | None = None) -> None:
+        """``optimizer``: whether a tensor is an optimizer's state (known once
+        the file is read: ``ckptool.read.optim.holder``)."""
         self.root = Node("", "", -1, None, 0)
+        self._optimizer = optimizer
+        self._optim: set[int] = set()  # id() of the tensors that are optimizer state
         self.tensors: list[TensorInfo] = []
         self._parent: dict[int, Node] = {}  # id(tensor) -> the node it sits under
         self._sorted: dict[str, tuple[list[TensorInfo], list[str], list[str]]] = {}
@@ -64,14 +72,19 @@ class Index:
 
     def extend(self, tensors: Iterable[TensorInfo]) -> None:
         """Add tensors (a loading batch): O(depth) each."""
-        root = self.root
+        root, optimizer = self.root, self._optimizer
         for t in tensors:
             self.tensors.append(t)
             parts = pieces(t.key, dots=True)
-            params = self._params.add(t)[0]  # a tied weight once, buffers not
+            optim = optimizer is not None and optimizer(t)
+            if optim:  # counted apart: its elements are no parameters
+                self._optim.add(id(t))
+                params = t.numel
+            else:
+                params = self._params.add(t)[0]  # a tied weight once, buffers not
             loc = t.location or NO_LOCATION
             node = root
-            self._count(node, t.nbytes, params, loc)
+            self._count(node, t.nbytes, params, loc, optim)
             end = len(parts) - 1
             pos = 0
             for part in parts[:end]:
@@ -82,7 +95,7 @@ class Index:
                                  len(node.children))
                     node.children[part] = child
                 node = child
-                self._count(node, t.nbytes, params, loc)
+                self._count(node, t.nbytes, params, loc, optim)
             node.tensors.append(t)
             self._parent[id(t)] = node
         self._sorted.clear()
@@ -90,11 +103,20 @@ class Index:
         self._by_key = None
 
     @staticmethod
-    def _count(node: Node, nbytes: int, params: int, loc: str) -> None:
+    def _count(node: Node, nbytes: int, params: int, loc: str, optim: bool) -> None:
+        """``optim``: ``params`` are elements of an optimizer's state."""
         node.count += 1
-        node.params += params
+        if optim:
+            node.optim += 1
+            node.optim_elements += params
+        else:
+            node.params += params
         node.nbytes += nbytes
         node.locations[loc] = node.locations.get(loc, 0) + nbytes
+
+    def is_optimizer(self, t: TensorInfo) -> bool:
+        """Whether ``t`` is an optimizer's state (not a model's tensor)."""
+        return id(t) in self._optim
 
     # -- lookups -------------------------------------------------------------
     def node(self, path: str) -> Node | None:

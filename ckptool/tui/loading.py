@@ -81,10 +81,15 @@ class LoadingApp(App[int]):
                 f"{self.path}: {exc.strerror or exc}", "check the file and try again"))
             return
         # the batches were a preview; when they hold exactly the final keys
-        # (the usual case) the tree built from them stays, else it is rebuilt
+        # (the usual case) the tree built from them stays, else it is rebuilt;
+        # so it is when the file holds an optimizer's state, known only now:
+        # its moments are counted apart, not as parameters
+        from ckptool.read.optim import holder
+
         sent = [t.key for batch in self._partial for t in batch]
         same = sent == [t.key for t in ckpt.tensors]
-        index = None if same else Index(ckpt.tensors)
+        optimizer = holder(ckpt)
+        index = None if same and optimizer is None else Index(ckpt.tensors, optimizer)
         self.call_from_thread(self._loaded, ckpt, index)
         # made before they are asked for: the one slow sort (natural order of
         # names), and what a filter keystroke in the tree needs

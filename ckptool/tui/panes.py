@@ -58,8 +58,9 @@ def summary(ckpt: Checkpoint) -> Text:
     text.append(_tally(ckpt.bytes_by_location) + "\n")
     sd = ckpt.main_state_dict
     text.append("state dict ", style="bold")
-    if sd is None:
-        text.append("none found", style="yellow")
+    if sd is None:  # as inspect says it
+        text.append("none: the file is an optimizer's state, not a model's weights"
+                    if ckpt.metadata.get("optimizer_states") else "none found", style="yellow")
     else:
         where = shown(manyfiles.state_dict_place(ckpt, "the whole file"))
         if sd.kind == "module":
@@ -97,13 +98,16 @@ def _contiguous(shape: tuple[int, ...], stride: tuple[int, ...] | None) -> bool:
 
 
 def tensor_detail(ckpt: Checkpoint | None, t: TensorInfo, loads: dict[str, TagLoad] | None,
-                  stats: TensorStats | str | None) -> Text:
+                  stats: TensorStats | str | None, optimizer: bool = False) -> Text:
     """Everything about one tensor, densest first so that 80x24 shows it:
     shape and dtype, its statistics once asked for, layout, storage and
-    sharing, where it was saved and where it lands here."""
+    sharing, where it was saved and where it lands here. ``optimizer``: it
+    is an optimizer's state, not a model's tensor."""
     text = Text()
     text.append(shown(t.key) + "\n", style="bold")
-    kind = [tensor_shape(t), shown(t.dtype), f"{t.numel:,} elements", human_bytes(t.nbytes)]
+    kind = [tensor_shape(t), shown(t.dtype), plural(t.numel, "element"), human_bytes(t.nbytes)]
+    if optimizer:
+        kind.append("optimizer state")
     if t.is_parameter:
         kind.append("parameter")
     if t.requires_grad:
@@ -212,8 +216,16 @@ def node_detail(n: Node) -> Text:
     text = Text()
     text.append(shown(n.path or "(root)") + "\n", style="bold")
     _row(text, "tensors", f"{n.count:,}")
-    short = human_count(n.params)
-    _row(text, "params", f"{n.params:,}" + (f" ({short})" if short != str(n.params) else ""))
+    if n.optim and n.optim == n.count:
+        _row(text, "params", "none: an optimizer's state, not the model's parameters")
+    else:
+        short = human_count(n.params)
+        _row(text, "params", f"{n.params:,}" + (f" ({short})" if short != str(n.params) else ""))
+    if n.optim:
+        short = human_count(n.optim_elements)
+        elements = f"{n.optim_elements:,}" + (
+            f" ({short})" if short != str(n.optim_elements) else "")
+        _row(text, "optimizer", f"{plural(n.optim, 'tensor')} of its state · {elements} elements")
     _row(text, "size", human_bytes(n.nbytes))
     _row(text, "saved on", _tally(dict(sorted(n.locations.items(),
                                               key=lambda kv: (-kv[1], kv[0]))), most=4))

@@ -36,7 +36,9 @@ class Node:
     children: dict[str, Node] = field(default_factory=dict)
     tensors: list[TensorInfo] = field(default_factory=list)  # leaves right under it
     count: int = 0  # tensors anywhere below
-    params: int = 0
+    params: int = 0  # the model's: an optimizer's moments are none (``optim``)
+    optim: int = 0  # tensors below that are an optimizer's state
+    optim_elements: int = 0  # ... and their elements
     nbytes: int = 0
     locations: dict[str, int] = field(default_factory=dict)  # tag -> bytes below
 

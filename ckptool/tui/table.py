@@ -77,8 +77,11 @@ def node_cells(n: Node, cols: Columns) -> tuple[str, str, str, str]:
     count = _fitting(cols.shape, f"{full} tensor{plural}", f"{short} tensor{plural}",
                      f"{short} tens.", short)
     where = shown(_device(n.main_location)) + ("+" if len(n.locations) > 1 else "")
-    params = human_count(n.params)
-    params = _fitting(cols.dtype, f"{params} params", f"{params} par.", params)
+    if n.optim and n.optim == n.count:  # an optimizer's state: no parameter of the model
+        params = "optimizer"
+    else:
+        params = human_count(n.params)
+        params = _fitting(cols.dtype, f"{params} params", f"{params} par.", params)
     return (count, params, where, human_bytes(n.nbytes))
 
 
