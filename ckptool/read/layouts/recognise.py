@@ -25,39 +25,39 @@ and nothing here imports a format reader beyond their ``sniff`` functions.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import stat
 from dataclasses import dataclass
 
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
-from ckptool.read.layouts import framework
+from ckptool.read.layouts import framework, mixed
+from ckptool.read.layouts.names import (  # noqa: F401 (MODEL_FILE, OPTIM_FILE: for their readers)
+    ACCELERATE_DIRS,
+    DATA_FILE,
+    HF_STORAGE_SHARD,
+    INDEX_NAME,
+    LATEST,
+    MAX_INDEX_BYTES,
+    MAX_SNIFFED,
+    METADATA,
+    MODEL_FILE,
+    OPTIM_FILE,
+    PREFERRED_INDEXES,
+    RANK_METADATA,
+    RANK_NAME,
+    RECOVERY_SCRIPTS,
+    is_checkpoint_file,
+    listing,
+    regular_file,
+)
+from ckptool.read.layouts.names import holds_dcp as _holds_dcp
+from ckptool.read.layouts.names import index_json as _index_json
+from ckptool.read.layouts.names import latest as _latest
+from ckptool.read.layouts.names import shown as _names
 
 FILE, HF, DCP, DEEPSPEED, PER_RANK = "file", "hf", "dcp", "deepspeed", "per-rank"
 HF_STORAGE = "hf-storage"
-# torch's HuggingFaceStorageWriter(save_distributed=True): rank, then file
-HF_STORAGE_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
-# model_world_size_2_rank_0.pt (veRL), rank_0.pt, checkpoint-rank3.pth...
-RANK_NAME = re.compile(r"^(?P<stem>.*?)[_-]?rank[_-]?(?P<rank>\d+)\.(?:pt|pth|bin)$")
-METADATA = ".metadata"
-RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
-DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
-ACCELERATE_DIRS = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?$")
-# DeepSpeed's names (engine.py: _get_ckpt_name, _get_zero_ckpt_name)
-MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-LATEST = "latest"
-MAX_TAG_BYTES = 1024
-INDEX_NAME = re.compile(r"\.index(\.[^./]+)?\.json$")
-PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
-MAX_INDEX_BYTES = 256 << 20  # an index of a million names is ~60 MB
-MAX_SNIFFED = 4096  # files whose first bytes are read to find a lone checkpoint
-LIST_SHOWN = 6
-# the scripts DeepSpeed copies beside every checkpoint (never run: just files)
-RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 
 @dataclass(frozen=True)
@@ -103,13 +103,14 @@ def _directory(path: str) -> Layout:
                          "check its permissions") from exc
     files = [name for name, _, is_file in entries if is_file]
     dirs = [name for name, is_dir, _ in entries if is_dir]
+    named = [n for n in files if INDEX_NAME.search(n)]
+    parsed = {n: _index_json(os.path.join(path, n)) for n in named}
+    indexes = [n for n in named if parsed[n]]
+    mixed.refuse_two(path, files, dirs, {n: index for n in indexes if (index := parsed[n])})
     metadata = [n for n in files if n == METADATA] or [n for n in files
                                                        if RANK_METADATA.match(n)]
     if metadata:
         return _dcp(path, files, metadata)
-    named = [n for n in files if INDEX_NAME.search(n)]
-    parsed = {n: _index_json(os.path.join(path, n)) for n in named}
-    indexes = [n for n in named if parsed[n]]
     single = framework.single_before_index(
         files, [(n, parsed[n]) for n in indexes],
         lambda n: is_checkpoint_file(os.path.join(path, n)))
@@ -193,25 +194,6 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
     notes = (f"{path} also holds {_names(unknown)}, not part of the DeepSpeed checkpoint: "
              "inspect them by name",) if unknown else ()
     return Layout(DEEPSPEED, path, os.path.join(path, chosen), tag=chosen, notes=notes), ""
-
-
-def _latest(path: str) -> str | None:
-    """The tag a DeepSpeed ``latest`` file names (one line of text), or None."""
-    if not regular_file(os.path.join(path, LATEST)):
-        return None
-    try:
-        with open(os.path.join(path, LATEST), "rb") as f:
-            data = f.read(MAX_TAG_BYTES + 1)
-    except OSError:
-        return None
-    try:
-        tag = data.decode("utf-8").strip()
-    except UnicodeDecodeError:
-        return None
-    if not tag or len(data) > MAX_TAG_BYTES or "\n" in tag or "\0" in tag or "/" in tag \
-            or "\\" in tag or tag in (".", ".."):
-        return None
-    return tag
 
 
 def _dcp(path: str, files: list[str], metadata: list[str]) -> Layout:
@@ -324,63 +306,6 @@ def _accelerate_index(name: str) -> int:
     optimizer); no number is 0."""
     m = ACCELERATE_DIRS.match(name)
     return int(m.group(2)[1:]) if m and m.group(2) else 0
-
-
-def _holds_dcp(folder: str) -> bool:
-    return os.path.isfile(os.path.join(folder, METADATA)) or any(
-        RANK_METADATA.match(n) for n in listing(folder))
-
-
-def listing(folder: str) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []
-
-
-def regular_file(path: str) -> bool:
-    """Whether ``path`` is a regular file (a FIFO or device is never opened:
-    reading one could block for ever)."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
-
-
-def is_checkpoint_file(path: str) -> bool:
-    """A torch zip, legacy torch file or safetensors file, by its first bytes."""
-    if not regular_file(path):
-        return False
-    try:
-        with open(path, "rb") as f:
-            head = f.read(16)
-    except OSError:
-        return False
-    return torch_zip.sniff(head) or torch_legacy.sniff(head) or safetensors_fmt.sniff(head)
-
-
-def _index_json(path: str) -> dict[str, object] | None:
-    """The JSON of a shard index (an object with a ``weight_map`` object), or None."""
-    if not regular_file(path):
-        return None
-    try:
-        with open(path, "rb") as f:
-            if not f.read(64).lstrip().startswith(b"{"):
-                return None
-            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
-                return None
-            f.seek(0)
-            data = json.loads(f.read())
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    if isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
-        return data
-    return None
-
-
-def _names(names: list[str]) -> str:
-    shown = ", ".join(names[:LIST_SHOWN])
-    return shown + (f", … {len(names) - LIST_SHOWN} more" if len(names) > LIST_SHOWN else "")
 
 
 def describe(layout: Layout) -> str:

@@ -1,0 +1,117 @@
+"""What a directory's names and first bytes say, for ``recognise`` and
+``mixed``: the file names each layout writes (DCP's ``.metadata`` and
+``.distcp``, DeepSpeed's model and optimizer states, files saved per rank,
+torch's HuggingFaceStorageWriter shards, accelerate's sub-directories,
+shard indexes), whether a file is a checkpoint by its first bytes, and an
+index's JSON. Nothing here reads more than an index and a few bytes of a file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import stat
+
+from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
+
+# torch's HuggingFaceStorageWriter(save_distributed=True): rank, then file
+HF_STORAGE_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
+# model_world_size_2_rank_0.pt (veRL), rank_0.pt, checkpoint-rank3.pth...
+RANK_NAME = re.compile(r"^(?P<stem>.*?)[_-]?rank[_-]?(?P<rank>\d+)\.(?:pt|pth|bin)$")
+METADATA = ".metadata"
+RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
+DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
+ACCELERATE_DIRS = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?$")
+# DeepSpeed's names (engine.py: _get_ckpt_name, _get_zero_ckpt_name)
+MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
+OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# every file DeepSpeed's engine saves in a tag directory (pipeline layers, MoE experts too)
+DEEPSPEED_FILE = re.compile(r"_(model|optim)_states\.pt$")
+LATEST = "latest"
+MAX_TAG_BYTES = 1024
+INDEX_NAME = re.compile(r"\.index(\.[^./]+)?\.json$")
+PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+MAX_INDEX_BYTES = 256 << 20  # an index of a million names is ~60 MB
+MAX_SNIFFED = 4096  # files whose first bytes are read to find a lone checkpoint
+LIST_SHOWN = 6
+# the scripts DeepSpeed copies beside every checkpoint (never run: just files)
+RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
+
+
+def listing(folder: str) -> list[str]:
+    try:
+        return os.listdir(folder)
+    except OSError:
+        return []
+
+
+def regular_file(path: str) -> bool:
+    """Whether ``path`` is a regular file (a FIFO or device is never opened:
+    reading one could block for ever)."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return False
+
+
+def is_checkpoint_file(path: str) -> bool:
+    """A torch zip, legacy torch file or safetensors file, by its first bytes."""
+    if not regular_file(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            head = f.read(16)
+    except OSError:
+        return False
+    return torch_zip.sniff(head) or torch_legacy.sniff(head) or safetensors_fmt.sniff(head)
+
+
+def latest(path: str) -> str | None:
+    """The tag a DeepSpeed ``latest`` file names (one line of text), or None."""
+    if not regular_file(os.path.join(path, LATEST)):
+        return None
+    try:
+        with open(os.path.join(path, LATEST), "rb") as f:
+            data = f.read(MAX_TAG_BYTES + 1)
+    except OSError:
+        return None
+    try:
+        tag = data.decode("utf-8").strip()
+    except UnicodeDecodeError:
+        return None
+    if not tag or len(data) > MAX_TAG_BYTES or "\n" in tag or "\0" in tag or "/" in tag \
+            or "\\" in tag or tag in (".", ".."):
+        return None
+    return tag
+
+
+def holds_dcp(folder: str) -> bool:
+    """Whether ``folder`` holds a DCP checkpoint's ``.metadata`` (or one per rank)."""
+    return os.path.isfile(os.path.join(folder, METADATA)) or any(
+        RANK_METADATA.match(n) for n in listing(folder))
+
+
+def index_json(path: str) -> dict[str, object] | None:
+    """The JSON of a shard index (an object with a ``weight_map`` object), or None."""
+    if not regular_file(path):
+        return None
+    try:
+        with open(path, "rb") as f:
+            if not f.read(64).lstrip().startswith(b"{"):
+                return None
+            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
+                return None
+            f.seek(0)
+            data = json.loads(f.read())
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    if isinstance(data, dict) and isinstance(data.get("weight_map"), dict):
+        return data
+    return None
+
+
+def shown(names: list[str]) -> str:
+    """``a, b, c`` of the first few names, and how many more."""
+    text = ", ".join(names[:LIST_SHOWN])
+    return text + (f", … {len(names) - LIST_SHOWN} more" if len(names) > LIST_SHOWN else "")
