@@ -69,10 +69,39 @@ def beside(path: str, ext: str) -> str:
 
 def shell_word(path: str) -> str:
     """``path`` as a shell word that no command takes for an option, for the
-    commands ckptool prints."""
+    commands and hints ckptool prints (the one quoting of a path they use)."""
+    return shell_quote(f"./{path}" if path.startswith("-") else path)
+
+
+def shell_quote(text: str) -> str:
+    """``text`` as one shell word that pastes back as the same bytes:
+    ``shlex.quote`` for printable text; otherwise bash's ``$'...'`` with
+    ``\\xHH`` escapes for each byte of what is not printable (a file name
+    that is not UTF-8 arrives as ``\\udcff``-style surrogates: each is the
+    byte it stands for; control codes are escaped, never sent raw to the
+    terminal)."""
     import shlex
 
-    return shlex.quote(f"./{path}" if path.startswith("-") else path)
+    if text.isprintable():
+        return shlex.quote(text)
+    out = []
+    for c in text:
+        if c in "\\'":
+            out.append("\\" + c)
+        elif c.isprintable():
+            out.append(c)
+        else:
+            out.extend(f"\\x{b:02x}" for b in _raw_bytes(c))
+    return "$'" + "".join(out) + "'"
+
+
+def _raw_bytes(c: str) -> bytes:
+    """The bytes a character of a name stands for: a surrogate that
+    ``os.fsdecode`` made of an undecodable byte is that byte."""
+    try:
+        return c.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:  # a lone surrogate from elsewhere than a file name
+        return c.encode("utf-8", "surrogatepass")
 
 
 def plural(count: int, noun: str, many: str | None = None) -> str:

@@ -13,11 +13,12 @@ from dataclasses import dataclass, field, replace
 
 from ckptool.check import findings, loadcheck, manyfiles, zerofix
 from ckptool.check.findings import ERROR, WARNING, Finding
-from ckptool.check.fixcommand import plan_command, shell_name
+from ckptool.check.fixcommand import plan_command
 from ckptool.check.gpus.machine import Machine, probe
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.modelspec import ModelKeys, saved_settings
 from ckptool.check.reconcile import KeyReport, ShapeHint, explain_shapes, reconcile
+from ckptool.describe import shell_word
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 from ckptool.model import Checkpoint
 from ckptool.write.fix.plan import FixOptions
@@ -79,7 +80,7 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     tags = loadcheck.plan_tags(ckpt, machine)
     result = Diagnosis(ckpt, machine, tags, [], model)
     opts = FixOptions()
-    name = shell_name(ckpt.path)
+    name = shell_word(ckpt.path)
     result.findings += findings.format_findings(ckpt, name)
     consolidate = zerofix.plan(ckpt)  # DeepSpeed: convert first; fix then works on that file
     if consolidate is not None:

@@ -13,12 +13,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptool.check import loadcheck, manyfiles
-from ckptool.check.fixcommand import command_flags, shell_name, stem
+from ckptool.check.fixcommand import command_flags, stem
 from ckptool.check.gpus.machine import Machine, describe_machine, fits, pick
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.modelspec import ModelKeys
 from ckptool.check.reconcile import KeyReport, ShapeHint
-from ckptool.describe import human_bytes, plural
+from ckptool.describe import human_bytes, plural, shell_word
 from ckptool.keys import pieces, split_key
 from ckptool.model import Checkpoint, GlobalInfo
 from ckptool.read import companions, policy
@@ -47,7 +47,7 @@ def format_findings(ckpt: Checkpoint, name: str) -> list[Finding]:
         "this is a TorchScript archive: plain torch.load refuses it (weights_only) and "
         "load_state_dict cannot take it; torch.jit.load runs its code",
         # its weights as a torch.save state dict, which torch.load and fix take
-        f"ckptool convert {name} {shell_name(_weights_name(ckpt.path))}",
+        f"ckptool convert {name} {shell_word(_weights_name(ckpt.path))}",
         f"torch.jit.load({ckpt.path!r}, map_location='cpu').state_dict()")]
 
 
@@ -201,7 +201,7 @@ def content_findings(ckpt: Checkpoint) -> list[Finding]:
     a pickle): torch ignores it, but nothing a writer of checkpoints puts
     there; a rewrite leaves it behind."""
     rewrites = ckpt.format in ("torch-zip", "torch-legacy")
-    fix = f"ckptool fix {shell_name(ckpt.path)}" if rewrites else None
+    fix = f"ckptool fix {shell_word(ckpt.path)}" if rewrites else None
     out = []
     for warning in ckpt.warnings:
         if UNNAMED_RECORDS in warning or UNVIEWED_STORAGES in warning:  # no fix: harmless

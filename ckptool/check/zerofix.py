@@ -17,8 +17,8 @@ import os
 from dataclasses import dataclass, replace
 
 from ckptool.check.findings import ERROR, Finding
-from ckptool.check.fixcommand import command_flags, shell_name
-from ckptool.describe import beside, plural
+from ckptool.check.fixcommand import command_flags
+from ckptool.describe import beside, plural, shell_word
 from ckptool.model import Checkpoint
 from ckptool.read.layouts.per_rank import PER_RANK
 from ckptool.write.fix.plan import FixOptions
@@ -42,7 +42,7 @@ def plan(ckpt: Checkpoint) -> Consolidation | None:
     if ckpt.format != DEEPSPEED:
         return None
     output, snippet = consolidated(ckpt)
-    command = f"ckptool convert {shell_name(ckpt.path)} {shell_name(output)}"
+    command = f"ckptool convert {shell_word(ckpt.path)} {shell_word(output)}"
     meta = ckpt.metadata
     stage, ranks = meta.get("zero_stage"), plural(meta.get("world_size") or 1, "rank")
     weights = ("its weights are the module's" if stage == 0 else
@@ -60,7 +60,7 @@ def plan(ckpt: Checkpoint) -> Consolidation | None:
 
 def _per_rank(ckpt: Checkpoint) -> Consolidation:
     output, snippet = consolidated(ckpt)
-    command = f"ckptool convert {shell_name(ckpt.path)} {shell_name(output)}"
+    command = f"ckptool convert {shell_word(ckpt.path)} {shell_word(output)}"
     ranks = plural(ckpt.metadata.get("ranks") or 1, "rank")
     message = (f"saved per rank: each of the {ranks}' files holds that rank's shards of "
                "DTensors (torch.load of one gives a shard, and only after "
@@ -99,8 +99,8 @@ def command(plan: Consolidation, opts: FixOptions) -> tuple[str, str]:
         return plan.command, plan.output
     stem, ext = os.path.splitext(plan.output)
     fixed = fresh(f"{stem}.fixed", ext)
-    return (f"{plan.command} && ckptool fix {shell_name(plan.output)} "
-            f"{' '.join(command_flags(opts))} -o {shell_name(fixed)}"), fixed
+    return (f"{plan.command} && ckptool fix {shell_word(plan.output)} "
+            f"{' '.join(command_flags(opts))} -o {shell_word(fixed)}"), fixed
 
 
 def pointed(found: list[Finding], plan: Consolidation, line: str) -> list[Finding]:

@@ -15,7 +15,7 @@ from ckptool.check.explain.findings import PLACEHOLDER
 from ckptool.check.explain.run import Explanation
 from ckptool.check.gpus.machine import describe_target
 from ckptool.cli.diagnose_text import render_finding, render_fix_command
-from ckptool.describe import human_bytes, plural
+from ckptool.describe import human_bytes, plural, shell_word
 
 _LONGEST = 200  # characters of the error line shown
 
@@ -25,8 +25,8 @@ def render_explain(console: Console, exp: Explanation, checkpoint: str | None) -
         console.print("no checkpoint, key or GPU error recognised in the text: paste the whole "
                       "traceback, from 'Traceback (most recent call last):' to its last line, "
                       "or name the log with --file"
-                      + (f"; `ckptool diagnose {checkpoint}` checks the checkpoint itself"
-                         if checkpoint else ""))
+                      + (f"; `ckptool diagnose {shell_word(checkpoint)}` checks the checkpoint "
+                         "itself" if checkpoint else ""))
         return
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")

@@ -90,13 +90,14 @@ def _missing_path(extract: str | None) -> NoReturn:
     the file for the entry to extract (--extract's PATH is optional)."""
     import os
 
+    from ckptool.describe import shell_word
     from ckptool.errors import UsageError
 
     if extract not in (None, "auto") and os.path.exists(extract):
         raise UsageError(f"--extract took {extract} for the entry to extract, and no "
                          "checkpoint was named",
-                         f"put the checkpoint first: `ckptool fix {extract} --extract ...`, "
-                         "or write --extract=PATH")
+                         f"put the checkpoint first: `ckptool fix {shell_word(extract)} "
+                         "--extract ...`, or write --extract=PATH")
     raise UsageError("missing the checkpoint to fix", "ckptool fix CKPT [OPTIONS]")
 
 

@@ -23,10 +23,10 @@ from ckptool.check.explain.findings import PLACEHOLDER, findings_for, key_prefix
 from ckptool.check.explain.patterns import Error
 from ckptool.check.explain.scan import find_errors
 from ckptool.check.findings import Finding
-from ckptool.check.fixcommand import shell_name
 from ckptool.check.gpus import machine as gpus
 from ckptool.check.gpus.machine import Machine
 from ckptool.check.modelspec import ModelKeys
+from ckptool.describe import shell_word
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 from ckptool.model import Checkpoint
 
@@ -107,7 +107,7 @@ def with_checkpoint(exp: Explanation, ckpt: Checkpoint, model: ModelKeys | None 
     exp.diagnosis, exp.against = d, model.source if model else None
     found = {f.code: f for f in d.findings}
     own, used = [], set()
-    for f in findings_for(error, shell_name(ckpt.path), exp.device_count):
+    for f in findings_for(error, shell_word(ckpt.path), exp.device_count):
         theirs = next((found[c] for c in FILE_CODES.get(f.code, (f.code,)) if c in found), None)
         if theirs is not None:
             used.add(theirs.code)

@@ -12,12 +12,11 @@ not in the driver's order, and a UUID means one GPU either way). Pure: a
 
 from __future__ import annotations
 
-import shlex
 from dataclasses import dataclass
 
 from ckptool.check.gpus.listing import Gpu
 from ckptool.check.gpus.machine import UNLISTED, Machine, strtoul
-from ckptool.describe import human_bytes
+from ckptool.describe import human_bytes, shell_quote
 
 
 @dataclass(frozen=True)
@@ -39,7 +38,7 @@ class Export:
         The value is one quoted shell word: entries copied from the
         environment (UUIDs as written) never run anything under ``eval``."""
         value = self.value
-        return None if value is None else f"export CUDA_VISIBLE_DEVICES={shlex.quote(value)}"
+        return None if value is None else f"export CUDA_VISIBLE_DEVICES={shell_quote(value)}"
 
 
 def plan_export(machine: Machine, need_bytes: int | None = None) -> Export:

@@ -19,7 +19,7 @@ import math
 import os
 from typing import Any
 
-from ckptool.describe import plural
+from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model import Chunk, FileInfo
 from ckptool.read import dispatch
@@ -129,7 +129,8 @@ def one_piece(path: str, metadata: dict[str, Any]) -> str | None:
     return (f"this file is one of torch's HuggingFaceStorageWriter shards ({SHARDING_INFO}): "
             f"its {plural(len(info), 'tensor')} are pieces of larger ones "
             f"({placed} placed away from the origin), shown with their own shapes; read "
-            f"the folder holding every shard to get them whole: ckptool inspect {folder}")
+            f"the folder holding every shard to get them whole: ckptool inspect "
+            f"{shell_word(folder)}")
 
 
 def _rank(name: str) -> int | None:

@@ -30,7 +30,7 @@ import os
 from typing import Any
 
 from ckptool import dtypes
-from ckptool.describe import plural
+from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo
 from ckptool.read import dispatch
@@ -64,7 +64,7 @@ def read(layout: Layout) -> MultiRead:
             f"{layout.path} holds {plural(len(names), 'file')} named by rank "
             f"({names[0]} ...) but no DTensor in {names[0]}: nothing says how they join",
             f"name one file to read it alone: ckptool inspect "
-            f"{os.path.join(layout.path, names[0])}")
+            f"{shell_word(os.path.join(layout.path, names[0]))}")
     for rank, (name, each) in enumerate(zip(names, found, strict=True)):
         if each.keys() != found[0].keys():
             raise CorruptCheckpointError(
@@ -132,7 +132,7 @@ def one_rank(path: str, root: Any) -> str | None:
     ranks = plural(world, "rank")
     return (f"{plural(len(found), 'tensor')} here {are}: this file holds rank {here}'s shards "
             f"of them (of {ranks}); read the folder holding every rank's file to get them "
-            f"whole: ckptool inspect {folder}")
+            f"whole: ckptool inspect {shell_word(folder)}")
 
 
 def _dtensors(root: Any) -> dict[Path, TensorRecord]:

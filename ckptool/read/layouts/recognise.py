@@ -29,7 +29,7 @@ import os
 import stat
 from dataclasses import dataclass
 
-from ckptool.describe import plural
+from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckptool.read.layouts import framework, mixed
 from ckptool.read.layouts.names import (  # noqa: F401 (MODEL_FILE, OPTIM_FILE: for their readers)
@@ -125,7 +125,7 @@ def _directory(path: str) -> Layout:
             layout = Layout(HF, path, path, index=layout.index, notes=(
                 *layout.notes, f"{path} also holds a DeepSpeed checkpoint ({tag}/, named by "
                 "'latest'): its fp32 master weights are read by naming it: "
-                f"ckptool inspect {os.path.join(path, tag)}"))
+                f"ckptool inspect {shell_word(os.path.join(path, tag))}"))
         return layout
     if named and any(n in PREFERRED_INDEXES for n in named):
         broken = next(n for n in named if n in PREFERRED_INDEXES)
@@ -183,12 +183,12 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
         shown = tag or tags[-1]
         return None, (f"{path} also holds a DeepSpeed checkpoint ({shown}/): its fp32 master "
                       f"weights are read by naming it: ckptool inspect "
-                      f"{os.path.join(path, shown)}")
+                      f"{shell_word(os.path.join(path, shown))}")
     if tag is None and len(tags) > 1:
         raise InputError(
             f"{path} holds {plural(len(tags), 'DeepSpeed checkpoint')} "
             f"({_names([d + '/' for d in tags])}) and no 'latest' file saying which is current",
-            f"name the one to read: ckptool inspect {os.path.join(path, tags[-1])}")
+            f"name the one to read: ckptool inspect {shell_word(os.path.join(path, tags[-1]))}")
     chosen = tag or tags[0]
     unknown = [n for n in others if framework.role_of(n) is None]  # the rest: listed by role
     notes = (f"{path} also holds {_names(unknown)}, not part of the DeepSpeed checkpoint: "
@@ -218,7 +218,7 @@ def _hf(path: str, indexes: list[str]) -> Layout:
         raise InputError(
             f"{path} holds {len(indexes)} shard indexes ({_names(indexes)}): ckptool cannot "
             "tell which one is the model",
-            f"name one: ckptool inspect {os.path.join(path, indexes[0])}")
+            f"name one: ckptool inspect {shell_word(os.path.join(path, indexes[0]))}")
     others = [n for n in indexes if n != chosen]
     notes = (f"{path} also holds {_names(others)}; read {chosen}, as transformers would "
              "(name an index to read another)",) if others else ()
@@ -251,13 +251,13 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
         raise InputError(
             f"{path} is a directory holding {len(found)} checkpoint files "
             f"({_names(found)}) and no shard index or .metadata that joins them",
-            f"name the one to read: ckptool inspect {os.path.join(path, found[0])}")
+            f"name the one to read: ckptool inspect {shell_word(os.path.join(path, found[0]))}")
     dcp_dirs = [d for d in dirs if _holds_dcp(os.path.join(path, d))]
     if dcp_dirs:
         raise InputError(
             f"{path} is a directory holding {plural(len(dcp_dirs), 'DCP checkpoint')} in "
             f"sub-directories ({_names([d + '/' for d in dcp_dirs])})",
-            f"name the one to read: ckptool inspect {os.path.join(path, dcp_dirs[0])}")
+            f"name the one to read: ckptool inspect {shell_word(os.path.join(path, dcp_dirs[0]))}")
     facts = framework.folder_facts(path, files, dirs)
     models = [d for d in facts.components if any(
         is_checkpoint_file(os.path.join(path, d, n)) or INDEX_NAME.search(n)
@@ -266,7 +266,7 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
         raise InputError(
             f"{path} is {facts.description}, whose models are read one at a time: "
             f"{_names([d + '/' for d in models])}",
-            f"name the one to read: ckptool inspect {os.path.join(path, models[0])}")
+            f"name the one to read: ckptool inspect {shell_word(os.path.join(path, models[0]))}")
     if not files and not dirs:
         raise NotACheckpointError(f"{path} is an empty directory",
                                   "point ckptool at a checkpoint file or a checkpoint directory")
