@@ -55,3 +55,10 @@ class RefusedPickleError(CorruptCheckpointError):
 
 class UnsupportedCheckpointError(InputError):
     """A recognised checkpoint variety that ckptool cannot read yet."""
+
+
+class OutputError(CkptoolError):
+    """The output cannot be written: the disk is full, its name is too long,
+    its directory is read-only... The message names the output."""
+
+    exit_code = EXIT_BAD_INPUT

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 import ckptool
 from ckptool.cli import main
+from ckptool.errors import OutputError
 
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
@@ -143,7 +144,7 @@ def test_a_failed_conversion_leaves_no_threads(tmp_path: Path,
     monkeypatch.setattr(copy.Copier, "_kernel_copy", full)
     before = {t.name for t in threading.enumerate()}
     for _ in range(3):
-        with pytest.raises(OSError):
+        with pytest.raises(OutputError, match="no space left on device"):
             convert.convert(str(src), str(tmp_path / "o.safetensors"))
     leftover = [t.name for t in threading.enumerate() if t.name.startswith("ckptool-")]
     assert not leftover, leftover

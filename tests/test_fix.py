@@ -368,9 +368,9 @@ def test_disk_full_is_one_clean_error_and_leaves_nothing(
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.splitlines() == [
-        "ckptool: error: No space left on device",
-        "hint: check that the path is readable (and, for a write, free space): nothing "
-        "was left half-written"]
+        f"ckptool: error: cannot write {tmp_path / 'm.fixed.pth'}: no space left on device",
+        "hint: free space on that filesystem, or write elsewhere (nothing was left "
+        "half-written)"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]
 
 

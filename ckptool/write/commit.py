@@ -10,6 +10,10 @@ Either way the target path is, at every instant, absent, the old file, or
 the complete new one: a ``kill -9`` cannot leave it partial, because the
 name appears only once the file is written and verified.
 
+A write the system refuses (disk full, a name too long...) is an
+``OutputError`` naming the output (``ckptool.write.failures``), with the
+temporary file removed.
+
 Durability against power loss is a separate cost. Before it replaces an
 existing file the output is fsynced, so a crash cannot trade a good file
 for a torn one. A brand-new file is left to the kernel's normal writeback,
@@ -29,20 +33,23 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO
 
-from ckptool.errors import InputError, UsageError
+from ckptool.errors import UsageError
+from ckptool.write.failures import is_output_error, naming, output_error
 
 
 class AtomicOutput:
     """Use as ``with AtomicOutput(target) as out``: write ``out.file``, verify
     ``out.read_path``, then ``out.commit()``; leaving the block uncommitted
-    removes the temporary file."""
+    removes the temporary file. ``shown``: the name errors give the output
+    (a file of a directory being staged: its path in the final directory)."""
 
     def __init__(self, target: str | os.PathLike[str], force: bool = False,
-                 fsync: bool = False) -> None:
+                 fsync: bool = False, shown: str | os.PathLike[str] | None = None) -> None:
         # a link to a file is written through, as cp does: the link stays and
         # its target gets the new bytes
         self.target = Path(os.path.realpath(target)) if os.path.islink(target) else Path(target)
         self._replaced: os.stat_result | None = None  # the file this one replaces
+        self.shown = shown if shown is not None else target
         self.force = force
         self.durable = fsync  # also once it turns out to replace a file
         self.file: IO[bytes]
@@ -51,6 +58,10 @@ class AtomicOutput:
         self._sync: threading.Thread | None = None
 
     def __enter__(self) -> AtomicOutput:
+        with naming(self.shown, self.target):
+            return self._open()
+
+    def _open(self) -> AtomicOutput:
         if self.target.exists():
             if not self.force:
                 raise UsageError(f"{self.target} already exists",
@@ -67,8 +78,7 @@ class AtomicOutput:
             try:
                 fd = os.open(self._named, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
             except OSError as exc:
-                raise InputError(f"cannot write in {directory}: {exc.strerror}",
-                                 "check the directory's permissions and free space") from exc
+                raise output_error(self.shown, exc) from exc
         self.file = os.fdopen(fd, "w+b")
         return self
 
@@ -172,3 +182,6 @@ class AtomicOutput:
         if self._named is not None:
             with contextlib.suppress(FileNotFoundError):
                 self._named.unlink()
+        mine = (self.target, *([self._named] if self._named else []))
+        if isinstance(exc, OSError) and is_output_error(exc, mine):  # the disk filled...
+            raise output_error(self.shown, exc) from exc

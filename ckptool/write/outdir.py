@@ -3,7 +3,9 @@
 Its files are written into a temporary directory beside the target
 (``.NAME.ckptool-<pid>-<random>.partial``), each through ``AtomicOutput``
 and verified there; then the directory is renamed to the target in one
-step. A failure removes the temporary directory. ``kill -9`` cannot be
+step. A failure removes the temporary directory; one the system refuses
+(disk full, a name too long) is an ``OutputError`` naming the target
+directory (``ckptool.write.failures``). ``kill -9`` cannot be
 cleaned up after by the process it kills: the target never appears, and
 the next ckptool run that writes beside it removes the leftovers of runs
 whose process is gone (the pid in the name says whose it was).
@@ -27,6 +29,7 @@ from types import TracebackType
 
 from ckptool.errors import InputError, UsageError
 from ckptool.write.commit import AtomicOutput
+from ckptool.write.failures import is_output_error, naming, output_error
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.ckptool-(?P<pid>\d+)-[0-9a-f]+\.partial$")
 
@@ -45,6 +48,10 @@ class AtomicDirectory:
         self._committed = False
 
     def __enter__(self) -> AtomicDirectory:
+        with naming(self.target):  # a name too long for the filesystem...
+            return self._stage()
+
+    def _stage(self) -> AtomicDirectory:
         parent = self.target.parent
         if self.source is not None:
             check_apart(Path(self.source), self.target)
@@ -66,14 +73,13 @@ class AtomicDirectory:
         try:
             self.temp.mkdir()
         except OSError as exc:
-            raise InputError(f"cannot write into {parent}: {exc.strerror}",
-                             "check the directory's permissions and free space") from exc
+            raise output_error(self.target, exc) from exc
         return self
 
     def file(self, name: str) -> AtomicOutput:
         """A file of the directory, written atomically inside it."""
         assert self.temp is not None
-        return AtomicOutput(self.temp / name, fsync=self.durable)
+        return AtomicOutput(self.temp / name, fsync=self.durable, shown=self.target / name)
 
     @property
     def path(self) -> str:
@@ -100,6 +106,9 @@ class AtomicDirectory:
                  tb: TracebackType | None) -> None:
         if not self._committed and self.temp is not None:
             shutil.rmtree(self.temp, ignore_errors=True)
+        mine = (self.target, *([self.temp] if self.temp is not None else []))
+        if isinstance(exc, OSError) and is_output_error(exc, mine):  # the disk filled...
+            raise output_error(self.target, exc) from exc
 
 
 def check_apart(source: Path, target: Path) -> None:

@@ -18,7 +18,11 @@ in that format), and, with one thread and no copy-ahead, asks for the next
 tensor only once the last one is written: so the last one's memory is given
 back then (its storage resized to nothing; the writer never reads a written
 tensor again), and memory stays one tensor. Their CRCs are kept, and every tensor
-is read back from the written files and must match.
+is read back from the written files and must match. What stops the writer
+(torch wraps it in a ``CheckpointException``: a full disk, Ctrl-C, an input
+that turns out corrupt) is raised as ckptool raises it: the output's
+``OutputError`` naming the directory, ``KeyboardInterrupt``, the input's
+error.
 """
 
 from __future__ import annotations
@@ -29,10 +33,10 @@ import os
 import shutil
 import warnings
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import CkptoolError, CorruptCheckpointError, OutputError
 from ckptool.keys import escape, unescape
 from ckptool.model import Checkpoint
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
@@ -43,6 +47,7 @@ from ckptool.write import shards
 from ckptool.write.convert import plan as convert_plan
 from ckptool.write.convert.files import write_safetensors, write_torch
 from ckptool.write.convert.plan import TORCH, WHOLE, Written
+from ckptool.write.failures import is_output_error, output_error
 from ckptool.write.outdir import AtomicDirectory
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
@@ -238,11 +243,45 @@ def _write_dcp(written: Written, tensors: TensorSource, outdir: AtomicDirectory,
     writer = dcp.FileSystemWriter(outdir.path, single_file_per_rank=True,
                                   sync_files=outdir.durable, thread_count=1,
                                   per_thread_copy_ahead=0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "torch.distributed is disabled..." and the like
-        dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "torch.distributed is disabled..." and the like
+            dcp.save(state, storage_writer=writer, planner=Planner(), no_dist=True)
+    except dcp.CheckpointException as exc:  # (a BaseException: Ctrl-C is wrapped too)
+        raise _failure(exc, outdir) from exc
     release()
     return sorted(os.listdir(outdir.path))
+
+
+def _failure(exc: BaseException, outdir: AtomicDirectory) -> BaseException:
+    """What stopped torch's writer, as ckptool raises it. torch wraps it in a
+    ``CheckpointException`` (each rank's error), and an error inside
+    ``torch.save`` of a chunk surfaces as the zip writer's ``RuntimeError``
+    (``unexpected pos``) with the ``OSError`` that caused it as its context."""
+    failures = getattr(exc, "failures", None) or {0: (exc, None)}
+    first = next(iter(failures.values()))[0]
+    causes = list(_chain(first))
+    for cause in causes:  # Ctrl-C, or the input's own error while its bytes were read
+        if isinstance(cause, (KeyboardInterrupt, CkptoolError)):
+            return cause
+    for cause in causes:
+        if isinstance(cause, OSError):
+            if is_output_error(cause, (outdir.target, outdir.path)):
+                return output_error(outdir.target, cause)
+            return cause  # a read of another file: said as any refused read is
+    said = (str(first).strip().splitlines() or [type(first).__name__])[0]
+    return OutputError(f"cannot write {outdir.target}: torch's DCP writer failed: {said}",
+                       "this is likely a bug; `ckptool --traceback ...` shows where "
+                       "(nothing was left half-written)")
+
+
+def _chain(exc: BaseException | None) -> Iterator[BaseException]:
+    """``exc`` and the exceptions it was raised from or while handling."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        yield exc
+        exc = exc.__cause__ or exc.__context__
 
 
 def _dtype(name: str) -> torch.dtype:

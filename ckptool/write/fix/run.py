@@ -48,6 +48,7 @@ from ckptool.read.ziparchive import ZipArchive, ZipError
 from ckptool.write import copy, repickle, verify
 from ckptool.write.bytecheck import ByteChecker
 from ckptool.write.commit import AtomicOutput
+from ckptool.write.failures import naming
 from ckptool.write.fix import inplace
 from ckptool.write.fix.plan import (
     FixOptions,
@@ -164,7 +165,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             return result
         # (a salvage is read back before commit: never the metadata-only path)
         if in_place and raw.format == TORCH_ZIP and inplace.supported(plan) and not opts.salvage:
-            result.bytes_written = inplace.rewrite_in_place(src, source, plan)
+            with naming(src, clean=False):  # a full disk: the error names the file
+                result.bytes_written = inplace.rewrite_in_place(src, source, plan)
             result.output, result.metadata_only = src, True
             return result
         out = early.out if early is not None else stack.enter_context(
