@@ -7,6 +7,12 @@ rename the model's keys: the names inside the entry the state dict was saved
 under (``model.module.fc.weight`` is ``fc.weight`` of ``model`` after
 ``--strip-module``), as they rename a single file's state-dict keys; the
 entry's own name is how it loads (``dcp.load({"model": sd})``) and stays.
+An optimizer state saved beside it with the model's names (what
+``torch.distributed.checkpoint.state_dict.get_state_dict`` writes:
+``optim.state.module.fc.weight.exp_avg``, and the names in each param
+group's ``params``) is renamed by the same rule, so that ``set_state_dict``
+loads both into the renamed model; a name in it that is not the model's is
+left as it is, and the result says so.
 ``--drop KEY`` takes a tensor, a value, or a whole entry (``--drop optim``)
 out; ``--dtype`` casts floating tensors. A value that is not plain data
 cannot be written back through torch's writer: fix refuses until it is
@@ -139,3 +145,66 @@ def _rename(source: Checkpoint, written: Written, opts: FixOptions, plan: Plan) 
             p = (p[0], new[len(head):]) if head and p[0] == entry else (new,)
         paths[new] = p
     written.paths = paths
+    moved = {name: rename(name) for name in inner.values() if rename(name) != name}
+    _rename_optimizers(written, moved, set(inner.values()), plan)
+
+
+def _rename_optimizers(written: Written, moved: dict[str, str], params: set[str],
+                       plan: Plan) -> None:
+    """Rename, as the model's keys were (``moved``: old name -> new), the
+    parameter names of every optimizer state keyed by them: under
+    ``OPT.state.NAME...`` and in ``OPT.param_groups.N.params`` (``OPT``: a
+    path holding both ``state`` and ``param_groups``). ``params``: the model's
+    names; a state keyed by another string is left, and noted."""
+    optimizers = {p[:i] for p in written.paths.values() for i in range(len(p))
+                  if p[i] == "param_groups"}
+    if not optimizers:
+        return
+    renamed: dict[str, tuple[str | int, ...]] = {}  # old fqn -> new path
+    others: dict[str, set[str]] = {}  # optimizer -> names that are not the model's
+    for fqn, p in written.paths.items():
+        for i in range(len(p) - 2):
+            if p[i] != "state" or p[:i] not in optimizers or not isinstance(p[i + 1], str):
+                continue
+            name = str(p[i + 1])
+            if name in moved:
+                renamed[fqn] = (*p[:i + 1], moved[name], *p[i + 2:])
+            elif name not in params:
+                others.setdefault(_dotted(p[:i]), set()).add(name)
+            break
+    names = {fqn: _dotted(p) for fqn, p in renamed.items()}
+    clash = set(names.values()) & (set(written.paths) - set(names))
+    if clash:
+        raise UsageError(f"two keys of the optimizer state would both become "
+                         f"{sorted(clash)[0]!r}", "check the prefixes and --rename patterns")
+    for held in (written.tensors, written.entries):
+        for fqn in [f for f in held if f in names]:
+            held[names[fqn]] = held.pop(fqn)
+            if held is written.tensors:
+                plan.renames.append((fqn, names[fqn]))
+    written.paths = {names.get(f, f): renamed.get(f, p) for f, p in written.paths.items()}
+    groups = 0
+    for fqn, p in written.paths.items():
+        value = written.entries.get(fqn)
+        if len(p) >= 3 and p[-1] == "params" and p[:-3] in optimizers \
+                and p[-3] == "param_groups" and isinstance(value, list):
+            strings = [v for v in value if isinstance(v, str)]
+            others.setdefault(_dotted(p[:-3]), set()).update(v for v in strings
+                                                             if v not in params)
+            written.entries[fqn] = [moved.get(v, v) if isinstance(v, str) else v
+                                    for v in value]
+            groups += sum(1 for v in strings if v in moved)
+    if groups:
+        plan.notes.append(f"the optimizer state follows the model's keys: {groups} "
+                          "parameter name(s) in its param_groups renamed as well")
+    for where, odd in sorted(others.items()):
+        if odd:
+            plan.notes.append(
+                f"{where}: {len(odd)} parameter name(s) of the optimizer state are no key of "
+                f"the model (e.g. {sorted(odd)[0]!r}): left as they are, so they will not "
+                "load by the model's new names")
+
+
+def _dotted(path: tuple[str | int, ...]) -> str:
+    """A path of the saved tree as DCP flattens it into a key."""
+    return ".".join(str(p) for p in path)
