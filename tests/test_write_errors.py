@@ -151,6 +151,22 @@ def test_a_full_disk_under_one_file(where: str, tmp_path: Path,
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.pth"]
 
 
+def test_a_full_disk_under_a_fix_in_place(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          run_cli: Callable[..., CliResult]) -> None:
+    """The metadata-only rewrite appends to the input itself: its error names
+    the input (and claims nothing about what a rewrite in place left)."""
+    src = model(tmp_path / "m.pth")
+
+    def full(*args: Any) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full)
+    code, stdout, err = run_cli("fix", str(src), "--strip-module", "--in-place")
+    assert (code, stdout) == (3, "")
+    assert err.splitlines() == [f"ckptool: error: cannot write {src}: no space left on device",
+                                "hint: free space on that filesystem, or write elsewhere"]
+
+
 FSIZE = """
 import json, resource, sys
 sys.path.insert(0, {root!r})
