@@ -12,7 +12,8 @@ when they gave none. Pure text: no torch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from ckptool.check.explain import gpu
 from ckptool.check.explain import patterns as p
@@ -20,6 +21,7 @@ from ckptool.check.explain.patterns import Error, Facts
 from ckptool.check.findings import ERROR, Finding, some_keys, why_missing
 from ckptool.check.findings import explain as explain_hint
 from ckptool.check.fixcommand import command_flags
+from ckptool.check.loadcheck import TagLoad
 from ckptool.check.reconcile import Rewrite, explain_shapes, reconcile
 from ckptool.describe import plural
 from ckptool.read import policy
@@ -36,10 +38,40 @@ _WRAPPED = {"DataParallel": "module", "DistributedDataParallel": "module",
             "OptimizedModule": "_orig_mod"}
 
 
-def findings_for(error: Error, name: str, device_count: int | None = None) -> list[Finding]:
+def findings_for(error: Error, name: str, device_count: int | None = None,
+                 saved: Saved | None = None) -> list[Finding]:
     """What ``error`` means; ``device_count``: the GPUs the user says the
-    process sees (``--device-count``), where the text does not say."""
+    process sees (``--device-count``), where the text does not say; ``saved``:
+    where the checkpoint at hand saved its tensors (``saved_where``)."""
+    if error.kind == p.DEVICE and saved is not None:
+        return _device(error.facts, name, device_count, saved)
     return _EXPLAIN[error.kind](error.facts, name, device_count) or [_unread(error)]
+
+
+@dataclass(frozen=True)
+class Saved:
+    """Where a checkpoint saved its tensors, against the device an error names."""
+
+    said: str  # "the file saved 15 tensors on cuda:2"
+    names_it: bool  # the error's device is among them
+
+    def clause(self, device: str) -> str:
+        return self.said if self.names_it else f"{self.said}, none on {device}"
+
+
+def saved_where(tags: Sequence[TagLoad], device: str, it: str = "the file") -> Saved:
+    """What ``it`` saved on which device (diagnose's tags), and whether
+    ``device`` (an error's: ``cuda:3``, or ``cuda`` for any CUDA device) is
+    one of them."""
+    recorded = [t for t in tags if t.location != "unrecorded" and t.tensors]
+    if not recorded:
+        return Saved(f"{it} records no device for its tensors", False)
+    kind = device.partition(":")[0]
+    names_it = any(t.location == device or (":" not in device
+                                            and t.location.partition(":")[0] == kind)
+                   for t in recorded)
+    parts = [f"{plural(t.tensors, 'tensor')} on {t.location}" for t in recorded]
+    return Saved(f"{it} saved {', '.join(parts)}", names_it)
 
 
 def _unread(error: Error) -> Finding:
@@ -73,11 +105,15 @@ def key_prefix(facts: Facts) -> dict[str, object] | None:
     return {"strip": shared, "add": "", "keys": len(unexpected)} if shared else None
 
 
-def _device(f: Facts, name: str, device_count: int | None) -> list[Finding]:
+def _device(f: Facts, name: str, device_count: int | None,
+            file: Saved | None = None) -> list[Finding]:
     device, backend = f["device"], f["backend"]
     count = f.get("device_count") if device_count is None else device_count
-    saved = ("torch.load puts every storage back on the device it was saved on, and the file "
-             f"saved some on {device}")
+    saved = ("torch.load puts every storage back on the device it was saved on, and "
+             + (file.clause(device) if file else f"the file saved some on {device}"))
+    if file is not None and not file.names_it:
+        saved += (f" (the error names {device}: it probably came from another file, or this "
+                  "one was rewritten since)")
     if backend == "cuda" and count:
         gpus = ", ".join(f"cuda:{i}" for i in range(count))
         return [Finding(

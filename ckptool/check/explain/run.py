@@ -19,7 +19,13 @@ from typing import Any
 
 from ckptool.check.diagnosis import Diagnosis, diagnose
 from ckptool.check.explain import patterns as p
-from ckptool.check.explain.findings import PLACEHOLDER, findings_for, key_prefix, prefix_fit
+from ckptool.check.explain.findings import (
+    PLACEHOLDER,
+    findings_for,
+    key_prefix,
+    prefix_fit,
+    saved_where,
+)
 from ckptool.check.explain.patterns import Error
 from ckptool.check.explain.scan import find_errors
 from ckptool.check.findings import Finding
@@ -107,7 +113,15 @@ def with_checkpoint(exp: Explanation, ckpt: Checkpoint, model: ModelKeys | None 
     exp.diagnosis, exp.against = d, model.source if model else None
     found = {f.code: f for f in d.findings}
     own, used = [], set()
-    for f in findings_for(error, shell_word(ckpt.path), exp.device_count):
+    saved = None
+    if error.kind == p.DEVICE:  # what the file saved, not what the error guesses it did
+        saved = saved_where(d.tags, error.facts["device"],
+                            "the checkpoint" if ckpt.is_multifile else "the file")
+        if not saved.names_it and p.DEVICE in found:
+            exp.notes.append(f"the error names {error.facts['device']}, and {ckpt.path} "
+                             f"saved nothing there ({saved.said}): the error probably came "
+                             "from another file")
+    for f in findings_for(error, shell_word(ckpt.path), exp.device_count, saved):
         theirs = next((found[c] for c in FILE_CODES.get(f.code, (f.code,)) if c in found), None)
         if theirs is not None:
             used.add(theirs.code)
