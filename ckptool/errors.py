@@ -62,3 +62,14 @@ class OutputError(CkptoolError):
     its directory is read-only... The message names the output."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a command that changes its input in place, with what it
+    left on disk (``ckptool.write.interrupt``): the CLI says ``message`` and
+    ``hint`` and exits 130, as for any Ctrl-C."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+        self.hint = hint

@@ -520,7 +520,7 @@ def test_in_place_verification_failure_restores_the_old_file(
     path = tmp_path / "model.pth"
     shutil.copyfile(src, path)
 
-    def broken(path: str, plan: Any) -> None:
+    def broken(path: str, plan: Any, size: int) -> None:  # (before the commit)
         raise CorruptCheckpointError("simulated verification failure", "")
 
     monkeypatch.setattr(inplace, "_verify", broken)

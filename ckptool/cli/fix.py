@@ -51,6 +51,7 @@ def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: 
     """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
     from ckptool.cli.inputs import is_spooled, shown_path
     from ckptool.errors import UsageError
+    from ckptool.write import interrupt
     from ckptool.write.fix import plan as planning
     from ckptool.write.fix.run import fix as run_fix
 
@@ -71,15 +72,17 @@ def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: 
                    for a, b in (planning.parse_pair(m, "--map") for m in maps)),
         salvage=salvage,
     )
-    with progress(quiet) as update:
-        result = run_fix(path, opts, output, force=force, in_place=in_place,
-                         dry_run=dry_run, progress=update, fsync=fsync)
-    if as_json:
-        write_json(fix_dict(result))
-    elif not quiet:
-        from ckptool.cli.fix_text import render_fix
+    # a Ctrl-C says whether PATH was changed in place (exit 130 either way)
+    with interrupt.reported(path if in_place and not dry_run else None):
+        with progress(quiet) as update:
+            result = run_fix(path, opts, output, force=force, in_place=in_place,
+                             dry_run=dry_run, progress=update, fsync=fsync)
+        if as_json:
+            write_json(fix_dict(result))
+        elif not quiet:
+            from ckptool.cli.fix_text import render_fix
 
-        render_fix(console(), result)
+            render_fix(console(), result)
 
 
 command = fix

@@ -22,8 +22,11 @@ def render_fix(console: Console, result: FixResult, shown: int = 20) -> None:
     grid = Table.grid(padding=(0, 2))
     grid.add_column(style="bold")
     grid.add_column(overflow="fold")
+    kept = result.output == result.source.path and not result.bytes_written  # in place, as is
     if result.output is None:
         grid.add_row("plan", f"{result.source.path} (dry run: nothing written)")
+    elif kept:
+        grid.add_row("kept", f"{result.output} as it is: nothing written")
     elif result.metadata_only:
         grid.add_row("rewrote", f"{result.output} in place · metadata only: "
                      f"{human_bytes(result.bytes_written)} appended, tensor bytes untouched")
@@ -50,7 +53,7 @@ def render_fix(console: Console, result: FixResult, shown: int = 20) -> None:
                      f"{plural(cast['storages'], 'storage')} {cast['from']} → {cast['to']}")
     for note in plan.notes:
         grid.add_row("note", Text(note, style="yellow"))
-    if plan.empty:
+    if plan.empty and not kept:
         grid.add_row("", Text("nothing to change: the output is a verified copy", style="dim"))
     if result.output is None:
         grid.add_row("output", f"would write {result.target}")

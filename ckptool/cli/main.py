@@ -19,7 +19,13 @@ import click
 
 from ckptool import __version__
 from ckptool.cli.common import whole_process
-from ckptool.errors import EXIT_BAD_INPUT, EXIT_INTERRUPTED, EXIT_USAGE, CkptoolError
+from ckptool.errors import (
+    EXIT_BAD_INPUT,
+    EXIT_INTERRUPTED,
+    EXIT_USAGE,
+    CkptoolError,
+    Interrupted,
+)
 
 # command name -> the module whose ``command`` it is
 COMMANDS = {name: f"ckptool.cli.{name}" for name in (
@@ -76,9 +82,11 @@ def main(argv: list[str] | None = None) -> int:
     except click.ClickException as exc:
         hint = "run 'ckptool --help' or 'ckptool COMMAND --help' for usage"
         return _fail(exc.format_message(), hint, EXIT_USAGE)
-    except click.exceptions.Abort:
-        return _fail("interrupted", "", EXIT_INTERRUPTED)
-    except KeyboardInterrupt:
+    except (click.exceptions.Abort, KeyboardInterrupt) as exc:
+        # click raises Abort from the Ctrl-C; an in-place fix's says what it left
+        cause = exc.__cause__ if isinstance(exc, click.exceptions.Abort) else exc
+        if isinstance(cause, Interrupted):
+            return _fail(cause.message, cause.hint, EXIT_INTERRUPTED)
         return _fail("interrupted", "", EXIT_INTERRUPTED)
     except BrokenPipeError:
         # output piped into `head` and the reader went away: not an error

@@ -19,7 +19,7 @@ from dataclasses import replace
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
 from ckptool.read import dispatch, optim, policy, prefixes
-from ckptool.read.layouts import framework, recognise
+from ckptool.read.layouts import framework, journal, recognise
 from ckptool.read.tensors import TensorRecord
 
 # files read as pickles (or torch files) to scan them: by name or by bytes
@@ -45,7 +45,7 @@ def framework_of(path: str, layout: recognise.Layout | None,
             entries = sorted((e.name, e.is_dir(), e.is_file()) for e in it)
     except OSError:
         return None
-    files = [n for n, _, is_file in entries if is_file]
+    files = [n for n, _, is_file in entries if is_file and not journal.is_temporary(n)]
     dirs = [n for n, is_dir, _ in entries if is_dir]
     own = _own_files(path, layout, ckpt)
     others = [n for n in files if n not in own]

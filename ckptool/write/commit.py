@@ -44,11 +44,15 @@ class AtomicOutput:
     (a file of a directory being staged: its path in the final directory)."""
 
     def __init__(self, target: str | os.PathLike[str], force: bool = False,
-                 fsync: bool = False, shown: str | os.PathLike[str] | None = None) -> None:
+                 fsync: bool = False, shown: str | os.PathLike[str] | None = None,
+                 follow_links: bool = True, like: str | None = None) -> None:
         # a link to a file is written through, as cp does: the link stays and
-        # its target gets the new bytes
-        self.target = Path(os.path.realpath(target)) if os.path.islink(target) else Path(target)
+        # its target gets the new bytes; not an input fixed in place, whose
+        # link is replaced (``shared_file``)
+        self.target = Path(os.path.realpath(target)) if follow_links and os.path.islink(
+            target) else Path(target)
         self._replaced: os.stat_result | None = None  # the file this one replaces
+        self._like = like  # a file it will replace later (a journal renames it): its mode
         self.shown = shown if shown is not None else target
         self.force = force
         self.durable = fsync  # also once it turns out to replace a file
@@ -62,6 +66,8 @@ class AtomicOutput:
             return self._open()
 
     def _open(self) -> AtomicOutput:
+        if self._like is not None:
+            self._replaced = os.stat(self._like)
         if self.target.exists():
             if not self.force:
                 raise UsageError(f"{self.target} already exists",
@@ -185,3 +191,17 @@ class AtomicOutput:
         mine = (self.target, *([self._named] if self._named else []))
         if isinstance(exc, OSError) and is_output_error(exc, mine):  # the disk filled...
             raise output_error(self.shown, exc) from exc
+
+
+def shared_file(path: str) -> str | None:
+    """Why writing into the file at ``path`` would change what other paths
+    read: it is a symbolic link (a Hugging Face cache's snapshot file, whose
+    blob other revisions share), or it has other hard links. None for a file
+    of its own. An in-place fix replaces such a name with a new file."""
+    st = os.lstat(path)
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} was a symbolic link to {os.readlink(path)}"
+    if st.st_nlink > 1:
+        others = st.st_nlink - 1
+        return f"{path} had {others} other hard link{'s' if others > 1 else ''}"
+    return None

@@ -10,6 +10,9 @@ is where it says, none is stored twice, and no shard holds a tensor it does
 not list; anything else is an error naming the file and the key. Names the
 index's ``metadata`` records as tied to a stored one (huggingface_hub drops
 them from safetensors shards) become alias entries.
+
+An in-place fix of the directory that a crash cut short is finished first,
+as its journal says (``journal``), and a note says so.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from ckptool.model import FileInfo
 from ckptool.read import dispatch
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
+from ckptool.read.layouts import journal
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, file_size, member
 from ckptool.read.layouts.recognise import Layout
 from ckptool.read.seen import GlobalsSeen
@@ -37,6 +41,7 @@ INDEX_HINT = ("the index is not what huggingface_hub or transformers write: an o
 
 def read(layout: Layout) -> MultiRead:
     assert layout.index is not None
+    finished = journal.finish(layout.directory)
     index_path = os.path.join(layout.directory, layout.index)
     index = _load_index(index_path, layout.index)
     weight_map: dict[str, str] = index["weight_map"]
@@ -82,7 +87,7 @@ def read(layout: Layout) -> MultiRead:
         meta["byteorder"] = byteorder
     raw_all = RawRead(fmt, root, storages, seen, meta, warnings=warnings)
     return MultiRead(raw_all, layout.directory, files, storage_files, aliases=aliases,
-                     notes=list(layout.notes))
+                     notes=([finished.note] if finished else []) + list(layout.notes))
 
 
 def _load_index(path: str, name: str) -> dict[str, Any]:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckptool.read.layouts import framework, mixed
+from ckptool.read.layouts import framework, journal, mixed
 from ckptool.read.layouts.names import (  # noqa: F401 (MODEL_FILE, OPTIM_FILE: for their readers)
     ACCELERATE_DIRS,
     DATA_FILE,
@@ -101,7 +101,8 @@ def _directory(path: str) -> Layout:
     except OSError as exc:
         raise InputError(f"{path}: cannot list the directory ({exc.strerror})",
                          "check its permissions") from exc
-    files = [name for name, _, is_file in entries if is_file]
+    # (never a file ckptool is writing, or a killed fix left: ``journal``)
+    files = [name for name, _, is_file in entries if is_file and not journal.is_temporary(name)]
     dirs = [name for name, is_dir, _ in entries if is_dir]
     named = [n for n in files if INDEX_NAME.search(n)]
     parsed = {n: _index_json(os.path.join(path, n)) for n in named}

@@ -16,24 +16,37 @@ file. So, in order:
 3. ``ftruncate`` cuts the copy off: one atomic metadata operation after
    which the file ends with the new end record and loads as the new one.
 
-A kill at any point leaves the old or the new checkpoint. If the new one
-then fails verification, the old end record is appended again, which
-restores the old checkpoint. Each run grows the file by the new pickle and
-directory.
+The new checkpoint is read back and verified between 2 and 3, as the file
+will read once cut (a failure leaves the old one). A kill at any point
+leaves the old or the new checkpoint; a Ctrl-C during 3 is held until it is
+done (``ckptool.write.interrupt``). Each run grows the file by the new
+pickle and directory.
+
+In a directory of shards, 3 is left to the directory's journal
+(``pending``: ``ckptool.read.layouts.journal``), which cuts every shard and
+replaces the index together. The file is written through its path: a caller
+never gives a symbolic link or a file with other hard links (their other
+names would change too).
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
+import zlib
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError, UsageError
 from ckptool.model import Checkpoint
+from ckptool.read import dispatch
 from ckptool.read.formats.torch_zip import open_archive
-from ckptool.read.reader import open_checkpoint
+from ckptool.read.layouts.journal import Step
+from ckptool.read.reader import assemble
+from ckptool.read.ziparchive import ZipArchive, ZipError
 from ckptool.write import repickle, verify
 from ckptool.write.fix.plan import Plan, new_pid
+from ckptool.write.interrupt import Change
 from ckptool.write.zipwriter import ZipWriter
 
 CRASH_ENV = "CKPTOOL_TEST_CRASH_AT"  # tests: die at a named step, as kill -9 would
@@ -56,8 +69,11 @@ def _pwrite_all(fd: int, data: bytes, offset: int) -> None:
         view, offset = view[n:], offset + n
 
 
-def rewrite_in_place(path: str, source: Checkpoint, plan: Plan) -> int:
-    """Apply a rename/retarget plan to the zip at ``path``; returns bytes appended."""
+def rewrite_in_place(path: str, source: Checkpoint, plan: Plan, change: Change | None = None,
+                     pending: list[Step] | None = None) -> int:
+    """Apply a rename/retarget plan to the zip at ``path``; returns bytes
+    appended. The commit runs as ``change`` commits (Ctrl-C held); with
+    ``pending``, it is not made: the journal step that makes it is appended."""
     if not supported(plan):
         raise UsageError("metadata-only rewrite asked for a plan that changes tensor bytes",
                          "this is a bug: such plans are rewritten in full")
@@ -89,22 +105,25 @@ def rewrite_in_place(path: str, source: Checkpoint, plan: Plan) -> int:
         _pwrite_all(fd, content, size)  # 2: the new records in front of them
         os.fsync(fd)
         _step("content-written")
-        os.ftruncate(fd, end)  # 3: commit
-        os.fsync(fd)
-        _step("committed")
-        try:
-            _verify(path, plan)
-        except CorruptCheckpointError:
-            _pwrite_all(fd, tail, end)  # roll back: the old end records last again
+        _verify(path, plan, end)
+        if pending is not None:  # 3 is the journal's
+            pending.append(Step(os.path.basename(path), end, start=size,
+                                crc=zlib.crc32(content)))
+            return len(content)
+        with change.committing() if change else contextlib.nullcontext():
+            os.ftruncate(fd, end)  # 3: commit
             os.fsync(fd)
-            raise
+        _step("committed")
     return len(content)
 
 
-def _verify(path: str, plan: Plan) -> None:
-    """The rewritten file read back: every tensor as the plan wants it."""
+def _verify(path: str, plan: Plan, size: int) -> None:
+    """The rewritten file read back as it reads once cut to ``size``: every
+    tensor as the plan wants it."""
     try:
-        verify.check_tensors(open_checkpoint(path), plan)
-    except CorruptCheckpointError as exc:
-        raise CorruptCheckpointError(exc.message,
-                                     "the file was restored; report this as a bug") from exc
+        with open(path, "rb") as f:
+            raw = dispatch.read_zip(path, ZipArchive(f, size))
+        verify.check_tensors(assemble(path, raw, size), plan)
+    except (CorruptCheckpointError, ZipError) as exc:
+        raise CorruptCheckpointError(getattr(exc, "message", str(exc)),
+                                     f"{path} is unchanged; report this as a bug") from exc

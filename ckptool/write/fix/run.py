@@ -40,14 +40,15 @@ from ckptool.read.formats import torch_legacy as legacy_reader
 from ckptool.read.formats import torch_zip as zip_reader
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_zip import TORCH_ZIP
-from ckptool.read.layouts import recognise
+from ckptool.read.layouts import journal, recognise
+from ckptool.read.layouts.journal import Step
 from ckptool.read.reader import assemble, open_checkpoint
 from ckptool.read.resolve import faithful
 from ckptool.read.tensor_data import Identity, TensorData, check_unchanged, file_identity
 from ckptool.read.ziparchive import ZipArchive, ZipError
-from ckptool.write import copy, repickle, verify
+from ckptool.write import copy, interrupt, repickle, verify
 from ckptool.write.bytecheck import ByteChecker
-from ckptool.write.commit import AtomicOutput
+from ckptool.write.commit import AtomicOutput, shared_file
 from ckptool.write.failures import naming
 from ckptool.write.fix import inplace
 from ckptool.write.fix.plan import (
@@ -105,9 +106,14 @@ def fresh_output(src: str) -> str:
 
 def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = False,
         in_place: bool = False, dry_run: bool = False, progress: Progress | None = None,
-        fsync: bool = False) -> FixResult:
+        fsync: bool = False, pending: list[Step] | None = None) -> FixResult:
     """Rewrite ``src`` as ``opts`` ask. The output is durable on disk before
-    this returns when ``fsync`` is set or it replaces a file (``AtomicOutput``)."""
+    this returns when ``fsync`` is set or it replaces a file (``AtomicOutput``).
+
+    ``in_place`` replaces ``src`` (a link or a file with other hard links by a
+    new file: its other names keep the old one); with ``pending`` (a shard of
+    a directory fixed in place) the change is written beside ``src`` and
+    verified, and the journal step that makes it is appended, not made."""
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
     layout = recognise.recognise(src)
@@ -124,6 +130,9 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
                 "partitioned over its ranks' files",
                 f"consolidate it first: ckptool convert {shell_word(src)} "
                 f"{shell_word(beside(src, '.safetensors'))}, then fix that file")
+        # an in-place fix a crash cut short is finished first
+        resumed = fix_shards.resume(layout.directory, opts, in_place, dry_run) \
+            if layout.kind == recognise.HF else None
         source = open_checkpoint(src)
         refuse_flagged(source, opts.salvage, "fix")
         output = output or fix_shards.default_output(src)
@@ -132,16 +141,21 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
                                dry_run=dry_run, progress=progress, fsync=fsync)
         return fix_shards.fix(source, opts, output, fix_file=fix, force=force,
                               in_place=in_place, dry_run=dry_run, progress=progress,
-                              fsync=fsync)
+                              fsync=fsync, resumed=resumed)
     given = src
     if layout is not None and layout.file is not None:
         src = layout.file  # a directory holding one checkpoint file is that file
     target = src if in_place else (output or default_output(src))
+    if pending is not None:  # made by the directory's journal: a new file beside src
+        target = os.path.join(os.path.dirname(src), journal.temp_name(os.path.basename(src)))
+    shared = shared_file(src) if in_place and os.path.lexists(src) else None
     try:  # the version of the file that is read; every later open must be it
         identity: Identity | None = file_identity(os.stat(src))
     except OSError:
         identity = None  # the read says what is wrong with the path
     with contextlib.ExitStack() as stack:
+        alone = in_place and pending is None  # a Ctrl-C says what it left of src
+        change = stack.enter_context(interrupt.changing(src)) if alone else None
         early = None
         if not (dry_run or in_place):
             early = _start_zip_early(src, target, opts, force, fsync, progress, stack, identity)
@@ -157,20 +171,28 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         # 2. plan
         plan = make_plan(source, opts)
         refuse_unsafe(plan.unsafe)
-        result = FixResult(plan, source, target)
+        result = FixResult(plan, source, src if in_place else target)
+        if shared:
+            plan.notes.append(f"{shared}: it is now a file of its own, and the file it shared "
+                              "is untouched")
         if not in_place:  # what the write would refuse, a dry run refuses too
             _check_target(src, target, force)
             _check_suffix(raw.format, target)
         if dry_run:
             return result
         # (a salvage is read back before commit: never the metadata-only path)
-        if in_place and raw.format == TORCH_ZIP and inplace.supported(plan) and not opts.salvage:
+        # (nor a file other paths share: they would change with it)
+        if in_place and raw.format == TORCH_ZIP and inplace.supported(plan) and not (
+                opts.salvage or shared):
             with naming(src, clean=False):  # a full disk: the error names the file
-                result.bytes_written = inplace.rewrite_in_place(src, source, plan)
+                result.bytes_written = inplace.rewrite_in_place(src, source, plan, change,
+                                                                pending)
             result.output, result.metadata_only = src, True
             return result
-        out = early.out if early is not None else stack.enter_context(
-            AtomicOutput(target, force=force or in_place, fsync=fsync))
+        later = src if pending is not None else None  # replaced later, by the journal
+        out = early.out if early is not None else stack.enter_context(AtomicOutput(
+            target, force=force or alone, fsync=fsync or in_place, shown=later,
+            follow_links=not in_place, like=later))
         # 3 to 5: lay out, copy, verify, in the input's own format
         if raw.format == TORCH_ZIP:
             job = early or _start_zip(src, source, plan, out, progress, stack, identity)
@@ -184,8 +206,12 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         if opts.salvage:
             prove_clean(out.read_path, target)
         # 6. commit
-        out.commit()
-    result.output = target
+        with change.committing() if change else contextlib.nullcontext():
+            out.commit()
+    if pending is not None:
+        pending.append(Step(os.path.basename(src), result.bytes_written,
+                            temp=os.path.basename(target)))
+    result.output = src if in_place else target
     return result
 
 

@@ -13,29 +13,39 @@ shards' storages (safetensors records no device: refused, as for one file).
 The directory is written by ``convert_dir.write_directory``: beside the
 target, every file verified, the whole read back, then renamed into place.
 
-``--in-place`` fixes each shard that changes as ``fix --in-place`` fixes one
-file (a torch zip: a new pickle appended, tensor bytes untouched, crash-safe
-per file), then rewrites the index atomically, last. Every shard is given
-the checkpoint's prefix to strip, not one it would find alone. DCP
-directories are ``fix_dcp``'s.
+``--in-place`` changes the directory all at once or not at all. Each shard
+that changes is fixed as ``fix --in-place`` fixes one file, but not put in
+place: written beside it and verified (a torch zip of its own: a new pickle
+appended after its records, its tensor bytes untouched), and so is the new
+index. Then a journal naming every change is made durable, and the changes
+it names are made (``ckptool.read.layouts.journal``, which any later read
+of the directory uses to finish a fix that a crash cut short). A Ctrl-C
+before the journal leaves the directory as it was; one after it is held
+until the directory is fixed (``ckptool.write.interrupt``). A shard or index
+that is a link (a Hugging Face cache's snapshot) is replaced by a file of
+its own; the file it links to is untouched. Every shard is given the
+checkpoint's prefix to strip, not one it would find alone. DCP directories
+are ``fix_dcp``'s.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable
 from dataclasses import replace
 
 from ckptool.describe import shell_word
-from ckptool.errors import UsageError
+from ckptool.errors import InputError, UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
 from ckptool.read import ties
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
+from ckptool.read.layouts import journal
 from ckptool.read.layouts.hf_sharded import HF_SAFETENSORS
-from ckptool.write import shards
-from ckptool.write.commit import AtomicOutput
+from ckptool.write import interrupt, shards
+from ckptool.write.commit import AtomicOutput, shared_file
 from ckptool.write.convert import plan as convert_plan
 from ckptool.write.convert.directory import framework_files, write_directory
 from ckptool.write.convert.plan import TORCH, Written
@@ -48,10 +58,16 @@ FixFile = Callable[..., FixResult]  # ckptool.write.fix.run.fix, for one shard i
 
 def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
         force: bool = False, in_place: bool = False, dry_run: bool = False,
-        progress: Progress | None = None, fsync: bool = False) -> FixResult:
+        progress: Progress | None = None, fsync: bool = False,
+        resumed: tuple[str, bool] | None = None) -> FixResult:
     """Rewrite the sharded checkpoint ``source`` as ``opts`` ask, into ``output``
-    (``in_place``: each shard through ``fix_file``, then the index)."""
+    (``in_place``: each shard through ``fix_file``, then the index).
+    ``resumed``: what ``resume`` finished before ``source`` was read."""
     path = source.path
+    if resumed is not None and resumed[1]:  # this very fix, finished: not made twice
+        done = FixResult(Plan(None, notes=[resumed[0]]), source, target=path)
+        done.output = None if dry_run else path
+        return done
     kind = "hf" if source.format == HF_SAFETENSORS else "hf-bin"
     check_consistent(opts)
     if opts.extract is not None:
@@ -62,7 +78,7 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
                          "pick the device when loading: load_file(path, device='cuda:0')")
     written = convert_plan.plan(source, SAFETENSORS if kind == "hf" else TORCH,
                                 keep_entries=False)
-    plan = Plan(None)
+    plan = Plan(None, notes=[resumed[0]] if resumed else [])
     file_of = {name: t.file or "" for name, t in written.tensors.items()}
     promoted = _drop(written, opts, plan, file_of)
     if in_place and kind == "hf" and promoted:
@@ -98,33 +114,102 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
     return result
 
 
+def resume(directory: str, opts: FixOptions, in_place: bool,
+           dry_run: bool) -> tuple[str, bool] | None:
+    """Finish the in-place fix of ``directory`` that a crash cut short, if
+    one did (its journal). Returns what to say, and whether it was this very
+    fix (asked again: it is done, and is not made twice). Another fix is
+    refused, but for a dry run: it would apply on top of that one unseen."""
+    done = journal.finish(directory)
+    if done is None:
+        return None
+    if in_place and done.options == repr(opts):
+        return f"{done.note}; it was this same fix: nothing more to do", True
+    if not dry_run:
+        raise InputError(f"{done.note}; this fix was not applied on top of it",
+                         f"see what it holds now: ckptool inspect {shell_word(directory)}; "
+                         "then run this command again if it is still wanted")
+    return done.note, False
+
+
 def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan,
               file_of: dict[str, str], fix_file: FixFile, fsync: bool) -> tuple[int, bool]:
-    """Each shard fixed in place as one file is (a torch zip: its pickle
-    only, crash-safe), then the index, atomically, last. Returns the bytes
+    """Each shard that changes, fixed as one file is but beside it (a torch
+    zip: its new pickle appended, verified, not committed), and the new
+    index; then the journal, and the changes it names. Returns the bytes
     written, and whether every shard kept its tensor bytes where they were."""
-    assert source.directory is not None
+    directory = source.directory
+    assert directory is not None
     if plan.empty:  # as one file's: nothing to change, and in place nothing to write
         return 0, True
+    journal.remove_leftovers(directory)  # of fixes killed before their journal
     renames = dict(plan.renames)
     prefix = source.main_state_dict.prefix if source.main_state_dict else ""
     strip = (prefix,) if opts.strip_module and prefix else ()
     done, metadata_only = 0, True
-    for shard in sorted({f.path for f in source.files if f.role == "shard"}):
-        held = [t for t in source.tensors if t.file == shard]
-        names = {unescape(t.key) for t in held}
-        drops = tuple(d for d in opts.drop if unescape(d) in names)
-        # the checkpoint's prefix, not one each shard would find on its own
-        one = replace(opts, strip_module=False, strip_prefixes=strip + opts.strip_prefixes,
-                      drop=drops)
-        if not (drops or any(n in renames for n in names) or
-                any(t.storage in plan.casts or t.storage in plan.retargets for t in held)):
-            continue
-        fixed = fix_file(os.path.join(source.directory, shard), one, in_place=True,
-                         fsync=fsync)
-        done += fixed.bytes_written
-        metadata_only &= fixed.metadata_only
-    # the index's metadata as it was, but for the ties it recorded: now the plan's
+    steps: list[journal.Step] = []
+    journaled: list[str] = []  # the journal, once written: what it names is its
+    index_name = str(source.metadata["index"])
+    with interrupt.changing(source.path) as change:
+        try:
+            for shard in sorted({f.path for f in source.files if f.role == "shard"}):
+                held = [t for t in source.tensors if t.file == shard]
+                names = {unescape(t.key) for t in held}
+                drops = tuple(d for d in opts.drop if unescape(d) in names)
+                # the checkpoint's prefix, not one each shard would find on its own
+                one = replace(opts, strip_module=False,
+                              strip_prefixes=strip + opts.strip_prefixes, drop=drops)
+                if not (drops or any(n in renames for n in names) or any(
+                        t.storage in plan.casts or t.storage in plan.retargets for t in held)):
+                    continue
+                fixed = fix_file(os.path.join(directory, shard), one, in_place=True,
+                                 fsync=fsync, pending=steps)
+                done += fixed.bytes_written
+                metadata_only &= fixed.metadata_only
+                journal.crash_point("prepared")
+            text = _index_text(source, written, file_of).encode()
+            temp = journal.temp_name(index_name)
+            index = os.path.join(directory, index_name)
+            with AtomicOutput(os.path.join(directory, temp), fsync=True, shown=index,
+                              like=index) as out:
+                out.file.write(text)
+                out.commit()
+            steps.append(journal.Step(index_name, len(text), temp=temp))
+            linked = [why for s in steps if (why := shared_file(os.path.join(directory, s.name)))]
+            with change.committing():
+                _commit(directory, journal.dumps(index_name, repr(opts), steps), journaled)
+        except BaseException:
+            if not journaled:  # what was written beside is nobody's
+                for step in steps:
+                    if step.temp:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(directory, step.temp))
+            raise
+    if linked:
+        more = f" (and {len(linked) - 1} more)" if len(linked) > 1 else ""
+        plan.notes.append(f"{linked[0]}{more}: each is now a file of its own, and the files "
+                          "they shared are untouched")
+    return done + len(text), metadata_only
+
+
+def _commit(directory: str, record: bytes, journaled: list[str]) -> None:
+    """The journal, durable; then the changes it names, and it is removed."""
+    path = os.path.join(directory, journal.JOURNAL)
+    try:
+        with AtomicOutput(path, fsync=True) as out:
+            out.file.write(record)
+            out.commit()
+    except UsageError as exc:  # another fix of the directory is committing
+        raise InputError(f"{directory} is being fixed in place by another process: {exc}",
+                         "wait for it to finish, then see ckptool inspect") from exc
+    journaled.append(path)
+    journal.crash_point("journal-written")
+    journal.finish(directory)
+
+
+def _index_text(source: Checkpoint, written: Written, file_of: dict[str, str]) -> str:
+    """The index with the plan's names: its metadata as it was, but for the
+    ties it recorded (now the plan's) and ``total_size``."""
     index = {k: v for k, v in (source.metadata.get("index_metadata") or {}).items()
              if k not in source.aliases}
     if source.format == HF_SAFETENSORS:
@@ -132,14 +217,7 @@ def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan
     index["total_size"] = sum(written.nbytes(n) for n in written.tensors)
     stored = written.names() if source.format == "hf-bin" else list(written.tensors)
     weight_map = {name: file_of[written.aliases.get(name, name)] for name in stored}
-    text = json.dumps({"metadata": index, "weight_map": weight_map}, indent=2) + "\n"
-    index_name = str(source.metadata["index"])
-    with AtomicOutput(os.path.join(source.directory, index_name), force=True,
-                      fsync=fsync) as out:
-        out.file.write(text.encode())
-        out.file.flush()
-        out.commit()
-    return done + len(text), metadata_only
+    return json.dumps({"metadata": index, "weight_map": weight_map}, indent=2) + "\n"
 
 
 def _drop(written: Written, opts: FixOptions, plan: Plan,
