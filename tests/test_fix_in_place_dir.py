@@ -341,3 +341,33 @@ def test_a_temporary_file_beside_one_checkpoint_is_not_a_second_one(
     code, out, err = run_cli("inspect", str(tmp_path))
     assert code == 0, err
     assert "ckptool-tmp" not in out
+
+
+@pytest.mark.parametrize("which", ["alias", "stored"])
+def test_dropping_a_tied_name_in_place(tmp_path: Path, which: str,
+                                       run_cli: Callable[..., CliResult]) -> None:
+    """huggingface_hub stores a tie once and records the other name in the
+    index's metadata. Dropping that name changes the index only; dropping the
+    stored one would rename the tensor in its shard: refused, nothing changed."""
+    folder = tmp_path / "tied"
+    folder.mkdir()
+    sd = state_dict()
+    sd["head.weight"] = sd["layers.0.weight"]
+    hub.save_torch_state_dict(sd, folder, max_shard_size="5KB")
+    index_path = folder / "model.safetensors.index.json"
+    (alias, stored), = [(k, v) for k, v in json.loads(index_path.read_text())["metadata"].items()
+                        if isinstance(v, str)]
+    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    code, _, err = run_cli("fix", str(folder), "--drop", alias if which == "alias" else stored,
+                           "--in-place", "-q")
+    if which == "stored":
+        assert code == 2 and f"{alias} is tied to {stored}" in err, err
+        assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+        return
+    assert code == 0, err
+    assert {n: (folder / n).read_bytes() for n in before if n != index_path.name} == {
+        n: b for n, b in before.items() if n != index_path.name}
+    assert alias not in json.loads(index_path.read_text())["metadata"]
+    code, out, err = run_cli("inspect", "--json", str(folder))
+    assert code == 0, err
+    assert {t["key"] for t in json.loads(out)["tensors"]} == set(sd) - {alias}

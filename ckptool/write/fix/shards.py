@@ -153,7 +153,9 @@ def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan
     with interrupt.changing(source.path) as change:
         try:
             for shard in sorted({f.path for f in source.files if f.role == "shard"}):
-                held = [t for t in source.tensors if t.file == shard]
+                # what the shard stores (a tied name the index records is not in it)
+                held = [t for t in source.tensors
+                        if t.file == shard and unescape(t.key) not in source.aliases]
                 names = {unescape(t.key) for t in held}
                 drops = tuple(d for d in opts.drop if unescape(d) in names)
                 # the checkpoint's prefix, not one each shard would find on its own
