@@ -88,6 +88,23 @@ def test_snapshot_fix_preview_80x24(sample: Path) -> None:
     check("browse_fix_80x24", text)
 
 
+def test_snapshot_fix_preview_of_shards_80x24(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dialog on a directory of Hugging Face shards, as the docs show it."""
+    import huggingface_hub as hub
+    import torch
+
+    from tests.helpers import make_samples
+
+    folder = tmp_path / "tinynet_dp"
+    folder.mkdir()
+    net = torch.nn.DataParallel(make_samples.TinyNet())
+    hub.save_torch_state_dict(net.state_dict(), folder, max_shard_size="1KB")
+    monkeypatch.chdir(tmp_path)
+    text, _ = shot(Path("tinynet_dp"), ["x"], (80, 24), wait_fix=True)
+    check("browse_fix_shards_80x24", text)
+
+
 def test_snapshot_wide_120x32(sample: Path) -> None:
     text, _ = shot(sample, ["down", "down", "down"], (120, 32))
     check("browse_wide_120x32", text)
@@ -116,7 +133,7 @@ def test_docs_show_the_snapshots() -> None:
     """The browse page's screens are these snapshots, not stale copies."""
     page = Path(__file__).resolve().parent.parent / "docs" / "commands" / "browse.md"
     readme = page.read_text(encoding="utf-8")
-    for name in ("browse_first_80x24", "browse_fix_80x24"):
+    for name in ("browse_first_80x24", "browse_fix_80x24", "browse_fix_shards_80x24"):
         text = (SNAPSHOTS / f"{name}.txt").read_text(encoding="utf-8")
         assert f"```\n{text}```" in readme, name
 

@@ -38,7 +38,6 @@ OPTIONS = {
                              maps=(("cuda:1", "cpu"),)),
     "collide": FixOptions(strip_prefixes=("module.conv.", "module.fc.")),
 }
-# the browser's fix dialog previews one file's fix; a directory's is fix's own
 SAMPLE_FILES = sorted(p for p in SAMPLES.iterdir() if p.suffix != ".py" and p.is_file())
 
 
@@ -200,7 +199,16 @@ def test_an_unsafe_global_in_a_tensors_attributes_refuses_as_the_fix_does(
     assert not canary.exists()
 
 
-def test_a_directory_is_not_previewed() -> None:
+def test_a_directory_is_previewed_as_fix_plans_it() -> None:
+    """Shards and DCP: the directory fix's dry run (tests/test_browse_fix_dirs.py
+    compares it with what is written); a checkpoint partitioned over its
+    ranks' files is refused as fix refuses it, with its hint."""
     ckpt = ckptool.open(SAMPLES / "dcp_tinynet")
-    with pytest.raises(CkptoolError, match="the browser's fix dialog rewrites single files"):
-        Previewer(ckpt).preview(FixOptions(strip_module=True))
+    opts = FixOptions(strip_prefixes=("fc.",))
+    planned = Previewer(ckpt).preview(opts).plan.renames
+    assert planned == fix(str(SAMPLES / "dcp_tinynet"), opts, dry_run=True).plan.renames
+    assert len(planned) == 2  # model.fc.weight -> model.weight, and its bias
+    deepspeed = SAMPLES / "deepspeed_zero3"
+    with pytest.raises(CkptoolError, match="partitioned over its ranks' files") as raised:
+        Previewer(ckptool.open(deepspeed)).preview(FixOptions(strip_module=True))
+    assert raised.value.hint.startswith(f"consolidate it first: ckptool convert {deepspeed}")

@@ -8,6 +8,10 @@ a time (a newer request waits for the running one, and only the latest is
 made); the output name only changes the command shown. Writing calls
 ``ckptool.write.fix.run.fix`` on a worker, as ``ckptool fix`` does: it reads the
 file again, faithfully, then copies the bytes with a progress bar.
+
+A checkpoint of many files (Hugging Face shards, a DCP directory) is fixed
+the same way into a new directory beside it (``ckptool fix DIR -o OUT``):
+the preview is that fix's dry run, the write that fix.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from textual.screen import ModalScreen
 from textual.timer import Timer
 from textual.widgets import Button, Checkbox, Input, Label, Log, ProgressBar, Static
 
+from ckptool.check import manyfiles
 from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.fixcommand import fix_command_line
 from ckptool.describe import human_bytes, plural, shown
@@ -55,9 +60,11 @@ class FixDefaults:
 
     @classmethod
     def suggested(cls, ckpt: Checkpoint, diagnosis: Diagnosis | None) -> FixDefaults:
-        """The diagnosis's fix when it has one, else the file's own prefix."""
+        """The diagnosis's fix when it has one, else the file's own prefix
+        (not a DCP entry's name: ``model.`` is how it loads, and stays)."""
         sd = ckpt.main_state_dict
         prefix = sd.prefix if sd is not None else ""
+        prefix = prefix.removeprefix(manyfiles.entry_prefix(ckpt))
         opts = diagnosis.fix_options if diagnosis is not None else None
         if opts is None:
             return cls(bool(prefix), prefix, False, "cpu", False)
@@ -82,11 +89,15 @@ class FixScreen(ModalScreen[str | None]):
         super().__init__()
         self.previewer = previewer
         self.path = previewer.ckpt.path
+        self.many = previewer.ckpt.is_multifile  # a directory: written as a new one
+        self.kind = "directory" if self.many else "file"  # of the output
+        self._where = os.path.normpath(self.path)  # a directory given as "dir/" too
         self.defaults = defaults
         # a file whose verdict is unsafe is written from only when salvaging
         self.flagged = bool(flagged(previewer.ckpt))
         self.opts: FixOptions | None = None  # what the fields ask for now
         self.preview: FixPreview | None = None  # the preview of ``opts``, once made
+        self.refused: CkptoolError | None = None  # why ``opts`` cannot be written
         self.planning = False  # a preview is being made on a worker
         self.previews = 0  # previews made (tests count them)
         self.writing = False
@@ -99,7 +110,7 @@ class FixScreen(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         d = self.defaults
         with Vertical(id="fix-body", classes="dialog"):
-            yield Label(Text(f"Fix {shown(os.path.basename(self.path))}"), id="fix-title")
+            yield Label(Text(f"Fix {shown(os.path.basename(self._where))}"), id="fix-title")
             with Horizontal(classes="fix-row"):
                 yield Checkbox("strip prefix", d.strip, id="fix-strip")
                 yield Input(d.prefix, placeholder="prefix to strip, e.g. module.",
@@ -116,8 +127,8 @@ class FixScreen(ModalScreen[str | None]):
                                    "plain values", d.salvage, id="fix-salvage")
             with Horizontal(classes="fix-row"):
                 yield Label("output", classes="fix-label")
-                yield Input(os.path.basename(fresh_output(self.path)),
-                            placeholder="the output file's name", id="fix-output")
+                yield Input(os.path.basename(fresh_output(self._where)),
+                            placeholder=f"the output {self.kind}'s name", id="fix-output")
             yield Static("planning…", id="fix-summary")
             yield Log(id="fix-preview", auto_scroll=False)
             yield ProgressBar(id="fix-progress", show_eta=False)
@@ -153,7 +164,7 @@ class FixScreen(ModalScreen[str | None]):
 
     def _output(self) -> str:
         name = self.query_one("#fix-output", Input).value.strip()
-        return os.path.join(os.path.dirname(self.path), name) if name else ""
+        return os.path.join(os.path.dirname(self._where), name) if name else ""
 
     @on(Input.Changed, "#fix-prefix, #fix-device")
     def typed(self) -> None:
@@ -178,12 +189,16 @@ class FixScreen(ModalScreen[str | None]):
             opts = self._options()
         except CkptoolError as exc:
             self.opts = self.preview = None
+            self.refused = exc
             self._show_error(exc)
+            return
+        if opts == self.opts and self.refused is not None:  # planned already, and refused
+            self._show_error(self.refused)
             return
         if opts == self.opts and self.preview is not None:
             self._show_summary()
             return
-        self.opts, self.preview = opts, None
+        self.opts, self.preview, self.refused = opts, None, None
         self.query_one("#fix-summary", Static).update(Text("planning…", style="italic"))
         if not self.planning:
             self.planning = True
@@ -211,7 +226,8 @@ class FixScreen(ModalScreen[str | None]):
                 self._plan(self.opts)
             return
         if error is not None or preview is None:
-            self._show_error(error or CkptoolError("no plan"))
+            self.refused = error or CkptoolError("no plan")
+            self._show_error(self.refused)
             return
         self.preview = preview
         self._show_summary()
@@ -244,7 +260,7 @@ class FixScreen(ModalScreen[str | None]):
         if out:
             text.append("\nsame as: " + shown(self.command(opts, out)), style="cyan")
         else:
-            text.append("\nname the output file", style="red")
+            text.append(f"\nname the output {self.kind}", style="red")
         self.query_one("#fix-summary", Static).update(text)
 
     def _show_error(self, exc: CkptoolError) -> None:
@@ -266,14 +282,19 @@ class FixScreen(ModalScreen[str | None]):
             self.replan()  # typed just now: what the fields say now counts
         preview, opts = self.preview, self.opts
         if preview is None or opts is None:
-            self.notify("the preview of these options is not ready yet", severity="warning")
+            if self.refused is not None:  # it says why, and what to do instead
+                self.notify(f"nothing to write: {shown(self.refused.message)}",
+                            severity="warning", markup=False)
+            else:
+                self.notify("the preview of these options is not ready yet",
+                            severity="warning")
             return
         if preview.plan.empty:
             self.notify("nothing to change with these options", severity="warning")
             return
         out = self._output()
         if not out:
-            self.notify("name the output file", severity="warning")
+            self.notify(f"name the output {self.kind}", severity="warning")
             return
         exists = os.path.exists(out)
         question = (f"Write {os.path.basename(out)} ({plural(preview.tensors, 'tensor')}, about "
@@ -297,10 +318,12 @@ class FixScreen(ModalScreen[str | None]):
         started = time.monotonic()
         self._progressed = False
 
+        how = "" if self.many else ", faithfully,"
+
         def tick() -> None:
             if not self._progressed:
                 self.query_one("#fix-summary", Static).update(Text(
-                    f"writing {out}\nreading {os.path.basename(self.path)} again, faithfully, "
+                    f"writing {out}\nreading {os.path.basename(self._where)} again{how} "
                     f"before its bytes are copied… {time.monotonic() - started:.0f} s",
                     style="italic"))
 
@@ -360,8 +383,8 @@ class FixScreen(ModalScreen[str | None]):
         bar.display = True
         bar.update(total=1, progress=1)
         text = Text(f"wrote {shown(result.output or '')}", style="bold green")
-        text.append(f"\n{human_bytes(result.bytes_written)}, "
-                    f"{plural(result.verified_storages, 'storage')} verified. Esc closes.")
+        what = plural(result.verified_storages, "tensor" if self.many else "storage")
+        text.append(f"\n{human_bytes(result.bytes_written)}, {what} verified. Esc closes.")
         self.query_one("#fix-summary", Static).update(text)
         self.written = result.output
         self.notify(f"wrote {shown(result.output or '')}", markup=False)

@@ -14,6 +14,11 @@ the ordinary read rebuilds (``collections.defaultdict``, ``builtins.set``,
 protocol-0 ``copyreg._reconstructor``) could name entries differently; a
 write plans again from the faithful read whatever the preview said.
 
+A checkpoint of many files (Hugging Face shards, DCP) is planned by the
+dry run of its own fix (``shards.fix``, ``dcp.fix``) on the checkpoint
+read, which needs no tree: the renames, drops, casts and device moves it
+plans give every tensor's name and device in the output directory.
+
 Cost on 100,000 tensors: about 2.4 s a preview (a browser debounces edits
 and plans on a worker).
 """
@@ -26,13 +31,21 @@ import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from ckptool import dtypes
 from ckptool.describe import plural
 from ckptool.errors import UnsupportedCheckpointError
+from ckptool.keys import escape, unescape
 from ckptool.model import NO_LOCATION, Checkpoint
+from ckptool.read import ties
+from ckptool.read.layouts.dcp import DCP
+from ckptool.read.layouts.hf_sharded import HF_BIN, HF_SAFETENSORS
 from ckptool.read.tensors import CompositeTensor
 from ckptool.read.values import StandIn
 from ckptool.read.walk import walk
+from ckptool.write.fix import dcp as fix_dcp
 from ckptool.write.fix import plan as plans
+from ckptool.write.fix import run as fix_run
+from ckptool.write.fix import shards as fix_shards
 from ckptool.write.fix.plan import FixOptions, Plan
 from ckptool.write.flagged import refuse_flagged
 
@@ -95,11 +108,8 @@ class Previewer:
 
     def preview(self, opts: FixOptions) -> FixPreview:
         with self._lock:
-            if self.ckpt.is_multifile:  # the dialog previews one file's fix
-                raise UnsupportedCheckpointError(
-                    f"{self.ckpt.path} is a checkpoint of many files: the browser's fix "
-                    "dialog rewrites single files",
-                    "fix it from the shell: `ckptool diagnose` prints the command")
+            if self.ckpt.is_multifile:
+                return _directory(self.ckpt, opts)
             plans.check_rewritable(self.ckpt.format, opts, self.ckpt.path)
             refuse_flagged(self.ckpt, opts.salvage, "fix")
             plan = plans.make_plan(
@@ -144,6 +154,59 @@ class Previewer:
         # renamed: state-dict names that change (taking the state dict out of
         # its wrapper changes every path, and renames none)
         return FixPreview(plan, changes, nbytes, kept, len(plan.renames), moved)
+
+
+def _directory(ckpt: Checkpoint, opts: FixOptions) -> FixPreview:
+    """What ``fix`` plans for a directory of shards or a DCP checkpoint:
+    its dry run, on the checkpoint read (``fix.fix`` reads it the same way)."""
+    refuse_flagged(ckpt, opts.salvage, "fix")
+    output = fix_shards.default_output(ckpt.path)  # the plan does not depend on it
+    if ckpt.format == DCP:
+        plan = fix_dcp.fix(ckpt, opts, output, dry_run=True).plan
+    elif ckpt.format in (HF_SAFETENSORS, HF_BIN):
+        plan = fix_shards.fix(ckpt, opts, output, fix_file=fix_run.fix, dry_run=True).plan
+    else:  # partitioned over its ranks' files: fix says why not, and what to do
+        fix_run.fix(ckpt.path, opts, dry_run=True)
+        raise UnsupportedCheckpointError(f"{ckpt.path}: a {ckpt.format} checkpoint has no "
+                                         "fix preview", "see `ckptool fix --dry-run`")
+    renames = dict(plan.renames)
+    gone = _left_out(ckpt, plan)
+    rows, kept, moved, nbytes = [], 0, 0, 0
+    for t in ckpt.tensors:
+        name = unescape(t.key)
+        new: str | None = gone.get(name, name)
+        new = renames.get(new, new) if new is not None else None
+        loc = t.location or NO_LOCATION
+        ref = t.storage or name
+        new_loc = plan.retargets.get(ref, loc)
+        rows.append(KeyChange(t.key, None if new is None else escape(new), loc, new_loc))
+        if new is not None:
+            kept += 1
+            moved += new_loc != loc
+            dtype = plan.casts.get(ref, (t.dtype, t.dtype))[1]
+            nbytes += t.numel * dtypes.itemsize(dtype)
+    return FixPreview(plan, rows, nbytes, kept, len(plan.renames), moved)
+
+
+def _left_out(ckpt: Checkpoint, plan: Plan) -> dict[str, str | None]:
+    """Names ``plan.dropped`` takes out (None), or gives to a tied name that
+    is stored in their place (Hugging Face shards, as ``shards._drop``)."""
+    out: dict[str, str | None] = {}
+    paths = ckpt.tree_paths
+    for drop in plan.dropped:
+        name = unescape(drop)
+        steps = name.split(".")
+        for t in ckpt.tensors:
+            own = unescape(t.key)
+            path = [str(p) for p in paths.get(own, ())]
+            if own == name or (len(path) > len(steps) and path[:len(steps)] == steps):
+                out[own] = _heir(ckpt, own)
+    return out
+
+
+def _heir(ckpt: Checkpoint, name: str) -> str | None:
+    heirs = [a for a, k in ckpt.aliases.items() if k == name]
+    return ties.preferred(heirs) if heirs else None
 
 
 def _is_container(obj: Any) -> bool:
