@@ -150,7 +150,9 @@ def test_in_place_on_safetensors_shards_keeps_the_index_readable(
     assert "head.weight" not in index["weight_map"]  # not stored: safetensors cannot share
     code, out, _ = run_cli("inspect", "--json", str(folder))
     assert code == 0
-    assert {t["key"] for t in json.loads(out)["tensors"]} == {"embed.weight", "l.w", "l.b"}
+    tensors = {t["key"]: t for t in json.loads(out)["tensors"]}
+    assert set(tensors) == {"embed.weight", "head.weight", "l.w", "l.b"}  # the tie listed
+    assert tensors["head.weight"]["storage"] == tensors["embed.weight"]["storage"]
 
 
 def test_a_prefix_one_shard_has_alone_is_not_stripped(tmp_path: Path,

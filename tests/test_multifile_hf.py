@@ -60,15 +60,18 @@ def test_safetensors_shards_read_as_one_checkpoint(hf_dirs: dict[str, Path]) -> 
     ckpt = ckptool.open(hf_dirs["st"])
     assert ckpt.format == "hf-safetensors" and ckpt.is_multifile
     index = json.loads((hf_dirs["st"] / INDEX).read_text())
-    assert {t.key: t.file for t in ckpt.tensors} == index["weight_map"]
+    # the tied name huggingface_hub dropped is listed, in its twin's shard and storage
+    tied = {"model.embed.weight": index["weight_map"]["lm_head.weight"]}
+    assert {t.key: t.file for t in ckpt.tensors} == {**index["weight_map"], **tied}
     assert [f.role for f in ckpt.files] == ["index", "shard", "shard"]
     assert ckpt.file_size == sum(f.size for f in ckpt.files) == sum(
         p.stat().st_size for p in hf_dirs["st"].iterdir())
     assert [f.num_tensors for f in ckpt.files[1:]] == [1, 3]
     assert all(t.location is None for t in ckpt.tensors)  # safetensors records none
-    # the tied name huggingface_hub dropped, said as an alias
-    assert [(e.key, e.type) for e in ckpt.entries] == [("model.embed.weight", "alias")]
-    assert ckpt.main_state_dict is not None and ckpt.main_state_dict.num_tensors == 4
+    by_key = {t.key: t for t in ckpt.tensors}
+    assert by_key["model.embed.weight"].storage == by_key["lm_head.weight"].storage
+    assert ckpt.aliases == {"model.embed.weight": "lm_head.weight"} and ckpt.entries == []
+    assert ckpt.main_state_dict is not None and ckpt.main_state_dict.num_tensors == 5
     assert ckpt.total_bytes == index["metadata"]["total_size"]
     assert not ckpt.warnings
 
@@ -225,6 +228,6 @@ def test_an_index_is_known_by_its_content(hf_dirs: dict[str, Path], tmp_path: Pa
     folder = copy(hf_dirs["st"], tmp_path)
     os.rename(folder / INDEX, folder / "weights.json")
     ckpt = ckptool.open(folder / "weights.json")
-    assert ckpt.format == "hf-safetensors" and len(ckpt.tensors) == 4
+    assert ckpt.format == "hf-safetensors" and len(ckpt.tensors) == 5  # the tied name too
     from ckptool.read import dispatch
     dispatch.check(str(folder / "weights.json"))  # browse's first check lets it through

@@ -26,7 +26,7 @@ from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageI
 from ckptool.read import companions, dispatch, observe, optim, params, policy, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import dcp, deepspeed, hf_sharded, hf_storage, per_rank, recognise
-from ckptool.read.layouts.base import MultiRead
+from ckptool.read.layouts.base import MultiRead, list_ties
 from ckptool.read.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
@@ -138,6 +138,7 @@ def read_layout(layout: recognise.Layout) -> MultiRead:
 def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     """The Checkpoint of a checkpoint of many files: assembled as one file's,
     then each tensor and storage told where it lives."""
+    list_ties(multi)  # a tied name is a tensor of its own, sharing the stored one's storage
     ckpt = assemble(path, multi.raw, file_size=sum(f.size for f in multi.files))
     ckpt.directory, ckpt.files = multi.directory, multi.files
     ckpt.tree_paths, ckpt.aliases = multi.paths, dict(multi.aliases)
@@ -156,8 +157,10 @@ def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     for t in ckpt.tensors:
         t.chunks = chunks.get(t.key, ())
         t.file = multi.storage_files.get(t.storage) if t.storage is not None else None
+    listed = {t.key for t in ckpt.tensors}
     ckpt.entries += [Entry(join_key("", name), "alias", f"same tensor as {kept} (the index "
-                           "records it; not stored)") for name, kept in multi.aliases.items()]
+                           "records it; not stored)") for name, kept in multi.aliases.items()
+                     if join_key("", name) not in listed]
     if multi.groups is not None:
         # the state dict is one top-level entry's names, ranked by the entry's
         # name as a file's entries are (tensors saved at the top level rank low)

@@ -12,11 +12,12 @@ from __future__ import annotations
 import math
 import os
 import stat
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model import Chunk, FileInfo
 from ckptool.read.formats.base import RawRead
+from ckptool.read.tensors import TensorRecord
 
 MISSING_HINT = ("a file of the checkpoint is missing: copy or download the whole directory "
                 "again")
@@ -38,6 +39,28 @@ class MultiRead:
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # DCP planner_data
     notes: list[str] = field(default_factory=list)  # what else is there: no problem
     chunk_keys: bool = False  # chunks are keyed by key text (nested trees), not by names
+
+
+def list_ties(multi: MultiRead) -> None:
+    """Each name the files record as tied to a stored tensor (an index's
+    ``metadata``, DeepSpeed's ``shared_params``) listed as a tensor of its
+    own, sharing the stored one's storage and chunks: one tensor under two
+    names, as ``torch.load`` of a file with tied weights gives it, so that
+    every view lists it and a writer keeps it as a tie (``aliases`` still
+    says which name is stored)."""
+    root = multi.raw.root
+    if not isinstance(root, dict):
+        return
+    for alias, kept in multi.aliases.items():
+        rec = root.get(kept)
+        if type(rec) is not TensorRecord or alias in root:
+            continue
+        root[alias] = replace(rec)  # another record (the same object twice is a shared container)
+        if kept in multi.chunks:
+            multi.chunks[alias] = multi.chunks[kept]
+        for names in (multi.groups or {}).values():
+            if kept in names and alias not in names:
+                names.append(alias)
 
 
 def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -15,8 +15,10 @@ The state dict is, per name (in the model's order: ``module``'s):
   are taken from ``module``, as the model holds them: DeepSpeed leaves them
   out there, and the model then does not load;
 - buffers: rank 0's ``module``, floating ones as float32 (DeepSpeed casts
-  them); tied parameters (``shared_params``) as aliases of their owner.
-- ZeRO 0 keeps no partitions: the state dict is ``module`` as saved.
+  them); tied parameters (``shared_params``) as aliases of their owner,
+  listed as tensors sharing its storage (``base.list_ties``).
+- ZeRO 0 keeps no partitions: the state dict is ``module`` as saved, its
+  tied names (one view of one storage) aliases of the first.
 
 Each tensor's ``chunks`` are ``flat`` runs: file, rank, the run of the
 flattened tensor it fills, and the absolute byte range of its elements in
@@ -92,16 +94,18 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
     built: dict[str, tuple[TensorRecord, list[Run], str]] = {}  # name -> (shape rec, runs, kind)
     notes = list(layout.notes)
     replaced: set[int] = set()  # ids of records the state dict is made of
+    tied: dict[str, str] = {}
     if files.stage == 0:
+        tied = _same_views(module)  # ZeRO 0 records no shared_params: the module's own ties
         for name, rec in module.items():
-            if isinstance(rec, TensorRecord):
+            if isinstance(rec, TensorRecord) and name not in tied:
                 built[name] = (rec, [_whole(m0, rec, name)], "module")
         notes.append("ZeRO stage 0: the weights are the module's, as saved (no partitions)")
     else:
         _buffers(m0, module, built)
         _trainable(files, built, replaced)
         _frozen(files, module, built, replaced, notes)
-    aliases = _aliases(m0, built)
+    aliases = {**_aliases(m0, built), **tied}
     order = [n for n in module if n in built] + [n for n in built if n not in module]
     root: dict[str, Any] = {}
     storages: dict[str, StorageRef] = {}
@@ -347,6 +351,21 @@ def _aliases(m0: Saved, built: dict[str, Any]) -> dict[str, str]:
         if isinstance(alias, str) and isinstance(owner, str) and owner in built \
                 and alias not in built:
             out[alias] = owner
+    return out
+
+
+def _same_views(module: dict[str, Any]) -> dict[str, str]:
+    """Names of ``module`` that view one storage exactly as an earlier name
+    does (tied weights, as torch.save keeps them) -> that earlier name."""
+    first: dict[tuple[Any, ...], str] = {}
+    out: dict[str, str] = {}
+    for name, rec in module.items():
+        if isinstance(rec, TensorRecord) and rec.storage is not None:
+            view = (id(rec.storage), rec.storage_offset, rec.shape, rec.stride, rec.dtype)
+            if view in first:
+                out[name] = first[view]
+            else:
+                first[view] = name
     return out
 
 

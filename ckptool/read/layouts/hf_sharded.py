@@ -9,7 +9,8 @@ index and the shards must agree: every shard it names exists, every tensor
 is where it says, none is stored twice, and no shard holds a tensor it does
 not list; anything else is an error naming the file and the key. Names the
 index's ``metadata`` records as tied to a stored one (huggingface_hub drops
-them from safetensors shards) become alias entries.
+them from safetensors shards) are its aliases: listed as tensors sharing the
+stored one's storage (``base.list_ties``).
 
 An in-place fix of the directory that a crash cut short is finished first,
 as its journal says (``journal``), and a note says so.

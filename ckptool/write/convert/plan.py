@@ -197,8 +197,11 @@ def _plan_names(source: Checkpoint, into: str) -> tuple[
         ident = (t.storage, t.storage_offset, t.shape, t.stride, t.dtype) \
             if t.storage is not None else (name,)
         same.setdefault(ident, []).append(name)
+    # a name the checkpoint records as tied, not stored (an index's, DeepSpeed's
+    # shared_params), stays the alias: the stored name is what its files hold
     aliases = {n: keep for names in same.values() if len(names) > 1
-               for keep in (ties.preferred(names),) for n in names if n != keep}
+               for keep in (ties.preferred([n for n in names if n not in source.aliases]
+                                           or names),) for n in names if n != keep}
     kept = {name: t for name, t in sd.items() if name not in aliases}
     targets = set(aliases.values())
     copies = [n for n, t in kept.items() if t.storage is not None
