@@ -12,11 +12,12 @@ not in the driver's order, and a UUID means one GPU either way). Pure: a
 
 from __future__ import annotations
 
+import shlex
 from dataclasses import dataclass
 
 from ckptool.check.gpus.listing import Gpu
 from ckptool.check.gpus.machine import UNLISTED, Machine, strtoul
-from ckptool.describe import human_bytes, shell_quote
+from ckptool.describe import human_bytes
 
 
 @dataclass(frozen=True)
@@ -36,9 +37,11 @@ class Export:
     def line(self) -> str | None:
         """``export CUDA_VISIBLE_DEVICES=2,3``, for ``eval``; None with a problem.
         The value is one quoted shell word: entries copied from the
-        environment (UUIDs as written) never run anything under ``eval``."""
+        environment (UUIDs as written) never run anything under ``eval``.
+        POSIX single quotes, not bash's ``$'...'``: the line is for any
+        shell's ``eval``, and a newline inside single quotes is itself."""
         value = self.value
-        return None if value is None else f"export CUDA_VISIBLE_DEVICES={shell_quote(value)}"
+        return None if value is None else f"export CUDA_VISIBLE_DEVICES={shlex.quote(value)}"
 
 
 def plan_export(machine: Machine, need_bytes: int | None = None) -> Export:
