@@ -95,6 +95,17 @@ def shell_quote(text: str) -> str:
     return "$'" + "".join(out) + "'"
 
 
+def printable(text: str) -> str:
+    """``text`` safe to print on a terminal: each character that is not
+    printable (a control code, or the surrogate ``os.fsdecode`` makes of a
+    byte that is not UTF-8) as ``\\xHH`` escapes of the bytes it stands for,
+    as ``shell_quote`` writes them inside ``$'...'``."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else "".join(f"\\x{b:02x}" for b in _raw_bytes(c))
+                   for c in text)
+
+
 def _raw_bytes(c: str) -> bytes:
     """The bytes a character of a name stands for: a surrogate that
     ``os.fsdecode`` made of an undecodable byte is that byte."""

@@ -68,6 +68,18 @@ def test_an_error_hint_names_the_file(odd_file: Path, tmp_path: Path) -> None:
     assert pasted(hint)[1:3] == [os.fsencode(odd_file), b"--extract"]
 
 
+def test_an_error_message_shows_the_name_escaped(run_cli: Callable[..., CliResult],
+                                                 tmp_path: Path) -> None:
+    """The error line itself: the bytes a name stands for as \\xHH, never a
+    surrogate that cannot be printed, never a raw control code."""
+    name = tmp_path / os.fsdecode(b"gone\xff\x1b[31m.pth")
+    code, out, err = run_cli("inspect", str(name))
+    assert (code, out) == (3, "")
+    first = err.splitlines()[0]
+    assert first.startswith("ckptool: error: ") and "gone\\xff\\x1b[31m.pth" in first
+    assert all(line.isprintable() for line in err.splitlines())
+
+
 @pytest.mark.parametrize("name", [
     "plain.pth", "with space.pth", "it's.pth", "-starts-with-dash.pth", "modèle.pth",
     "esc\x1b[31m.pth", "new\nline.pth", "\u202eevil.pth", os.fsdecode(b"lat\xe9n1 \\ '.pth"),

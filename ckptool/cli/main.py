@@ -60,10 +60,13 @@ def cli(ctx: click.Context, show_traceback: bool) -> None:
 
 def _fail(message: str, hint: str, code: int) -> int:
     from ckptool.cli.inputs import unspool
+    from ckptool.describe import printable
 
-    click.echo(f"ckptool: error: {unspool(message)}", err=True)
+    # a name that is not UTF-8, or holds control codes, is shown escaped:
+    # never raw bytes to the terminal, never a surrogate that cannot print
+    click.echo(f"ckptool: error: {printable(unspool(message))}", err=True)
     if hint:
-        click.echo(f"hint: {hint}", err=True)
+        click.echo(f"hint: {printable(hint)}", err=True)
     return code
 
 
