@@ -22,6 +22,7 @@ from conftest import CliResult
 from safetensors import safe_open
 
 import ckptool
+from ckptool.check.modelspec import module_keys
 from ckptool.read.tensor_source import TensorValues
 
 DS = Path(__file__).resolve().parent / "fixtures" / "deepspeed"
@@ -104,7 +105,7 @@ def test_convert_writes_it_as_one_tie(tmp_path: Path, into: str, name: str,
     back = ckptool.open(out)
     keys = [t.key for t in back.tensors]
     assert len({t.storage for t in back.tensors}) == len(keys) - int("head.weight" in keys)
-    assert ("head.weight" in keys) == (into != "m.safetensors")  # one file: in __metadata__
+    assert "head.weight" in keys  # one file: recorded in __metadata__, and listed
     source = ckptool.open(DS / name).state_dict()  # head.weight's bytes are not written again
     assert back.total_bytes == sum(t.nbytes for k, t in source.items() if k != "head.weight")
 
@@ -145,3 +146,100 @@ def test_browse_shows_it() -> None:
     expect_stats(app.stats["head.weight"], torch.load(
         DS / "z2_fp32.reference.pt", weights_only=True)["emb.weight"])
     assert "shared with emb.weight" in " ".join(text.split())
+
+
+# ---- one safetensors file: huggingface_hub drops a tied name and records it
+# in __metadata__ (dropped -> kept); convert records its own under
+# ckptool.aliases. Either is listed, loaded, converted and fixed as a tie.
+
+@pytest.fixture
+def hub_single(tmp_path: Path) -> Path:
+    emb = torch.nn.Parameter(torch.randn(8, 4))
+    folder = tmp_path / "single"
+    folder.mkdir()
+    hub.save_torch_state_dict({"embed.weight": emb, "head.weight": emb,
+                               "x.bias": torch.zeros(3)}, folder)
+    path = folder / "model.safetensors"
+    with safe_open(path, "pt") as f:  # the writer's own record of the tie
+        assert f.metadata()["head.weight"] == "embed.weight" and "head.weight" not in set(f.keys())
+    return path
+
+
+def tied_net() -> torch.nn.Module:
+    net = torch.nn.Module()
+    net.embed = torch.nn.Embedding(8, 4)
+    net.head = torch.nn.Linear(4, 8, bias=False)
+    net.head.weight = net.embed.weight
+    net.x = torch.nn.Module()
+    net.x.bias = torch.nn.Parameter(torch.ones(3))
+    return net
+
+
+def test_a_single_safetensors_files_recorded_tie_is_listed(hub_single: Path) -> None:
+    ckpt = ckptool.open(hub_single)
+    by_key = {t.key: t for t in ckpt.tensors}
+    assert by_key["head.weight"].storage == by_key["embed.weight"].storage
+    assert ckpt.aliases == {"head.weight": "embed.weight"}
+    sd = ckptool.load(hub_single)
+    assert sd["head.weight"].data_ptr() == sd["embed.weight"].data_ptr()
+    net = tied_net()
+    net.load_state_dict(ckptool.load_state_dict(hub_single, model=net))  # strict
+    assert torch.equal(net.head.weight, sd["embed.weight"])
+
+
+@pytest.mark.parametrize("out", ["o.pt", "o_hf", "o_hf_sharded", "o_hf-bin", "o_dcp"])
+def test_it_converts_as_a_tie(hub_single: Path, tmp_path: Path, out: str,
+                              run_cli: Callable[..., CliResult]) -> None:
+    args = {"o.pt": [], "o_hf": ["--format", "hf"], "o_hf-bin": ["--format", "hf-bin"],
+            "o_hf_sharded": ["--format", "hf", "--max-shard-size", "150B"],
+            "o_dcp": ["--format", "dcp"]}[out]
+    code, _, err = run_cli("convert", str(hub_single), str(tmp_path / out), "-q", *args)
+    assert (code, err) == (0, "")
+    code, text, err = run_cli("diff", str(hub_single), str(tmp_path / out))
+    assert code == 0 and "3 identical" in text, text + err
+
+
+@pytest.mark.parametrize(("options", "names"), [
+    (["--add-prefix", "m."], {"m.embed.weight", "m.head.weight", "m.x.bias"}),
+    (["--dtype", "bf16"], {"embed.weight", "head.weight", "x.bias"}),
+    (["--rename", "^embed=tok"], {"tok.weight", "head.weight", "x.bias"}),
+])
+def test_a_fix_carries_the_tie_with_its_tensor(hub_single: Path, tmp_path: Path,
+                                               options: list[str], names: set[str],
+                                               run_cli: Callable[..., CliResult]) -> None:
+    out = tmp_path / "fixed.safetensors"
+    code, _, err = run_cli("fix", str(hub_single), *options, "-o", str(out))
+    assert (code, err) == (0, "")
+    ckpt = ckptool.open(out)
+    assert {t.key for t in ckpt.tensors} == names
+    head = next(n for n in names if n.endswith("head.weight"))
+    by_key = {t.key: t for t in ckpt.tensors}
+    assert by_key[head].storage == by_key[ckpt.aliases[head]].storage
+
+
+@pytest.mark.parametrize("shard_size", [None, 150])
+def test_a_model_without_the_tied_name_loads_it_strictly(tmp_path: Path,
+                                                          shard_size: int | None) -> None:
+    """A recorded tie is no stored weight: a model that lacks the name loads
+    the file strictly, as safetensors' load_file of it does (one file, or
+    shards whose index records the tie), and diagnose finds no unexpected key."""
+    emb = torch.nn.Parameter(torch.randn(8, 4))
+    sd = {"embed.weight": emb, "head.weight": emb, "x.bias": torch.zeros(3)}
+    if shard_size is None:
+        hub.save_torch_state_dict(sd, tmp_path)
+        path = tmp_path / "model.safetensors"
+    else:
+        ckptool.convert(str(_saved(tmp_path, sd)), str(tmp_path / "hf"), fmt="hf",
+                        max_shard_size=shard_size)
+        path = tmp_path / "hf"
+    assert ckptool.open(path).aliases == {"head.weight": "embed.weight"}
+    bare = tied_net()
+    del bare.head
+    bare.load_state_dict(ckptool.load_state_dict(path, model=bare), strict=True)
+    report = ckptool.diagnose(ckptool.open(path), model=module_keys(bare))
+    assert not [f for f in report.findings if f.code == "unexpected-keys"]
+
+
+def _saved(tmp_path: Path, sd: dict[str, torch.Tensor]) -> Path:
+    torch.save(sd, tmp_path / "t.pth")
+    return tmp_path / "t.pth"

@@ -101,6 +101,10 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     if ckpt.main_state_dict is not None and model is not None:
         tensors = ckpt.state_dict()
         names = ckpt.main_state_dict.keys  # extra-state entries too: strict loading checks them
+        # a tie the files record (an index's, a safetensors header's) is no
+        # stored weight: a model without that name loads the file all the same
+        names = tuple(n for n in names if n not in ckpt.aliases
+                      or n[len(entry):] in model.shapes)
         if consolidate is not None:  # the converted file holds the tied names too
             tensors = {**tensors, **{a: tensors[k] for a, k in ckpt.aliases.items()
                                      if k in tensors}}

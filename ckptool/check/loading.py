@@ -34,11 +34,9 @@ from ckptool.check.gpus.machine import assumed
 from ckptool.check.modelspec import module_keys
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.read.companions import why_no_weights
-from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.materialize import Builder, MapLocation, Placement, pick
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.tensor_source import TensorValues
-from ckptool.write.convert.plan import recorded_aliases
 from ckptool.write.fix.plan import DTYPE_NAMES
 
 if TYPE_CHECKING:
@@ -79,10 +77,9 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
     cast = _dtype(dtype)
     entry = manyfiles.entry_prefix(ckpt)  # DCP's "model.": how it loads, not a name
     tensors = {name[len(entry):]: t for name, t in ckpt.state_dict().items()}
-    recorded = dict(ckpt.aliases)
-    if ckpt.format == SAFETENSORS:  # the ties a converted file records in its __metadata__
-        recorded.update(recorded_aliases(ckpt.metadata.get("metadata", {}), set(tensors))[0])
-    aliases = {a[len(entry):]: k[len(entry):] for a, k in recorded.items()}
+    # tied names (an index's, DeepSpeed's, a safetensors file's __metadata__):
+    # each the same tensor as the name stored
+    aliases = {a[len(entry):]: k[len(entry):] for a, k in ckpt.aliases.items()}
     names = {**{n: n for n in tensors}, **{a: k for a, k in aliases.items() if k in tensors}}
     if model is not None:
         keys = module_keys(model)

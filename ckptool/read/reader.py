@@ -14,6 +14,7 @@ an index records as tied.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import os
 from collections.abc import Callable, Iterator, Sequence
@@ -23,8 +24,9 @@ from typing import Any
 from ckptool.describe import plural
 from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import companions, dispatch, observe, optim, params, policy, prefixes
+from ckptool.read import companions, dispatch, observe, optim, params, policy, prefixes, ties
 from ckptool.read.formats.base import RawRead
+from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import dcp, deepspeed, hf_sharded, hf_storage, per_rank, recognise
 from ckptool.read.layouts.base import MultiRead, list_ties
 from ckptool.read.policy import UNSAFE
@@ -90,16 +92,18 @@ def _open(given: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> 
         # framework's other files) reads as that file
         path = layout.file if layout is not None and layout.file is not None else given
         if on_tensors is None:
-            ckpt = assemble(path, dispatch.read(path))
+            raw = dispatch.read(path)
         else:
             with observe.observe(_partial_tensors(on_tensors), TENSORS):
                 raw = dispatch.read(path)
-            ckpt = assemble(path, raw)
+        raw, aliases = _recorded_ties(raw)
+        ckpt = assemble(path, raw)
+        ckpt.aliases = aliases
         notes = list(layout.notes) if layout is not None else []  # what else its folder holds
         if any(t.subclass for t in ckpt.tensors):
             shard = per_rank.one_rank(path, ckpt.root)
             notes += [shard] if shard else []
-        if ckpt.format == "safetensors" and hf_storage.SHARDING_INFO in (
+        if ckpt.format == SAFETENSORS and hf_storage.SHARDING_INFO in (
                 ckpt.metadata.get("metadata") or {}):
             piece = hf_storage.one_piece(path, ckpt.metadata)
             notes += [piece] if piece else []
@@ -107,6 +111,23 @@ def _open(given: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> 
             ckpt.metadata["notes"] = [*ckpt.metadata.get("notes", ()), *notes]
     ckpt.framework = companions.framework_of(given, layout, ckpt)
     return ckpt
+
+
+def _recorded_ties(raw: RawRead) -> tuple[RawRead, dict[str, str]]:
+    """A safetensors file's tied names (the ones huggingface_hub drops and
+    records in ``__metadata__`` as dropped -> kept, or ``convert``'s
+    ``ckptool.aliases``), each listed as a tensor sharing its twin's storage,
+    as an index's recorded ties are: in a new tree, so that a rewrite's
+    faithful read of the file stays the file."""
+    if raw.format != SAFETENSORS or not isinstance(raw.root, dict):
+        return raw, {}
+    aliases, _ = ties.recorded_aliases(raw.metadata.get("metadata") or {}, set(raw.root))
+    if not aliases:
+        return raw, {}
+    root = dict(raw.root)
+    for alias, kept in aliases.items():
+        root[alias] = dataclasses.replace(root[kept])
+    return dataclasses.replace(raw, root=root), aliases
 
 
 def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.Observer:

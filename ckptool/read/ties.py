@@ -12,7 +12,9 @@ that are neither, the first in the source's order.
 
 from __future__ import annotations
 
+import json
 import re
+from typing import Any
 
 # input embeddings, as transformers' architectures name them
 EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings"
@@ -32,3 +34,34 @@ def rank(name: str) -> int:
 def preferred(names: list[str]) -> str:
     """The name to keep of ``names`` (in the source's order), tied to one tensor."""
     return names[min(range(len(names)), key=lambda i: (rank(names[i]), i))]
+
+
+def recorded_aliases(meta: dict[str, Any], names: set[str]) -> tuple[dict[str, str], list[str]]:
+    """The ``ckptool.aliases`` a safetensors file records (``convert`` wrote
+    them: alias -> the tensor it shares), or else the entries of
+    ``__metadata__`` that name a tensor of the file under a name it does not
+    hold (huggingface_hub records a tied name it drops that way), as far as
+    they make sense: the file's metadata is input, not instructions. Returns
+    (aliases, notes on what was ignored)."""
+    text = meta.get("ckptool.aliases")
+    if text is None:  # huggingface_hub's form: a dropped name -> the name kept
+        return {k: v for k, v in meta.items() if isinstance(v, str) and v in names
+                and k not in names and not k.startswith("ckptool.")}, []
+    try:
+        raw = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        return {}, ["__metadata__ 'ckptool.aliases' is not JSON: ignored"]
+    if not isinstance(raw, dict):
+        return {}, ["__metadata__ 'ckptool.aliases' is not a JSON object: ignored"]
+    aliases: dict[str, str] = {}
+    bad = []
+    for alias, kept in raw.items():
+        # an alias of a tensor the file has, under a name no tensor has: an
+        # alias of an alias (or of itself) is no tensor at all
+        if isinstance(kept, str) and kept in names and alias not in names:
+            aliases[alias] = kept
+        else:
+            bad.append(alias)
+    notes = [f"__metadata__ 'ckptool.aliases' names {len(bad)} alias(es) that are not "
+             f"a new name for a tensor of the file: ignored ({', '.join(bad[:3])})"] if bad else []
+    return aliases, notes

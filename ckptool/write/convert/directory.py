@@ -305,12 +305,11 @@ def _check_whole(path: str, written: Written, kind: str) -> Checkpoint:
     """The written directory, read back as a checkpoint: it holds the
     planned names, shapes and dtypes, aliases too (torch shards and DCP
     share storage; an index records the ties of safetensors shards, and they
-    read back as tensors of their own; one safetensors file records them in
-    its ``__metadata__``)."""
+    read back as tensors of their own, as one safetensors file's
+    ``__metadata__`` records them)."""
     back = open_checkpoint(path)
     expect = {n: (t.shape, written.dtype(n)) for n, t in written.tensors.items()}
-    if kind != "hf" or back.is_multifile:
-        expect.update({a: expect[k] for a, k in written.aliases.items()})
+    expect.update({a: expect[k] for a, k in written.aliases.items()})
     want = {escape(".".join(str(p) for p in written.paths.get(n, (n,)))): v
             for n, v in expect.items()}
     have = {t.key: (t.shape, t.dtype) for t in back.tensors

@@ -17,6 +17,7 @@ from ckptool.keys import key_of
 from ckptool.model import TensorInfo
 from ckptool.read.layouts.dcp import nest
 from ckptool.read.tensors import StorageRef, StorageType, TensorRecord
+from ckptool.read.ties import recorded_aliases
 from ckptool.read.values import TorchDtype
 from ckptool.write import copy, repickle, verify
 from ckptool.write.commit import AtomicOutput
@@ -40,8 +41,11 @@ def write_safetensors(written: Written, meta: dict[str, str], tensors: TensorSou
         layout, starts = safetensors.lay_out(items, meta, tensors.segments)  # 3. lay out
         copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)  # 4, 5
         out.sync_in_background()
-        verify.check_offsets(out.read_path, {n: (t.shape, written.dtype(n))
-                                             for n, t in written.tensors.items()}, starts)
+        expect = {n: (t.shape, written.dtype(n)) for n, t in written.tensors.items()}
+        # the ties ``meta`` records read back as tensors sharing their twins'
+        expect.update({a: expect[k] for a, k in
+                       recorded_aliases(meta, set(written.tensors))[0].items()})
+        verify.check_offsets(out.read_path, expect, starts)
         out.commit()  # 6. commit
     return layout.end
 

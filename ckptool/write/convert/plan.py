@@ -16,7 +16,6 @@ plain values kept, and what is left out, said rather than dropped.
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Collection
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ from ckptool.read import ties
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts.dcp import DCP
 from ckptool.read.layouts.deepspeed import DEEPSPEED
+from ckptool.read.ties import recorded_aliases
 from ckptool.read.values import is_plain
 from ckptool.write.fix.plan import CASTABLE
 from ckptool.write.formats.safetensors import ST_CODES
@@ -75,8 +75,9 @@ def plan(source: Checkpoint, into: str, keep_entries: bool = True) -> Written:
     ``__metadata__`` (not with ``keep_entries=False``: Hugging Face shards)."""
     if source.format == DCP and into == WHOLE:
         return _whole_dcp(source)
-    if source.format == SAFETENSORS:
-        kept = {unescape(t.key): t for t in source.tensors}
+    if source.format == SAFETENSORS:  # a tied name is listed, sharing its twin's storage
+        kept = {unescape(t.key): t for t in source.tensors
+                if unescape(t.key) not in source.aliases}
         aliases, notes = recorded_aliases(source.metadata.get("metadata", {}), set(kept))
         return Written(kept, aliases, notes=notes)
     kind = SAFETENSORS if into == SAFETENSORS else TORCH
@@ -259,34 +260,3 @@ def _file_record(source: Checkpoint, key: str) -> bool:
     """A key of a DeepSpeed checkpoint's file records (``<name.pt>/...``), beside
     its state dict."""
     return source.format == DEEPSPEED and key.startswith("<")
-
-
-def recorded_aliases(meta: dict[str, str], names: set[str]) -> tuple[dict[str, str], list[str]]:
-    """The ``ckptool.aliases`` a safetensors file records (``convert`` wrote
-    them: alias -> the tensor it shares), or else the entries of
-    ``__metadata__`` that name a tensor of the file under a name it does not
-    hold (huggingface_hub records a tied name it drops that way), as far as
-    they make sense: the file's metadata is input, not instructions. Returns
-    (aliases, notes on what was ignored)."""
-    text = meta.get("ckptool.aliases")
-    if text is None:  # huggingface_hub's form: a dropped name -> the name kept
-        return {k: v for k, v in meta.items() if isinstance(v, str) and v in names
-                and k not in names and not k.startswith("ckptool.")}, []
-    try:
-        raw = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
-        return {}, ["__metadata__ 'ckptool.aliases' is not JSON: ignored"]
-    if not isinstance(raw, dict):
-        return {}, ["__metadata__ 'ckptool.aliases' is not a JSON object: ignored"]
-    aliases: dict[str, str] = {}
-    bad = []
-    for alias, kept in raw.items():
-        # an alias of a tensor the file has, under a name no tensor has: an
-        # alias of an alias (or of itself) is no tensor at all
-        if isinstance(kept, str) and kept in names and alias not in names:
-            aliases[alias] = kept
-        else:
-            bad.append(alias)
-    notes = [f"__metadata__ 'ckptool.aliases' names {len(bad)} alias(es) that are not "
-             f"a new name for a tensor of the file: ignored ({', '.join(bad[:3])})"] if bad else []
-    return aliases, notes

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -77,6 +77,7 @@ class Plan:
     retargets: dict[str, str] = field(default_factory=dict)  # storage id -> new tag
     casts: dict[str, tuple[str, str]] = field(default_factory=dict)  # storage id -> (from, to)
     notes: list[str] = field(default_factory=list)
+    rename: Callable[[str], str] | None = None  # the rule keys were renamed by
     # what writing ``root`` back writes: its storages, and the unsafe globals it
     # names (one walk of the tree, by make_plan)
     storages: dict[str, StorageRef] = field(default_factory=dict)
@@ -300,7 +301,8 @@ def make_plan(ckpt: Checkpoint, opts: FixOptions) -> Plan:
             raise UsageError(
                 f"'{sd_info.path or 'the file'}' is a whole pickled module, not a state dict",
                 "add --extract to turn it into a state dict first")
-        new_sd, plan.renames = _rename_all(sd, key_function(opts, sd_info.prefix))
+        plan.rename = key_function(opts, sd_info.prefix)
+        new_sd, plan.renames = _rename_all(sd, plan.rename)
         plan.root = _replace(plan.root, parent, key, new_sd)
         if opts.strip_module and not sd_info.prefix:
             plan.notes.append("--strip-module: no module./_orig_mod./model. prefix found")

@@ -33,6 +33,7 @@ from typing import Any
 from ckptool import dtypes
 from ckptool.describe import beside, shell_word
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
+from ckptool.keys import unescape
 from ckptool.model import Checkpoint
 from ckptool.read import dispatch
 from ckptool.read.companions import framework_of
@@ -347,12 +348,18 @@ def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
     for name, rec in plan.root.items():
         t = by_storage[rec.storage.key]
         items.append((name, t, plan.casts.get(t.storage or "", (t.dtype, t.dtype))[1]))
-    meta = source.metadata.get("metadata") or {}
+    # the ties the header records follow their tensors (and read back as tensors)
+    meta, ties, notes = safetensors.carry_ties(
+        source.metadata.get("metadata") or {},
+        {unescape(t.key): name for name, t, _ in items}, plan.rename)
+    plan.notes += notes
     reader = stack.enter_context(TensorData(source))
-    layout, starts = safetensors.lay_out(items, dict(meta), safetensors.of_file(reader))
+    layout, starts = safetensors.lay_out(items, meta, safetensors.of_file(reader))
     copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)
     out.sync_in_background()
-    verify.check_offsets(out.read_path, {n: (t.shape, d) for n, t, d in items}, starts)
+    expect = {n: (t.shape, d) for n, t, d in items}
+    expect.update({a: expect[k] for a, k in ties.items()})
+    verify.check_offsets(out.read_path, expect, starts)
     return len(items)
 
 

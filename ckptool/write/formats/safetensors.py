@@ -52,3 +52,41 @@ def lay_out(items: list[Item], meta: dict[str, str],
             layout.add(segment)
         starts[name] = at
     return layout, starts
+
+
+def carry_ties(meta: dict[str, str], after: dict[str, str],
+               rename: Callable[[str], str] | None) -> tuple[dict[str, str], dict[str, str],
+                                                             list[str]]:
+    """A rewritten file's ``__metadata__`` with the ties it records (dropped
+    name -> kept name, huggingface_hub's form, or ``convert``'s
+    ``ckptool.aliases``) following the tensors: ``after`` maps each stored
+    name the output keeps to its new name, ``rename`` renames the tied names
+    as the keys were. Returns (the metadata, the ties it now records, notes
+    on ties left out)."""
+    from ckptool.read.ties import recorded_aliases
+
+    ties, _ = recorded_aliases(meta, set(after))
+    if not ties:
+        return meta, {}, []
+    out = dict(meta)
+    ours = "ckptool.aliases" in out
+    for alias in ties:
+        out.pop(alias, None)
+    out.pop("ckptool.aliases", None)
+    carried: dict[str, str] = {}
+    lost = []
+    taken = set(after.values())
+    for alias, kept in ties.items():
+        new = rename(alias) if rename is not None else alias
+        if kept in after and new not in taken:
+            carried[new] = after[kept]
+            taken.add(new)
+        else:
+            lost.append(alias)
+    if ours and carried:
+        out["ckptool.aliases"] = json.dumps(carried)
+    elif carried:
+        out.update(carried)
+    notes = [f"{len(lost)} tied name(s) the file recorded are left out with the tensor "
+             f"they share, or clash with a new name: {', '.join(lost[:3])}"] if lost else []
+    return out, carried, notes
