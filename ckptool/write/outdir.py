@@ -28,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 
 from ckptool.errors import InputError, UsageError
+from ckptool.read.layouts.journal import alive
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.failures import is_output_error, naming, output_error
 
@@ -147,21 +148,11 @@ def remove_leftovers(parent: Path, name: str) -> list[str]:
         return removed
     for entry in entries:
         m = _LEFTOVER.match(entry)
-        if m is None or m.group("name") != name or _alive(int(m.group("pid"))):
+        if m is None or m.group("name") != name or alive(int(m.group("pid"))):
             continue
         shutil.rmtree(parent / entry, ignore_errors=True)
         removed.append(entry)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _fsync(directory: Path) -> None:

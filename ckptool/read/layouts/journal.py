@@ -96,7 +96,7 @@ def remove_leftovers(directory: str) -> list[str]:
     removed = []
     for entry in sorted(os.listdir(directory)):
         m = _TEMP.match(entry)
-        if m is None or _alive(int(m.group("pid"))) or not os.path.isfile(
+        if m is None or alive(int(m.group("pid"))) or not os.path.isfile(
                 os.path.join(directory, entry)) or os.path.islink(os.path.join(directory, entry)):
             continue  # (a directory is a staged output's: ckptool.write.outdir's to remove)
         with contextlib.suppress(FileNotFoundError):
@@ -105,7 +105,8 @@ def remove_leftovers(directory: str) -> list[str]:
     return removed
 
 
-def _alive(pid: int) -> bool:
+def alive(pid: int) -> bool:
+    """Whether process ``pid`` still runs (its temporaries are not litter)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
