@@ -133,3 +133,41 @@ def test_optimizer_names_that_are_not_the_models_are_kept_and_said(
     assert any(n.startswith("optim: 4 parameter name(s) of the optimizer state are no key "
                             "of the model (e.g. 'other.module.0.bias')")
                for n in report["notes"]), report["notes"]
+
+
+@pytest.mark.parametrize("case", ["strip-module", "add-prefix"])
+def test_a_flat_optimizer_state_loads_under_the_new_names(
+        case: str, tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    """torchtitan's default: ``flatten_optimizer_state_dict=True`` saves one
+    key per value (``optim.state.module.0.weight.exp_avg``,
+    ``optim.param_groups.module.0.weight.lr``); they follow the model too."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    make, args, target = CASES[case]
+    torch.manual_seed(0)
+    model, opt = trained(make())
+    want = moments(model, opt)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msd, osd = get_state_dict(model, opt, options=flat)
+        assert any(k.startswith("param_groups.") for k in osd)  # the flat form
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=tmp_path / "ckpt", no_dist=True)
+    out = tmp_path / "fixed"
+    code, stdout, err = run_cli("fix", str(tmp_path / "ckpt"), *args, "-o", str(out), "--json")
+    assert (code, err) == (0, ""), err
+    assert any("saved flat, follows the model's keys" in n
+               for n in json.loads(stdout)["notes"])
+    fresh = target()
+    new_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        msd, osd = get_state_dict(fresh, new_opt, options=flat)
+        state = {"model": msd, "optim": osd}
+        dcp.load(state, checkpoint_id=out, no_dist=True)
+        set_state_dict(fresh, new_opt, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"], options=flat)
+    got = moments(fresh, new_opt)
+    for (p, avg, sq, step), (wp, wavg, wsq, wstep) in zip(got, want, strict=True):
+        assert torch.equal(p, wp) and torch.equal(avg, wavg) and torch.equal(sq, wsq)
+        assert step == wstep == 2.0

@@ -27,8 +27,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from typing import Any
 
-from ckptool.describe import shell_word
+from ckptool.describe import plural, shell_word
 from ckptool.errors import UsageError
 from ckptool.keys import escape, unescape
 from ckptool.model import Checkpoint
@@ -147,6 +148,7 @@ def _rename(source: Checkpoint, written: Written, opts: FixOptions, plan: Plan) 
     written.paths = paths
     moved = {name: rename(name) for name in inner.values() if rename(name) != name}
     _rename_optimizers(written, moved, set(inner.values()), plan)
+    _rename_flat_optimizers(written, moved, set(inner.values()), entry, plan)
 
 
 def _rename_optimizers(written: Written, moved: dict[str, str], params: set[str],
@@ -203,6 +205,47 @@ def _rename_optimizers(written: Written, moved: dict[str, str], params: set[str]
                 f"{where}: {len(odd)} parameter name(s) of the optimizer state are no key of "
                 f"the model (e.g. {sorted(odd)[0]!r}): left as they are, so they will not "
                 "load by the model's new names")
+
+
+FLAT_KINDS = ("state", "param_groups")
+
+
+def _rename_flat_optimizers(written: Written, moved: dict[str, str], params: set[str],
+                            entry: Any, plan: Plan) -> None:
+    """The same for an optimizer state saved flat (``get_state_dict`` with
+    ``flatten_optimizer_state_dict=True``, torchtitan's default): one key per
+    value under its entry, ``state.NAME.exp_avg`` and
+    ``param_groups.NAME.lr``, ``NAME`` a parameter's dotted name (found as
+    the longest of the model's names the key starts with)."""
+    renamed: dict[str, tuple[str | int, ...]] = {}
+    for fqn, p in written.paths.items():
+        if len(p) != 2 or p[0] == entry or not isinstance(p[1], str):
+            continue
+        kind, _, rest = p[1].partition(".")
+        if kind not in FLAT_KINDS:
+            continue
+        parts = rest.split(".")
+        name = next((n for n in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
+                     if n in params), None)
+        if name is not None and name in moved:
+            renamed[fqn] = (p[0], f"{kind}.{moved[name]}{rest[len(name):]}")
+    if not renamed:
+        return
+    names = {fqn: _dotted(p) for fqn, p in renamed.items()}
+    clash = set(names.values()) & (set(written.paths) - set(names))
+    if clash:
+        raise UsageError(f"two keys of the optimizer state would both become "
+                         f"{sorted(clash)[0]!r}", "check the prefixes and --rename patterns")
+    values = sum(1 for f in renamed if f in written.entries)
+    for held in (written.tensors, written.entries):
+        for fqn in [f for f in held if f in names]:
+            held[names[fqn]] = held.pop(fqn)
+            if held is written.tensors:
+                plan.renames.append((fqn, names[fqn]))
+    written.paths = {names.get(f, f): renamed.get(f, p) for f, p in written.paths.items()}
+    plan.notes.append(f"the optimizer state, saved flat, follows the model's keys: "
+                      f"{plural(len(renamed), 'key')} renamed as well ({values} of its "
+                      "param_groups' values)")
 
 
 def _dotted(path: tuple[str | int, ...]) -> str:
