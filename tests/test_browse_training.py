@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from conftest import CliResult
-from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from ckptool.tui.app import BrowseApp
 from ckptool.tui.index import Node
@@ -47,12 +47,18 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # "no process group: saving in one process"
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder / "dcp")
-    return {"torch": folder / "train.pt", "dcp": folder / "dcp"}
+        # torchtitan's default: one key per value (optim.param_groups.0.weight.lr)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        msd, osd = get_state_dict(model, opt, options=flat)
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=folder / "dcp_flat")
+    return {"torch": folder / "train.pt", "dcp": folder / "dcp",
+            "dcp_flat": folder / "dcp_flat"}
 
 
 # (the file, its optimizer's node in the tree, the key of one moment)
 CASES = [("torch", "optimizer", "optimizer/state/0/exp_avg"),
-         ("dcp", "optim", "optim.state.0.weight.exp_avg")]
+         ("dcp", "optim", "optim.state.0.weight.exp_avg"),
+         ("dcp_flat", "optim", "optim.state.0.weight.exp_avg")]
 
 
 @pytest.mark.parametrize(("kind", "optim_node", "moment"), CASES)

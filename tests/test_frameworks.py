@@ -225,7 +225,7 @@ def test_an_optimizer_state_is_not_weights(tmp_path: Path,
     assert ckpt.main_state_dict is None
     assert ckpt.metadata["optimizer_states"] == [{
         "path": "", "parameters": 4, "param_groups": 1,
-        "state_names": ["step", "exp_avg", "exp_avg_sq"], "kind": "Adam/AdamW"}]
+        "state_names": ["step", "exp_avg", "exp_avg_sq"], "kind": "Adam/AdamW", "flat": False}]
     with pytest.raises(ckptool.CkptoolError, match=r"optimizer state .*not a model's weights"):
         ckptool.load_state_dict(HERE / "optimizer_only.pt")
     code, _, err = run(["fix", str(HERE / "optimizer_only.pt"), "--extract",

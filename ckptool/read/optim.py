@@ -38,17 +38,20 @@ class OptimizerState:
     param_groups: int
     state_names: tuple[str, ...]  # per-parameter names: exp_avg, exp_avg_sq, step...
     kind: str | None  # "Adam/AdamW", "SGD with momentum"... as the names suggest
+    # saved flat (flatten_optimizer_state_dict): hyperparameters per parameter,
+    # param_groups then counts the parameters that have them
+    flat: bool = False
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> OptimizerState:
         """The state ``as_dict`` made (``Checkpoint.metadata["optimizer_states"]``)."""
         return cls(data["path"], data["parameters"], data["param_groups"],
-                   tuple(data["state_names"]), data["kind"])
+                   tuple(data["state_names"]), data["kind"], bool(data.get("flat")))
 
     def as_dict(self) -> dict[str, Any]:
         return {"path": self.path, "parameters": self.parameters,
                 "param_groups": self.param_groups, "state_names": list(self.state_names),
-                "kind": self.kind}
+                "kind": self.kind, "flat": self.flat}
 
     @property
     def state_path(self) -> str:
@@ -119,6 +122,7 @@ def find_flat(paths: Iterable[tuple[str | int, ...]]) -> list[OptimizerState]:
     levels as ``find`` finds them in a tree: a ``state`` of per-parameter
     dicts beside ``param_groups`` that list ``params``. The tree is never
     built: a path is only looked at, whatever it claims."""
+    paths = list(paths)
     groups: dict[tuple[str | int, ...], set[int]] = {}
     params: dict[tuple[str | int, ...], set[str | int]] = {}
     names: dict[tuple[str | int, ...], dict[str, None]] = {}
@@ -138,7 +142,35 @@ def find_flat(paths: Iterable[tuple[str | int, ...]]) -> list[OptimizerState]:
     return [OptimizerState(key_of([str(step) for step in head]), len(params[head]),
                            len(groups[head]), tuple(names.get(head, ())),
                            _kind(set(names.get(head, ()))))
-            for head in found]
+            for head in found] + _find_flattened(paths, found)
+
+
+def _find_flattened(paths: Iterable[tuple[str | int, ...]],
+                    nested: list[tuple[str | int, ...]]) -> list[OptimizerState]:
+    """Optimizer states saved flat (``StateDictOptions(flatten_optimizer_state_dict
+    =True)``, torchtitan's default): one key per value under the entry,
+    ``state.fc.weight.exp_avg`` beside ``param_groups.fc.weight.lr``."""
+    state: dict[tuple[str | int, ...], set[str]] = {}
+    groups: dict[tuple[str | int, ...], set[str]] = {}
+    names: dict[tuple[str | int, ...], dict[str, None]] = {}
+    for path in paths:
+        last = path[-1] if path else None
+        if not isinstance(last, str) or len(path) > MAX_DEPTH + 1:
+            continue
+        kind, _, rest = last.partition(".")
+        param, _, name = rest.rpartition(".")
+        if not param or kind not in ("state", "param_groups"):
+            continue
+        head = path[:-1]
+        if kind == "state":
+            state.setdefault(head, set()).add(param)
+            names.setdefault(head, {})[name] = None
+        else:
+            groups.setdefault(head, set()).add(param)
+    return [OptimizerState(key_of([str(step) for step in head]), len(state[head]),
+                           len(groups[head]), tuple(names[head]), _kind(set(names[head])),
+                           flat=True)
+            for head in sorted(state, key=len) if head in groups and head not in nested]
 
 
 def holder(ckpt: Checkpoint) -> Callable[[TensorInfo], bool] | None:
@@ -168,7 +200,8 @@ def summary(s: OptimizerState) -> str:
     """``Adam/AdamW: exp_avg, exp_avg_sq, step for 9 parameters, 1 param group``."""
     what = f"{s.kind}: " if s.kind else ""
     names = ", ".join(s.state_names) or "no per-parameter state"
-    groups = f"{s.param_groups} param group{'s' if s.param_groups != 1 else ''}"
+    groups = ("saved flat (hyperparameters per parameter)" if s.flat else
+              f"{s.param_groups} param group{'s' if s.param_groups != 1 else ''}")
     return (f"{what}{names} for {s.parameters} parameter{'s' if s.parameters != 1 else ''}, "
             f"{groups}")
 
