@@ -7,8 +7,14 @@ from the file ever run.
   global becomes), ``values`` and ``constructors`` (inert stand-ins and the
   few containers built for real), ``tensors`` (tensor and storage records,
   in place of torch's rebuild functions), ``treecheck`` (bounds on the tree);
-- ``formats/``: one module per file layout, sniffed by content, each
-  turning a file into a ``RawRead``; ``ziparchive`` reads zip directories;
+- ``dispatch``: which reader a file calls for, sniffed by content, and the
+  "what is this file" errors; ``formats/``: one module per file format,
+  each turning a file into a ``RawRead``; ``ziparchive`` reads zip
+  directories; ``frames`` and ``pickles`` find a file's pickles;
+- ``companions``: the framework folder a checkpoint was read from and
+  every other file in it; ``optim``: optimizer states wherever they sit;
+  ``ties``: the name a writer keeps of tied ones, and the ties a file
+  records; ``params``: parameter counts;
 - ``layouts/``: checkpoints of many files (a directory or an index file:
   Hugging Face shards, ``torch.distributed.checkpoint``), recognised by
   content, read with the single-file readers and the same unpickler, and
@@ -19,7 +25,9 @@ from the file ever run.
   values), ``reader`` (``ckptool.open``: a ``Checkpoint``);
 - ``tensor_data``: tensor bytes of a file, read on demand (``layouts.tensor_bytes``
   builds on it for many files); ``tensor_source``: values of any checkpoint's
-  tensors, one file or many, for the views.
+  tensors, one file or many, for the views; ``materialize`` and
+  ``placement``: ``ckptool.load``'s real tensors where ``map_location`` puts
+  them.
 
 May import the top level (``errors``, ``model``, ``dtypes``, ``describe``)
 and nothing above it.

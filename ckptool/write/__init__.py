@@ -25,5 +25,8 @@ Checkpoints of many files: ``convert.plan`` (what a conversion writes),
 split by ``shards``, or DCP through torch's writer), ``outdir`` (a
 directory that appears whole or not at all), ``fix.shards`` (``fix`` on HF
 shards), ``fix.dcp`` (``fix`` on a DCP directory); ``results`` holds what
-``fix`` and ``convert`` report. May import the top level and ``ckptool.read``.
+``fix`` and ``convert`` report. Beside the stages: ``failures`` (a write
+the system refuses, named), ``interrupt`` (what a Ctrl-C during an in-place
+change left), ``flagged`` (unsafe input refused, or salvaged).
+May import the top level and ``ckptool.read``.
 """

@@ -31,6 +31,7 @@
 
 ``ckptool.read.reader`` turns a ``MultiRead`` into the same ``Checkpoint`` as
 a single file gives, with ``directory``, ``files`` and, per tensor, ``file``
-or ``chunks`` set. This package's ``__init__`` imports nothing, so that
-``ckptool.read.formats`` can use ``recognise`` without a cycle.
+or ``chunks`` set. This package's ``__init__`` imports nothing: its
+modules use the format readers (``layouts.names`` sniffs with them), and
+``ckptool.read.dispatch`` uses ``recognise``, with no loop between them.
 """
