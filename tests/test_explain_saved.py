@@ -82,3 +82,19 @@ def test_a_file_on_the_cpu(run_cli: Run, monkeypatch: pytest.MonkeyPatch,
     assert "the file saved 2 tensors on cpu, none on cuda:2" in finding["message"]
     assert finding["fix"] is None
     assert len(data["checkpoint"]["notes"]) == 1  # the one saying the file does not show it
+
+
+@pytest.mark.parametrize("other", ["samples/tinynet.safetensors", "samples/dcp_tinynet"])
+def test_a_file_that_records_no_device(run_cli: Run, monkeypatch: pytest.MonkeyPatch,
+                                       other: str) -> None:
+    """safetensors and DCP record no device: such a file cannot raise torch's
+    deserialize error, and the explanation says so plainly."""
+    data, shown = explain(run_cli, torch_error(monkeypatch, SAMPLE, 1), ROOT / other)
+    message = data["findings"][0]["message"]
+    assert "records no device for its tensors (it loads where it is asked): it cannot " \
+           "have raised this, another file saved on cuda:2 did" in message
+    assert ", none on" not in message and "rewritten since" not in message
+    assert "it cannot have raised this" in shown
+    assert data["checkpoint"]["notes"] == [
+        f"the error names cuda:2, and {ROOT / other} records no device (its tensors load "
+        "where they are asked): the error came from another file"]

@@ -54,8 +54,11 @@ class Saved:
 
     said: str  # "the file saved 15 tensors on cuda:2"
     names_it: bool  # the error's device is among them
+    recorded: bool = True  # False: a format that records no device (safetensors, DCP)
 
     def clause(self, device: str) -> str:
+        if not self.recorded:
+            return f"{self.said}: it cannot have raised this, another file saved on {device} did"
         return self.said if self.names_it else f"{self.said}, none on {device}"
 
 
@@ -65,7 +68,8 @@ def saved_where(tags: Sequence[TagLoad], device: str, it: str = "the file") -> S
     one of them."""
     recorded = [t for t in tags if t.location != "unrecorded" and t.tensors]
     if not recorded:
-        return Saved(f"{it} records no device for its tensors", False)
+        return Saved(f"{it} records no device for its tensors (it loads where it is asked)",
+                     False, recorded=False)
     kind = device.partition(":")[0]
     names_it = any(t.location == device or (":" not in device
                                             and t.location.partition(":")[0] == kind)
@@ -111,7 +115,7 @@ def _device(f: Facts, name: str, device_count: int | None,
     count = f.get("device_count") if device_count is None else device_count
     saved = ("torch.load puts every storage back on the device it was saved on, and "
              + (file.clause(device) if file else f"the file saved some on {device}"))
-    if file is not None and not file.names_it:
+    if file is not None and file.recorded and not file.names_it:
         saved += (f" (the error names {device}: it probably came from another file, or this "
                   "one was rewritten since)")
     if backend == "cuda" and count:

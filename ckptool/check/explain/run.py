@@ -117,7 +117,11 @@ def with_checkpoint(exp: Explanation, ckpt: Checkpoint, model: ModelKeys | None 
     if error.kind == p.DEVICE:  # what the file saved, not what the error guesses it did
         saved = saved_where(d.tags, error.facts["device"],
                             "the checkpoint" if ckpt.is_multifile else "the file")
-        if not saved.names_it and p.DEVICE in found:
+        if not saved.recorded:
+            exp.notes.append(f"the error names {error.facts['device']}, and {ckpt.path} "
+                             "records no device (its tensors load where they are asked): "
+                             "the error came from another file")
+        elif not saved.names_it and p.DEVICE in found:
             exp.notes.append(f"the error names {error.facts['device']}, and {ckpt.path} "
                              f"saved nothing there ({saved.said}): the error probably came "
                              "from another file")
@@ -129,8 +133,9 @@ def with_checkpoint(exp: Explanation, ckpt: Checkpoint, model: ModelKeys | None 
             ours = None if (f.fix or "").startswith("ckptool ") else f.fix
             f = replace(f, fix=theirs.fix or ours, snippet=theirs.snippet or f.snippet)
         elif f.code in FILE_CODES:  # not this file's problem: no command for it
-            exp.notes.append(f"the error says {f.code}, which {ckpt.path} does not show: the "
-                             "error may come from another file or another machine")
+            if saved is None or saved.recorded:  # (else said above, more precisely)
+                exp.notes.append(f"the error says {f.code}, which {ckpt.path} does not show: the "
+                                 "error may come from another file or another machine")
             f = replace(f, fix=None if (f.fix or "").startswith("ckptool ") else f.fix)
         if d.fix_refused and (f.fix or "").startswith("ckptool fix"):
             f = replace(f, fix=None)  # never a command that fix would refuse
