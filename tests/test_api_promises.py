@@ -75,7 +75,7 @@ def layouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "dcp": SAMPLES / "dcp_tinynet",
         "deepspeed": SAMPLES / "deepspeed_zero3",
         "per-rank": MULTI / "per_rank_dtensor" / "fsdp2_ws2",
-        "hf storage writer": MULTI / "hf_storage",
+        "hf storage writer": MULTI / "hf_storage" / "distributed",
     }
 
 
@@ -107,6 +107,26 @@ def test_a_device_this_machine_lacks_is_a_ckptool_error(layouts: dict[str, Path]
         assert info.value.hint == "pass map_location='cpu'"
     # what works still works
     assert load(path, "cpu")
+
+
+@pytest.mark.parametrize("layout", ["torch zip", "safetensors", "dcp"])
+def test_a_function_that_fails_is_a_ckptool_error(layouts: dict[str, Path], layout: str,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """A map_location function that asks torch for a GPU this machine lacks:
+    torch's error, said as ckptool's, whatever the layout."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+    def to_gpu(storage: Any, tag: str) -> Any:
+        raise AssertionError("Torch not compiled with CUDA enabled")  # as storage.cuda(0) does
+
+    for load in LOADERS.values():
+        with pytest.raises(LoadError) as info:
+            load(layouts[layout], to_gpu)
+        assert info.value.message.startswith("map_location's function failed on a storage "
+                                             "saved on ")
+        assert "Torch not compiled with CUDA enabled" in info.value.message
+        assert load(layouts[layout], lambda storage, tag: storage)  # one that works, works
 
 
 @pytest.mark.parametrize("layout", ["torch zip", "hf bin shards", "dcp", "deepspeed"])

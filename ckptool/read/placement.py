@@ -81,7 +81,14 @@ class Placement:
         target = self.target(tag)
         if target is None:
             fn: Callable[[Any, str], Any] = self.map_location
-            moved = fn(storage, tag)
+            try:
+                moved = fn(storage, tag)
+            except (RuntimeError, AssertionError, TypeError, ValueError) as exc:
+                # torch's own: a device this machine lacks, said as torch says it
+                raise LoadError(f"map_location's function failed on a storage saved on "
+                                f"{tag}: {type(exc).__name__}: {exc}",
+                                "return a storage on a device this machine has (`ckptool "
+                                "devices` lists them), or pass map_location='cpu'") from exc
             return storage if moved is None else moved
         if target == "cpu":
             return storage
