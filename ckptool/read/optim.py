@@ -17,6 +17,7 @@ Pure: it looks at the inert object tree only, a few levels down
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -79,19 +80,47 @@ def describe(path: str, state: dict[str, Any]) -> OptimizerState:
     for entry in list(per_param.values())[:1000]:
         if isinstance(entry, dict):
             names.update(dict.fromkeys(k for k in entry if isinstance(k, str)))
+    settings = {k for g in state["param_groups"][:100] for k in g if isinstance(k, str)}
     return OptimizerState(path, len(per_param), len(state["param_groups"]), tuple(names),
-                          _kind(set(names)))
+                          _kind(set(names), settings))
 
 
-def _kind(names: set[str]) -> str | None:
+# torch.optim's per-parameter state names (torch 2.13; tests step each
+# optimizer once): the names that only one optimizer keeps, checked first
+KINDS: tuple[tuple[frozenset[str], str], ...] = tuple((frozenset(names), kind) for names, kind in (
+    (("old_dirs", "old_stps", "func_evals"), "LBFGS"),
+    (("exp_avg", "exp_avg_sq", "mu_product"), "NAdam"),
+    (("exp_avg", "exp_inf"), "Adamax"),
+    (("square_avg", "acc_delta"), "Adadelta"),
+    (("square_avg",), "RMSprop"),  # with momentum_buffer, grad_avg (momentum, centered)
+    (("sum",), "Adagrad"),
+    (("eta", "mu", "ax"), "ASGD"),
+    (("prev", "step_size"), "Rprop"),
+    (("row_var", "col_var"), "Adafactor"),
+    (("variance",), "Adafactor"),  # of a 1-d parameter
+))
+
+
+def _kind(names: AbstractSet[str], settings: AbstractSet[str] = frozenset()) -> str | None:
+    """The optimizer a state's per-parameter ``names`` (and its param
+    groups' ``settings``, where known) say it is: torch.optim's, by the
+    names each keeps. Adam's and AdamW's states are alike (torch >= 2.8 keeps
+    ``decoupled_weight_decay`` in both); RAdam's groups have no ``amsgrad``,
+    SparseAdam's no ``weight_decay``; Muon keeps SGD's ``momentum_buffer``
+    (its groups: ``ns_coefficients``); SGD without momentum keeps nothing."""
+    for needed, kind in KINDS:
+        if needed <= names:
+            return kind
     if {"exp_avg", "exp_avg_sq"} <= names:
+        if "amsgrad" not in settings and "decoupled_weight_decay" in settings:
+            return "RAdam"
+        if settings and "weight_decay" not in settings and "betas" in settings:
+            return "SparseAdam"
         return "Adam/AdamW"
     if "momentum_buffer" in names:
-        return "SGD with momentum"
-    if "square_avg" in names:
-        return "RMSprop/Adadelta"
-    if "sum" in names:
-        return "Adagrad"
+        return "Muon" if "ns_coefficients" in settings else "SGD with momentum"
+    if not names and "dampening" in settings:
+        return "SGD"
     return None
 
 
@@ -126,12 +155,15 @@ def find_flat(paths: Iterable[tuple[str | int, ...]]) -> list[OptimizerState]:
     groups: dict[tuple[str | int, ...], set[int]] = {}
     params: dict[tuple[str | int, ...], set[str | int]] = {}
     names: dict[tuple[str | int, ...], dict[str, None]] = {}
+    settings: dict[tuple[str | int, ...], set[str]] = {}
     for path in paths:
         for depth in range(min(MAX_DEPTH + 1, len(path) - 2)):
             step, head, below, name = path[depth], path[:depth], path[depth + 1], path[depth + 2]
             if step == "param_groups" and len(path) == depth + 3 and \
-                    isinstance(below, int) and name == "params":
-                groups.setdefault(head, set()).add(below)
+                    isinstance(below, int) and isinstance(name, str):
+                settings.setdefault(head, set()).add(name)
+                if name == "params":
+                    groups.setdefault(head, set()).add(below)
             elif step == "state":
                 params.setdefault(head, set()).add(below)
                 if isinstance(name, str):
@@ -141,7 +173,7 @@ def find_flat(paths: Iterable[tuple[str | int, ...]]) -> list[OptimizerState]:
     found = [h for h in found if not any(h[:len(o)] == o for o in found if len(o) < len(h))]
     return [OptimizerState(key_of([str(step) for step in head]), len(params[head]),
                            len(groups[head]), tuple(names.get(head, ())),
-                           _kind(set(names.get(head, ()))))
+                           _kind(set(names.get(head, ())), settings.get(head, set())))
             for head in found] + _find_flattened(paths, found)
 
 
@@ -153,6 +185,7 @@ def _find_flattened(paths: Iterable[tuple[str | int, ...]],
     state: dict[tuple[str | int, ...], set[str]] = {}
     groups: dict[tuple[str | int, ...], set[str]] = {}
     names: dict[tuple[str | int, ...], dict[str, None]] = {}
+    settings: dict[tuple[str | int, ...], set[str]] = {}
     for path in paths:
         last = path[-1] if path else None
         if not isinstance(last, str) or len(path) > MAX_DEPTH + 1:
@@ -167,8 +200,10 @@ def _find_flattened(paths: Iterable[tuple[str | int, ...]],
             names.setdefault(head, {})[name] = None
         else:
             groups.setdefault(head, set()).add(param)
+            settings.setdefault(head, set()).add(name)
     return [OptimizerState(key_of([str(step) for step in head]), len(state[head]),
-                           len(groups[head]), tuple(names[head]), _kind(set(names[head])),
+                           len(groups[head]), tuple(names[head]),
+                           _kind(set(names[head]), settings[head]),
                            flat=True)
             for head in sorted(state, key=len) if head in groups and head not in nested]
 
