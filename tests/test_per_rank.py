@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import CliResult
+from helpers import saved_on
 from safetensors.torch import load_file
 
 import ckptool
@@ -147,3 +150,58 @@ def test_load_builds_a_per_rank_tree_as_builder_does() -> None:
     tree = api.load(Path(__file__).parent / "fixtures" / "multifile" / "per_rank_dtensor"
                     / "fsdp2_ws2")
     assert isinstance(tree, dict) and isinstance(getattr(tree, "_metadata", None), dict)
+
+
+def on_gpus(case: str, folder: Path) -> Path:
+    """``case``'s rank files saved again as each rank's GPU saves them: rank
+    r's storages tagged cuda:r (torch.save on a GPU box)."""
+    folder.mkdir()
+    for rank_file in sorted((HERE / case).iterdir()):
+        rank = int(rank_file.stem.rsplit("_", 1)[1])
+        tree = torch.load(rank_file, weights_only=False)
+        with saved_on(f"cuda:{rank}"):
+            torch.save(tree, folder / rank_file.name)
+    return folder
+
+
+@pytest.mark.filterwarnings("ignore:.*DeviceMesh")
+def test_ranks_saved_on_gpus_keep_their_devices(tmp_path: Path,
+                                                run_cli: Callable[..., CliResult]) -> None:
+    """Each joined tensor is where rank 0's piece was saved (cuda:0), as a
+    single file saved on a GPU is: inspect and diagnose say so, convert
+    notes it, and ckptool.load needs a map_location on a CPU machine, as
+    torch.load of each rank's file does."""
+    folder = on_gpus("optim_ws2", tmp_path / "ranks")
+    with pytest.raises(RuntimeError, match="CUDA"):
+        torch.load(folder / "model_world_size_2_rank_1.pt", weights_only=False)
+    ckpt = ckptool.open(folder)
+    joined = [t for t in ckpt.tensors if t.chunks]
+    assert joined and {t.location for t in joined} == {"cuda:0"}
+    assert {s.location for s in ckpt.storages.values()} == {"cuda:0"}  # a step count too
+    assert any("rank 0 on cuda:0, rank 1 on cuda:1" in n for n in ckpt.metadata["notes"])
+    code, out, _ = run_cli("inspect", "--json", str(folder))
+    assert code == 0 and set(json.loads(out)["bytes_by_location"]) == {"cuda:0"}
+    d = diagnose(ckpt, CPU)
+    assert [t.location for t in d.tags] == ["cuda:0"] and d.tags[0].error
+    assert "CUDA" in d.load_errors()[0]
+    code, out, err = run_cli("convert", str(folder), str(tmp_path / "out.safetensors"))
+    assert code == 0, err
+    assert "storages saved on cuda:0 are written as on cpu" in " ".join(out.split())
+    with pytest.raises(ckptool.CkptoolError, match="saved on cuda:0") as raised:
+        ckptool.load(folder)
+    assert "map_location='cpu'" in (raised.value.hint or "")
+    got, want = flat(ckptool.load(folder, map_location="cpu")), reference("optim_ws2")
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+@pytest.mark.filterwarnings("ignore:.*DeviceMesh")
+def test_ranks_saved_on_one_device_need_no_note(tmp_path: Path) -> None:
+    folder = tmp_path / "ranks"
+    folder.mkdir()
+    for rank_file in (HERE / "fsdp2_ws2").iterdir():
+        tree = torch.load(rank_file, weights_only=False)
+        with saved_on("cuda:3"):
+            torch.save(tree, folder / rank_file.name)
+    ckpt = ckptool.open(folder)
+    assert {t.location for t in ckpt.tensors} == {"cuda:3"}
+    assert not any("different devices" in n for n in ckpt.metadata.get("notes", ()))

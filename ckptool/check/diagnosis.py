@@ -58,7 +58,8 @@ class Diagnosis:
         (for Hugging Face ``.bin`` shards: ``torch.load`` of a shard)."""
         out = [f"RuntimeError: {t.error}" for t in self.tags if t.error]
         if self.checkpoint.format in ("dcp", "deepspeed", "dtensor-ranks"):  # not torch.load's
-            return out if self.checkpoint.format == "dcp" else []
+            # (each rank's file is a torch file: one saved on a missing GPU fails)
+            return out if self.checkpoint.format in ("dcp", "dtensor-ranks") else []
         refused = loadcheck.refused_globals(self.checkpoint)
         if not loadcheck.weights_only_default():
             return out

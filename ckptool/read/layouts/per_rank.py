@@ -21,6 +21,11 @@ record of a rank's zip (``Chunk.raw``), read in place one tensor at a time
 (FSDP2 pads its local storages: only the local tensor's own elements are
 read). Plain tensors (an optimizer's ``step``) and other values are rank 0's.
 The tree is rank 0's: ``{"model": ..., "optimizer": ...}`` stays nested.
+
+A joined tensor's saved location is rank 0's piece's: the location tag its
+storage record carries (``cuda:0``), where ``torch.load`` of rank 0's file
+puts it (the DTensor records only its mesh's device type). Ranks that saved
+on different devices (each on its own GPU) are said in a note.
 """
 
 from __future__ import annotations
@@ -73,10 +78,12 @@ def read(layout: Layout) -> MultiRead:
         _check_rank(name, rank, len(names), each)
     chunks: dict[str, tuple[Chunk, ...]] = {}
     root = reads[0].root
+    devices: dict[int, dict[str, None]] = {}  # rank -> where its pieces were saved
     with _StorageOffsets(layout.directory, names, reads) as offsets_of:
         for path, first in found[0].items():
             shape, dtype = first.shape, first.dtype
             boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
+            location: str | None = None  # rank 0's piece's: where torch.load puts it
             for rank, (name, each) in enumerate(zip(names, found, strict=True)):
                 rec = each[path]
                 if (rec.shape, rec.dtype) != (shape, dtype):
@@ -84,6 +91,10 @@ def read(layout: Layout) -> MultiRead:
                         f"{_key(path)} is {list(shape)} {dtype} on rank 0 and "
                         f"{list(rec.shape)} {rec.dtype} in {name}", BROKEN_HINT)
                 for piece in shards.pieces(_key(path), rec, name):
+                    saved = _saved_on(piece.local) or rec.location
+                    location = location or saved
+                    if saved:
+                        devices.setdefault(rank, {})[saved] = None
                     box = (piece.offsets, piece.sizes)
                     if box not in boxes:  # replicated: the lowest rank's copy
                         boxes[box] = _chunk(name, rank, rec.dtype, piece, offsets_of)
@@ -92,10 +103,10 @@ def read(layout: Layout) -> MultiRead:
                 raise CorruptCheckpointError(f"{_key(path)}: the ranks' shards do not make "
                                              f"it whole: {problem}", BROKEN_HINT)
             chunks[_key(path)] = tuple(boxes.values())
-            ref = StorageRef(f"{PER_RANK}:{_key(path)}", dtype, first.location,
-                             math.prod(shape))
+            location = location or first.location
+            ref = StorageRef(f"{PER_RANK}:{_key(path)}", dtype, location, math.prod(shape))
             root = _replace(root, path, TensorRecord(
-                shape, dtype, contiguous(shape), 0, ref, first.location, first.requires_grad,
+                shape, dtype, contiguous(shape), 0, ref, location, first.requires_grad,
                 first.is_parameter))
     rank0 = {id(ref) for ref in reads[0].storages.values()}
     storage_files = {}
@@ -114,7 +125,26 @@ def read(layout: Layout) -> MultiRead:
                       warnings=[f"{n}: {w}" for n, raw in zip(names, reads, strict=True)
                                 for w in raw.warnings])
     return MultiRead(raw_all, layout.directory, files, storage_files, chunks,
-                     notes=list(layout.notes), chunk_keys=True)
+                     notes=list(layout.notes) + _devices_note(devices), chunk_keys=True)
+
+
+def _saved_on(local: TensorRecord) -> str | None:
+    """Where a rank's local tensor was saved: its storage's location tag
+    (``cuda:1``), which ``torch.load`` restores it to; the DTensor around it
+    records its mesh's device type only."""
+    return local.storage.location if local.storage is not None else local.location
+
+
+def _devices_note(devices: dict[int, dict[str, None]]) -> list[str]:
+    """A note where the ranks saved their pieces on different devices (each
+    on its own GPU): a joined tensor is shown where rank 0's piece was."""
+    if len({d for saved in devices.values() for d in saved}) < 2:
+        return []
+    each = ", ".join(f"rank {rank} on {' and '.join(saved)}" for rank, saved in
+                     sorted(devices.items())[:4]) + (", …" if len(devices) > 4 else "")
+    return [f"the ranks saved their pieces on different devices ({each}): each tensor is "
+            "shown where rank 0's piece was saved, and ckptool.load puts it there unless "
+            "map_location says otherwise"]
 
 
 def one_rank(path: str, root: Any) -> str | None:
