@@ -27,6 +27,7 @@ from __future__ import annotations
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
+from ckptool.check import manyfiles
 from ckptool.check.tensor_compare import DIFFERENT, NOT_COMPARED, ValueDiff, not_compared
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK, UnsupportedCheckpointError, UsageError
 from ckptool.keys import join_key, key_of, split_key
@@ -208,9 +209,12 @@ def _some(names: list[str]) -> str:
 def _pick_prefixes(a: Checkpoint, b: Checkpoint, sd_a: dict[str, TensorInfo],
                    sd_b: dict[str, TensorInfo]) -> tuple[str, str]:
     """Which wrapper prefixes to take off: both, by default; fewer where that
-    matches more names (a real submodule called ``model`` on one side only)."""
+    matches more names (a real submodule called ``model`` on one side only).
+    A DCP entry's name (``app.model.``) goes with the wrapper: how it loads."""
     assert a.main_state_dict is not None and b.main_state_dict is not None
     pa, pb = a.main_state_dict.prefix, b.main_state_dict.prefix
+    ea, eb = manyfiles.entry_prefix(a), manyfiles.entry_prefix(b)
+    pa, pb = pa if len(pa) >= len(ea) else ea, pb if len(pb) >= len(eb) else eb
     options = dict.fromkeys([(pa, pb), (pa, ""), ("", pb), ("", "")])
     return max(options, key=lambda p: len(_strip(sd_a, p[0]).keys() & _strip(sd_b, p[1])))
 

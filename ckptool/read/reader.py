@@ -185,7 +185,8 @@ def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     if multi.groups is not None:
         # the state dict is one top-level entry's names, ranked by the entry's
         # name as a file's entries are (tensors saved at the top level rank low)
-        ranked = [(20 if name == "" else _rank(Candidate(escape(name), "dict", [])),
+        ranked = [(20 if name == "" else _rank(Candidate(
+                       multi.group_keys.get(name) or escape(name), "dict", [])),
                    Candidate("", "dict", names)) for name, names in multi.groups.items()]
         top = max((rank for rank, _ in ranked), default=-1)
         best = [c for rank, c in ranked if rank == top and rank >= 0]

@@ -36,6 +36,8 @@ class MultiRead:
     # top-level names of a nested save (DCP's "model", "optim") -> their keys,
     # so that the main state dict is the model's, not the optimizer's
     groups: dict[str, list[str]] | None = None
+    # each group's entry as a key ("app/model" of the group "app.model"), to rank it by
+    group_keys: dict[str, str] = field(default_factory=dict)
     paths: dict[str, tuple[str | int, ...]] = field(default_factory=dict)  # DCP planner_data
     notes: list[str] = field(default_factory=list)  # what else is there: no problem
     chunk_keys: bool = False  # chunks are keyed by key text (nested trees), not by names

@@ -28,8 +28,9 @@ from typing import Any
 from ckptool import dtypes
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.keys import key_of, split_key
 from ckptool.model import Chunk, FileInfo
-from ckptool.read import dispatch, policy
+from ckptool.read import dispatch, optim, policy
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import sniff as sniff_safetensors
 from ckptool.read.layouts import dcp_metadata, embedded
@@ -105,12 +106,12 @@ def read(layout: Layout) -> MultiRead:
                             "metadata_files": list(layout.metadata)}
     if layout.wrapper:
         meta["wrapper"] = layout.wrapper
-    groups = _groups(merged)
+    groups, group_keys = _groups(merged)
     raw_all = RawRead(DCP, root, storages, seen, meta, extra_roots, warnings)
     paths = {fqn: tuple(p) for fqn, p in merged.planner.items()
              if all(isinstance(x, (str, int)) for x in p) and p}
     return MultiRead(raw_all, layout.directory, files, storage_files, chunks, groups=groups,
-                     paths=paths, notes=notes)
+                     group_keys=group_keys, paths=paths, notes=notes)
 
 
 def _merge(metas: list[tuple[str, Metadata]], warnings: list[str],
@@ -270,15 +271,31 @@ def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,
     return raw.root
 
 
-def _groups(md: Metadata) -> dict[str, list[str]]:
-    """Tensor keys by the top-level entry they were saved under (from
-    planner_data); tensors saved at the top level are the group ""."""
+def _groups(md: Metadata) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """Tensor keys by the entry they were saved under (from planner_data),
+    and each entry's key (its path, for ranking): the top-level entry; or,
+    where an entry holds an optimizer's state beside other entries (the DCP
+    recipe's ``{"app": AppState}`` saves ``{"model": ..., "optim": ...}``
+    under ``app``), each of those (``app.model``), named as its keys begin.
+    Tensors saved at the top level are the group ""."""
+    paths = {fqn: tuple(p) for fqn, p in md.planner.items()
+             if p and all(isinstance(x, (str, int)) for x in p)}
+    # the entries holding an optimizer's state beside others ("app" of app/optim)
+    parents = sorted({tuple(split_key(s.path))[:-1] for s in optim.find_flat(paths.values())
+                      if "/" in s.path}, key=len, reverse=True)
     groups: dict[str, list[str]] = {}
+    keys: dict[str, str] = {}
     for fqn in md.tensors:
-        path = md.planner.get(fqn)
-        top = str(path[0]) if path is not None and len(path) > 1 else ""
-        groups.setdefault(top, []).append(fqn)
-    return groups
+        path = paths.get(fqn, ())
+        steps = tuple(str(p) for p in path)
+        parent = next((p for p in parents if steps[:len(p)] == p and len(steps) > len(p) + 1),
+                      None)
+        entry = steps[:len(parent) + 1] if parent is not None else steps[:1] \
+            if len(steps) > 1 else ()
+        name = ".".join(entry)
+        groups.setdefault(name, []).append(fqn)
+        keys[name] = key_of(list(entry))
+    return groups, keys
 
 
 def nest(items: dict[str, Any], paths: dict[str, tuple[str | int, ...]]) -> dict[str, Any]:
