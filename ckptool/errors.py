@@ -73,3 +73,10 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(message)
         self.message = message
         self.hint = hint
+
+
+class CkptoolNote(UserWarning):
+    """Something a command did that its user must hear of although it is no
+    error (it finished a fix a crash cut short in the input it read). A
+    Python warning, so that library callers see it too; the CLI says it on
+    stderr as ``ckptool: note: ...``, whatever the command prints."""

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -34,9 +35,9 @@ from ckptool.read.layouts import journal
 hub = pytest.importorskip("huggingface_hub")
 ROOT = Path(__file__).resolve().parent.parent
 ARGS = ["--add-prefix", "x.", "--in-place", "-q"]
-STEPS = [("prepared", "before"), ("journal-written", "after"), ("renaming", "after"),
-         ("renamed", "after")]
-
+STEPS = [("prepare-written", "before"), ("prepared", "before"), ("journal-written", "after"),
+         ("renaming", "after"), ("renamed", "after")]
+ROLLED_BACK, FINISHED = "rolled back an interrupted fix", "finished an interrupted fix"
 
 def state_dict() -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
@@ -94,31 +95,42 @@ def assert_fixed_once(folder: Path, names: list[str], kind: str) -> None:
         assert torch.equal(got[key], value), key
 
 
+def contents(folder: Path) -> dict[str, bytes]:
+    return {n: (folder / n).read_bytes() for n in sorted(os.listdir(folder))}
+
+
 @pytest.mark.parametrize("kind", ["st", "bin"])
 def test_kill_at_each_step_leaves_before_or_after(tmp_path: Path, kind: str,
                                                   run_cli: Callable[..., CliResult]) -> None:
     for step, expected in STEPS:
         folder = tmp_path / f"{kind}-{step}"
         names = make_shards(folder, kind)
+        before = contents(folder)
         proc = spawn(folder, step)
         _, err = proc.communicate(timeout=60)
         assert proc.returncode == 137, (step, err.decode())
-        left = sorted(os.listdir(folder))
-        assert (journal.JOURNAL in left) == (expected == "after"), (step, left)
-        again = tmp_path / f"{kind}-{step}-again"
-        shutil.copytree(folder, again)
-        # a journal that was written is finished by the first reader, which says so
+        assert journal.JOURNAL in os.listdir(folder), step
+        again = tmp_path / f"{kind}-{step}-again"  # (a journal is its directory's: no copy)
+        make_shards(again, kind)
+        assert spawn(again, step).wait(timeout=60) == 137
+        # the first reader rolls the fix back or finishes it, and says which
         state, notes = keys_of(run_cli, folder)
         assert state == expected, step
-        assert any("cut short" in n for n in notes) == (expected == "after"), (step, notes)
-        assert journal.JOURNAL not in os.listdir(folder)
+        said = ROLLED_BACK if expected == "before" else FINISHED
+        assert [n for n in notes if "interrupted fix" in n] == [
+            n for n in notes if n.startswith(said)] and len(notes) == 1, (step, notes)
+        if expected == "before":  # byte for byte (an appended .bin shard is cut back)
+            assert contents(folder) == before, step
+        assert sorted(os.listdir(folder)) == names
         assert keys_of(run_cli, folder) == (expected, [])  # once
         # the same fix run again: makes it, or finishes it and says so; never twice
         code, out, err = run_cli("fix", str(again), *ARGS[:-1], "--json")
         assert code == 0, (step, err)
+        assert f"ckptool: note: {said} of {again}" in err, err
         report = json.loads(out)
         assert bool(report["renamed"]) == (expected == "before"), step
-        assert any("cut short" in n for n in report["notes"]) == (expected == "after")
+        assert any("it was this same fix" in n for n in report["notes"]) == (
+            expected == "after")
         assert_fixed_once(again, names, kind)
 
 
@@ -139,15 +151,21 @@ def test_random_kills_leave_before_or_after(tmp_path: Path,
         time.sleep(rng.uniform(0.3, 1.0) * took)
         proc.send_signal(signal.SIGKILL)
         proc.communicate(timeout=60)
-        again = tmp_path / f"run{i}-again"
-        shutil.copytree(folder, again)
-        state, notes = keys_of(run_cli, folder)
-        pending = (again / journal.JOURNAL).exists()
-        assert bool(notes) == pending
-        states.append(f"{state}{' (journal)' if pending else ''}")
-        if state == "before" or pending:  # the same fix again makes it, or finishes it
-            assert run_cli("fix", str(again), *ARGS)[0] == 0
-        assert_fixed_once(again, names, "st")
+        pending = (folder / journal.JOURNAL).exists()
+        index = json.loads((folder / names[-1]).read_text())["weight_map"]
+        if not pending and all(k.startswith("x.") for k in index):
+            states.append("after")  # killed once it was done
+        elif i % 2:  # the same fix again: makes it, or finishes it, or rolls back and makes it
+            code, _, err = run_cli("fix", str(folder), *ARGS)
+            assert code == 0 and ("ckptool: note: " in err) == pending, err
+            states.append(f"fixed again{' (journal)' if pending else ''}")
+        else:  # a reader first: it settles the journal, and says so
+            state, notes = keys_of(run_cli, folder)
+            assert bool(notes) == pending
+            states.append(f"{state}{' (journal)' if pending else ''}")
+            if state == "before":
+                assert run_cli("fix", str(folder), *ARGS)[0] == 0
+        assert_fixed_once(folder, names, "st")
     print(f"\nreference {took:.3f}s; after each kill: {states}")
 
 
@@ -177,12 +195,14 @@ def test_ctrl_c_before_the_commit_leaves_the_directory_unchanged(
         tmp_path: Path, kind: str, monkeypatch: pytest.MonkeyPatch,
         run_cli: Callable[..., CliResult]) -> None:
     folder = tmp_path / "shards"
-    names = make_shards(folder, kind)
+    make_shards(folder, kind)
+    before = contents(folder)
     interrupt_at(monkeypatch, "prepared", raise_ctrl_c)
     code, out, err = run_cli("fix", str(folder), *ARGS)
     assert code == 130 and out == ""
     assert f"ckptool: error: interrupted: {folder} is unchanged" in err, err
-    assert sorted(os.listdir(folder)) == names  # what it wrote beside is gone
+    # byte for byte: what it wrote beside is gone, an appended .bin shard cut back
+    assert contents(folder) == before
     assert keys_of(run_cli, folder) == ("before", [])
 
 
@@ -226,22 +246,25 @@ def test_a_different_fix_after_a_crash_is_not_stacked_on_it(
     proc.communicate(timeout=60)
     code, out, err = run_cli("fix", str(folder), "--add-prefix", "y.", "--in-place")
     assert code == 3 and out == ""
-    assert "cut short" in err and "this fix was not applied on top of it" in err, err
+    assert FINISHED in err and "this fix was not applied on top of it" in err, err
     assert keys_of(run_cli, folder) == ("after", [])  # x. only, as the first fix asked
 
 
-def test_readers_skip_temporary_files_and_the_next_fix_removes_them(
+def test_a_fix_killed_before_its_commit_is_rolled_back_by_the_next_reader(
         tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
-    """A fix killed before its journal leaves its new shards beside the old ones."""
+    """A fix killed before its commit leaves its new shards beside the old
+    ones; readers skip them, and the first one rolls the fix back."""
     folder = tmp_path / "shards"
     names = make_shards(folder, "st")
+    before = contents(folder)
     proc = spawn(folder, "prepared")
     proc.communicate(timeout=60)
-    temps = [n for n in os.listdir(folder) if n not in names]
+    temps = [n for n in os.listdir(folder) if n not in names and n != journal.JOURNAL]
     assert temps and all(journal.is_temporary(n) for n in temps)
-    assert keys_of(run_cli, folder) == ("before", [])
-    code, out, err = run_cli("inspect", str(folder / names[0]))
+    code, out, err = run_cli("inspect", str(folder / names[0]))  # one shard: read as it is
     assert code == 0 and "layers.0.weight" in out, err
+    assert keys_of(run_cli, folder)[0] == "before"
+    assert contents(folder) == before
     assert run_cli("fix", str(folder), *ARGS)[0] == 0
     assert_fixed_once(folder, names, "st")
 
@@ -254,15 +277,22 @@ def test_a_journal_that_names_other_files_is_refused(tmp_path: Path,
     names = make_shards(folder, "st")
     (folder / "notes.txt").write_text("mine")
     index = names[-1]
-    steps = [journal.Step("notes.txt", 4, temp=journal.temp_name("notes.txt")),
-             journal.Step(index, 2, temp=journal.temp_name(index))]
-    for step in steps:
-        (folder / step.temp).write_text("{}")
-    (folder / journal.JOURNAL).write_bytes(journal.dumps(index, "", steps))
-    before = {n: (folder / n).read_bytes() for n in os.listdir(folder)}
+    temps = [journal.new_temp(), journal.new_temp()]
+    text = (folder / index).read_bytes()  # a new index naming the same shards
+    steps = [journal.Step("notes.txt", 2, temp=temps[0]),
+             journal.Step(index, len(text), temp=temps[1])]
+    (folder / temps[0]).write_text("{}")
+    (folder / temps[1]).write_bytes(text)
+    steps = [replace(s, ino=(folder / s.temp).stat().st_ino,  # as ckptool records them
+                     old=((folder / s.name).stat().st_ino, (folder / s.name).stat().st_size))
+             for s in steps]
+    record = journal.Record(journal.COMMIT, folder.stat().st_ino, 1, "host", index, "", "",
+                            [*names, "notes.txt"], temps=temps, steps=steps)
+    (folder / journal.JOURNAL).write_bytes(record.dumps())
+    before = contents(folder)
     code, _, err = run_cli("inspect", str(folder))
     assert code == 3 and "names a change ckptool never makes ('notes.txt'" in err, err
-    assert {n: (folder / n).read_bytes() for n in os.listdir(folder)} == before
+    assert contents(folder) == before
 
 
 # --- one file: the same messages ---------------------------------------------

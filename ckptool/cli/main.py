@@ -4,16 +4,25 @@ on stderr and an exit code here.
 Errors from the core (``CkptoolError``) become ``ckptool: error: ...`` plus
 a ``hint:`` line and the error's exit code; usage errors exit 2; Ctrl-C
 130; a read or write the system refuses 3. No traceback unless
-``--traceback``. stdout carries only data. Commands are imported when they
+``--traceback``. stdout carries only data; what the core says as a
+``CkptoolNote`` warning (it finished a fix a crash cut short) is a
+``ckptool: note: ...`` line on stderr. A Ctrl-C says what the command
+left, even once it is done (``entry``). Commands are imported when they
 run (``LazyGroup``), so ``ckptool inspect`` never imports ``diff``'s code.
 """
 
 from __future__ import annotations
 
+import atexit
 import importlib
+import os
+import signal
 import sys
 import traceback
-from typing import Any
+import warnings
+from collections.abc import Callable
+from types import FrameType
+from typing import Any, NoReturn, TextIO
 
 import click
 
@@ -24,6 +33,7 @@ from ckptool.errors import (
     EXIT_INTERRUPTED,
     EXIT_USAGE,
     CkptoolError,
+    CkptoolNote,
     Interrupted,
 )
 
@@ -70,8 +80,42 @@ def _fail(message: str, hint: str, code: int) -> int:
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the CLI; every error becomes a message and an exit code here."""
+def main(argv: list[str] | None = None, *,
+         late: Callable[[int, FrameType | None], None] | None = None) -> int:
+    """Run the CLI; every error becomes a message and an exit code here.
+    ``late``: the SIGINT handler from the command's end on (``entry``'s)."""
+    from ckptool.write import interrupt
+
+    interrupt.begin()
+    try:
+        with warnings.catch_warnings():
+            _say_notes()
+            return _run(argv)
+    finally:
+        if late is not None:  # (before anything else can take a Ctrl-C for a traceback)
+            signal.signal(signal.SIGINT, late)
+
+
+def _say_notes() -> None:
+    """What the core says as a ``CkptoolNote`` (it finished a fix a crash cut
+    short) is one line on stderr, every time, whatever the command prints."""
+    from ckptool.cli.inputs import unspool
+    from ckptool.describe import printable
+
+    warnings.simplefilter("always", CkptoolNote)
+    others = warnings.showwarning
+
+    def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+             file: TextIO | None = None, line: str | None = None) -> None:
+        if issubclass(category, CkptoolNote):
+            click.echo(f"ckptool: note: {printable(unspool(str(message)))}", err=True)
+        else:
+            others(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+
+def _run(argv: list[str] | None) -> int:
     show_tb = "--traceback" in (argv if argv is not None else sys.argv[1:])
     try:
         # a command's int return value is its exit code (diff: 1 = differences)
@@ -88,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     except (click.exceptions.Abort, KeyboardInterrupt) as exc:
         # click raises Abort from the Ctrl-C; an in-place fix's says what it left
         cause = exc.__cause__ if isinstance(exc, click.exceptions.Abort) else exc
-        if isinstance(cause, Interrupted):
-            return _fail(cause.message, cause.hint, EXIT_INTERRUPTED)
-        return _fail("interrupted", "", EXIT_INTERRUPTED)
+        return _interrupted(cause if isinstance(cause, Interrupted) else None)
     except BrokenPipeError:
         # output piped into `head` and the reader went away: not an error
         sys.stderr.close()
@@ -104,6 +146,55 @@ def main(argv: list[str] | None = None) -> int:
     return result if isinstance(result, int) else 0
 
 
+def _interrupted(said: Interrupted | None) -> int:
+    """A Ctrl-C: what it says, or, when nothing did, whether this command
+    fixed its input (its change committed before the Ctrl-C)."""
+    from ckptool.write import interrupt
+
+    said = said or interrupt.late()
+    if said is not None:
+        return _fail(said.message, said.hint, EXIT_INTERRUPTED)
+    return _fail("interrupted", "", EXIT_INTERRUPTED)
+
+
 def entry() -> None:
+    """The ``ckptool`` executable. Once the command is done, a Ctrl-C still
+    says what it did (``interrupted after DIR was fixed``, exit 130) rather
+    than kill the process unheard: the process ends here (``_end``), without
+    the interpreter's teardown, during which SIGINT kills it."""
     whole_process()
-    sys.exit(main())
+    try:
+        code = main(late=_late)
+    except KeyboardInterrupt:  # between the command's end and its handler
+        signal.signal(signal.SIGINT, _late)
+        code = _interrupted(None)
+    _end(code)
+
+
+def _late(signum: int, frame: FrameType | None) -> None:
+    _flush(sys.stdout)  # the report first, then what the Ctrl-C found
+    try:
+        code = _interrupted(None)
+    except (OSError, ValueError):  # stderr is gone too: the exit code says it
+        code = EXIT_INTERRUPTED
+    _end(code)
+
+
+def _end(code: int) -> NoReturn:
+    """Exit as the interpreter would, but for its teardown: the output
+    flushed, the ``atexit`` functions run (under the handler above)."""
+    _flush(sys.stdout)
+    atexit._run_exitfuncs()
+    _flush(sys.stdout)
+    _flush(sys.stderr)
+    os._exit(code)
+
+
+def _flush(stream: TextIO) -> bool:
+    """Whether ``stream`` took what was written to it (a reader that went
+    away, as `head` does, took nothing more: no error to tell it)."""
+    try:
+        stream.flush()
+    except (OSError, ValueError):
+        return False
+    return True

@@ -184,7 +184,11 @@ class AtomicOutput:
         if self._committed:
             return
         if not self.file.closed:
-            self.file.close()
+            # closing flushes what is still buffered, which fails again on a
+            # full disk: the file is dropped, and the first error is the one
+            # to report (close still releases the descriptor)
+            with contextlib.suppress(OSError):
+                self.file.close()
         if self._named is not None:
             with contextlib.suppress(FileNotFoundError):
                 self._named.unlink()

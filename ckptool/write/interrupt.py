@@ -16,12 +16,10 @@ change on another thread, in the TUI, has no Ctrl-C to hold).
 from __future__ import annotations
 
 import contextlib
-import signal
-import threading
 from collections.abc import Iterator
-from typing import Any
 
 from ckptool.errors import Interrupted
+from ckptool.read.layouts.dirlock import held_interrupts
 
 _committed: list[str] = []  # what the changes of this command committed (``reported``)
 
@@ -46,29 +44,29 @@ class Change:
     @contextlib.contextmanager
     def committing(self) -> Iterator[None]:
         """The commit: a Ctrl-C during it is held, then raised once it is done."""
-        held: list[int] = []
-        previous = _hold(held)
-        try:
+        with held_interrupts() as held:
             yield
             self.done = True
             _committed.append(self.path)
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGINT, previous)
         if held:
             raise fixed(self.path)
 
 
-def _hold(held: list[int]) -> Any:
-    """Install a SIGINT handler that only records; returns the one it replaced
-    (None where none can be installed: not the main thread)."""
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    previous = signal.getsignal(signal.SIGINT)
-    if previous is None:  # installed outside Python: cannot be put back
-        return None
-    signal.signal(signal.SIGINT, lambda signum, frame: held.append(signum))
-    return previous
+def mark_fixed(path: str) -> None:
+    """``path`` is fixed (a fix a crash cut short, finished): a Ctrl-C from
+    now on in this command says so."""
+    _committed.append(path)
+
+
+def begin() -> None:
+    """A new command: what an earlier one in this process committed is not its."""
+    _committed.clear()
+
+
+def late() -> Interrupted | None:
+    """What a Ctrl-C that no change explained says, if this command fixed
+    something in place (``fixed``); None if it did not."""
+    return fixed(_committed[-1]) if _committed else None
 
 
 @contextlib.contextmanager

@@ -12,8 +12,9 @@ index's ``metadata`` records as tied to a stored one (huggingface_hub drops
 them from safetensors shards) are its aliases: listed as tensors sharing the
 stored one's storage (``base.list_ties``).
 
-An in-place fix of the directory that a crash cut short is finished first,
-as its journal says (``journal``), and a note says so.
+An in-place fix of the directory that a crash cut short is settled first,
+as its journal says (``journal``: finished, or rolled back), and a note and
+a warning say so.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ INDEX_HINT = ("the index is not what huggingface_hub or transformers write: an o
 
 def read(layout: Layout) -> MultiRead:
     assert layout.index is not None
-    finished = journal.finish(layout.directory)
+    settled = journal.settle(layout.directory)
     index_path = os.path.join(layout.directory, layout.index)
     index = _load_index(index_path, layout.index)
     weight_map: dict[str, str] = index["weight_map"]
@@ -88,7 +89,7 @@ def read(layout: Layout) -> MultiRead:
         meta["byteorder"] = byteorder
     raw_all = RawRead(fmt, root, storages, seen, meta, warnings=warnings)
     return MultiRead(raw_all, layout.directory, files, storage_files, aliases=aliases,
-                     notes=([finished.note] if finished else []) + list(layout.notes))
+                     notes=([settled.note] if settled else []) + list(layout.notes))
 
 
 def _load_index(path: str, name: str) -> dict[str, Any]:

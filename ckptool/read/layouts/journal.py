@@ -1,24 +1,33 @@
 """An in-place fix of a directory of shards, made all-or-nothing: its journal.
 
-``fix DIR --in-place`` (``ckptool.write.fix.shards``) changes no file of
-DIR before every new file is written and verified beside it: each shard
-that changes and the new index, under a temporary name (``temp_name``: a
-dot file naming the writing process), or, for a torch zip whose pickle
-alone changes, its new records appended after the old ones, where the file
-still reads as the old checkpoint (``ckptool.write.fix.inplace``). Then one
-small file, the journal (``JOURNAL``), is written and made durable: it names
-every change, the index last. Only then are the changes made, and the
-journal removed.
+``fix DIR --in-place`` (``ckptool.write.fix.shards``) holds the directory's
+lock (``dirlock``) and writes one small file, the journal (``JOURNAL``), in
+two phases:
 
-Before the journal exists DIR is unchanged: readers skip the temporary
-files (``is_temporary``), and the next in-place fix removes those of
-processes that are gone (``remove_leftovers``). Once it exists, every change
-it names can be made again: ``finish`` makes the ones still to make, so any
-ckptool command that reads DIR after a crash completes the fix first, and
-says so. A journal is trusted that far and no further: it may rename a
-ckptool temporary file of DIR over a file the index names, or cut such a
-file (a regular file, never a link) back to a size whose last bytes match a
-recorded CRC, and nothing else.
+1. prepare: before any byte of a file the index names changes, it records
+   each shard the fix may append to (a torch zip whose pickle alone
+   changes gets its new records appended, while it still reads as the old
+   shard: ``ckptool.write.fix.inplace``) with its size and the CRC of its
+   last bytes, and the temporary files the fix will write beside
+   (``new_temp``: short names readers skip, ``is_temporary``). Then every
+   new file is written and verified;
+2. commit: the journal is replaced by one naming every change (rename a
+   temporary file over a shard, cut an appended shard back to its new
+   end), the index last; then the changes are made, and it is removed.
+
+A journal found by any command is settled first (``settle``), under the
+lock: in phase prepare the fix is rolled back (each shard cut back to its
+old size, the temporaries removed: the directory is byte for byte as it
+was); in phase commit it is finished. Either way the command says so: a
+note in the checkpoint read and a ``InterruptedFixNote`` warning, which the
+CLI prints on stderr. Every change is checked before the first is made.
+
+A journal is trusted that far and no further (``journal_format`` reads it
+back): it applies only in the directory it was written for (the
+directory's inode), and may only rename a ckptool temporary file whose
+inode it records over a file an index names (the one in place, or the new
+one while it waits beside), or cut such a file (a regular file, never a
+link) to a size whose bytes match a recorded CRC.
 """
 
 from __future__ import annotations
@@ -26,221 +35,280 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import re
-import secrets
+import socket
 import stat
-import zlib
-from dataclasses import asdict, dataclass
+import warnings
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
 
-from ckptool.errors import CorruptCheckpointError, InputError
+from ckptool.describe import shell_word
+from ckptool.errors import CkptoolNote, CorruptCheckpointError, InputError, Interrupted
+from ckptool.read.layouts import dirlock
+from ckptool.read.layouts.journal_format import (
+    COMMIT,
+    CRASH_ENV,
+    JOURNAL,
+    JOURNAL_TEMP,
+    PREPARE,
+    TEMP,
+    Grown,
+    Pending,
+    Record,
+    Step,
+    alive,
+    bad_hint,
+    crash_point,
+    crc_of,
+    fix_of,
+    grown,
+    holder,
+    is_temporary,
+    load,
+    new_temp,
+)
 
-JOURNAL = ".ckptool-journal.json"
-VERSION = 1
-# .NAME.ckptool-PID-HEX.partial, and AtomicOutput's own temporary name for it
-# where O_TMPFILE is missing (.<that>.HEX.ckptool-tmp)
-_TEMP = re.compile(r"^\.(?P<name>.+)\.ckptool-(?P<pid>\d+)-[0-9a-f]+\.partial"
-                   r"(?:\.[0-9a-f]+\.ckptool-tmp)?$")
-CRASH_ENV = "CKPTOOL_TEST_CRASH_AT"  # tests: die at a named step, as kill -9 would
-_BAD = ("it is what an interrupted `ckptool fix --in-place` leaves; if ckptool did not "
-        "write it, remove it")
+__all__ = ["COMMIT", "CRASH_ENV", "JOURNAL", "PREPARE", "Grown", "InterruptedFixNote", "Pending",
+           "Record", "Settled", "Step", "alive", "crash_point", "grown", "holder",
+           "is_temporary", "left_as_is", "load", "new_temp", "remove_leftovers", "roll_back",
+           "roll_forward", "settle"]
+_AS_IS: ContextVar[bool] = ContextVar("ckptool_journal_as_is", default=False)
+
+
+class InterruptedFixNote(CkptoolNote):
+    """A command found an in-place fix of its input that was cut short, and
+    finished it or rolled it back (the message says which)."""
 
 
 @dataclass(frozen=True)
-class Step:
-    """One change: the verified file ``temp`` renamed over ``name`` (``size``
-    bytes); or, with no ``temp``, ``name`` cut back to ``size`` bytes, its
-    bytes from ``start`` having CRC ``crc``."""
-
-    name: str
-    size: int
-    temp: str = ""
-    start: int = 0
-    crc: int = 0
-
-
-@dataclass(frozen=True)
-class Finished:
-    """What ``finish`` completed: the options of the fix that wrote the
-    journal, and how many files it changed."""
+class Settled:
+    """What ``settle`` did: finished the fix ``options`` / ``command``, or
+    rolled it back."""
 
     directory: str
     options: str
-    files: int
+    command: str
+    rolled_back: bool
+
+    @property
+    def done(self) -> str:
+        verb = "rolled back" if self.rolled_back else "finished"
+        return f"{verb} an interrupted fix of {self.directory} (ckptool fix {self.command})"
 
     @property
     def note(self) -> str:
-        return (f"{self.directory} held an in-place fix that was cut short (its journal "
-                f"{JOURNAL}): ckptool finished it, changing {self.files} file"
-                f"{'s' if self.files != 1 else ''} as the journal said")
+        if self.rolled_back:
+            return f"{self.done}: it is as it was"
+        return (f"{self.done}: {self.directory} is fixed; running that fix again would "
+                "apply it twice")
 
 
-def crash_point(name: str) -> None:
-    """Tests: die here, as ``kill -9`` would, when ``CRASH_ENV`` names this step."""
-    if os.environ.get(CRASH_ENV) == name:
-        os._exit(137)
+def remove_leftovers(directory: str, locks: bool) -> None:
+    """With the lock held and no journal: remove what crashed fixes left
+    (where the filesystem cannot lock, only the files of dead processes)."""
+    for entry in os.listdir(directory):
+        m = TEMP.fullmatch(entry)
+        if (m is None and not (locks and JOURNAL_TEMP.fullmatch(entry))) or (
+                m is not None and not locks and alive(int(m.group("pid")))):
+            continue
+        _unlink_file(os.path.join(directory, entry))
 
 
-def temp_name(name: str) -> str:
-    """A temporary name beside ``name`` that readers skip and that says whose it is."""
-    return f".{name}.ckptool-{os.getpid()}-{secrets.token_hex(4)}.partial"
-
-
-def is_temporary(name: str) -> bool:
-    """A file ckptool is writing, or a killed run left: never read as a checkpoint."""
-    return name.endswith(".ckptool-tmp") or _TEMP.match(name) is not None
-
-
-def remove_leftovers(directory: str) -> list[str]:
-    """Remove the temporary files of in-place fixes whose process is gone
-    (their journal was never written: nothing refers to them)."""
-    removed = []
-    for entry in sorted(os.listdir(directory)):
-        m = _TEMP.match(entry)
-        if m is None or alive(int(m.group("pid"))) or not os.path.isfile(
-                os.path.join(directory, entry)) or os.path.islink(os.path.join(directory, entry)):
-            continue  # (a directory is a staged output's: ckptool.write.outdir's to remove)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(directory, entry))
-        removed.append(entry)
-    return removed
-
-
-def alive(pid: int) -> bool:
-    """Whether process ``pid`` still runs (its temporaries are not litter)."""
+@contextlib.contextmanager
+def left_as_is() -> Iterator[None]:
+    """Reads inside (a dry run's) never settle a journal: they refuse it."""
+    token = _AS_IS.set(True)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+        yield
+    finally:
+        _AS_IS.reset(token)
 
 
-def dumps(index: str, options: str, steps: list[Step]) -> bytes:
-    """The journal of a fix (``options``: what it was asked, to tell a re-run
-    of it from another fix), the index's step last."""
-    return json.dumps({"ckptool_journal": VERSION, "index": index, "options": options,
-                       "steps": [asdict(s) for s in steps]}, indent=1).encode() + b"\n"
-
-
-def finish(directory: str) -> Finished | None:
-    """Make the changes the journal of ``directory`` names that are not made
-    yet, then remove it; None when there is no journal."""
+def settle(directory: str, say: bool = True) -> Settled | None:
+    """Finish or roll back the in-place fix of ``directory`` that its journal
+    names, and say so (``say``: as a warning; else the caller does); None
+    when there is no journal."""
     path = os.path.join(directory, JOURNAL)
     if not os.path.lexists(path):
         return None
-    _, options, steps = _load(directory, path)
+    if _AS_IS.get():
+        raise InputError(
+            f"{directory} holds an in-place fix that was cut short{fix_of(directory)}, "
+            "and a dry run changes nothing: it was left as it is",
+            f"finish it or roll it back first: ckptool inspect {shell_word(directory)} "
+            "does either, and says which; then run the dry run again")
+    held: list[int] = []
     try:
-        for step in steps:
-            _apply(directory, step)
-            crash_point("renaming")
-        _fsync_dir(directory)
-        crash_point("renamed")
-        with contextlib.suppress(FileNotFoundError):  # another reader finished it first
-            os.unlink(path)
-        _fsync_dir(directory)
+        with dirlock.locked(directory, lambda: holder(directory)) as locks:
+            if not os.path.lexists(path):
+                return None  # the fix that held the directory is done
+            record = load(directory)
+            if not locks and record.phase == PREPARE and (
+                    record.host != socket.gethostname() or alive(record.pid)):
+                raise InputError(f"{directory} is being fixed in place by {holder(directory)}",
+                                 "wait for it to finish, then run this command again")
+            _check_writable(directory, record)
+            with dirlock.held_interrupts() as held:
+                if record.phase == COMMIT:
+                    roll_forward(directory, record)
+                else:
+                    roll_back(directory, record)
     except OSError as exc:
         raise InputError(
-            f"{directory} holds an in-place fix that was cut short, and ckptool cannot finish "
+            f"{directory} holds an in-place fix that was cut short, and ckptool cannot settle "
             f"it: {exc.strerror or exc} ({exc.filename or path})",
-            f"run ckptool on it again where it may write there (ckptool inspect {directory}); "
-            f"its journal is {JOURNAL}") from exc
-    return Finished(directory, options, len(steps))
+            f"run ckptool on it again where it may write there (ckptool inspect "
+            f"{shell_word(directory)}); its journal is {JOURNAL}") from exc
+    done = Settled(directory, record.options, record.command, record.phase == PREPARE)
+    if held:
+        raise Interrupted(f"interrupted: {done.note}", "nothing else was done; run the "
+                          "command again")
+    if say:
+        warnings.warn(InterruptedFixNote(done.note), stacklevel=2)
+    return done
 
 
-def _load(directory: str, path: str) -> tuple[str, str, list[Step]]:
-    try:
-        if not stat.S_ISREG(os.lstat(path).st_mode):
-            raise ValueError("not a regular file")
-        with open(path, "rb") as f:
-            data = json.loads(f.read(1 << 24))
-        if not isinstance(data, dict) or data.get("ckptool_journal") != VERSION:
-            raise ValueError(f"not a version {VERSION} journal")
-        index, options = data["index"], data["options"]
-        steps = [Step(**s) for s in data["steps"]]
-        if not all(isinstance(s.name, str) and isinstance(s.temp, str) and
-                   all(type(n) is int for n in (s.size, s.start, s.crc)) for s in steps):
-            raise ValueError("a step that is not names and sizes")
-        if not (isinstance(index, str) and isinstance(options, str) and steps
-                and steps[-1].name == index):
-            raise ValueError("no index step last")
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CorruptCheckpointError(f"{path} is not a journal ckptool can finish: {exc}",
-                                     _BAD) from exc
-    allowed = _files_of(directory, index, path)
-    for step in steps:
-        m = _TEMP.match(step.temp) if step.temp else None
-        if step.name not in allowed or (step.temp and (m is None or m.group("name") != step.name
-                                                       or "/" in step.temp)):
-            raise CorruptCheckpointError(
-                f"{path} names a change ckptool never makes ({step.name!r:.80}, "
-                f"{step.temp!r:.80}): it was not finished", _BAD)
-    return index, options, steps
+def _check_writable(directory: str, record: Record) -> None:
+    """A directory ckptool may not write (a read-only mount, another user's)
+    is refused before anything is tried, saying what holds it."""
+    names = [s.name for s in record.steps if not s.temp] if record.phase == COMMIT else [
+        g.name for g in record.grown]
+    if all(os.access(p, os.W_OK) for p in [directory, *(os.path.join(directory, n)
+                                                        for n in names)]):
+        return
+    readonly = os.statvfs(directory).f_flag & os.ST_RDONLY
+    verb = "finish" if record.phase == COMMIT else "roll back"
+    raise InputError(
+        f"{directory} has an interrupted fix ckptool cannot {verb} here "
+        f"({'read-only file system' if readonly else 'permission denied'}): "
+        f"ckptool fix {record.command} was cut short, and {directory} is not read until "
+        f"that fix is {'finished' if record.phase == COMMIT else 'rolled back'}",
+        f"run ckptool inspect {shell_word(directory)} where it may write there "
+        f"({'mounted read-write' if readonly else 'as its owner'}): it does that and says so")
 
 
-def _files_of(directory: str, index: str, path: str) -> set[str]:
-    """The index and the shard files it names (the same before and after a fix)."""
-    try:
-        if "/" in index or index.startswith("."):
-            raise ValueError(f"index {index!r:.80}")
-        with open(os.path.join(directory, index), "rb") as f:
-            weight_map = json.loads(f.read()).get("weight_map")
-        shards = {v for v in weight_map.values() if isinstance(v, str) and "/" not in v}
-    except (OSError, ValueError, AttributeError) as exc:
-        raise CorruptCheckpointError(f"{path}: the index it names cannot be read ({exc})",
-                                     _BAD) from exc
-    return {index, *shards}
+def roll_forward(directory: str, record: Record) -> int:
+    """Phase commit: make the changes not made yet (every one checked first),
+    then remove the journal. Returns how many were made."""
+    todo = [s for s in record.steps if _to_make(directory, s)]
+    if todo:  # (each in an index: the index is replaced last, so until every step is made)
+        _named(directory, record, [s.name for s in todo], record.steps[-1].temp)
+    for step in todo:
+        target = os.path.join(directory, step.name)
+        if step.temp:
+            try:
+                os.replace(os.path.join(directory, step.temp), target)
+            except FileNotFoundError:
+                if _to_make(directory, step):  # (not made since by another process)
+                    raise
+        else:
+            with open(target, "r+b") as f:
+                os.ftruncate(f.fileno(), step.size)
+                os.fsync(f.fileno())
+        crash_point("renaming")
+    _fsync_dir(directory)
+    crash_point("renamed")
+    _close(directory, record)
+    return len(todo)
 
 
-def _apply(directory: str, step: Step) -> None:
-    """One change, made if it is not made yet; a file found as neither the
-    journal's before nor its after is an error, and nothing is touched."""
-    target = os.path.join(directory, step.name)
-    if step.temp:
-        temp = os.path.join(directory, step.temp)
+def roll_back(directory: str, record: Record) -> None:
+    """Phase prepare: cut each shard back to its old size (every one checked
+    first), remove the temporary files, then the journal."""
+    cut = [g for g in record.grown if _to_cut(directory, g)]
+    _named(directory, record, [g.name for g in cut], "")
+    for g in cut:
+        with open(os.path.join(directory, g.name), "r+b") as f:
+            os.ftruncate(f.fileno(), g.size)
+            os.fsync(f.fileno())
+    _close(directory, record)
+
+
+def _named(directory: str, record: Record, names: list[str], new_index: str) -> None:
+    """Each of ``names`` is the index, or a shard its current version names,
+    or its new one (in the temporary file ``new_index``, while it is there):
+    a journal changes no other file."""
+    allowed = {record.index}
+    for index in (record.index, new_index):
+        path = os.path.join(directory, index)
+        if not index or (index == new_index and not os.path.lexists(path)):
+            continue
         try:
-            st: os.stat_result | None = os.lstat(temp)
-        except FileNotFoundError:
-            st = None  # renamed already
-        if st is not None and stat.S_ISREG(st.st_mode) and st.st_size == step.size:
-            os.replace(temp, target)
-            return
-        if st is None and _size(target) == step.size:
-            return
-    else:
-        st = os.lstat(target)
-        if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and st.st_size >= step.size \
-                and _crc(target, step.start, step.size) == step.crc:
-            if st.st_size > step.size:
-                with open(target, "r+b") as f:
-                    os.ftruncate(f.fileno(), step.size)
-                    os.fsync(f.fileno())
-            return
-    raise CorruptCheckpointError(
-        f"{target} is not what the in-place fix cut short left there (journal "
+            with open(path, "rb") as f:
+                weight_map = json.loads(f.read()).get("weight_map")
+            allowed |= {v for v in weight_map.values() if isinstance(v, str)}
+        except (OSError, ValueError, AttributeError) as exc:
+            raise CorruptCheckpointError(f"{path}: an index the journal of {directory} names "
+                                         f"cannot be read ({exc})", bad_hint(directory)) from exc
+    for name in names:
+        if name not in allowed:
+            raise CorruptCheckpointError(
+                f"{os.path.join(directory, JOURNAL)} names a change ckptool never makes "
+                f"({name!r:.80}: a file no index names): it was not applied", bad_hint(directory))
+
+
+def _close(directory: str, record: Record) -> None:
+    temps = set(record.temps)
+    for entry in os.listdir(directory):
+        if entry in temps or JOURNAL_TEMP.fullmatch(entry) or (
+                entry.endswith(".ckptool-tmp") and entry[1:].rsplit(".", 2)[0] in temps):
+            _unlink_file(os.path.join(directory, entry))
+    _fsync_dir(directory)
+    with contextlib.suppress(FileNotFoundError):  # another process closed it
+        os.unlink(os.path.join(directory, JOURNAL))
+    _fsync_dir(directory)
+
+
+def _to_make(directory: str, step: Step) -> bool:
+    """Whether ``step`` is still to make (False: made); a file found as
+    neither the journal's before nor its after is an error."""
+    target = os.path.join(directory, step.name)
+    st = _lstat(target)
+    if step.temp:
+        temp = _lstat(os.path.join(directory, step.temp))
+        if temp is not None:
+            if stat.S_ISREG(temp.st_mode) and (temp.st_ino, temp.st_size) == (
+                    step.ino, step.size) and (None if st is None else (
+                    st.st_ino, st.st_size)) == step.old:
+                return True
+        elif st is not None and (st.st_ino, st.st_size) == (step.ino, step.size):
+            return False
+    elif st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and \
+            st.st_size >= step.size and crc_of(target, step.start, step.size) == step.crc:
+        return st.st_size > step.size
+    raise _changed(directory, target, "finish the fix")
+
+
+def _to_cut(directory: str, g: Grown) -> bool:
+    path = os.path.join(directory, g.name)
+    st = _lstat(path)
+    if st is not None and st.st_size == g.size:
+        return False  # never appended to, or cut already
+    if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and \
+            st.st_size > g.size and crc_of(path, g.start, g.size) == g.crc:
+        return True
+    raise _changed(directory, path, "roll the fix back")
+
+
+def _changed(directory: str, path: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{path} is not what the in-place fix cut short left there (journal "
         f"{os.path.join(directory, JOURNAL)}): it was changed since, and ckptool cannot "
-        "finish the fix", "restore the directory from a copy, or remove the journal and "
-        "check each file with ckptool inspect")
+        f"{what}; it changed nothing", bad_hint(directory))
 
 
-def _size(path: str) -> int:
+def _lstat(path: str) -> os.stat_result | None:
     try:
-        return os.lstat(path).st_size
+        return os.lstat(path)
     except FileNotFoundError:
-        return -1
+        return None
 
 
-def _crc(path: str, start: int, end: int) -> int:
-    crc = 0
-    with open(path, "rb") as f:
-        f.seek(start)
-        left = end - start
-        while left > 0:
-            chunk = f.read(min(left, 1 << 20))
-            if not chunk:
-                return -1
-            crc, left = zlib.crc32(chunk, crc), left - len(chunk)
-    return crc
+def _unlink_file(path: str) -> None:
+    st = _lstat(path)
+    if st is not None and stat.S_ISREG(st.st_mode):  # (never a directory or a link's target)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _fsync_dir(directory: str) -> None:

@@ -41,8 +41,8 @@ from ckptool.read.formats import torch_legacy as legacy_reader
 from ckptool.read.formats import torch_zip as zip_reader
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_zip import TORCH_ZIP
-from ckptool.read.layouts import journal, recognise
-from ckptool.read.layouts.journal import Step
+from ckptool.read.layouts import recognise
+from ckptool.read.layouts.journal import Pending, Step
 from ckptool.read.reader import assemble, open_checkpoint
 from ckptool.read.resolve import faithful
 from ckptool.read.tensor_data import Identity, TensorData, check_unchanged, file_identity
@@ -107,14 +107,15 @@ def fresh_output(src: str) -> str:
 
 def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = False,
         in_place: bool = False, dry_run: bool = False, progress: Progress | None = None,
-        fsync: bool = False, pending: list[Step] | None = None) -> FixResult:
+        fsync: bool = False, pending: Pending | None = None) -> FixResult:
     """Rewrite ``src`` as ``opts`` ask. The output is durable on disk before
     this returns when ``fsync`` is set or it replaces a file (``AtomicOutput``).
 
     ``in_place`` replaces ``src`` (a link or a file with other hard links by a
     new file: its other names keep the old one); with ``pending`` (a shard of
-    a directory fixed in place) the change is written beside ``src`` and
-    verified, and the journal step that makes it is appended, not made."""
+    a directory fixed in place) the change is written beside ``src`` (to
+    ``pending.temp``) and verified, and the journal step that makes it is
+    appended to ``pending.steps``, not made."""
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
     layout = recognise.recognise(src)
@@ -131,24 +132,25 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
                 "partitioned over its ranks' files",
                 f"consolidate it first: ckptool convert {shell_word(src)} "
                 f"{shell_word(beside(src, '.safetensors'))}, then fix that file")
-        # an in-place fix a crash cut short is finished first
-        resumed = fix_shards.resume(layout.directory, opts, in_place, dry_run) \
-            if layout.kind == recognise.HF else None
-        source = open_checkpoint(src)
-        refuse_flagged(source, opts.salvage, "fix")
-        output = output or fix_shards.default_output(src)
-        if layout.kind == recognise.DCP:
-            return fix_dcp.fix(source, opts, output, force=force, in_place=in_place,
-                               dry_run=dry_run, progress=progress, fsync=fsync)
-        return fix_shards.fix(source, opts, output, fix_file=fix, force=force,
-                              in_place=in_place, dry_run=dry_run, progress=progress,
-                              fsync=fsync, resumed=resumed)
+        hf = layout.kind == recognise.HF
+        with fix_shards.guarded(layout.directory, hf and in_place, dry_run) as locks:
+            # an in-place fix a crash cut short is settled first
+            resumed = fix_shards.resume(layout.directory, opts, in_place) if hf else None
+            source = open_checkpoint(src)
+            refuse_flagged(source, opts.salvage, "fix")
+            output = output or fix_shards.default_output(src)
+            if not hf:
+                return fix_dcp.fix(source, opts, output, force=force, in_place=in_place,
+                                   dry_run=dry_run, progress=progress, fsync=fsync)
+            return fix_shards.fix(source, opts, output, fix_file=fix, force=force,
+                                  in_place=in_place, dry_run=dry_run, progress=progress,
+                                  fsync=fsync, resumed=resumed, locks=locks)
     given = src
     if layout is not None and layout.file is not None:
         src = layout.file  # a directory holding one checkpoint file is that file
     target = src if in_place else (output or default_output(src))
     if pending is not None:  # made by the directory's journal: a new file beside src
-        target = os.path.join(os.path.dirname(src), journal.temp_name(os.path.basename(src)))
+        target = os.path.join(os.path.dirname(src), pending.temp)
     shared = shared_file(src) if in_place and os.path.lexists(src) else None
     try:  # the version of the file that is read; every later open must be it
         identity: Identity | None = file_identity(os.stat(src))
@@ -185,9 +187,10 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         # (nor a file other paths share: they would change with it)
         if in_place and raw.format == TORCH_ZIP and inplace.supported(plan) and not (
                 opts.salvage or shared):
-            with naming(src, clean=False):  # a full disk: the error names the file
-                result.bytes_written = inplace.rewrite_in_place(src, source, plan, change,
-                                                                pending)
+            # a full disk: the error names the file (a directory's journal cuts it back)
+            with naming(src, clean=pending is not None):
+                result.bytes_written = inplace.rewrite_in_place(
+                    src, source, plan, change, pending.steps if pending else None)
             result.output, result.metadata_only = src, True
             return result
         later = src if pending is not None else None  # replaced later, by the journal
@@ -210,8 +213,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         with change.committing() if change else contextlib.nullcontext():
             out.commit()
     if pending is not None:
-        pending.append(Step(os.path.basename(src), result.bytes_written,
-                            temp=os.path.basename(target)))
+        pending.steps.append(Step(os.path.basename(src), result.bytes_written,
+                                  temp=pending.temp))
     result.output = src if in_place else target
     return result
 

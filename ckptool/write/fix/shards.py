@@ -13,19 +13,22 @@ shards' storages (safetensors records no device: refused, as for one file).
 The directory is written by ``convert_dir.write_directory``: beside the
 target, every file verified, the whole read back, then renamed into place.
 
-``--in-place`` changes the directory all at once or not at all. Each shard
-that changes is fixed as ``fix --in-place`` fixes one file, but not put in
+``--in-place`` changes the directory all at once or not at all, holding its
+lock (``dirlock``: a second fix of it waits, then is refused). A journal
+first records what the fix may touch (``journaled``). Each shard that
+changes is then fixed as ``fix --in-place`` fixes one file, but not put in
 place: written beside it and verified (a torch zip of its own: a new pickle
 appended after its records, its tensor bytes untouched), and so is the new
-index. Then a journal naming every change is made durable, and the changes
-it names are made (``ckptool.read.layouts.journal``, which any later read
-of the directory uses to finish a fix that a crash cut short). A Ctrl-C
-before the journal leaves the directory as it was; one after it is held
-until the directory is fixed (``ckptool.write.interrupt``). A shard or index
-that is a link (a Hugging Face cache's snapshot) is replaced by a file of
-its own; the file it links to is untouched. Every shard is given the
-checkpoint's prefix to strip, not one it would find alone. DCP directories
-are ``fix_dcp``'s.
+index. Then the journal is replaced by one naming every change, and the
+changes are made (``ckptool.read.layouts.journal``, which any later command
+on the directory uses to finish a fix that a crash cut short, or to roll
+back one cut short before). A Ctrl-C or an error before the commit rolls
+the directory back as it was, byte for byte; one after it is held until the
+directory is fixed (``ckptool.write.interrupt``). A shard or index that is a
+link (a Hugging Face cache's snapshot) is replaced by a file of its own;
+the file it links to is untouched. Every shard is given the checkpoint's
+prefix to strip, not one it would find alone. DCP directories are
+``fix_dcp``'s.
 """
 
 from __future__ import annotations
@@ -33,36 +36,41 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from ckptool.describe import shell_word
+from ckptool.describe import shell_quote, shell_word
 from ckptool.errors import InputError, UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
 from ckptool.read import ties
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.layouts import journal
+from ckptool.read.layouts import dirlock, journal
 from ckptool.read.layouts.hf_sharded import HF_SAFETENSORS
 from ckptool.write import interrupt, shards
 from ckptool.write.commit import AtomicOutput, shared_file
 from ckptool.write.convert import plan as convert_plan
 from ckptool.write.convert.directory import framework_files, write_directory
 from ckptool.write.convert.plan import TORCH, Written
+from ckptool.write.failures import naming
+from ckptool.write.fix.journaled import Job
 from ckptool.write.fix.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
 from ckptool.write.results import FixResult
 
 Progress = Callable[[int, int], None]
+_DTYPE_FLAGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 FixFile = Callable[..., FixResult]  # ckptool.write.fix.run.fix, for one shard in place
 
 
 def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
         force: bool = False, in_place: bool = False, dry_run: bool = False,
         progress: Progress | None = None, fsync: bool = False,
-        resumed: tuple[str, bool] | None = None) -> FixResult:
+        resumed: tuple[str, bool] | None = None, locks: bool = False) -> FixResult:
     """Rewrite the sharded checkpoint ``source`` as ``opts`` ask, into ``output``
-    (``in_place``: each shard through ``fix_file``, then the index).
-    ``resumed``: what ``resume`` finished before ``source`` was read."""
+    (``in_place``: each shard through ``fix_file``, then the index, with the
+    directory's lock held, ``locks`` where the filesystem has them).
+    ``resumed``: what ``resume`` settled before ``source`` was read."""
     path = source.path
     if resumed is not None and resumed[1]:  # this very fix, finished: not made twice
         done = FixResult(Plan(None, notes=[resumed[0]]), source, target=path)
@@ -100,7 +108,7 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
         return result
     if in_place:
         result.bytes_written, result.metadata_only = _in_place(
-            source, opts, written, plan, file_of, fix_file, fsync)
+            source, opts, written, plan, file_of, fix_file, fsync, locks)
         result.output = source.path
         result.verified_storages = len(written.tensors)
         return result
@@ -114,78 +122,100 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
     return result
 
 
-def resume(directory: str, opts: FixOptions, in_place: bool,
-           dry_run: bool) -> tuple[str, bool] | None:
-    """Finish the in-place fix of ``directory`` that a crash cut short, if
+@contextlib.contextmanager
+def guarded(directory: str, in_place: bool, dry_run: bool) -> Iterator[bool]:
+    """Around a fix of ``directory``, from before it is read: a dry run
+    refuses an in-place fix that was cut short (it changes nothing, that
+    one's end included); an in-place fix holds the directory's lock to the
+    end (another waits, then is refused). Yields whether the filesystem locks."""
+    if dry_run:
+        with journal.left_as_is():
+            yield False
+    elif in_place:
+        with dirlock.locked(directory, lambda: journal.holder(directory)) as locks:
+            yield locks
+    else:
+        yield False
+
+
+def resume(directory: str, opts: FixOptions, in_place: bool) -> tuple[str, bool] | None:
+    """Settle the in-place fix of ``directory`` that a crash cut short, if
     one did (its journal). Returns what to say, and whether it was this very
-    fix (asked again: it is done, and is not made twice). Another fix is
-    refused, but for a dry run: it would apply on top of that one unseen."""
-    done = journal.finish(directory)
+    fix (asked again: it is done, and is not made twice). A rolled back fix
+    is no fix; another one finished refuses this one: it would apply on top
+    of that one unseen."""
+    done = journal.settle(directory, say=False)  # (said here, as this fix sees it)
     if done is None:
         return None
+    if done.rolled_back:
+        warnings.warn(journal.InterruptedFixNote(done.note), stacklevel=2)
+        return done.note, False
     if in_place and done.options == repr(opts):
-        return f"{done.note}; it was this same fix: nothing more to do", True
-    if not dry_run:
-        raise InputError(f"{done.note}; this fix was not applied on top of it",
-                         f"see what it holds now: ckptool inspect {shell_word(directory)}; "
-                         "then run this command again if it is still wanted")
-    return done.note, False
+        interrupt.mark_fixed(directory)  # a Ctrl-C from now on: it is fixed
+        note = f"{done.done}: it was this same fix, so there is nothing more to do"
+        warnings.warn(journal.InterruptedFixNote(note), stacklevel=2)
+        return note, True
+    raise InputError(f"{done.done}: {directory} is fixed as that fix asked; this fix was "
+                     "not applied on top of it",
+                     f"see what it holds now: ckptool inspect {shell_word(directory)}; "
+                     "then run this command again if it is still wanted")
 
 
 def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan,
-              file_of: dict[str, str], fix_file: FixFile, fsync: bool) -> tuple[int, bool]:
-    """Each shard that changes, fixed as one file is but beside it (a torch
-    zip: its new pickle appended, verified, not committed), and the new
-    index; then the journal, and the changes it names. Returns the bytes
-    written, and whether every shard kept its tensor bytes where they were."""
+              file_of: dict[str, str], fix_file: FixFile, fsync: bool,
+              locks: bool) -> tuple[int, bool]:
+    """The journal's prepare record; each shard that changes, fixed as one
+    file is but beside it (a torch zip: its new pickle appended, verified,
+    not committed), and the new index; then the commit record, and the
+    changes it names. Anything that stops it first rolls it back. Returns
+    the bytes written, and whether every shard kept its tensor bytes where
+    they were."""
     directory = source.directory
     assert directory is not None
     if plan.empty:  # as one file's: nothing to change, and in place nothing to write
         return 0, True
-    journal.remove_leftovers(directory)  # of fixes killed before their journal
     renames = dict(plan.renames)
     prefix = source.main_state_dict.prefix if source.main_state_dict else ""
     strip = (prefix,) if opts.strip_module and prefix else ()
-    done, metadata_only = 0, True
-    steps: list[journal.Step] = []
-    journaled: list[str] = []  # the journal, once written: what it names is its
+    work = []
+    for shard in sorted({f.path for f in source.files if f.role == "shard"}):
+        # what the shard stores (a tied name the index records is not in it)
+        held = [t for t in source.tensors
+                if t.file == shard and unescape(t.key) not in source.aliases]
+        names = {unescape(t.key) for t in held}
+        drops = tuple(d for d in opts.drop if unescape(d) in names)
+        if drops or any(n in renames for n in names) or any(
+                t.storage in plan.casts or t.storage in plan.retargets for t in held):
+            # the checkpoint's prefix, not one each shard would find on its own
+            work.append((shard, replace(opts, strip_module=False,
+                                        strip_prefixes=strip + opts.strip_prefixes, drop=drops)))
     index_name = str(source.metadata["index"])
-    with interrupt.changing(source.path) as change:
+    text = _index_text(source, written, file_of).encode()
+    files = {f.path for f in source.files if f.role == "shard"} | set(file_of.values())
+    job = Job(directory, index_name, repr(opts), command(opts), [s for s, _ in work], files)
+    done, metadata_only = 0, True
+    with interrupt.changing(source.path) as change, naming(directory):
         try:
-            for shard in sorted({f.path for f in source.files if f.role == "shard"}):
-                # what the shard stores (a tied name the index records is not in it)
-                held = [t for t in source.tensors
-                        if t.file == shard and unescape(t.key) not in source.aliases]
-                names = {unescape(t.key) for t in held}
-                drops = tuple(d for d in opts.drop if unescape(d) in names)
-                # the checkpoint's prefix, not one each shard would find on its own
-                one = replace(opts, strip_module=False,
-                              strip_prefixes=strip + opts.strip_prefixes, drop=drops)
-                if not (drops or any(n in renames for n in names) or any(
-                        t.storage in plan.casts or t.storage in plan.retargets for t in held)):
-                    continue
+            job.prepare(locks)
+            for shard, one in work:
                 fixed = fix_file(os.path.join(directory, shard), one, in_place=True,
-                                 fsync=fsync, pending=steps)
+                                 fsync=fsync, pending=job.pending(shard))
                 done += fixed.bytes_written
                 metadata_only &= fixed.metadata_only
                 journal.crash_point("prepared")
-            text = _index_text(source, written, file_of).encode()
-            temp = journal.temp_name(index_name)
             index = os.path.join(directory, index_name)
-            with AtomicOutput(os.path.join(directory, temp), fsync=True, shown=index,
-                              like=index) as out:
+            with AtomicOutput(os.path.join(directory, job.temps[index_name]), fsync=True,
+                              shown=directory, like=index) as out:
                 out.file.write(text)
                 out.commit()
-            steps.append(journal.Step(index_name, len(text), temp=temp))
-            linked = [why for s in steps if (why := shared_file(os.path.join(directory, s.name)))]
+            job.record.steps.append(journal.Step(index_name, len(text),
+                                                 temp=job.temps[index_name]))
+            linked = [why for s in job.record.steps
+                      if (why := shared_file(os.path.join(directory, s.name)))]
             with change.committing():
-                _commit(directory, journal.dumps(index_name, repr(opts), steps), journaled)
+                job.commit()
         except BaseException:
-            if not journaled:  # what was written beside is nobody's
-                for step in steps:
-                    if step.temp:
-                        with contextlib.suppress(FileNotFoundError):
-                            os.unlink(os.path.join(directory, step.temp))
+            job.roll_back()  # (nothing once committed: the journal finishes it)
             raise
     if linked:
         more = f" (and {len(linked) - 1} more)" if len(linked) > 1 else ""
@@ -194,19 +224,21 @@ def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan
     return done + len(text), metadata_only
 
 
-def _commit(directory: str, record: bytes, journaled: list[str]) -> None:
-    """The journal, durable; then the changes it names, and it is removed."""
-    path = os.path.join(directory, journal.JOURNAL)
-    try:
-        with AtomicOutput(path, fsync=True) as out:
-            out.file.write(record)
-            out.commit()
-    except UsageError as exc:  # another fix of the directory is committing
-        raise InputError(f"{directory} is being fixed in place by another process: {exc}",
-                         "wait for it to finish, then see ckptool inspect") from exc
-    journaled.append(path)
-    journal.crash_point("journal-written")
-    journal.finish(directory)
+def command(opts: FixOptions) -> str:
+    """The flags of ``opts`` as ``ckptool fix`` takes them, with --in-place
+    (what a journal shows of the fix it names)."""
+    words = ["--strip-module"] if opts.strip_module else []
+    words += [f"--strip-prefix {shell_quote(p)}" for p in opts.strip_prefixes]
+    if opts.add_prefix is not None:
+        words.append(f"--add-prefix {shell_quote(opts.add_prefix)}")
+    words += [f"--rename {shell_quote(f'{a}={b}')}" for a, b in opts.renames]
+    words += [f"--drop {shell_quote(d)}" for d in opts.drop]
+    if opts.dtype:
+        words.append(f"--dtype {_DTYPE_FLAGS.get(opts.dtype, opts.dtype)}")
+    words += [f"--to {opts.to}"] if opts.to else []
+    words += [f"--map {a}={b}" for a, b in opts.maps]
+    text = " ".join(words)
+    return f"{text[:300]}{' …' if len(text) > 300 else ''} --in-place"
 
 
 def _index_text(source: Checkpoint, written: Written, file_of: dict[str, str]) -> str:
