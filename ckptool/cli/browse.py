@@ -2,8 +2,10 @@
 
 A missing or foreign file fails before the screen opens (exit 3), and a
 session without a terminal is a usage error (exit 2) that points to
-``inspect``. The command exits with the app's return code: 0 when quit
-with ``q``, 130 with Ctrl-C. The app itself lives in ``ckptool.tui``.
+``inspect``. An in-place fix of the directory that a crash cut short is
+settled before the screen opens, and the note saying so stays on the
+terminal. The command exits with the app's return code: 0 when quit with
+``q``, 130 with Ctrl-C. The app itself lives in ``ckptool.tui``.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def browse(path: str, model_spec: str | None, model_args: tuple[str, ...],
     if not _is_terminal():
         raise UsageError("browse needs a terminal (stdin and stdout are not both one)",
                          "for output you can pipe, use `ckptool inspect` or `inspect --json`")
+    _settle(path)
     machine = gpus.assumed(device_count) if device_count is not None else None
     from ckptool.tui import make_app
 
@@ -48,3 +51,14 @@ command = browse
 
 def _is_terminal() -> bool:
     return sys.stdin.isatty() and sys.stdout.isatty()
+
+
+def _settle(path: str) -> None:
+    """An in-place fix of a directory that a crash cut short is finished or
+    rolled back before the screen opens, so that the note saying so is on
+    the terminal, not lost behind the screen."""
+    from ckptool.read.layouts import journal, recognise
+
+    layout = recognise.recognise(path)
+    if layout is not None and layout.kind == recognise.HF:
+        journal.settle(layout.directory)
