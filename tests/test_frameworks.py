@@ -127,7 +127,8 @@ def test_a_fixed_copy_beside_the_model_does_not_hide_it(tmp_path: Path) -> None:
     assert ckpt.path.endswith(os.sep + "model.safetensors")
     assert ckpt.framework is not None
     extra = next(c for c in ckpt.framework.companions if c.path == "model.fixed.safetensors")
-    assert extra.role == "another checkpoint file (not the model read)"
+    assert extra.role == ("ckptool fix's output (transformers' from_pretrained loads it only "
+                          "with variant='fixed')")  # model.<variant>.safetensors, by its name
     os.remove(folder / "config.json")  # no framework says which: ambiguous, refused
     with pytest.raises(ckptool.CkptoolError, match="2 checkpoint files"):
         ckptool.open(folder)

@@ -19,7 +19,7 @@ from dataclasses import replace
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
 from ckptool.read import dispatch, optim, policy, prefixes
-from ckptool.read.layouts import framework, journal, recognise
+from ckptool.read.layouts import framework, journal, loaders, recognise
 from ckptool.read.tensors import TensorRecord
 
 # files read as pickles (or torch files) to scan them: by name or by bytes
@@ -33,7 +33,8 @@ def framework_of(path: str, layout: recognise.Layout | None,
     """What the folder at (or around) ``path`` says about ``ckpt``."""
     if layout is None:  # a file named directly: its folder's config, if a framework named it
         name = os.path.basename(path)
-        if name not in framework.MODEL_FILES and not SHARD_NAME.search(name):
+        if name not in framework.MODEL_FILES and loaders.parse(name) is None \
+                and not SHARD_NAME.search(name):
             return None
         directory = os.path.dirname(path) or "."
         names = [n for n in ("config.json", "adapter_config.json") if
@@ -49,8 +50,9 @@ def framework_of(path: str, layout: recognise.Layout | None,
     dirs = [n for n, is_dir, _ in entries if is_dir]
     own = _own_files(path, layout, ckpt)
     others = [n for n in files if n not in own]
-    found = [c for c in (_companion(path, n, i < MAX_COMPANIONS) for i, n in enumerate(others))
-             if c is not None]
+    read = os.path.basename(layout.file) if layout.file is not None else layout.index
+    found = [c for c in (_companion(path, n, i < MAX_COMPANIONS, read)
+                         for i, n in enumerate(others)) if c is not None]
     facts = framework.folder_facts(path, files, dirs)
     if facts is None:
         if not any(c.format or c.error for c in found):
@@ -108,15 +110,17 @@ def _own_files(path: str, layout: recognise.Layout, ckpt: Checkpoint) -> set[str
     return set()
 
 
-def _companion(directory: str, name: str, scan: bool) -> Companion | None:
+def _companion(directory: str, name: str, scan: bool, read: str | None = None) -> Companion | None:
     """A file beside the model, read if it is a pickle (and ``scan``); None
-    for one that is neither known to a framework nor a checkpoint."""
+    for one that is neither known to a framework nor a checkpoint. The
+    framework's other weights are named beside ``read``, the model read (a
+    variant of it, the same model in another format)."""
     full = os.path.join(directory, name)
     try:
         size = os.path.getsize(full)
     except OSError:
         return None
-    role = framework.role_of(name)
+    role = framework.role_of(name) or (loaders.role(name, read) if read else None)
     if not PICKLE_NAMES.search(name) and not (role is None and recognise.is_checkpoint_file(full)):
         return Companion(name, role, size) if role else None
     if not scan:

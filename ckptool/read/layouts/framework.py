@@ -7,8 +7,9 @@ diffusers and sentence-transformers put beside a model, and what it says.
   Trainer ``checkpoint-N/`` or an accelerate ``save_state`` folder reads as
   its model, with every other file listed by role;
 - ``pick_model``: of a folder's checkpoint files, the one the framework
-  loads as the model (``model.safetensors`` before ``pytorch_model.bin``,
-  ``adapter_model.safetensors`` for PEFT), when the others all have roles;
+  loads as the model (``loaders``: ``model.safetensors`` before
+  ``pytorch_model.bin``, ``adapter_model.safetensors`` for PEFT, never a
+  variant beside the plain model), when the others all have roles;
 - ``folder_facts``: what the folder's JSON says, by content: a transformers
   ``config.json`` (``architectures``, ``model_type``,
   ``tie_word_embeddings``), a PEFT ``adapter_config.json`` (type, rank,
@@ -32,6 +33,7 @@ import stat
 from typing import Any
 
 from ckptool.model import Framework
+from ckptool.read.layouts import loaders
 
 MAX_JSON_BYTES = 4 << 20  # config files are a few kB; a tokenizer.json is never read here
 
@@ -66,8 +68,6 @@ ROLES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
 MODEL_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors",
                "pytorch_model.bin", "diffusion_pytorch_model.safetensors",
                "diffusion_pytorch_model.bin", "pytorch_model.pt")
-# transformers' single files, each looked for before the index beside it
-SINGLE_FILES = ("model.safetensors", "pytorch_model.bin")
 # accelerate numbers a second prepared model model_1.safetensors, pytorch_model_1.bin
 OTHER_MODEL = re.compile(r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$")
 
@@ -104,24 +104,6 @@ def own_naming(kind: str, model_type: str | None, prefix: str) -> bool:
     return prefix.count(".") == 1
 
 
-def single_before_index(files: list[str], indexes: list[tuple[str, Any]],
-                        is_checkpoint: Any) -> tuple[str, str] | None:
-    """(single file, index) where transformers loads a single model file
-    rather than the index beside it (``model.safetensors``, then its index,
-    then ``pytorch_model.bin``, then its index); None where it loads an index
-    (or an index that names only that file, which is the same)."""
-    by_name = dict(indexes)
-    for single, index in zip(SINGLE_FILES, ("model.safetensors.index.json",
-                                             "pytorch_model.bin.index.json"), strict=True):
-        if single in files and is_checkpoint(single):
-            weight_map = (by_name.get(index) or {}).get("weight_map")
-            shards = set(weight_map.values()) if isinstance(weight_map, dict) else set()
-            return (single, index) if shards and shards != {single} else None
-        if index in by_name:
-            return None
-    return None
-
-
 def role_of(name: str) -> str | None:
     """What a file the frameworks write beside a model holds, or None."""
     for pattern, role in ROLES:
@@ -143,8 +125,13 @@ def pick_model(checkpoints: list[str], configured: bool = False) -> str | None:
     rest = [n for n in checkpoints if role_of(n) is None]
     if len(rest) == 1:
         return rest[0]
+    if not configured:
+        return None
+    choice = loaders.choose(rest)
+    if choice is not None and choice.name is not None and not choice.index:
+        return choice.name
     named = [n for n in MODEL_FILES if n in rest]
-    return named[0] if named and configured else None
+    return named[0] if named else None
 
 
 def configures_model(files: list[str]) -> bool:

@@ -11,8 +11,9 @@ error, unless one is a companion of the other by design:
 - a file with a role beside a model (``optimizer.pt``, ``rng_state.pth``,
   ``training_args.bin``...: ``framework.role_of``), Lightning's ``meta.pt``
   and Megatron-core's ``common.pt`` beside a DCP ``.metadata``;
-- a shard index and transformers' other files of the same model
-  (``model.safetensors``, ``pytorch_model.bin``, the other format's shards);
+- a shard index and the framework's other files of the same model
+  (``model.safetensors``, ``pytorch_model.bin``, the other format's shards,
+  its variants: ``loaders``);
 - a Trainer's ``checkpoint-N/``: the model (an index or one file) beside
   DeepSpeed's tag directory;
 - in a folder whose ``config.json`` (or ``adapter_config.json``) describes
@@ -32,7 +33,7 @@ from typing import Any
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import InputError
-from ckptool.read.layouts import framework
+from ckptool.read.layouts import framework, loaders
 from ckptool.read.layouts.names import (
     ACCELERATE_DIRS,
     DATA_FILE,
@@ -108,7 +109,7 @@ def _found(path: str, files: list[str], dirs: list[str],
         chosen = next((n for n in PREFERRED_INDEXES if n in indexes), sorted(indexes)[0])
         shards = {v for index in indexes.values() for v in index["weight_map"].values()
                   if isinstance(v, str)}
-        owned.update(indexes, shards, (n for n in files if n in framework.SINGLE_FILES or (
+        owned.update(indexes, shards, (n for n in files if loaders.parse(n) is not None or (
             SHARD.search(n) and not HF_STORAGE_SHARD.match(n))))
         out.append(Found(HF, f"a Hugging Face sharded checkpoint ({shown(sorted(indexes))})",
                          os.path.join(path, chosen)))

@@ -2,8 +2,10 @@
 content, and a clear error for anything else.
 
 - an index file (JSON with a ``weight_map``), or a directory holding one:
-  Hugging Face shards, chosen as transformers chooses (a single model file
-  before its index; ``model.safetensors*`` before ``pytorch_model.bin*``);
+  Hugging Face shards; in a framework's folder, the weights its loader
+  reads (``loaders``: transformers' single file before its index,
+  safetensors before ``.bin``; diffusers' index first; never a variant
+  beside the plain model);
 - a directory with a ``.metadata`` pickle (or one ``__<rank>.metadata`` per
   rank, from ``dcp.save(use_collectives=False)``): DCP, Lightning's sharded
   ``.ckpt`` directory when a ``meta.pt`` sits beside it;
@@ -27,12 +29,12 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckptool.read.layouts import framework, journal, mixed
-from ckptool.read.layouts.names import (  # noqa: F401 (MODEL_FILE, OPTIM_FILE: for their readers)
+from ckptool.read.layouts import framework, journal, loaders, mixed
+from ckptool.read.layouts.names import (
     ACCELERATE_DIRS,
     DATA_FILE,
     HF_STORAGE_SHARD,
@@ -49,7 +51,6 @@ from ckptool.read.layouts.names import (  # noqa: F401 (MODEL_FILE, OPTIM_FILE: 
     RECOVERY_SCRIPTS,
     is_checkpoint_file,
     listing,
-    regular_file,
 )
 from ckptool.read.layouts.names import holds_dcp as _holds_dcp
 from ckptool.read.layouts.names import index_json as _index_json
@@ -112,22 +113,21 @@ def _directory(path: str) -> Layout:
                                                        if RANK_METADATA.match(n)]
     if metadata:
         return _dcp(path, files, metadata)
-    single = framework.single_before_index(
-        files, [(n, parsed[n]) for n in indexes],
-        lambda n: is_checkpoint_file(os.path.join(path, n)))
-    if single is not None:
-        return Layout(FILE, path, path, file=os.path.join(path, single[0]), notes=(
-            f"{path} also holds {single[1]} and its shards: transformers loads {single[0]} "
-            "first, so that is what is read (the shards are scanned)",))
+    config = framework.json_file(path, "config.json") if "config.json" in files else None
+    explicit = config.get("transformers_weights") if isinstance(config, dict) else None
+    choice = loaders.choose(files, explicit if isinstance(explicit, str) else None,
+                            peft="adapter_config.json" in files)
+    if choice is not None and choice.name is None:
+        message, pick = loaders.several(path, choice)
+        raise InputError(message, f"name one: ckptool inspect "
+                                  f"{shell_word(os.path.join(path, pick))}")
+    if choice is not None and choice.name is not None and (
+            choice.index or any(loaders.parse(n) for n in named)):
+        # what the framework's loader reads: a single file before an index
+        # (transformers), an index before the single file (diffusers)...
+        return _with_deepspeed(path, files, dirs, _chosen(path, files, choice, parsed))
     if indexes:
-        layout = _hf(path, indexes)
-        tag = _latest(path) if LATEST in files else None
-        if tag is not None and tag in dirs:  # HF Trainer's checkpoint-N/ with DeepSpeed's
-            layout = Layout(HF, path, path, index=layout.index, notes=(
-                *layout.notes, f"{path} also holds a DeepSpeed checkpoint ({tag}/, named by "
-                "'latest'): its fp32 master weights are read by naming it: "
-                f"ckptool inspect {shell_word(os.path.join(path, tag))}"))
-        return layout
+        return _with_deepspeed(path, files, dirs, _hf(path, indexes))
     if named and any(n in PREFERRED_INDEXES for n in named):
         broken = next(n for n in named if n in PREFERRED_INDEXES)
         raise CorruptCheckpointError(
@@ -155,7 +155,53 @@ def _directory(path: str) -> Layout:
     deepspeed, beside = _deepspeed(path, files, dirs)
     if deepspeed is not None:
         return deepspeed
-    return _lone_file(path, files, dirs, (beside,) if beside else ())
+    configured = choice if choice is not None and framework.configures_model(files) else None
+    return _lone_file(path, files, dirs, (beside,) if beside else (), configured)
+
+
+def _chosen(path: str, files: list[str], choice: loaders.Choice,
+            parsed: dict[str, dict[str, object] | None]) -> Layout:
+    """The layout of the weights a framework's loader reads (``choice``)."""
+    assert choice.name is not None
+    # an index that names only the file read is that file (with the ties its metadata records)
+    same = next((n for n, index in parsed.items() if index and not choice.index
+                 and _only(index) == {choice.name}), None)
+    notes = tuple(loaders.notes(path, choice, [n for n in files if n != same]))
+    if not choice.index and same is None:
+        return Layout(FILE, path, path, file=os.path.join(path, choice.name), notes=notes)
+    if same is not None:
+        return Layout(HF, path, path, index=same, notes=notes)
+    if not parsed.get(choice.name):
+        raise CorruptCheckpointError(
+            f"{os.path.join(path, choice.name)} is not a shard index: no JSON object with a "
+            "\"weight_map\" of tensor names to shard files (damaged, cut short, or over "
+            f"{MAX_INDEX_BYTES >> 20} MiB)",
+            f"download or copy the index again ({choice.loader} reads it); to read one shard "
+            "alone, name it")
+    others = [n for n, index in parsed.items() if index and n != choice.name
+              and loaders.parse(n) is None]  # a framework's other indexes: roles, listed
+    if others:
+        notes += (f"{path} also holds {_names(others)}; read {choice.name}, as "
+                  f"{choice.loader} would (name an index to read another)",)
+    return Layout(HF, path, path, index=choice.name, notes=notes)
+
+
+def _only(index: dict[str, object]) -> set[object]:
+    """The files an index's weight_map names."""
+    weight_map = index.get("weight_map")
+    return set(weight_map.values()) if isinstance(weight_map, dict) else set()
+
+
+def _with_deepspeed(path: str, files: list[str], dirs: list[str], layout: Layout) -> Layout:
+    """``layout`` with a note naming the DeepSpeed checkpoint beside it (HF
+    Trainer's checkpoint-N/ with DeepSpeed's tag directory)."""
+    tag = _latest(path) if LATEST in files else None
+    if tag is None or tag not in dirs:
+        return layout
+    return replace(layout, notes=(
+        *layout.notes, f"{path} also holds a DeepSpeed checkpoint ({tag}/, named by "
+        "'latest'): its fp32 master weights are read by naming it: "
+        f"ckptool inspect {shell_word(os.path.join(path, tag))}"))
 
 
 def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | None, str]:
@@ -226,8 +272,11 @@ def _hf(path: str, indexes: list[str]) -> Layout:
     return Layout(HF, path, path, index=chosen, notes=notes)
 
 
-def _lone_file(path: str, files: list[str], dirs: list[str],
-               notes: tuple[str, ...] = ()) -> Layout:
+def _lone_file(path: str, files: list[str], dirs: list[str], notes: tuple[str, ...] = (),
+               choice: loaders.Choice | None = None) -> Layout:
+    """The one checkpoint file of ``path``: the one there is, or the one a
+    framework's loader reads (``choice``, where a config describes the
+    model), or one model beside a framework's other files."""
     data = [n for n in files if DATA_FILE.match(n)]
     if data:  # `cp src/* dst/` leaves .metadata behind; DCP writes it last
         raise CorruptCheckpointError(
@@ -239,6 +288,9 @@ def _lone_file(path: str, files: list[str], dirs: list[str],
     pieces = [n for n in found if HF_STORAGE_SHARD.match(n)]
     if pieces and len(pieces) == len(found):  # even one: its name says which of how many
         return Layout(HF_STORAGE, path, path, metadata=tuple(pieces))
+    if choice is not None and choice.name is not None:  # what from_pretrained reads
+        return Layout(FILE, path, path, file=os.path.join(path, choice.name),
+                      notes=notes + tuple(loaders.notes(path, choice, files)))
     model = framework.pick_model(found, framework.configures_model(files)) \
         if len(found) > 1 else None
     if model is not None:  # a Trainer's checkpoint-N/, accelerate's save_state folder
