@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import signal
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -1067,7 +1068,8 @@ def test_cli_reports_a_read_error_from_the_app(ran: Ran, monkeypatch: pytest.Mon
 
 
 @pytest.mark.parametrize(("keys", "code"), [(["q"], 0), (["ctrl+c"], 130),
-                                             (["slash", "a", "ctrl+c"], 130)])
+                                             (["slash", "a", "ctrl+c"], 130),
+                                             (["SIGINT"], 130)])
 def test_cli_exits_with_the_apps_return_code(monkeypatch: pytest.MonkeyPatch, keys: list[str],
                                              code: int) -> None:
     """``ckptool browse`` run in-process: the real app, headless, quit by a key."""
@@ -1077,7 +1079,10 @@ def test_cli_exits_with_the_apps_return_code(monkeypatch: pytest.MonkeyPatch, ke
         async def run() -> None:
             async with self.run_test(size=(80, 24)) as pilot:
                 await settle(self, pilot)
-                await pilot.press(*keys)
+                if keys == ["SIGINT"]:  # kill -INT from outside, not the key
+                    os.kill(os.getpid(), signal.SIGINT)
+                else:
+                    await pilot.press(*keys)
                 await until(pilot, lambda: self.return_code is not None, "the app to exit")
 
         asyncio.run(run())
@@ -1085,7 +1090,13 @@ def test_cli_exits_with_the_apps_return_code(monkeypatch: pytest.MonkeyPatch, ke
 
     monkeypatch.setattr(BrowseApp, "run", headless)
     monkeypatch.setattr("ckptool.cli.browse._is_terminal", lambda: True)
-    assert main(["browse", str(DP)]) == code
+    missed: list[int] = []  # a SIGINT the app did not take lands here, not in pytest
+    previous = signal.signal(signal.SIGINT, lambda *_: missed.append(1))
+    try:
+        assert main(["browse", str(DP)]) == code
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert not missed
 
 
 @pytest.mark.parametrize(("args", "code", "message"), [

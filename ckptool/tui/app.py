@@ -8,7 +8,10 @@ state (cursor, open modules, filter, sort).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
+import signal
 from typing import Any
 
 from rich.text import Text
@@ -95,6 +98,12 @@ class BrowseApp(LoadingApp):
         self.query_one(TensorTable).focus()
         self._layout(self.size.width)
         self.start_loading()
+        # a SIGINT from outside (kill -INT; the terminal's own Ctrl-C is a key
+        # here) quits as that key does; the loop wakes for it
+        # (none where the loop cannot take one: not the main thread, not Unix)
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGINT,
+                                                          self.action_interrupt)
 
     def on_resize(self, event: Resize) -> None:
         # the event's size: ``self.size`` is still the old one when it comes
