@@ -227,3 +227,22 @@ def test_fix_dialog_on_a_checkpoint_fix_cannot_rewrite(tmp_path: Path) -> None:
 
     drive(src, script)
     assert sorted(os.listdir(tmp_path)) == ["zero3"]
+
+
+def test_shards_opened_by_their_index_are_written_beside_the_directory(
+        shards: Path) -> None:
+    """Browsing ``DIR/model.safetensors.index.json``: the dialog's output is
+    ``DIR.fixed`` beside the directory, not a name inside the input."""
+    index = next(shards.glob("*.index.json"))
+    seen: list[str] = []
+
+    async def script(app: BrowseApp, pilot: Pilot) -> None:
+        await pilot.press("x")
+        screen: Any = app.screen
+        await until(pilot, lambda: screen.preview is not None, "the plan")
+        seen.append(screen.query_one("#fix-output").value)
+        seen.append(screen._output())
+
+    drive(index, script)
+    assert seen[0] == f"{shards.name}.fixed"
+    assert seen[1] == str(shards.parent / f"{shards.name}.fixed")

@@ -188,3 +188,15 @@ def test_in_place_keeps_the_rest_of_the_index_metadata(
     metadata = json.loads(path.read_text())["metadata"]
     assert metadata["format"] == "pt" and metadata["head.weight"] == "embed.weight"
     assert "module.head.weight" not in metadata
+
+
+def test_an_index_named_writes_its_directory_beside_it(
+        shards: dict[str, Path], run_cli: Callable[..., CliResult]) -> None:
+    """The default output of shards named by their index is a directory beside
+    the input's, never a directory inside it named after the index."""
+    folder = shards["st"]
+    index = next(folder.glob("*.index.json"))
+    code, _, err = run_cli("fix", str(index), "--add-prefix", "x.")
+    assert (code, err) == (0, "")
+    assert (folder.parent / f"{folder.name}.fixed").is_dir()
+    assert not [p for p in folder.iterdir() if ".fixed" in p.name]

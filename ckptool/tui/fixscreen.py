@@ -91,7 +91,9 @@ class FixScreen(ModalScreen[str | None]):
         self.path = previewer.ckpt.path
         self.many = previewer.ckpt.is_multifile  # a directory: written as a new one
         self.kind = "directory" if self.many else "file"  # of the output
-        self._where = os.path.normpath(self.path)  # a directory given as "dir/" too
+        # the input's name: a directory given as "dir/" too, or by its index file
+        self._where = os.path.normpath(previewer.ckpt.directory or self.path
+                                       if self.many else self.path)
         self.defaults = defaults
         # a file whose verdict is unsafe is written from only when salvaging
         self.flagged = bool(flagged(previewer.ckpt))

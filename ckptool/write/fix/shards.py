@@ -318,5 +318,8 @@ def _storages(written: Written, opts: FixOptions, plan: Plan) -> None:
 
 
 def default_output(path: str) -> str:
-    """``run/model`` -> ``run/model.fixed`` (a directory beside the input)."""
-    return os.path.normpath(path) + ".fixed"
+    """``run/model`` -> ``run/model.fixed`` (a directory beside the input);
+    its index named (``run/model/model.safetensors.index.json``), the same:
+    the output is a directory, never one inside the input."""
+    path = os.path.normpath(path)
+    return (os.path.dirname(path) if os.path.isfile(path) else path) + ".fixed"
