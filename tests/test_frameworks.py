@@ -17,11 +17,13 @@ import json
 import os
 import pickle
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import CliResult
 from safetensors import safe_open
 
 import ckptool
@@ -376,3 +378,16 @@ def test_a_hostile_config_shows_no_junk(tmp_path: Path) -> None:
     fw = ckptool.open(folder).framework
     assert fw is not None and fw.adapter == {"peft_type": "unknown",
                                              "target_modules": ["q_proj"]}
+
+
+def test_a_fixed_model_beside_an_accelerate_folders_model(
+        tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    """fix of an accelerate save_state folder writes model.fixed.safetensors in
+    it; the folder still reads as the model accelerate loads by name."""
+    folder = tmp_path / "state"
+    shutil.copytree(HERE / "accelerate_state", folder)
+    code, _, err = run_cli("fix", str(folder), "--dtype", "bf16", "-q")
+    assert (code, err) == (0, "") and (folder / "model.fixed.safetensors").exists()
+    ckpt = ckptool.open(folder)
+    assert ckpt.path == str(folder / "model.safetensors")
+    assert ckpt.framework is not None and ckpt.framework.kind == "accelerate"

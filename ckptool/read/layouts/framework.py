@@ -121,11 +121,14 @@ def pick_model(checkpoints: list[str], configured: bool = False) -> str | None:
     in a folder a framework's config describes (``configured``), the file
     it loads by name whatever else is there (``model.safetensors`` before
     ``pytorch_model.bin``, as transformers looks; a ``model.fixed.pth``
-    beside it is not read). None when that leaves no single answer."""
+    beside it is not read). A folder whose other files have a framework's
+    roles (accelerate's ``optimizer.bin``, ``random_states_0.pkl``) is one
+    too: its framework loads the model by name. None when that leaves no
+    single answer."""
     rest = [n for n in checkpoints if role_of(n) is None]
     if len(rest) == 1:
         return rest[0]
-    if not configured:
+    if not configured and len(rest) == len(checkpoints):
         return None
     choice = loaders.choose(rest)
     if choice is not None and choice.name is not None and not choice.index:
