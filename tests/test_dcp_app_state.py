@@ -163,3 +163,39 @@ def test_a_model_entry_without_an_optimizer_beside_stays_whole(tmp_path: Path) -
     ckpt = ckptool.open(tmp_path / "c")
     assert ckpt.metadata["state_dict_entry"] == "model"
     assert ckpt.main_state_dict is not None and ckpt.main_state_dict.num_tensors == 4
+
+
+class Wrapped(torch.nn.Module):
+    """The recipe's model under ``module`` (as DDP names it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = ToyModel()
+
+
+def test_a_fix_renames_inside_the_nested_entry(app_state: tuple[Path, ToyModel],
+                                               tmp_path: Path,
+                                               run_cli: Callable[..., CliResult]) -> None:
+    """fix --add-prefix of the recipe's checkpoint: the model's keys (and its
+    optimizer's, nested or flat) renamed inside ``app.model``, so the
+    AppState of the wrapped model loads it, moments and all."""
+    folder, model = app_state
+    out = tmp_path / "fixed"
+    code, _, err = run_cli("fix", str(folder), "--add-prefix", "module.", "-o", str(out))
+    assert (code, err) == (0, ""), err
+    ckpt = ckptool.open(out)
+    assert ckpt.metadata["state_dict_entry"] == "app.model"
+    assert sorted(ckpt.main_state_dict.keys) == sorted(  # type: ignore[union-attr]
+        f"app.model.module.{k}" for k in model.state_dict())
+    flat = any("param_groups." in str(p[-1]) for p in (ckpt.tree_paths or {}).values())
+    fresh = Wrapped()
+    optimizer = torch.optim.Adam(fresh.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load({"app": AppState(fresh, optimizer, flat)}, checkpoint_id=out, no_dist=True)
+    want = trained()[1]
+    for p, q in zip(fresh.module.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for p, q in zip(fresh.parameters(), [p for g in want.param_groups for p in g["params"]],
+                    strict=True):
+        assert torch.equal(optimizer.state[p]["exp_avg"], want.state[q]["exp_avg"])

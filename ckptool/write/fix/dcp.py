@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import UsageError
@@ -139,16 +138,19 @@ def _rename(source: Checkpoint, written: Written, opts: FixOptions, plan: Plan) 
     if opts.strip_module and not wrapper:
         plan.notes.append("--strip-module: no module./_orig_mod./model. prefix found")
     written.tensors = {names.get(n, n): t for n, t in written.tensors.items()}
+    # the path of the entry the model was saved under: ("model",), or
+    # ("app", "model") for the DCP recipe's AppState
+    entry_path = next((written.paths[k][:-1] for k in inner if k in written.paths), ())
     paths = {}
     for n, p in written.paths.items():
         new = names.get(n, n)
         if new != n:  # the entry stays; the name inside it is the new one
-            p = (p[0], new[len(head):]) if head and p[0] == entry else (new,)
+            p = (*entry_path, new[len(head):]) if head else (new,)
         paths[new] = p
     written.paths = paths
     moved = {name: rename(name) for name in inner.values() if rename(name) != name}
     _rename_optimizers(written, moved, set(inner.values()), plan)
-    _rename_flat_optimizers(written, moved, set(inner.values()), entry, plan)
+    _rename_flat_optimizers(written, moved, set(inner.values()), entry_path, plan)
 
 
 def _rename_optimizers(written: Written, moved: dict[str, str], params: set[str],
@@ -211,7 +213,7 @@ FLAT_KINDS = ("state", "param_groups")
 
 
 def _rename_flat_optimizers(written: Written, moved: dict[str, str], params: set[str],
-                            entry: Any, plan: Plan) -> None:
+                            entry_path: tuple[str | int, ...], plan: Plan) -> None:
     """The same for an optimizer state saved flat (``get_state_dict`` with
     ``flatten_optimizer_state_dict=True``, torchtitan's default): one key per
     value under its entry, ``state.NAME.exp_avg`` and
@@ -219,16 +221,16 @@ def _rename_flat_optimizers(written: Written, moved: dict[str, str], params: set
     the longest of the model's names the key starts with)."""
     renamed: dict[str, tuple[str | int, ...]] = {}
     for fqn, p in written.paths.items():
-        if len(p) != 2 or p[0] == entry or not isinstance(p[1], str):
+        if len(p) < 2 or p[:-1] == entry_path or not isinstance(p[-1], str):
             continue
-        kind, _, rest = p[1].partition(".")
+        kind, _, rest = p[-1].partition(".")
         if kind not in FLAT_KINDS:
             continue
         parts = rest.split(".")
         name = next((n for n in (".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1))
                      if n in params), None)
         if name is not None and name in moved:
-            renamed[fqn] = (p[0], f"{kind}.{moved[name]}{rest[len(name):]}")
+            renamed[fqn] = (*p[:-1], f"{kind}.{moved[name]}{rest[len(name):]}")
     if not renamed:
         return
     names = {fqn: _dotted(p) for fqn, p in renamed.items()}
