@@ -176,17 +176,7 @@ def _rename_optimizers(written: Written, moved: dict[str, str], params: set[str]
             elif name not in params:
                 others.setdefault(_dotted(p[:i]), set()).add(name)
             break
-    names = {fqn: _dotted(p) for fqn, p in renamed.items()}
-    clash = set(names.values()) & (set(written.paths) - set(names))
-    if clash:
-        raise UsageError(f"two keys of the optimizer state would both become "
-                         f"{sorted(clash)[0]!r}", "check the prefixes and --rename patterns")
-    for held in (written.tensors, written.entries):
-        for fqn in [f for f in held if f in names]:
-            held[names[fqn]] = held.pop(fqn)
-            if held is written.tensors:
-                plan.renames.append((fqn, names[fqn]))
-    written.paths = {names.get(f, f): renamed.get(f, p) for f, p in written.paths.items()}
+    _move(written, renamed, plan)
     groups = 0
     for fqn, p in written.paths.items():
         value = written.entries.get(fqn)
@@ -233,21 +223,28 @@ def _rename_flat_optimizers(written: Written, moved: dict[str, str], params: set
             renamed[fqn] = (*p[:-1], f"{kind}.{moved[name]}{rest[len(name):]}")
     if not renamed:
         return
+    values = sum(1 for f in renamed if f in written.entries)
+    _move(written, renamed, plan)
+    plan.notes.append(f"the optimizer state, saved flat, follows the model's keys: "
+                      f"{plural(len(renamed), 'key')} renamed as well ({values} of its "
+                      "param_groups' values)")
+
+
+def _move(written: Written, renamed: dict[str, tuple[str | int, ...]], plan: Plan) -> None:
+    """Give the optimizer state's keys in ``renamed`` (old key -> new path)
+    their new names, tensors and values alike; two keys that would become one
+    are refused."""
     names = {fqn: _dotted(p) for fqn, p in renamed.items()}
     clash = set(names.values()) & (set(written.paths) - set(names))
     if clash:
         raise UsageError(f"two keys of the optimizer state would both become "
                          f"{sorted(clash)[0]!r}", "check the prefixes and --rename patterns")
-    values = sum(1 for f in renamed if f in written.entries)
     for held in (written.tensors, written.entries):
         for fqn in [f for f in held if f in names]:
             held[names[fqn]] = held.pop(fqn)
             if held is written.tensors:
                 plan.renames.append((fqn, names[fqn]))
     written.paths = {names.get(f, f): renamed.get(f, p) for f, p in written.paths.items()}
-    plan.notes.append(f"the optimizer state, saved flat, follows the model's keys: "
-                      f"{plural(len(renamed), 'key')} renamed as well ({values} of its "
-                      "param_groups' values)")
 
 
 def _dotted(path: tuple[str | int, ...]) -> str:
