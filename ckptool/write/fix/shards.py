@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ckptool.describe import shell_quote, shell_word
-from ckptool.errors import InputError, UsageError
+from ckptool.errors import InputError, UnsupportedCheckpointError, UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
 from ckptool.read import ties
@@ -78,6 +78,8 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
         return done
     kind = "hf" if source.format == HF_SAFETENSORS else "hf-bin"
     check_consistent(opts)
+    if in_place:
+        _refuse_nested(source)
     if opts.extract is not None:
         raise UsageError(f"{path} is a state dict already: --extract has nothing to take out",
                          "leave --extract out")
@@ -222,6 +224,19 @@ def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan
         plan.notes.append(f"{linked[0]}{more}: each is now a file of its own, and the files "
                           "they shared are untouched")
     return done + len(text), metadata_only
+
+
+def _refuse_nested(source: Checkpoint) -> None:
+    """An in-place fix changes only files of the directory itself (its journal
+    names no other): an index naming a shard elsewhere is refused, before
+    anything is written."""
+    for f in source.files:
+        name = f.path
+        if f.role == "shard" and ("/" in name or os.sep in name or name.startswith(".")):
+            raise UnsupportedCheckpointError(
+                f"{source.path}: its index names shard {name!r:.80}, which is not a file of "
+                "the directory itself: --in-place fixes only shards beside their index",
+                f"write a fixed copy instead: ckptool fix {shell_word(source.path)} -o DIR")
 
 
 def command(opts: FixOptions) -> str:
