@@ -221,3 +221,16 @@ def test_tallies_count_blank_devices_as_unrecorded() -> None:
     assert ckpt.tensors_by_location == {NO_LOCATION: 2, "cpu": 1, "cuda:0": 1}
     assert ckpt.bytes_by_dtype == {"int8": 16, "float32": 10, "float16": 4}
     assert ckpt.total_bytes == 30
+
+
+@pytest.mark.parametrize("args", [["inspect", str(SAMPLES / "lightning.ckpt")],
+                                  ["inspect", "--json", str(SAMPLES / "lightning.ckpt")]])
+def test_a_reader_that_goes_away_is_no_error(args: list[str]) -> None:
+    """`ckptool inspect x | head`: the reader closed the pipe before the
+    report was written; exit 0 and nothing on stderr, text or JSON."""
+    proc = subprocess.Popen([sys.executable, "-m", "ckptool", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, cwd=SAMPLES.parent)
+    assert proc.stdout is not None and proc.stderr is not None
+    proc.stdout.close()  # gone before a byte is written
+    err = proc.stderr.read()
+    assert (proc.wait(timeout=60), err) == (0, b"")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import sys
 import time
@@ -90,7 +91,20 @@ class Encoded(list[str]):
 def write_json(data: dict[str, Any]) -> None:
     from ckptool.cli.inputs import unspool
 
-    sys.stdout.write(unspool(dumps(data)))
+    try:
+        sys.stdout.write(unspool(dumps(data)))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        reader_gone()
+
+
+def reader_gone() -> None:
+    """`ckptool ... | head`: the reader of the output went away, which is no
+    error (click's own handling exits 1): stdout to devnull, so that nothing
+    written after it fails again, and exit 0."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    raise click.exceptions.Exit(0)
 
 
 def console() -> Any:
@@ -123,6 +137,10 @@ def console() -> Any:
                 return text
             # into a pipe or a file: no padding after the last cell of a line
             return "\n".join(line.rstrip(" ") for line in text.split("\n"))
+
+        def on_broken_pipe(self) -> None:  # rich's own exits 1
+            self.quiet = True
+            reader_gone()
 
     return Faithful(highlight=False, markup=False, emoji=False)
 
