@@ -11,10 +11,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import CliResult
-from test_fix_in_place_dir import ARGS, make_shards
+from test_fix_in_place_dir import ARGS, contents, make_shards, spawn
+
+from ckptool.read.layouts import journal
 
 hub = pytest.importorskip("huggingface_hub")
+ROLLED_BACK = "ckptool: note: rolled back an interrupted fix of {} (ckptool fix --add-prefix x. " \
+              "--in-place): it is as it was"
 
 
 # --- D4: shards in a subfolder ------------------------------------------------
@@ -41,3 +46,50 @@ def test_in_place_refuses_shards_outside_the_directory(
     assert {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()} == before
     assert sorted(os.listdir(folder / "sub")) == sorted(
         p.name for p in before if p.parent.name == "sub")  # no .partial left there
+
+
+# --- D1: a single-file fix inside a directory holding a journal ----------------
+
+def crashed(folder: Path, kind: str, step: str) -> list[str]:
+    names = make_shards(folder, kind)
+    assert spawn(folder, step).wait(timeout=60) == 137
+    assert journal.JOURNAL in os.listdir(folder)
+    return names
+
+
+def test_a_single_file_fix_settles_its_directorys_journal_first(
+        tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    """The reviewer's case: the rename of one shard was undone by the next
+    command on the directory, which rolled back the crashed fix under it."""
+    folder = tmp_path / "shards"
+    names = crashed(folder, "bin", "prepared")
+    shard = folder / names[0]
+    key = next(iter(torch.load(shard, weights_only=True)))
+    code, _, err = run_cli("fix", str(shard), "--rename", f"{key}=renamed.w", "--in-place",
+                           "-q")
+    assert code == 0, err
+    assert err.splitlines() == [ROLLED_BACK.format(folder)]
+    assert journal.JOURNAL not in os.listdir(folder)
+    assert "renamed.w" in torch.load(shard, weights_only=True)
+    code, _, err = run_cli("inspect", str(folder))  # nothing left to settle: the rename stays
+    assert "interrupted fix" not in err
+    assert "renamed.w" in torch.load(shard, weights_only=True)
+
+
+@pytest.mark.parametrize("step", ["prepared", "journal-written"])
+def test_a_shard_changed_after_the_crash_is_not_cut(
+        tmp_path: Path, step: str, run_cli: Callable[..., CliResult]) -> None:
+    """Something else appended to a shard after the crash (its end is no
+    longer the copy of the old end the fix wrote): settling refuses, and
+    says why, rather than cut what was appended."""
+    folder = tmp_path / "shards"
+    names = crashed(folder, "bin", step)
+    shard = folder / names[0]
+    with open(shard, "ab") as f:
+        f.write(b"\0" * 100)
+    before = contents(folder)
+    code, _, err = run_cli("inspect", str(folder))
+    assert code == 3, err
+    assert f"{shard} is not what the in-place fix cut short left there" in err
+    assert "something else appended to it" in err
+    assert contents(folder) == before

@@ -190,7 +190,7 @@ def _check_writable(directory: str, record: Record) -> None:
 def roll_forward(directory: str, record: Record) -> int:
     """Phase commit: make the changes not made yet (every one checked first),
     then remove the journal. Returns how many were made."""
-    todo = [s for s in record.steps if _to_make(directory, s)]
+    todo = [s for s in record.steps if _to_make(directory, s, record)]
     if todo:  # (each in an index: the index is replaced last, so until every step is made)
         _named(directory, record, [s.name for s in todo], record.steps[-1].temp)
     for step in todo:
@@ -199,7 +199,7 @@ def roll_forward(directory: str, record: Record) -> int:
             try:
                 os.replace(os.path.join(directory, step.temp), target)
             except FileNotFoundError:
-                if _to_make(directory, step):  # (not made since by another process)
+                if _to_make(directory, step, record):  # (not made since by another process)
                     raise
         else:
             with open(target, "r+b") as f:
@@ -259,7 +259,7 @@ def _close(directory: str, record: Record) -> None:
     _fsync_dir(directory)
 
 
-def _to_make(directory: str, step: Step) -> bool:
+def _to_make(directory: str, step: Step, record: Record) -> bool:
     """Whether ``step`` is still to make (False: made); a file found as
     neither the journal's before nor its after is an error."""
     target = os.path.join(directory, step.name)
@@ -275,7 +275,11 @@ def _to_make(directory: str, step: Step) -> bool:
             return False
     elif st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and \
             st.st_size >= step.size and crc_of(target, step.start, step.size) == step.crc:
-        return st.st_size > step.size
+        if st.st_size == step.size:
+            return False
+        if _ends_as_left(target, st.st_size, [g for g in record.grown if g.name == step.name]):
+            return True
+        raise _changed(directory, target, "finish the fix", _APPENDED)
     raise _changed(directory, target, "finish the fix")
 
 
@@ -286,14 +290,32 @@ def _to_cut(directory: str, g: Grown) -> bool:
         return False  # never appended to, or cut already
     if st is not None and stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and \
             st.st_size > g.size and crc_of(path, g.start, g.size) == g.crc:
-        return True
+        if _ends_as_left(path, st.st_size, [g]):
+            return True
+        raise _changed(directory, path, "roll the fix back", _APPENDED)
     raise _changed(directory, path, "roll the fix back")
 
 
-def _changed(directory: str, path: str, what: str) -> CorruptCheckpointError:
+_END = 22  # a zip's end record: the copy of the old one ends whatever the fix appended
+_APPENDED = (" (it no longer ends with the copy of its old end that the fix wrote: "
+             "something else appended to it)")
+
+
+def _ends_as_left(path: str, size: int, before: list[Grown]) -> bool:
+    """Whether the shard at ``path`` (``size`` bytes now), appended to since
+    it was ``before``, still ends as the fix left it: with a copy of its old
+    last bytes (its end record), which a later change of the file replaces."""
+    if not before:
+        return False
+    n = min(_END, before[0].size)
+    with open(path, "rb") as f:
+        return os.pread(f.fileno(), n, size - n) == os.pread(f.fileno(), n, before[0].size - n)
+
+
+def _changed(directory: str, path: str, what: str, why: str = "") -> CorruptCheckpointError:
     return CorruptCheckpointError(
         f"{path} is not what the in-place fix cut short left there (journal "
-        f"{os.path.join(directory, JOURNAL)}): it was changed since, and ckptool cannot "
+        f"{os.path.join(directory, JOURNAL)}): it was changed since{why}, and ckptool cannot "
         f"{what}; it changed nothing", bad_hint(directory))
 
 

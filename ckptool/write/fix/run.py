@@ -41,7 +41,7 @@ from ckptool.read.formats import torch_legacy as legacy_reader
 from ckptool.read.formats import torch_zip as zip_reader
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_zip import TORCH_ZIP
-from ckptool.read.layouts import recognise
+from ckptool.read.layouts import journal, recognise
 from ckptool.read.layouts.journal import Pending, Step
 from ckptool.read.reader import assemble, open_checkpoint
 from ckptool.read.resolve import faithful
@@ -148,6 +148,10 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     given = src
     if layout is not None and layout.file is not None:
         src = layout.file  # a directory holding one checkpoint file is that file
+    if in_place and pending is None and not dry_run:
+        # a fix of its directory that a crash cut short is settled first (and said):
+        # its journal would otherwise undo this change, or redo its own over it
+        journal.settle(os.path.dirname(os.path.abspath(src)))
     target = src if in_place else (output or default_output(src))
     if pending is not None:  # made by the directory's journal: a new file beside src
         target = os.path.join(os.path.dirname(src), pending.temp)
