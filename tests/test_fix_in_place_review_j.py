@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import CliResult
-from test_fix_in_place_dir import ARGS, contents, make_shards, spawn
+from test_fix_in_place_dir import (
+    ARGS,
+    contents,
+    interrupt_at,
+    keys_of,
+    make_shards,
+    send_sigint,
+    spawn,
+)
 
 from ckptool.read.layouts import journal
 
@@ -39,7 +47,7 @@ def test_in_place_refuses_shards_outside_the_directory(
     before = {p: p.read_bytes() for p in folder.rglob("*") if p.is_file()}
     code, _, err = run_cli("fix", str(folder), *ARGS)
     assert code == 3, err
-    lines = err.splitlines()
+    lines = err.strip().splitlines()
     assert lines[0].startswith(f"ckptool: error: {folder}: its index names shard 'sub/"), err
     assert "not a file of the directory itself" in lines[0]
     assert lines[1] == f"hint: write a fixed copy instead: ckptool fix {folder} -o DIR"
@@ -93,3 +101,30 @@ def test_a_shard_changed_after_the_crash_is_not_cut(
     assert f"{shard} is not what the in-place fix cut short left there" in err
     assert "something else appended to it" in err
     assert contents(folder) == before
+
+
+# --- D2: a Ctrl-C while fix finishes its own earlier crash --------------------
+
+@pytest.mark.parametrize("same", [True, False], ids=["same_fix", "another_fix"])
+def test_a_ctrl_c_after_fix_finished_its_own_crash_never_says_run_it_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, same: bool,
+        run_cli: Callable[..., CliResult]) -> None:
+    folder = tmp_path / "shards"
+    crashed(folder, "st", "journal-written")
+    interrupt_at(monkeypatch, "renaming", send_sigint)
+    args = ARGS if same else ["--add-prefix", "y.", "--in-place", "-q"]
+    code, _, err = run_cli("fix", str(folder), *args)
+    assert code == 130
+    lines = err.strip().splitlines()
+    head = f"ckptool: error: interrupted: finished an interrupted fix of {folder} (ckptool " \
+           "fix --add-prefix x. --in-place): "
+    if same:
+        assert lines == [head + f"it was this same fix, so {folder} is fixed",
+                         "hint: there is nothing more to do: do not run this fix again (it "
+                         f"would apply it twice); ckptool inspect {folder} shows what it holds"]
+    else:
+        assert lines == [head + f"{folder} is fixed as that fix asked; this fix was not applied",
+                         f"hint: see what it holds now: ckptool inspect {folder}; then run this "
+                         "command again if it is still wanted"]
+    monkeypatch.undo()
+    assert keys_of(run_cli, folder) == ("after", [])  # x. once, never y.

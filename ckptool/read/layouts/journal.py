@@ -69,9 +69,9 @@ from ckptool.read.layouts.journal_format import (
 )
 
 __all__ = ["COMMIT", "CRASH_ENV", "JOURNAL", "PREPARE", "Grown", "InterruptedFixNote", "Pending",
-           "Record", "Settled", "Step", "alive", "crash_point", "grown", "holder",
-           "is_temporary", "left_as_is", "load", "new_temp", "remove_leftovers", "roll_back",
-           "roll_forward", "settle"]
+           "Record", "SettleInterrupted", "Settled", "Step", "alive", "crash_point", "grown",
+           "holder", "is_temporary", "left_as_is", "load", "new_temp", "remove_leftovers",
+           "roll_back", "roll_forward", "settle"]
 _AS_IS: ContextVar[bool] = ContextVar("ckptool_journal_as_is", default=False)
 
 
@@ -101,6 +101,17 @@ class Settled:
             return f"{self.done}: it is as it was"
         return (f"{self.done}: {self.directory} is fixed; running that fix again would "
                 "apply it twice")
+
+
+class SettleInterrupted(Interrupted):
+    """A Ctrl-C while a command settled ``settled``: it was settled, and the
+    command did nothing else (a fix of the directory says whether running it
+    again would apply it twice)."""
+
+    def __init__(self, settled: Settled) -> None:
+        super().__init__(f"interrupted: {settled.note}",
+                         "nothing else was done; run the command again")
+        self.settled = settled
 
 
 def remove_leftovers(directory: str, locks: bool) -> None:
@@ -161,8 +172,7 @@ def settle(directory: str, say: bool = True) -> Settled | None:
             f"{shell_word(directory)}); its journal is {JOURNAL}") from exc
     done = Settled(directory, record.options, record.command, record.phase == PREPARE)
     if held:
-        raise Interrupted(f"interrupted: {done.note}", "nothing else was done; run the "
-                          "command again")
+        raise SettleInterrupted(done)
     if say:
         warnings.warn(InterruptedFixNote(done.note), stacklevel=2)
     return done

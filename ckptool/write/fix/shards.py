@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 from ckptool.describe import shell_quote, shell_word
-from ckptool.errors import InputError, UnsupportedCheckpointError, UsageError
+from ckptool.errors import InputError, Interrupted, UnsupportedCheckpointError, UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
 from ckptool.read import ties
@@ -146,7 +146,21 @@ def resume(directory: str, opts: FixOptions, in_place: bool) -> tuple[str, bool]
     fix (asked again: it is done, and is not made twice). A rolled back fix
     is no fix; another one finished refuses this one: it would apply on top
     of that one unseen."""
-    done = journal.settle(directory, say=False)  # (said here, as this fix sees it)
+    try:
+        done = journal.settle(directory, say=False)  # (said here, as this fix sees it)
+    except journal.SettleInterrupted as exc:  # (a Ctrl-C: settled, and nothing else done)
+        finished = exc.settled
+        if finished.rolled_back or not in_place:
+            raise
+        if finished.options == repr(opts):
+            raise Interrupted(
+                f"interrupted: {finished.done}: it was this same fix, so {directory} is "
+                "fixed", "there is nothing more to do: do not run this fix again (it would "
+                f"apply it twice); ckptool inspect {shell_word(directory)} shows what it "
+                "holds") from None
+        raise Interrupted(f"interrupted: {finished.done}: {directory} is fixed as that fix "
+                          "asked; this fix was not applied", _ANOTHER.format(
+                              shell_word(directory))) from None
     if done is None:
         return None
     if done.rolled_back:
@@ -158,9 +172,11 @@ def resume(directory: str, opts: FixOptions, in_place: bool) -> tuple[str, bool]
         warnings.warn(journal.InterruptedFixNote(note), stacklevel=2)
         return note, True
     raise InputError(f"{done.done}: {directory} is fixed as that fix asked; this fix was "
-                     "not applied on top of it",
-                     f"see what it holds now: ckptool inspect {shell_word(directory)}; "
-                     "then run this command again if it is still wanted")
+                     "not applied on top of it", _ANOTHER.format(shell_word(directory)))
+
+
+_ANOTHER = "see what it holds now: ckptool inspect {}; then run this command again if it " \
+           "is still wanted"
 
 
 def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan,
