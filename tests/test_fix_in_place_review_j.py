@@ -5,10 +5,13 @@ while a fix commits."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -21,8 +24,10 @@ from test_fix_in_place_dir import (
     make_shards,
     send_sigint,
     spawn,
+    state_dict,
 )
 
+from ckptool.errors import InputError
 from ckptool.read.layouts import journal
 
 hub = pytest.importorskip("huggingface_hub")
@@ -128,3 +133,55 @@ def test_a_ctrl_c_after_fix_finished_its_own_crash_never_says_run_it_again(
                          "command again if it is still wanted"]
     monkeypatch.undo()
     assert keys_of(run_cli, folder) == ("after", [])  # x. once, never y.
+
+
+# --- D3: readers wait for a writer that holds the directory -------------------
+
+def test_a_reader_waits_for_a_writer_that_holds_the_directory_without_a_journal(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer holds the lock from before it reads (no journal yet): a
+    reader that starts then waits until it lets go, and after ``WAIT``
+    seconds is refused, saying who holds it."""
+    import ckptool
+    from ckptool.read.layouts import dirlock
+
+    folder = tmp_path / "shards"
+    make_shards(folder, "st")
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # (another open file: flock conflicts, as across processes)
+    got: list[Any] = []
+    reader = threading.Thread(target=lambda: got.append(len(ckptool.open(str(folder)).tensors)))
+    reader.start()
+    reader.join(0.5)
+    assert reader.is_alive() and got == []  # waiting
+    os.close(fd)
+    reader.join(10)
+    assert got == [len(state_dict())]
+    monkeypatch.setattr(dirlock, "WAIT", 0.3)
+    fd = os.open(folder, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        with pytest.raises(InputError, match="is being fixed in place by another ckptool"):
+            ckptool.open(str(folder))
+    finally:
+        os.close(fd)
+
+
+def test_readers_share_the_lock_and_a_fix_reads_under_its_own(
+        tmp_path: Path, run_cli: Callable[..., CliResult]) -> None:
+    """Two readers at once do not wait for each other, and the fix's own
+    read of the directory (its lock held) does not wait for itself."""
+    import ckptool
+    from ckptool.read.layouts import dirlock
+
+    folder = tmp_path / "shards"
+    names = make_shards(folder, "st")
+    with dirlock.shared(str(folder), lambda: "test"):
+        other = threading.Thread(target=lambda: ckptool.open(str(folder)))
+        other.start()
+        other.join(3)
+        assert not other.is_alive()  # (a shared lock does not keep out a reader)
+    code, _, err = run_cli("fix", str(folder), *ARGS)
+    assert code == 0, err
+    assert sorted(os.listdir(folder)) == names
+    assert keys_of(run_cli, folder) == ("after", [])

@@ -4,7 +4,8 @@ An in-place fix of a directory (``ckptool.write.fix.shards``) holds an
 exclusive ``flock`` on the directory itself from before it changes anything
 until its journal is gone; a command that finds a journal takes the same
 lock before it finishes or rolls back the fix the journal names
-(``ckptool.read.layouts.journal``). So two fixes of one directory never
+(``ckptool.read.layouts.journal``), and a reader of its index and shards
+holds it shared (``shared``). So two fixes of one directory never
 interleave, and a reader never races a live writer: it waits for it
 (``WAIT`` seconds at most, then says who holds the directory), and looks at
 the journal again once it has the lock. A lock is the process's: it goes
@@ -55,15 +56,44 @@ def locked(directory: str, holder: Callable[[], str]) -> Iterator[bool]:
         os.close(fd)  # (which releases the lock)
 
 
-def _lock(fd: int, directory: str, holder: Callable[[], str]) -> bool:
+@contextlib.contextmanager
+def shared(directory: str, holder: Callable[[], str]) -> Iterator[bool]:
+    """Around a read of the directory (its index and its shards' headers):
+    a shared lock, so that it never reads while a fix commits (it waits for
+    one as ``locked`` does). Within a thread that holds the directory's
+    lock already (a fix reading what it fixes, a nested read) it takes
+    none: a second ``flock`` of the process's own would wait for itself.
+    Yields whether the filesystem locks it."""
+    key = (threading.get_ident(), os.path.realpath(directory))
+    if key in _held:
+        yield _held[key]
+        return
+    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
+    try:
+        _held[key] = _lock(fd, directory, holder, exclusive=False)
+        try:
+            yield _held[key]
+        finally:
+            del _held[key]
+    finally:
+        os.close(fd)
+
+
+def is_held(directory: str) -> bool:
+    """Whether this thread holds the directory's lock (shared or not)."""
+    return (threading.get_ident(), os.path.realpath(directory)) in _held
+
+
+def _lock(fd: int, directory: str, holder: Callable[[], str], exclusive: bool = True) -> bool:
     try:
         import fcntl
     except ImportError:  # a system without flock
         return False
     deadline = time.monotonic() + WAIT
+    mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
     while True:
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
             return True
         except OSError as exc:
             if exc.errno not in _BUSY:

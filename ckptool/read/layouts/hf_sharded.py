@@ -24,12 +24,12 @@ import os
 from typing import Any
 
 from ckptool.describe import human_bytes, plural
-from ckptool.errors import CorruptCheckpointError
+from ckptool.errors import CorruptCheckpointError, InputError
 from ckptool.model import FileInfo
 from ckptool.read import dispatch
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.layouts import journal
+from ckptool.read.layouts import dirlock, journal
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, file_size, member
 from ckptool.read.layouts.recognise import Layout
 from ckptool.read.seen import GlobalsSeen
@@ -42,8 +42,24 @@ INDEX_HINT = ("the index is not what huggingface_hub or transformers write: an o
 
 
 def read(layout: Layout) -> MultiRead:
+    """The checkpoint the index and its shards hold; an interrupted in-place
+    fix is settled first, and they are read under the directory's shared
+    lock (``dirlock.shared``): never while a fix commits."""
+    directory = layout.directory
+    if dirlock.is_held(directory):  # this thread's own fix, reading what it fixes
+        return _read(layout, journal.settle(directory))
+    settled = None
+    for _ in range(3):  # (a fix killed while this waited for its lock left its journal)
+        settled = journal.settle(directory) or settled
+        with dirlock.shared(directory, lambda: journal.holder(directory)):
+            if not os.path.lexists(os.path.join(directory, journal.JOURNAL)):
+                return _read(layout, settled)
+    raise InputError(f"{directory} keeps being fixed in place by {journal.holder(directory)}",
+                     "wait for it to finish, then run this command again")
+
+
+def _read(layout: Layout, settled: journal.Settled | None) -> MultiRead:
     assert layout.index is not None
-    settled = journal.settle(layout.directory)
     index_path = os.path.join(layout.directory, layout.index)
     index = _load_index(index_path, layout.index)
     weight_map: dict[str, str] = index["weight_map"]
