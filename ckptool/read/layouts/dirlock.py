@@ -41,19 +41,8 @@ def locked(directory: str, holder: Callable[[], str]) -> Iterator[bool]:
     Yields whether the filesystem locks it. Waits ``WAIT`` seconds for
     another process's, then raises an ``InputError`` naming ``holder()``
     (what that process is, as far as the caller knows)."""
-    key = (threading.get_ident(), os.path.realpath(directory))
-    if key in _held:
-        yield _held[key]
-        return
-    fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
-    try:
-        _held[key] = _lock(fd, directory, holder)
-        try:
-            yield _held[key]
-        finally:
-            del _held[key]
-    finally:
-        os.close(fd)  # (which releases the lock)
+    with _flock(directory, holder, exclusive=True) as held:
+        yield held
 
 
 @contextlib.contextmanager
@@ -64,19 +53,25 @@ def shared(directory: str, holder: Callable[[], str]) -> Iterator[bool]:
     lock already (a fix reading what it fixes, a nested read) it takes
     none: a second ``flock`` of the process's own would wait for itself.
     Yields whether the filesystem locks it."""
+    with _flock(directory, holder, exclusive=False) as held:
+        yield held
+
+
+@contextlib.contextmanager
+def _flock(directory: str, holder: Callable[[], str], exclusive: bool) -> Iterator[bool]:
     key = (threading.get_ident(), os.path.realpath(directory))
     if key in _held:
         yield _held[key]
         return
     fd = os.open(directory, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | os.O_CLOEXEC)
     try:
-        _held[key] = _lock(fd, directory, holder, exclusive=False)
+        _held[key] = _lock(fd, directory, holder, exclusive=exclusive)
         try:
             yield _held[key]
         finally:
             del _held[key]
     finally:
-        os.close(fd)
+        os.close(fd)  # (which releases the lock)
 
 
 def is_held(directory: str) -> bool:
