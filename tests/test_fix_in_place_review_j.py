@@ -185,3 +185,14 @@ def test_readers_share_the_lock_and_a_fix_reads_under_its_own(
     assert code == 0, err
     assert sorted(os.listdir(folder)) == names
     assert keys_of(run_cli, folder) == ("after", [])
+
+
+def test_a_cut_never_follows_a_link(tmp_path: Path) -> None:
+    """A link swapped in for a shard after the journal was checked: the cut
+    fails on the link; the file behind it keeps every byte."""
+    target = tmp_path / "elsewhere.bin"
+    target.write_bytes(b"x" * 100)
+    (tmp_path / "shard.bin").symlink_to(target)
+    with pytest.raises(OSError):
+        journal._cut(str(tmp_path / "shard.bin"), 10)
+    assert target.read_bytes() == b"x" * 100

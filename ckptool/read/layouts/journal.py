@@ -212,9 +212,7 @@ def roll_forward(directory: str, record: Record) -> int:
                 if _to_make(directory, step, record):  # (not made since by another process)
                     raise
         else:
-            with open(target, "r+b") as f:
-                os.ftruncate(f.fileno(), step.size)
-                os.fsync(f.fileno())
+            _cut(target, step.size)
         crash_point("renaming")
     _fsync_dir(directory)
     crash_point("renamed")
@@ -228,10 +226,19 @@ def roll_back(directory: str, record: Record) -> None:
     cut = [g for g in record.grown if _to_cut(directory, g)]
     _named(directory, record, [g.name for g in cut], "")
     for g in cut:
-        with open(os.path.join(directory, g.name), "r+b") as f:
-            os.ftruncate(f.fileno(), g.size)
-            os.fsync(f.fileno())
+        _cut(os.path.join(directory, g.name), g.size)
     _close(directory, record)
+
+
+def _cut(path: str, size: int) -> None:
+    """Cut ``path`` to ``size`` bytes, durably; never through a link swapped
+    in since it was checked (O_NOFOLLOW: that open fails instead)."""
+    fd = os.open(path, os.O_WRONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC)
+    try:
+        os.ftruncate(fd, size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _named(directory: str, record: Record, names: list[str], new_index: str) -> None:
