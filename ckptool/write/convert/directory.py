@@ -47,7 +47,6 @@ from ckptool.write import shards
 from ckptool.write.convert import plan as convert_plan
 from ckptool.write.convert.files import write_safetensors, write_torch
 from ckptool.write.convert.plan import TORCH, WHOLE, Written
-from ckptool.write.failures import is_output_error, output_error
 from ckptool.write.outdir import AtomicDirectory
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
@@ -266,9 +265,9 @@ def _failure(exc: BaseException, outdir: AtomicDirectory) -> BaseException:
             return cause
     for cause in causes:
         if isinstance(cause, OSError):
-            if is_output_error(cause, (outdir.target, outdir.path)):
-                return output_error(outdir.target, cause)
-            return cause  # a read of another file: said as any refused read is
+            # the output's (the disk filled...) is named by the AtomicDirectory
+            # it is raised through; a read of another file is said as any is
+            return cause
     said = (str(first).strip().splitlines() or [type(first).__name__])[0]
     return OutputError(f"cannot write {outdir.target}: torch's DCP writer failed: {said}",
                        "this is likely a bug; `ckptool --traceback ...` shows where "
