@@ -95,17 +95,6 @@ def shell_quote(text: str) -> str:
     return "$'" + "".join(out) + "'"
 
 
-def printable(text: str) -> str:
-    """``text`` safe to print on a terminal: each character that is not
-    printable (a control code, or the surrogate ``os.fsdecode`` makes of a
-    byte that is not UTF-8) as ``\\xHH`` escapes of the bytes it stands for,
-    as ``shell_quote`` writes them inside ``$'...'``."""
-    if text.isprintable():
-        return text
-    return "".join(c if c.isprintable() else "".join(f"\\x{b:02x}" for b in _raw_bytes(c))
-                   for c in text)
-
-
 def _raw_bytes(c: str) -> bytes:
     """The bytes a character of a name stands for: a surrogate that
     ``os.fsdecode`` made of an undecodable byte is that byte."""
@@ -135,6 +124,8 @@ def shown(text: str) -> str:
 
 def _escape(c: str) -> str:
     code = ord(c)
+    if 0xDC80 <= code <= 0xDCFF:  # a byte of a name that is not UTF-8 (os.fsdecode)
+        return f"\\x{code - 0xDC00:02x}"
     if code < 0x100:
         return {"\n": "\\n", "\r": "\\r", "\t": "\\t"}.get(c, f"\\x{code:02x}")
     return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"

@@ -70,13 +70,13 @@ def cli(ctx: click.Context, show_traceback: bool) -> None:
 
 def _fail(message: str, hint: str, code: int) -> int:
     from ckptool.cli.inputs import unspool
-    from ckptool.describe import printable
+    from ckptool.describe import shown
 
     # a name that is not UTF-8, or holds control codes, is shown escaped:
     # never raw bytes to the terminal, never a surrogate that cannot print
-    click.echo(f"ckptool: error: {printable(unspool(message))}", err=True)
+    click.echo(f"ckptool: error: {shown(unspool(message))}", err=True)
     if hint:
-        click.echo(f"hint: {printable(hint)}", err=True)
+        click.echo(f"hint: {shown(hint)}", err=True)
     return code
 
 
@@ -100,7 +100,7 @@ def _say_notes() -> None:
     """What the core says as a ``CkptoolNote`` (it finished a fix a crash cut
     short) is one line on stderr, every time, whatever the command prints."""
     from ckptool.cli.inputs import unspool
-    from ckptool.describe import printable
+    from ckptool.describe import shown
 
     warnings.simplefilter("always", CkptoolNote)
     others = warnings.showwarning
@@ -108,7 +108,7 @@ def _say_notes() -> None:
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
              file: TextIO | None = None, line: str | None = None) -> None:
         if issubclass(category, CkptoolNote):
-            click.echo(f"ckptool: note: {printable(unspool(str(message)))}", err=True)
+            click.echo(f"ckptool: note: {shown(unspool(str(message)))}", err=True)
         else:
             others(message, category, filename, lineno, file, line)
 
@@ -133,10 +133,6 @@ def _run(argv: list[str] | None) -> int:
         # click raises Abort from the Ctrl-C; an in-place fix's says what it left
         cause = exc.__cause__ if isinstance(exc, click.exceptions.Abort) else exc
         return _interrupted(cause if isinstance(cause, Interrupted) else None)
-    except BrokenPipeError:
-        # output piped into `head` and the reader went away: not an error
-        sys.stderr.close()
-        return 0
     except OSError as exc:  # the system refused a read or write (disk full...)
         if show_tb:
             traceback.print_exc()
