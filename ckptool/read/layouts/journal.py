@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import stat
 import warnings
 from collections.abc import Iterator
@@ -155,7 +154,7 @@ def settle(directory: str, say: bool = True) -> Settled | None:
                 return None  # the fix that held the directory is done
             record = load(directory)
             if not locks and record.phase == PREPARE and (
-                    record.host != socket.gethostname() or alive(record.pid)):
+                    record.host != _host() or alive(record.pid)):
                 raise InputError(f"{directory} is being fixed in place by {holder(directory)}",
                                  "wait for it to finish, then run this command again")
             _check_writable(directory, record)
@@ -357,3 +356,9 @@ def _fsync_dir(directory: str) -> None:
             os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _host() -> str:
+    import socket  # (here: every read imports this module; few meet a journal)
+
+    return socket.gethostname()

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import secrets
 import stat
 import zlib
 from dataclasses import asdict, dataclass, field
@@ -100,6 +99,8 @@ def crash_point(name: str) -> None:
 def new_temp() -> str:
     """A temporary name for a file of the fix (its journal says which), short
     whatever the shard's name, that readers skip."""
+    import secrets  # (here: every read imports this module; few fix in place)
+
     return f".ckptool-{os.getpid()}-{secrets.token_hex(4)}.partial"
 
 
