@@ -20,11 +20,11 @@ from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
 from ckptool.read import dispatch, optim, policy, prefixes
 from ckptool.read.layouts import framework, journal, loaders, recognise
+from ckptool.read.layouts.names import SHARD_NAME
 from ckptool.read.tensors import TensorRecord
 
 # files read as pickles (or torch files) to scan them: by name or by bytes
 PICKLE_NAMES = re.compile(r"\.(pt|pth|bin|pkl|pickle|ckpt|safetensors)$")
-SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 MAX_COMPANIONS = 64  # files scanned in one folder; the rest are listed unread
 
 

@@ -54,7 +54,6 @@ _NAMES = (  # (kind, pattern): shards first (a shard's name ends like a variant'
 class Weights:
     """What a file's name says: whose weights, in which form."""
 
-    name: str
     family: str  # TRANSFORMERS, DIFFUSERS, PEFT
     kind: str  # FILE, INDEX or SHARD
     ext: str  # "safetensors" or "bin"
@@ -70,7 +69,7 @@ def parse(name: str) -> Weights | None:
         family = STEMS.get((m.group("stem"), m.group("ext")))
         if family is None or (family == PEFT and (kind != FILE or m.group("variant"))):
             return None
-        return Weights(name, family, kind, m.group("ext"), m.group("variant"))
+        return Weights(family, kind, m.group("ext"), m.group("variant"))
     return None
 
 

@@ -27,7 +27,6 @@ Checkpoint files with no layout joining them are ``recognise``'s to judge
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +46,7 @@ from ckptool.read.layouts.names import (
     PREFERRED_INDEXES,
     RANK_METADATA,
     RANK_NAME,
+    SHARD_NAME,
     holds_dcp,
     is_checkpoint_file,
     latest,
@@ -57,8 +57,6 @@ from ckptool.read.layouts.names import (
 # files that belong to the DCP checkpoint beside them: Lightning's sharded
 # .ckpt directory (meta.pt), Megatron-core's torch_dist checkpoint (common.pt)
 DCP_COMPANIONS = ("meta.pt", "common.pt")
-# transformers' shard names (model-00001-of-00002.safetensors, pytorch_model-...bin)
-SHARD = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 HF, TAGS, FILES = "hf", "tags", "files"
 WORDS = {2: "two", 3: "three", 4: "four"}
 
@@ -110,7 +108,7 @@ def _found(path: str, files: list[str], dirs: list[str],
         shards = {v for index in indexes.values() for v in index["weight_map"].values()
                   if isinstance(v, str)}
         owned.update(indexes, shards, (n for n in files if loaders.parse(n) is not None or (
-            SHARD.search(n) and not HF_STORAGE_SHARD.match(n))))
+            SHARD_NAME.search(n) and not HF_STORAGE_SHARD.match(n))))
         out.append(Found(HF, f"a Hugging Face sharded checkpoint ({shown(sorted(indexes))})",
                          os.path.join(path, chosen)))
     states = [n for n in files if DEEPSPEED_FILE.search(n)]

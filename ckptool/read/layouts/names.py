@@ -18,6 +18,8 @@ from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
 # torch's HuggingFaceStorageWriter(save_distributed=True): rank, then file
 HF_STORAGE_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
 # model_world_size_2_rank_0.pt (veRL), rank_0.pt, checkpoint-rank3.pth...
+# transformers' shard names (model-00001-of-00002.safetensors, pytorch_model-...bin)
+SHARD_NAME = re.compile(r"-\d{5}-of-\d{5}\.(safetensors|bin)$")
 RANK_NAME = re.compile(r"^(?P<stem>.*?)[_-]?rank[_-]?(?P<rank>\d+)\.(?:pt|pth|bin)$")
 METADATA = ".metadata"
 RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
