@@ -163,12 +163,6 @@ def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     ckpt = assemble(path, multi.raw, file_size=sum(f.size for f in multi.files))
     ckpt.directory, ckpt.files = multi.directory, multi.files
     ckpt.tree_paths, ckpt.aliases = multi.paths, dict(multi.aliases)
-    if multi.paths and "optimizer_states" not in ckpt.metadata:
-        # DCP's flat names, by the paths they were saved under
-        # (optim/state/fc.weight/exp_avg): an optimizer's state, as in a tree
-        found = optim.find_flat(multi.paths.values())
-        if found:
-            ckpt.metadata["optimizer_states"] = [o.as_dict() for o in found]
     if multi.notes:  # inspect says them; diagnose does not count them as problems
         ckpt.metadata["notes"] = list(multi.notes)
     for s in ckpt.storages.values():

@@ -106,10 +106,15 @@ def read(layout: Layout) -> MultiRead:
                             "metadata_files": list(layout.metadata)}
     if layout.wrapper:
         meta["wrapper"] = layout.wrapper
-    groups, group_keys = _groups(merged)
-    raw_all = RawRead(DCP, root, storages, seen, meta, extra_roots, warnings)
     paths = {fqn: tuple(p) for fqn, p in merged.planner.items()
              if all(isinstance(x, (str, int)) for x in p) and p}
+    # an optimizer's state, by the paths its names were saved under
+    # (optim/state/fc.weight/exp_avg), as in a tree
+    found = optim.find_flat(paths.values())
+    if found:
+        meta["optimizer_states"] = [o.as_dict() for o in found]
+    groups, group_keys = _groups(merged, paths, found)
+    raw_all = RawRead(DCP, root, storages, seen, meta, extra_roots, warnings)
     return MultiRead(raw_all, layout.directory, files, storage_files, chunks, groups=groups,
                      group_keys=group_keys, paths=paths, notes=notes)
 
@@ -271,18 +276,18 @@ def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,
     return raw.root
 
 
-def _groups(md: Metadata) -> tuple[dict[str, list[str]], dict[str, str]]:
+def _groups(md: Metadata, paths: dict[str, tuple[str | int, ...]],
+            found: list[optim.OptimizerState]) -> tuple[dict[str, list[str]], dict[str, str]]:
     """Tensor keys by the entry they were saved under (from planner_data),
     and each entry's key (its path, for ranking): the top-level entry; or,
     where an entry holds an optimizer's state beside other entries (the DCP
     recipe's ``{"app": AppState}`` saves ``{"model": ..., "optim": ...}``
     under ``app``), each of those (``app.model``), named as its keys begin.
-    Tensors saved at the top level are the group ""."""
-    paths = {fqn: tuple(p) for fqn, p in md.planner.items()
-             if p and all(isinstance(x, (str, int)) for x in p)}
+    Tensors saved at the top level are the group "". ``paths``: each name's
+    planner path; ``found``: the optimizer states they hold."""
     # the entries holding an optimizer's state beside others ("app" of app/optim)
-    parents = sorted({tuple(split_key(s.path))[:-1] for s in optim.find_flat(paths.values())
-                      if "/" in s.path}, key=len, reverse=True)
+    parents = sorted({tuple(split_key(s.path))[:-1] for s in found if "/" in s.path},
+                     key=len, reverse=True)
     groups: dict[str, list[str]] = {}
     keys: dict[str, str] = {}
     for fqn in md.tensors:
