@@ -28,7 +28,7 @@ from ckptool.read import companions, dispatch, observe, optim, params, policy, p
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import dcp, deepspeed, hf_sharded, hf_storage, per_rank, recognise
-from ckptool.read.layouts.base import MultiRead, list_ties
+from ckptool.read.layouts.base import MultiRead, list_ties, tied_records
 from ckptool.read.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
@@ -122,12 +122,10 @@ def _recorded_ties(raw: RawRead) -> tuple[RawRead, dict[str, str]]:
     if raw.format != SAFETENSORS or not isinstance(raw.root, dict):
         return raw, {}
     aliases, _ = ties.recorded_aliases(raw.metadata.get("metadata") or {}, set(raw.root))
-    if not aliases:
+    added = tied_records(raw.root, aliases)
+    if not added:
         return raw, {}
-    root = dict(raw.root)
-    for alias, kept in aliases.items():
-        root[alias] = dataclasses.replace(root[kept])
-    return dataclasses.replace(raw, root=root), aliases
+    return dataclasses.replace(raw, root={**raw.root, **added}), aliases
 
 
 def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.Observer:

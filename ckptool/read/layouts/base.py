@@ -13,6 +13,7 @@ import math
 import os
 import stat
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model import Chunk, FileInfo
@@ -43,6 +44,15 @@ class MultiRead:
     chunk_keys: bool = False  # chunks are keyed by key text (nested trees), not by names
 
 
+def tied_records(root: dict[Any, Any], aliases: dict[str, str]) -> dict[str, TensorRecord]:
+    """A record for each tied name ``aliases`` gives (alias -> the name
+    stored) whose twin is a tensor of ``root`` and which ``root`` lacks: a
+    copy of the twin's, sharing its storage (another record: the same object
+    twice would read as a shared container)."""
+    return {alias: replace(rec) for alias, kept in aliases.items()
+            if type(rec := root.get(kept)) is TensorRecord and alias not in root}
+
+
 def list_ties(multi: MultiRead) -> None:
     """Each name the files record as tied to a stored tensor (an index's
     ``metadata``, DeepSpeed's ``shared_params``) listed as a tensor of its
@@ -53,11 +63,10 @@ def list_ties(multi: MultiRead) -> None:
     root = multi.raw.root
     if not isinstance(root, dict):
         return
-    for alias, kept in multi.aliases.items():
-        rec = root.get(kept)
-        if type(rec) is not TensorRecord or alias in root:
-            continue
-        root[alias] = replace(rec)  # another record (the same object twice is a shared container)
+    added = tied_records(root, multi.aliases)
+    root.update(added)
+    for alias in added:
+        kept = multi.aliases[alias]
         if kept in multi.chunks:
             multi.chunks[alias] = multi.chunks[kept]
         for names in (multi.groups or {}).values():
