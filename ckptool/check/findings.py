@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ckptool.check import loadcheck, manyfiles
-from ckptool.check.fixcommand import command_flags, stem
+from ckptool.check.fixcommand import stem
 from ckptool.check.gpus.machine import Machine, describe_machine, fits, pick
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.modelspec import ModelKeys
@@ -24,6 +24,7 @@ from ckptool.model import Checkpoint, GlobalInfo
 from ckptool.read import companions, policy
 from ckptool.read.policy import UNSAFE
 from ckptool.read.prefixes import common_prefix, describe_wrapper, split_wrappers, wrapper_prefix
+from ckptool.write.fix.flags import flags as command_flags
 from ckptool.write.fix.plan import FixOptions
 
 ERROR, WARNING = "error", "warning"  # error: loading fails; warning: not as wanted

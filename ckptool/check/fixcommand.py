@@ -13,9 +13,10 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from ckptool.describe import shell_quote, shell_word
+from ckptool.describe import shell_word
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint
+from ckptool.write.fix.flags import flags
 from ckptool.write.fix.plan import FixOptions
 
 
@@ -64,26 +65,8 @@ def _directory_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
 def fix_command_line(path: str, opts: FixOptions, output: str) -> str:
     """The ``ckptool fix`` command that writes ``opts``' fix of ``path`` to
     ``output``, both as the user gave them: it runs from where they ran."""
-    return " ".join(["ckptool", "fix", shell_word(path), *command_flags(opts),
+    return " ".join(["ckptool", "fix", shell_word(path), *flags(opts),
                      "-o", shell_word(output)])
-
-
-def command_flags(opts: FixOptions) -> list[str]:
-    """``ckptool fix`` flags for ``opts`` (the ones diagnose sets)."""
-    flags = []
-    if opts.extract is not None:
-        flags.append("--extract")
-    if opts.strip_module:
-        flags.append("--strip-module")
-    flags += [f"--strip-prefix {shell_quote(p)}" for p in opts.strip_prefixes]
-    if opts.add_prefix:
-        flags.append(f"--add-prefix {shell_quote(opts.add_prefix)}")
-    if opts.to:
-        flags.append(f"--to {opts.to}")
-    flags += [f"--map {a}={b}" for a, b in opts.maps]
-    if opts.salvage:
-        flags.append("--salvage")
-    return flags
 
 
 def stem(path: str) -> str:

@@ -17,10 +17,10 @@ import os
 from dataclasses import dataclass, replace
 
 from ckptool.check.findings import ERROR, Finding
-from ckptool.check.fixcommand import command_flags
 from ckptool.describe import beside, plural, shell_word
 from ckptool.model import Checkpoint
 from ckptool.read.layouts.per_rank import PER_RANK
+from ckptool.write.fix.flags import flags as command_flags
 from ckptool.write.fix.plan import FixOptions
 
 DEEPSPEED = "deepspeed"

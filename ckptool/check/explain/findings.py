@@ -20,13 +20,13 @@ from ckptool.check.explain import patterns as p
 from ckptool.check.explain.patterns import Error, Facts
 from ckptool.check.findings import ERROR, Finding, some_keys, why_missing
 from ckptool.check.findings import explain as explain_hint
-from ckptool.check.fixcommand import command_flags
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.reconcile import Rewrite, explain_shapes, reconcile
 from ckptool.describe import plural
 from ckptool.read import policy
 from ckptool.read.prefixes import describe_wrapper, wrapper_prefix
 from ckptool.read.reader import PREFERRED_NAMES
+from ckptool.write.fix.flags import flags as command_flags
 from ckptool.write.fix.plan import FixOptions
 
 PLACEHOLDER = "CKPT"  # the checkpoint in a fix, when none was given

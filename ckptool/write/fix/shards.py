@@ -40,7 +40,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
-from ckptool.describe import shell_quote, shell_word
+from ckptool.describe import shell_word
 from ckptool.errors import InputError, Interrupted, UnsupportedCheckpointError, UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
@@ -54,12 +54,12 @@ from ckptool.write.convert import plan as convert_plan
 from ckptool.write.convert.directory import framework_files, write_directory
 from ckptool.write.convert.plan import TORCH, Written
 from ckptool.write.failures import naming
+from ckptool.write.fix.flags import flags
 from ckptool.write.fix.journaled import Job
 from ckptool.write.fix.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
 from ckptool.write.results import FixResult
 
 Progress = Callable[[int, int], None]
-_DTYPE_FLAGS = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 FixFile = Callable[..., FixResult]  # ckptool.write.fix.run.fix, for one shard in place
 
 
@@ -258,16 +258,7 @@ def _refuse_nested(source: Checkpoint) -> None:
 def command(opts: FixOptions) -> str:
     """The flags of ``opts`` as ``ckptool fix`` takes them, with --in-place
     (what a journal shows of the fix it names)."""
-    words = ["--strip-module"] if opts.strip_module else []
-    words += [f"--strip-prefix {shell_quote(p)}" for p in opts.strip_prefixes]
-    if opts.add_prefix is not None:
-        words.append(f"--add-prefix {shell_quote(opts.add_prefix)}")
-    words += [f"--rename {shell_quote(f'{a}={b}')}" for a, b in opts.renames]
-    words += [f"--drop {shell_quote(d)}" for d in opts.drop]
-    if opts.dtype:
-        words.append(f"--dtype {_DTYPE_FLAGS.get(opts.dtype, opts.dtype)}")
-    words += [f"--to {opts.to}"] if opts.to else []
-    words += [f"--map {a}={b}" for a, b in opts.maps]
+    words = flags(opts)
     text = " ".join(words)
     return f"{text[:300]}{' …' if len(text) > 300 else ''} --in-place"
 
