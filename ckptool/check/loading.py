@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from ckptool import dtypes
 from ckptool.check import manyfiles
 from ckptool.check.diagnosis import diagnose
-from ckptool.check.findings import Finding
+from ckptool.check.findings import Finding, some_keys
 from ckptool.check.gpus.machine import assumed
 from ckptool.check.modelspec import module_keys
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
@@ -146,14 +146,14 @@ def _what_fits(path: str, model: str, names: dict[str, str], tensors: dict[str, 
         else:
             kept[name] = stored
     if unexpected or mismatched:
-        left = [f"{len(mismatched)} shaped differently ({', '.join(mismatched[:5])}"
-                f"{', ...' if len(mismatched) > 5 else ''})"] if mismatched else []
+        left = [f"{len(mismatched)} shaped differently ({some_keys(mismatched)})"
+                ] if mismatched else []
         if unexpected:
-            left.append(f"{len(unexpected)} the model does not have "
-                        f"({', '.join(unexpected[:5])}{', ...' if len(unexpected) > 5 else ''})")
+            left.append(f"{len(unexpected)} the model does not have ({some_keys(unexpected)})")
+        # (the findings, with their shapes and fixes, are the warning's .findings)
         warnings.warn(StateDictMismatchWarning(
-            f"{path} does not fit {model}: left out {' and '.join(left)}; "
-            + "; ".join(f"{f.code}: {f.message}" for f in findings), findings), stacklevel=3)
+            f"{path} does not fit {model}: left out {' and '.join(left)} "
+            "(`ckptool diagnose --model` says why)", findings), stacklevel=3)
     return kept
 
 
