@@ -243,3 +243,21 @@ def test_a_model_without_the_tied_name_loads_it_strictly(tmp_path: Path,
 def _saved(tmp_path: Path, sd: dict[str, torch.Tensor]) -> Path:
     torch.save(sd, tmp_path / "t.pth")
     return tmp_path / "t.pth"
+
+
+def test_a_recorded_tie_under_a_wrapper_prefix_is_no_unexpected_key(tmp_path: Path) -> None:
+    """``module.head.weight`` recorded as tied, for a model without a head:
+    diagnose (which strips ``module.`` to fit) and load_state_dict agree that
+    it is no weight of its own."""
+    emb = torch.nn.Parameter(torch.randn(8, 4))
+    hub.save_torch_state_dict({"module.embed.weight": emb, "module.head.weight": emb,
+                               "module.x.bias": torch.zeros(3)}, tmp_path)
+    path = tmp_path / "model.safetensors"
+    bare = tied_net()
+    del bare.head
+    report = ckptool.diagnose(ckptool.open(path), model=module_keys(bare))
+    assert report.keys is not None and report.keys.unexpected == []
+    bare.load_state_dict(ckptool.load_state_dict(path, model=bare), strict=True)
+    # and a model that has the head matches it, as load_state_dict gives it
+    report = ckptool.diagnose(ckptool.open(path), model=module_keys(tied_net()))
+    assert report.keys is not None and "head.weight" in report.keys.matched

@@ -9,6 +9,7 @@ the lot, for the CLI's text and JSON and for the browser's findings pane.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from ckptool.check import findings, loadcheck, manyfiles, zerofix
@@ -17,7 +18,7 @@ from ckptool.check.fixcommand import plan_command
 from ckptool.check.gpus.machine import Machine, probe
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.modelspec import ModelKeys, saved_settings
-from ckptool.check.reconcile import KeyReport, ShapeHint, explain_shapes, reconcile
+from ckptool.check.reconcile import KeyReport, MaybeShape, ShapeHint, explain_shapes, reconcile
 from ckptool.describe import shell_word
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 from ckptool.model import Checkpoint
@@ -102,16 +103,23 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     if ckpt.main_state_dict is not None and model is not None:
         tensors = ckpt.state_dict()
         names = ckpt.main_state_dict.keys  # extra-state entries too: strict loading checks them
-        # a tie the files record (an index's, a safetensors header's) is no
-        # stored weight: a model without that name loads the file all the same
-        names = tuple(n for n in names if n not in ckpt.aliases
-                      or n[len(entry):] in model.shapes)
         if consolidate is not None:  # the converted file holds the tied names too
             tensors = {**tensors, **{a: tensors[k] for a, k in ckpt.aliases.items()
                                      if k in tensors}}
             names = (*names, *(a for a in ckpt.aliases if a in tensors))
-        result.keys = reconcile({n[len(entry):]: tensors[n].shape if n in tensors else None
-                                 for n in names}, model.shapes, model.tied)
+
+        def shapes(of: Sequence[str]) -> dict[str, MaybeShape]:
+            return {n[len(entry):]: tensors[n].shape if n in tensors else None for n in of}
+
+        result.keys = reconcile(shapes(names), model.shapes, model.tied)
+        rewrite = result.keys.rewrite
+        # a tie the files record (an index's, a safetensors header's) is no
+        # stored weight: a model without that name (as the keys are renamed to
+        # fit it) loads the file all the same; load_state_dict leaves it out alike
+        kept = tuple(n for n in names if consolidate is not None or n not in ckpt.aliases
+                     or rewrite.apply(n[len(entry):]) in model.shapes)
+        if kept != tuple(names):
+            result.keys = reconcile(shapes(kept), model.shapes, model.tied, rewrite)
         result.shape_hints = explain_shapes(result.keys.mismatched, model.arguments,
                                             saved_settings(ckpt.root))
         result.findings += findings.key_findings(ckpt, result.keys, result.shape_hints, model,
