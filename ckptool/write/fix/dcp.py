@@ -127,12 +127,14 @@ def _rename(source: Checkpoint, written: Written, opts: FixOptions, plan: Plan) 
     wrapper = wrapper_prefix(inner.values(), common_prefix(inner.values()))
     rename = key_function(opts, wrapper)
     names: dict[str, str] = {}
+    taken: set[str] = set()  # the new names (a set: 100,000 keys are checked each once)
     for fqn, name in inner.items():
         new = head + rename(name)
-        if new in names.values() or (new not in inner and new in written.tensors):
+        if new in taken or (new not in inner and new in written.tensors):
             raise UsageError(f"two keys would both become {new!r}",
                              "check the prefixes and --rename patterns")
         names[fqn] = new
+        taken.add(new)
         if new != fqn:
             plan.renames.append((fqn, new))
     if opts.strip_module and not wrapper:
@@ -148,9 +150,10 @@ def _rename(source: Checkpoint, written: Written, opts: FixOptions, plan: Plan) 
             p = (*entry_path, new[len(head):]) if head else (new,)
         paths[new] = p
     written.paths = paths
-    moved = {name: rename(name) for name in inner.values() if rename(name) != name}
-    _rename_optimizers(written, moved, set(inner.values()), plan)
-    _rename_flat_optimizers(written, moved, set(inner.values()), entry_path, plan)
+    moved = {old[len(head):]: new[len(head):] for old, new in names.items() if new != old}
+    params = set(inner.values())
+    _rename_optimizers(written, moved, params, plan)
+    _rename_flat_optimizers(written, moved, params, entry_path, plan)
 
 
 def _rename_optimizers(written: Written, moved: dict[str, str], params: set[str],

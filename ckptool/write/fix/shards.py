@@ -43,7 +43,7 @@ from dataclasses import replace
 from ckptool.describe import shell_word
 from ckptool.errors import InputError, Interrupted, UnsupportedCheckpointError, UsageError
 from ckptool.keys import unescape
-from ckptool.model import Checkpoint
+from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read import ties
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import dirlock, journal
@@ -196,10 +196,14 @@ def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan
     prefix = source.main_state_dict.prefix if source.main_state_dict else ""
     strip = (prefix,) if opts.strip_module and prefix else ()
     work = []
-    for shard in sorted({f.path for f in source.files if f.role == "shard"}):
-        # what the shard stores (a tied name the index records is not in it)
-        held = [t for t in source.tensors
-                if t.file == shard and unescape(t.key) not in source.aliases]
+    shard_files = {f.path for f in source.files if f.role == "shard"}
+    # what each shard stores (a tied name the index records is not in it)
+    stored: dict[str, list[TensorInfo]] = {}
+    for t in source.tensors:
+        if t.file is not None and unescape(t.key) not in source.aliases:
+            stored.setdefault(t.file, []).append(t)
+    for shard in sorted(shard_files):
+        held = stored.get(shard, [])
         names = {unescape(t.key) for t in held}
         drops = tuple(d for d in opts.drop if unescape(d) in names)
         if drops or any(n in renames for n in names) or any(
@@ -209,7 +213,7 @@ def _in_place(source: Checkpoint, opts: FixOptions, written: Written, plan: Plan
                                         strip_prefixes=strip + opts.strip_prefixes, drop=drops)))
     index_name = str(source.metadata["index"])
     text = _index_text(source, written, file_of).encode()
-    files = {f.path for f in source.files if f.role == "shard"} | set(file_of.values())
+    files = shard_files | set(file_of.values())
     job = Job(directory, index_name, repr(opts), command(opts), [s for s, _ in work], files)
     done, metadata_only = 0, True
     with interrupt.changing(source.path) as change, naming(directory):

@@ -13,6 +13,7 @@ from typing import Any
 from ckptool import dtypes
 from ckptool.model import TensorInfo
 from ckptool.read.tensor_data import TensorData
+from ckptool.read.ties import recorded_aliases
 from ckptool.write.layout import Data, Layout, Segment, tensor_segment
 
 ST_CODES = {v: k for k, v in dtypes.SAFETENSORS_DTYPES.items()}
@@ -63,8 +64,6 @@ def carry_ties(meta: dict[str, str], after: dict[str, str],
     name the output keeps to its new name, ``rename`` renames the tied names
     as the keys were. Returns (the metadata, the ties it now records, notes
     on ties left out)."""
-    from ckptool.read.ties import recorded_aliases
-
     ties, _ = recorded_aliases(meta, set(after))
     if not ties:
         return meta, {}, []
