@@ -79,6 +79,9 @@ class Made:
     name: str
     make: Callable[[], bytes | memoryview]
     crc: int | None = None  # set once made
+    # made from every other segment's CRC (a zip directory): written last,
+    # once the rest of the file is (by one process, when several write it)
+    final: bool = False
 
 
 Segment = Data | Span | Made

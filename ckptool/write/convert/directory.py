@@ -28,7 +28,6 @@ error.
 from __future__ import annotations
 
 import ctypes
-import json
 import os
 import shutil
 import warnings
@@ -39,14 +38,13 @@ from typing import TYPE_CHECKING, Any
 from ckptool.errors import CkptoolError, CorruptCheckpointError, OutputError
 from ckptool.keys import escape, unescape
 from ckptool.model import Checkpoint
-from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import tensor_bytes
-from ckptool.read.layouts.dcp import DCP, nest
+from ckptool.read.layouts.dcp import nest
 from ckptool.read.reader import open_checkpoint
 from ckptool.write import shards
-from ckptool.write.convert import plan as convert_plan
 from ckptool.write.convert.files import write_safetensors, write_torch
-from ckptool.write.convert.plan import TORCH, WHOLE, Written
+from ckptool.write.convert.job import Job, hf_files, hf_index
+from ckptool.write.convert.plan import Written
 from ckptool.write.outdir import AtomicDirectory
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
@@ -56,57 +54,17 @@ if TYPE_CHECKING:
 
 Progress = Callable[[int, int], None]
 _BUG = "this is a bug in ckptool; nothing was written"
-FORMATS = {"hf": "hf-safetensors", "hf-bin": "hf-bin", "dcp": "dcp"}
 
 
-def convert(source: Checkpoint, dst: str, kind: str, *, force: bool = False,
-            progress: Progress | None = None, fsync: bool = False,
-            max_shard_size: int | None = None, dtype: str | None = None) -> ConvertResult:
-    """Write ``source`` as a directory ``dst`` of ``kind`` (hf, hf-bin, dcp),
-    its floating tensors cast to ``dtype`` if given."""
-    if kind == "dcp":
-        written = convert_plan.plan(source, WHOLE if source.format == DCP else TORCH)
-    else:
-        written = convert_plan.plan(source, SAFETENSORS if kind == "hf" else TORCH,
-                                    keep_entries=False)
-    if dtype is not None:
-        convert_plan.cast(written, dtype)
-    result = ConvertResult.of(source, dst, FORMATS[kind], written)
-    if kind == "dcp" and written.aliases:
-        pairs = ", ".join(f"{a} = {k}" for a, k in list(written.aliases.items())[:4])
-        result.notes.append(f"DCP cannot share storage: each tied name is written as its "
-                            f"own copy ({pairs})")
-    stem, configs = framework_files(source) if kind != "dcp" else (None, [])
-    if configs:
-        result.notes.append(f"copied {', '.join(n for _, n in configs)} from "
-                            f"{source.framework.directory if source.framework else '?'}, so that "
-                            "the framework's from_pretrained finds the model")
+def convert(job: Job, *, force: bool = False, progress: Progress | None = None,
+            fsync: bool = False) -> ConvertResult:
+    """Write a planned conversion into a directory (hf, hf-bin, dcp)."""
+    result = job.result
     result.files, result.bytes_written = write_directory(
-        source, written, kind, dst, force=force, fsync=fsync, progress=progress,
-        planned=None if kind == "dcp" else shards.plan(
-            written, kind, max_shard_size or shards.DEFAULT_MAX, stem),
-        extras=configs, stem=stem)
+        job.source, job.written, job.kind, job.dst, force=force, fsync=fsync,
+        progress=progress, planned=None if job.kind == "dcp" else job.shards,
+        extras=job.extras, stem=job.stem)
     return result
-
-
-# a framework's own name for its weights, and the files its loader reads beside them
-STEMS = {"diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
-# (not sentence-transformers' modules.json: it names module folders convert does not write)
-CONFIG_ROLES = ("model config", "generation config", "adapter config (PEFT)", "tokenizer",
-                "preprocessor config")
-
-
-def framework_files(source: Checkpoint) -> tuple[str | None, list[tuple[str, str]]]:
-    """How a framework folder's model is written as a directory that its
-    ``from_pretrained`` loads: the weights' file stem (diffusers'
-    ``diffusion_pytorch_model``, PEFT's ``adapter_model``; None: as
-    transformers), and its config files to copy, as (path, name)."""
-    fw = source.framework
-    if fw is None:
-        return None, []
-    configs = [(os.path.join(fw.directory, c.path), c.path) for c in fw.companions
-               if c.role in CONFIG_ROLES]
-    return STEMS.get(fw.kind), configs
 
 
 def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *,
@@ -167,27 +125,21 @@ class _Overall:
 
 def _write_hf(written: Written, kind: str, tensors: TensorSource, outdir: AtomicDirectory,
               planned: list[shards.Shard], overall: _Overall, stem: str | None) -> list[str]:
-    for shard in planned:
-        part = Written({n: written.tensors[n] for n in shard.tensors},
-                       {a: written.aliases[a] for a in shard.aliases},
-                       cast=written.cast, location=written.location)
-        if kind == "hf":
-            meta = {"format": "pt"}
-            if len(planned) == 1:
-                meta.update(written.aliases)
-            write_safetensors(part, meta, tensors, outdir.file(shard.name),
-                              overall.part(shard.nbytes))
+    names = []
+    for (name, part, meta), shard in zip(hf_files(written, kind, planned), planned, strict=True):
+        if meta is not None:
+            write_safetensors(part, meta, tensors, outdir.file(name), overall.part(shard.nbytes))
         else:
-            write_torch(part, tensors, outdir.file(shard.name), overall.part(shard.nbytes))
+            write_torch(part, tensors, outdir.file(name), overall.part(shard.nbytes))
         overall.advance(shard.nbytes)
-    names = [s.name for s in planned]
-    if len(planned) > 1:
-        text = json.dumps(shards.index(planned, written.aliases, kind), indent=2) + "\n"
-        with outdir.file(shards.index_name(kind, stem)) as out:
-            out.file.write(text.encode())
+        names.append(name)
+    index = hf_index(written, kind, planned, stem)
+    if index is not None:
+        with outdir.file(index[0]) as out:
+            out.file.write(index[1])
             out.file.flush()
             out.commit()
-        names.append(shards.index_name(kind, stem))
+        names.append(index[0])
     return names
 
 

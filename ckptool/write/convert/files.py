@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +25,7 @@ from ckptool.write.commit import AtomicOutput
 from ckptool.write.convert.plan import Written
 from ckptool.write.formats import safetensors
 from ckptool.write.formats.torch_zip import NewArchive
-from ckptool.write.layout import contiguous_strides
+from ckptool.write.layout import Layout, Segment, contiguous_strides
 from ckptool.write.sources import TensorSource
 
 _TYPED = {v: k for k, v in dtypes.STORAGE_DTYPES.items() if k not in ("UntypedStorage",
@@ -32,29 +33,47 @@ _TYPED = {v: k for k, v in dtypes.STORAGE_DTYPES.items() if k not in ("UntypedSt
 Progress = Callable[[int, int], None]
 
 
-def write_safetensors(written: Written, meta: dict[str, str], tensors: TensorSource,
-                      output: AtomicOutput, progress: Progress | None) -> int:
-    """One safetensors file of ``written``'s tensors (aliases and entries go
-    into ``meta``, the caller's to say); returns its size."""
+# a tensor's bytes as one segment, written at an offset (a zip record's CRC is one segment's)
+SingleAt = Callable[[TensorInfo, str, int, str], Segment]
+
+
+@dataclass
+class FileLayout:
+    """One output file laid out, and what reading it back must find: its
+    tensors' names, shapes and dtypes (``expect``) and where each one's bytes
+    start (``starts``, by key in a nested tree: ``by_key``); a torch zip's
+    records for its directory (known once every record's CRC is)."""
+
+    layout: Layout
+    expect: dict[str, tuple[tuple[int, ...], str]]
+    starts: dict[str, int]
+    by_key: bool = False
+    archive: NewArchive | None = None
+
+    def check(self, path: str) -> None:
+        """The written file read back: its own records point at the planned bytes."""
+        verify.check_offsets(path, self.expect, self.starts, by_key=self.by_key)
+        if self.archive is not None:
+            verify.check_directory(path, self.archive.records())
+
+
+def lay_out_safetensors(written: Written, meta: dict[str, str],
+                        segments_at: safetensors.SegmentsAt) -> FileLayout:
+    """One safetensors file of ``written``'s tensors (aliases and entries in
+    ``meta``, the caller's to say); ``segments_at`` gives each tensor's bytes."""
     items = [(name, t, written.dtype(name)) for name, t in written.tensors.items()]
-    with output as out:
-        layout, starts = safetensors.lay_out(items, meta, tensors.segments)  # 3. lay out
-        copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)  # 4, 5
-        out.sync_in_background()
-        expect = {n: (t.shape, written.dtype(n)) for n, t in written.tensors.items()}
-        # the ties ``meta`` records read back as tensors sharing their twins'
-        expect.update({a: expect[k] for a, k in
-                       recorded_aliases(meta, set(written.tensors))[0].items()})
-        verify.check_offsets(out.read_path, expect, starts)
-        out.commit()  # 6. commit
-    return layout.end
+    layout, starts = safetensors.lay_out(items, meta, segments_at)
+    expect = {n: (t.shape, written.dtype(n)) for n, t in written.tensors.items()}
+    # the ties ``meta`` records read back as tensors sharing their twins'
+    expect.update({a: expect[k] for a, k in
+                   recorded_aliases(meta, set(written.tensors))[0].items()})
+    return FileLayout(layout, expect, starts)
 
 
-def write_torch(written: Written, tensors: TensorSource, output: AtomicOutput,
-                progress: Progress | None) -> int:
-    """One torch zip (``torch.save``'s layout) of ``written``: a state dict,
-    aliases sharing their tensor's storage again; or the nested tree of
-    ``written.paths`` with its values. Returns its size."""
+def lay_out_torch(written: Written, single_at: SingleAt, root: str) -> FileLayout:
+    """One torch zip (``torch.save``'s layout, archive folder ``root``) of
+    ``written``: a state dict, aliases sharing their tensor's storage again;
+    or the nested tree of ``written.paths`` with its values."""
     kept = written.tensors
     records = {name: _record(str(i), t, written.dtype(name), written.location.get(name, "cpu"))
                for i, (name, t) in enumerate(kept.items())}
@@ -63,35 +82,57 @@ def write_torch(written: Written, tensors: TensorSource, output: AtomicOutput,
         (n, records[written.aliases.get(n, n)]) for n in written.names())
     if written.paths:
         flat.update(written.entries)
-        root: Any = nest(flat, written.paths)
+        tree: Any = nest(flat, written.paths)
         keys = {n: key_of([str(p) for p in written.paths[n]]) for n in kept}
     else:
-        root, keys = flat, {n: n for n in kept}
-    pickled = repickle.dumps(root, lambda ref: tuple([*(ref.pid or ())]))
-    with output as out:
-        # 3. lay out: torch.save's records, in its order
-        archive = NewArchive(Path(output.target).stem)
-        archive.add_bytes("data.pkl", pickled)
-        for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"),
-                            ("byteorder", b"little")):
-            archive.add_bytes(name, value)
-        starts = {}
-        for i, (name, t) in enumerate(kept.items()):
-            dtype = written.dtype(name)
-            segment_at = functools.partial(tensors.single, t, dtype, name=f"tensor {name}")
-            size = t.numel * dtypes.itemsize(dtype)
-            starts[keys[name]] = archive.add(f"data/{i}", size, segment_at).at
-        archive.add_bytes("version", b"3\n")
-        layout = archive.close()
-        copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)  # 4, 5
-        expect = {keys[n]: (t.shape, written.dtype(n)) for n, t in kept.items()}
-        if not written.paths:
-            expect.update({a: expect[k] for a, k in written.aliases.items()})
+        tree, keys = flat, {n: n for n in kept}
+    pickled = repickle.dumps(tree, lambda ref: tuple([*(ref.pid or ())]))
+    # torch.save's records, in its order
+    archive = NewArchive(root)
+    archive.add_bytes("data.pkl", pickled)
+    for name, value in ((".format_version", b"1"), (".storage_alignment", b"64"),
+                        ("byteorder", b"little")):
+        archive.add_bytes(name, value)
+    starts = {}
+    for i, (name, t) in enumerate(kept.items()):
+        dtype = written.dtype(name)
+        size = t.numel * dtypes.itemsize(dtype)
+        segment_at = functools.partial(_single, single_at, t, dtype, f"tensor {name}")
+        starts[keys[name]] = archive.add(f"data/{i}", size, segment_at).at
+    archive.add_bytes("version", b"3\n")
+    layout = archive.close()
+    expect = {keys[n]: (t.shape, written.dtype(n)) for n, t in kept.items()}
+    if not written.paths:
+        expect.update({a: expect[k] for a, k in written.aliases.items()})
+    return FileLayout(layout, expect, starts, bool(written.paths), archive)
+
+
+def _single(single_at: SingleAt, t: TensorInfo, dtype: str, name: str, at: int) -> Segment:
+    return single_at(t, dtype, at, name)
+
+
+def write_safetensors(written: Written, meta: dict[str, str], tensors: TensorSource,
+                      output: AtomicOutput, progress: Progress | None) -> int:
+    """One safetensors file of ``written``'s tensors (aliases and entries go
+    into ``meta``, the caller's to say); returns its size."""
+    return _write(lay_out_safetensors(written, meta, tensors.segments), output, progress)
+
+
+def write_torch(written: Written, tensors: TensorSource, output: AtomicOutput,
+                progress: Progress | None) -> int:
+    """One torch zip (``torch.save``'s layout) of ``written``; returns its size."""
+    return _write(lay_out_torch(written, tensors.single, Path(output.target).stem), output,
+                  progress)
+
+
+def _write(planned: FileLayout, output: AtomicOutput, progress: Progress | None) -> int:
+    with output as out:  # 3. laid out (before a byte is written)
+        copy.write_checked(out.file.fileno(), out.durable, planned.layout.segments,
+                           progress)  # 4, 5
         out.sync_in_background()
-        verify.check_offsets(out.read_path, expect, starts, by_key=bool(written.paths))
-        verify.check_directory(out.read_path, archive.records())
+        planned.check(out.read_path)
         out.commit()  # 6. commit
-    return layout.end
+    return planned.layout.end
 
 
 def _record(key: str, t: TensorInfo, dtype: str, location: str = "cpu") -> TensorRecord:

@@ -51,7 +51,8 @@ from ckptool.read.layouts.hf_sharded import HF_SAFETENSORS
 from ckptool.write import interrupt, shards
 from ckptool.write.commit import AtomicOutput, shared_file
 from ckptool.write.convert import plan as convert_plan
-from ckptool.write.convert.directory import framework_files, write_directory
+from ckptool.write.convert.directory import write_directory
+from ckptool.write.convert.job import framework_files
 from ckptool.write.convert.plan import TORCH, Written
 from ckptool.write.failures import naming
 from ckptool.write.fix.flags import flags

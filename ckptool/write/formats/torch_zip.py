@@ -313,7 +313,7 @@ class NewArchive:
         start = self.pos
         size = len(_directory(self.records(crcs=False), start))
         self.layout.add(Made(start, size, "the zip directory",
-                             lambda: _directory(self.records(), start)))
+                             lambda: _directory(self.records(), start), final=True))
         return self.layout
 
 

@@ -1,0 +1,192 @@
+"""What one ``convert`` will write, decided before a byte is: the output's
+kind, the tensors and names (``convert_plan``), the files (one, or a
+directory's shards and its index, and the config files a framework's loader
+reads beside them), and the report. The same job is written by one process
+(``ckptool.write.convert.run``) or by many (``ckptool.write.distributed``):
+both lay out the same files from it, so they write the same bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ckptool.describe import shell_word
+from ckptool.errors import UsageError
+from ckptool.model import Checkpoint
+from ckptool.read.formats.safetensors_fmt import SAFETENSORS
+from ckptool.read.layouts import deepspeed
+from ckptool.read.layouts.dcp import DCP
+from ckptool.read.reader import open_checkpoint, with_state_dict
+from ckptool.write import shards
+from ckptool.write.convert import plan as convert_plan
+from ckptool.write.convert.plan import TORCH, WHOLE, Written
+from ckptool.write.fix.plan import REWRITABLE
+from ckptool.write.flagged import refuse_flagged
+from ckptool.write.outdir import check_apart
+from ckptool.write.results import ConvertResult
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
+DIRECTORY_FORMATS = ("hf", "hf-bin", "dcp")
+FORMATS = {"hf": "hf-safetensors", "hf-bin": "hf-bin", "dcp": "dcp",
+           "safetensors": "safetensors", "torch": "torch-zip"}
+# a framework's own name for its weights, and the files its loader reads beside them
+STEMS = {"diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
+# (not sentence-transformers' modules.json: it names module folders convert does not write)
+CONFIG_ROLES = ("model config", "generation config", "adapter config (PEFT)", "tokenizer",
+                "preprocessor config")
+
+
+@dataclass
+class Job:
+    """One conversion, planned."""
+
+    source: Checkpoint
+    dst: str
+    kind: str  # safetensors, torch (one file); hf, hf-bin, dcp (a directory)
+    written: Written
+    result: ConvertResult
+    meta: dict[str, str] = field(default_factory=dict)  # one safetensors file's __metadata__
+    shards: list[shards.Shard] = field(default_factory=list)  # hf, hf-bin
+    stem: str | None = None  # a framework's name for its weights (hf, hf-bin)
+    extras: list[tuple[str, str]] = field(default_factory=list)  # (path, name in dst) copied
+
+    @property
+    def is_directory(self) -> bool:
+        return self.kind in DIRECTORY_FORMATS
+
+
+def output_format(dst: str, fmt: str | None) -> str:
+    """What ``dst`` (with ``--format``) asks for: safetensors or torch (one
+    file, from its extension), or a directory: hf (the default), hf-bin, dcp."""
+    suffix = Path(dst).suffix.lower()
+    one = "safetensors" if suffix == ".safetensors" else "torch" if suffix in TORCH_SUFFIXES \
+        else None
+    if dst.endswith(("/", "\\")):  # named as a directory
+        one = None
+    if fmt is not None:
+        if one is not None:
+            raise UsageError(f"--format {fmt} writes a directory, and {dst!r} is named as "
+                             f"a {one} file", "name the output directory without an extension")
+        return fmt
+    if one is None and dst.endswith(("/", "\\")):
+        return "hf"
+    if one is None and suffix and not dst.endswith(("/", "\\")):
+        raise UsageError(f"cannot tell the output format from {dst!r}",
+                         "name it *.safetensors, or *.pt / *.pth / *.bin for torch, or give "
+                         "--format hf / hf-bin / dcp for a directory")
+    return one or "hf"
+
+
+def prepare(src: str, dst: str, *, fmt: str | None = None, max_shard_size: int | None = None,
+            dtype: str | None = None, weights: str | None = None,
+            salvage: bool = False) -> Job:
+    """Read ``src`` (metadata only) and plan its conversion into ``dst``
+    (see ``ckptool.write.convert.run.convert`` for the options)."""
+    kind = output_format(dst, fmt)
+    if max_shard_size is not None and kind not in ("hf", "hf-bin"):
+        raise UsageError("--max-shard-size sizes the shards of --format hf or hf-bin",
+                         "leave it out, or write a Hugging Face directory")
+    source = open_checkpoint(src)  # 1. read
+    refuse_flagged(source, salvage, "convert")
+    if weights == "module":
+        source = with_state_dict(source, *deepspeed.module_weights(source))
+    if source.directory is not None:  # never written into the directory it reads
+        check_apart(Path(source.directory), Path(dst))
+    if kind in DIRECTORY_FORMATS:
+        return _directory_job(source, dst, kind, max_shard_size, dtype)
+    if kind == "safetensors":
+        if source.format == SAFETENSORS:
+            raise UsageError(f"{src} is already safetensors", "name a torch output: OUT.pth")
+        written = convert_plan.plan(source, SAFETENSORS)  # 2. plan
+    else:
+        if source.format != SAFETENSORS and source.format in REWRITABLE:  # a torch.save file
+            # (--dtype too: `fix --extract --dtype` rewrites it)
+            raise UsageError(
+                f"{src} is already a torch checkpoint ({source.format}): `ckptool fix` "
+                "rewrites it", f"to keep only its state dict: `ckptool fix {shell_word(src)} "
+                f"--extract -o {shell_word(dst)}`")
+        written = convert_plan.plan(source, WHOLE if source.format == DCP else TORCH)
+    if dtype is not None:
+        convert_plan.cast(written, dtype)
+    job = Job(source, dst, kind, written, ConvertResult.of(source, dst, FORMATS[kind], written))
+    if kind == "safetensors":
+        job.meta = _st_metadata(written)
+    return job
+
+
+def _directory_job(source: Checkpoint, dst: str, kind: str, max_shard_size: int | None,
+                   dtype: str | None) -> Job:
+    if kind == "dcp":
+        written = convert_plan.plan(source, WHOLE if source.format == DCP else TORCH)
+    else:
+        written = convert_plan.plan(source, SAFETENSORS if kind == "hf" else TORCH,
+                                    keep_entries=False)
+    if dtype is not None:
+        convert_plan.cast(written, dtype)
+    job = Job(source, dst, kind, written, ConvertResult.of(source, dst, FORMATS[kind], written))
+    if kind == "dcp" and written.aliases:
+        pairs = ", ".join(f"{a} = {k}" for a, k in list(written.aliases.items())[:4])
+        job.result.notes.append(f"DCP cannot share storage: each tied name is written as its "
+                                f"own copy ({pairs})")
+    if kind == "dcp":
+        return job
+    job.stem, job.extras = framework_files(source)
+    if job.extras:
+        job.result.notes.append(
+            f"copied {', '.join(n for _, n in job.extras)} from "
+            f"{source.framework.directory if source.framework else '?'}, so that the "
+            "framework's from_pretrained finds the model")
+    job.shards = shards.plan(written, kind, max_shard_size or shards.DEFAULT_MAX, job.stem)
+    return job
+
+
+def framework_files(source: Checkpoint) -> tuple[str | None, list[tuple[str, str]]]:
+    """How a framework folder's model is written as a directory that its
+    ``from_pretrained`` loads: the weights' file stem (diffusers'
+    ``diffusion_pytorch_model``, PEFT's ``adapter_model``; None: as
+    transformers), and its config files to copy, as (path, name)."""
+    fw = source.framework
+    if fw is None:
+        return None, []
+    configs = [(os.path.join(fw.directory, c.path), c.path) for c in fw.companions
+               if c.role in CONFIG_ROLES]
+    return STEMS.get(fw.kind), configs
+
+
+def hf_files(written: Written, kind: str, planned: list[shards.Shard]) -> list[
+        tuple[str, Written, dict[str, str] | None]]:
+    """The ``planned`` shards of ``written`` as hf or hf-bin: (name, its part
+    of the plan, its safetensors ``__metadata__``; None for a torch shard)."""
+    out = []
+    for shard in planned:
+        part = Written({n: written.tensors[n] for n in shard.tensors},
+                       {a: written.aliases[a] for a in shard.aliases},
+                       cast=written.cast, location=written.location)
+        meta: dict[str, str] | None = None
+        if kind == "hf":
+            meta = {"format": "pt"}
+            if len(planned) == 1:
+                meta.update(written.aliases)
+        out.append((shard.name, part, meta))
+    return out
+
+
+def hf_index(written: Written, kind: str, planned: list[shards.Shard],
+             stem: str | None) -> tuple[str, bytes] | None:
+    """The index of more than one shard: (its name, its text); else None."""
+    if len(planned) < 2:
+        return None
+    text = json.dumps(shards.index(planned, written.aliases, kind), indent=2) + "\n"
+    return shards.index_name(kind, stem), text.encode()
+
+
+def _st_metadata(written: Written) -> dict[str, str]:
+    meta = {"format": "pt"}
+    if written.aliases:
+        meta["ckptool.aliases"] = json.dumps(written.aliases)
+    if written.entries:
+        meta["ckptool.entries"] = json.dumps(written.entries, default=repr)
+    return meta
