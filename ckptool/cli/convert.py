@@ -37,26 +37,60 @@ if TYPE_CHECKING:
 @click.option("--salvage", is_flag=True,
               help="Write from a file flagged unsafe: its tensors and plain values only, "
                    "the output re-read and refused unless clean.")
+@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Convert on N processes of this machine, started by torch's elastic "
+              "launcher (as torchrun would). Under torchrun or srun, convert uses the "
+              "processes it was started in.")
+@click.option("--dry-run", is_flag=True,
+              help="Show the plan (which process writes which files, how many bytes each "
+              "reads and writes) and write nothing; with --workers N, for N processes.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--fsync", is_flag=True, help=fsync_help("--force"))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtype: str | None,
-            weights: str | None, salvage: bool, force: bool, fsync: bool, quiet: bool,
-            as_json: bool) -> None:
+            weights: str | None, salvage: bool, workers: int | None, dry_run: bool, force: bool,
+            fsync: bool, quiet: bool, as_json: bool) -> None:
     """Convert PATH (a file, a Hugging Face directory, a DCP or DeepSpeed directory) into OUT:
     one file (safetensors or torch, from OUT's extension) or a directory
-    (--format)."""
+    (--format). Under torchrun or srun, or with --workers N, on many processes."""
     from ckptool.write.convert.run import convert as run_convert
+    from ckptool.write.distributed import world
     from ckptool.write.fix import plan as planning
     from ckptool.write.shards import parse_size
 
-    max_shard_size = parse_size(max_shard) if max_shard is not None else None
-    with progress(quiet) as update:
-        result = run_convert(path, output, force=force, progress=update, fsync=fsync, fmt=fmt,
-                             max_shard_size=max_shard_size,
-                             dtype=planning.DTYPE_NAMES[dtype] if dtype else None,
-                             weights=None if weights == "fp32" else weights, salvage=salvage)
+    options: dict[str, Any] = {
+        "fmt": fmt, "max_shard_size": parse_size(max_shard) if max_shard is not None else None,
+        "dtype": planning.DTYPE_NAMES[dtype] if dtype else None,
+        "weights": None if weights == "fp32" else weights, "salvage": salvage}
+    launch = world.detect()
+    if dry_run:
+        from ckptool.cli.convert_plan import show_plan
+
+        show_plan(path, output, workers or (launch.size if launch else 1), options,
+                  as_json, quiet or (launch is not None and launch.rank != 0))
+        return
+    if workers is not None and launch is None:
+        from ckptool.write.distributed.launch import run_workers
+
+        argv = ["convert", path, output,
+                *[word for flag, value in (("--format", fmt), ("--max-shard-size", max_shard),
+                                           ("--dtype", dtype), ("--weights", weights))
+                  if value is not None for word in (flag, value)],
+                *[flag for flag, on in (("--salvage", salvage), ("--force", force),
+                                        ("--fsync", fsync), ("--quiet", quiet),
+                                        ("--json", as_json)) if on]]
+        raise click.exceptions.Exit(run_workers(workers, argv))
+    if launch is not None:
+        from ckptool.cli.convert_plan import run_distributed
+
+        result = run_distributed(launch, path, output, force, fsync, quiet, options)
+        if result is None:
+            return
+    else:
+        with progress(quiet) as update:
+            result = run_convert(path, output, force=force, progress=update, fsync=fsync,
+                                 **options)
     if as_json:
         write_json(convert_dict(result))
     elif not quiet:
@@ -84,4 +118,5 @@ def convert_dict(result: ConvertResult) -> dict[str, Any]:
         "left_out": result.left_out,
         "bytes_written": result.bytes_written,
         "notes": result.notes,
+        **({"distributed": result.distributed} if result.distributed is not None else {}),
     }

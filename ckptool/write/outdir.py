@@ -24,6 +24,7 @@ import os
 import re
 import secrets
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -92,16 +93,12 @@ class AtomicDirectory:
         assert self.temp is not None
         if self.durable:
             _fsync(self.temp)
-        old = None
-        if self.target.exists():
-            old = self.temp.with_name(self.temp.name.removesuffix(".partial") + ".old")
-            os.rename(self.target, old)
-        os.rename(self.temp, self.target)
-        self._committed = True
+        replace_directory(self.temp, self.target, on_renamed=self._renamed)
         if self.durable:
             _fsync(self.target.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+
+    def _renamed(self) -> None:
+        self._committed = True
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
@@ -110,6 +107,22 @@ class AtomicDirectory:
         mine = (self.target, *([self.temp] if self.temp is not None else []))
         if isinstance(exc, OSError) and is_output_error(exc, mine):  # the disk filled...
             raise output_error(self.target, exc) from exc
+
+
+def replace_directory(temp: Path, target: Path,
+                      on_renamed: Callable[[], None] | None = None) -> None:
+    """Rename directory ``temp`` to ``target``; a ``target`` already there is
+    renamed aside first (``<temp>.old``, without ``.partial``) and removed
+    once the new one is in place."""
+    old = None
+    if target.exists():
+        old = temp.with_name(temp.name.removesuffix(".partial") + ".old")
+        os.rename(target, old)
+    os.rename(temp, target)
+    if on_renamed is not None:
+        on_renamed()
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def check_apart(source: Path, target: Path) -> None:

@@ -51,6 +51,8 @@ class ConvertResult:
     bytes_written: int = 0
     notes: list[str] = field(default_factory=list)  # what was ignored, and why
     files: list[str] = field(default_factory=list)  # a directory's files, as written
+    # written by many processes: {"ranks", "plan" (per rank), "per_rank" (reports), "resumed"}
+    distributed: dict[str, Any] | None = None
 
     @classmethod
     def of(cls, source: Checkpoint, output: str, fmt: str, written: Written) -> ConvertResult:

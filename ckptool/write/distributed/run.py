@@ -1,0 +1,215 @@
+"""``convert`` on every rank of a ``torch.distributed`` job: the steps, and
+who does what.
+
+1. Every rank reads the input's metadata and plans the same conversion
+   (``plan``); rank 0 checks that every rank computed the same plan.
+2. Rank 0 prepares the staging directory (``staging``: kept from an earlier
+   run of the same plan, else afresh); every rank checks that it sees it.
+3. Every rank writes its share (``files``; a DCP output through one
+   ``dcp.save`` of all ranks) and verifies every byte it wrote.
+4. Rank 0 waits for every rank, writes what needs all of them (a zip's
+   directory, the HF index, a framework's config files), reads every file
+   back, checks that the files (and the index, or DCP's metadata) hold each
+   tensor exactly once, and renames the output into place.
+
+A failure anywhere (``coordinate``) stops every rank and commits nothing;
+the staging directory stays for the re-run, which resumes. Rank 0 says what
+failed; the other ranks say nothing, unless rank 0 could not hear them.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ckptool.errors import CkptoolError, InputError
+from ckptool.write.convert.dcpwriter import check_values, write_dcp
+from ckptool.write.convert.directory import check_whole
+from ckptool.write.convert.job import Job, prepare
+from ckptool.write.distributed import files as dist_files
+from ckptool.write.distributed.coordinate import RESUME, Coordinator, Failure
+from ckptool.write.distributed.plan import Plan, make
+from ckptool.write.distributed.staging import Staging
+from ckptool.write.results import ConvertResult
+from ckptool.write.sources import TensorSource
+
+Progress = Callable[[int, int], None]
+
+
+class Quiet(CkptoolError):
+    """This rank leaves without a word: rank 0 has said why."""
+
+
+def plan_only(src: str, dst: str, ranks: int, **options: Any) -> Plan:
+    """``--dry-run``: the plan of ``src`` into ``dst`` on ``ranks`` ranks."""
+    return make(prepare(src, dst, **options), ranks)
+
+
+def convert(world: Any, src: str, dst: str, *, force: bool = False,
+            progress: Progress | None = None, fsync: bool = False,
+            **options: Any) -> ConvertResult | None:
+    """This rank's part of converting ``src`` into ``dst`` (``options`` as
+    ``convert.run.convert`` takes them). Returns the report on rank 0, None
+    on the others; raises ``Quiet`` where rank 0 says what failed."""
+    coord = Coordinator(world.store, world.rank, world.size,
+                        getattr(world, "node", socket.gethostname())).start()
+    start = time.monotonic()
+    try:
+        return _convert(coord, src, dst, force, progress, fsync, options, start)
+    except CkptoolError as exc:
+        raise _said(coord, exc) from exc
+    except BaseException as exc:  # Ctrl-C, an OSError...: said by this rank, heard by all
+        if coord.failure is None:
+            said = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
+                f"{type(exc).__name__}: {exc}"
+            coord.fail(Failure(coord.rank, coord.node, said, RESUME,
+                               130 if isinstance(exc, KeyboardInterrupt) else 3))
+        raise
+    finally:
+        coord.close()
+
+
+def _convert(coord: Coordinator, src: str, dst: str, force: bool, progress: Progress | None,
+             fsync: bool, options: dict[str, Any], start: float) -> ConvertResult | None:
+    rank = coord.rank
+    job = prepare(src, dst, **options)
+    plan = make(job, coord.size)
+    staging = Staging(dst, job.is_directory, force)
+    if rank == 0:
+        staging.check_target(job.source.directory or job.source.path)
+    durable = fsync or (force and os.path.exists(dst))
+    coord.publish(f"plan/{rank}", plan.fingerprint())
+    if rank == 0:
+        prints = coord.gather("plan")
+        odd = [r for r, p in enumerate(prints) if p != prints[0]]
+        if odd:
+            raise InputError(f"rank {odd[0]} planned another conversion than rank 0 (it sees "
+                             "another input, or runs another ckptool)",
+                             "every rank must read the same IN: put it on a filesystem every "
+                             "node shares, and run one ckptool version everywhere")
+        token, resumed = staging.prepare(prints[0], resumable=job.kind != "dcp")
+        coord.publish("ready", f"{int(resumed)} {token}")
+    else:
+        resumed_text, _, token = coord.wait_for("ready").partition(" ")
+        resumed = resumed_text == "1"
+        if not staging.sees(token):
+            raise InputError(f"rank {rank} does not see {staging.path}, which rank 0 made",
+                             "OUT must be on a filesystem every node shares")
+    coord.total = plan.total
+    coord.progress = progress if rank == 0 else None
+
+    def advance(done: int) -> None:
+        coord.done_bytes = done
+        coord.check()
+
+    with TensorSource(job.source) as tensors:
+        if job.kind == "dcp":
+            report = _write_dcp_share(plan, rank, staging, tensors, durable, advance)
+        else:
+            report = dist_files.write_share(plan, rank, staging, tensors, durable, advance,
+                                            resumed)
+        report.update(rank=rank, node=coord.node, seconds=round(time.monotonic() - start, 3))
+        coord.finished(report)
+        if rank != 0:
+            coord.wait_for("outcome")
+            return None
+        reports = coord.wait_all_finished()
+        result = _commit(plan, staging, tensors, durable, job)
+    coord.publish("outcome", "committed")
+    result.distributed = {"ranks": coord.size, "plan": plan.rows(), "per_rank": reports,
+                          "resumed": resumed}
+    if progress is not None:
+        progress(plan.total, plan.total)
+    return result
+
+
+def _write_dcp_share(plan: Plan, rank: int, staging: Staging, tensors: TensorSource,
+                     durable: bool, advance: Callable[[int], None]) -> dict[str, Any]:
+    """This rank's tensors through one ``dcp.save`` of every rank; then the
+    values it wrote read back (every rank returns from ``dcp.save`` once the
+    metadata is written)."""
+    from ckptool.read.reader import open_checkpoint
+
+    share = plan.share(rank)
+    written = plan.job.written
+    crcs: dict[str, int] = {}
+    done = [0]
+
+    def step(nbytes: int) -> None:
+        done[0] += nbytes
+        advance(done[0])
+
+    write_dcp(written, tensors, str(staging.path), staging.target, durable, step, crcs,
+              names=[u.name for u in share], distributed=True)
+    check_values(open_checkpoint(str(staging.path)), crcs)
+    nbytes = sum(u.nbytes for u in share)
+    return {"tensors": len(share), "files": [f"__{rank}_0.distcp"],
+            "bytes_read": sum(u.read for u in share), "bytes_written": nbytes,
+            "bytes_kept": 0}
+
+
+def _commit(plan: Plan, staging: Staging, tensors: TensorSource, durable: bool,
+            job: Job) -> ConvertResult:
+    """Rank 0, once every rank has written its share."""
+    result = job.result
+    if job.kind == "dcp":
+        names = sorted(n for n in os.listdir(staging.path) if not n.startswith(".ckptool"))
+    else:
+        names = dist_files.finish(plan, staging, tensors, durable)
+    if plan.index is not None:
+        _small_file(staging, plan.index[0], plan.index[1], durable)
+        names.append(plan.index[0])
+    for path, name in job.extras:
+        with open(path, "rb") as f:
+            _small_file(staging, name, f.read(), durable)
+        names.append(name)
+    if job.is_directory:
+        back = check_whole(str(staging.path), job.written, job.kind)
+        result.bytes_written = back.file_size
+        result.files = names
+    else:
+        result.bytes_written = os.path.getsize(staging.file(names[0]))
+    staging.commit(names[0] if not job.is_directory else None, durable)
+    return result
+
+
+def _small_file(staging: Staging, name: str, data: bytes, durable: bool) -> None:
+    temp = staging.file(f".{name}.tmp")
+    with open(temp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
+    os.replace(temp, staging.file(name))
+
+
+def _said(coord: Coordinator, exc: CkptoolError) -> CkptoolError:
+    """What this rank raises for ``exc``: said by rank 0 for every rank."""
+    if coord.failure is not None and coord.failure.rank != coord.rank:  # another one failed
+        if coord.rank == 0:
+            import atexit
+
+            atexit.register(coord.acknowledge)  # once the CLI has printed it
+            return coord.stopped()
+        return Quiet(str(exc))
+    code = getattr(exc, "exit_code", 3)
+    hint = exc.hint if coord.size == 1 else f"{exc.hint}; {RESUME}" if exc.hint else RESUME
+    coord.fail(Failure(coord.rank, coord.node, exc.message, hint, code))
+    if coord.rank == 0:
+        coord.acknowledge()
+        exc.hint = hint
+        return exc
+    if coord.wait_acknowledged():
+        quiet = Quiet(exc.message)
+        quiet.exit_code = code
+        return quiet
+    return coord.stopped()
+
+
+def discard(dst: str, is_directory: bool) -> None:
+    """Remove a staging directory (tests; a user removes it by hand)."""
+    shutil.rmtree(Staging(dst, is_directory).path, ignore_errors=True)

@@ -1,0 +1,171 @@
+"""The staging directory of a distributed convert, and its manifest.
+
+Every rank writes into one directory beside the output, on the filesystem
+they share: ``.NAME.ckptool-dist.partial`` (a hidden name that never looks
+like a checkpoint; its name does not depend on the run, so that a re-run
+finds it). It holds the output's files as they are being written, and
+``.ckptool/``: ``plan`` (the plan's fingerprint), ``token`` (proof to the
+other ranks that they see the directory rank 0 made: the filesystem is
+shared), and one manifest per rank and run (``done-<rank>-<hex>.jsonl``):
+a line per unit written and verified, with the output ranges it covers and
+their CRCs.
+
+A re-run of the same conversion (the same fingerprint) keeps the directory;
+each rank re-reads the ranges the manifests list for its units and keeps
+those that still have their CRCs. Another conversion into the same output
+starts afresh. On success rank 0 removes ``.ckptool/`` and renames the
+directory (or, for a one-file output, the file in it) into place, replacing
+what ``--force`` allows as ``AtomicDirectory`` does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from ckptool.errors import InputError, UsageError
+from ckptool.write.failures import naming, output_error
+from ckptool.write.outdir import check_apart, replace_directory
+
+Check = tuple[int, int, int]  # (offset, size, CRC)
+
+
+class Staging:
+    """``Staging(target, is_directory)``; rank 0 calls ``prepare``, the others ``join``."""
+
+    def __init__(self, target: str, is_directory: bool, force: bool = False) -> None:
+        self.target = Path(target.rstrip("/") or target)
+        self.is_directory = is_directory
+        self.force = force
+        self.path = self.target.parent / f".{self.target.name}.ckptool-dist.partial"
+        self.meta = self.path / ".ckptool"
+
+    def file(self, name: str) -> Path:
+        return self.path / name
+
+    # -- before writing ------------------------------------------------------
+
+    def check_target(self, source: str) -> None:
+        """The output may be written: not the input, not there unless --force."""
+        check_apart(Path(source), self.target)
+        if (self.target.exists() or self.target.is_symlink()) and not self.force:
+            raise UsageError(f"{self.target} already exists",
+                             "pass --force to replace it, or name another output")
+        if self.is_directory and self.target.exists() and not self.target.is_dir():
+            raise UsageError(f"{self.target} exists and is not a directory",
+                             "remove it, or name another output")
+        if not self.target.parent.is_dir():
+            raise InputError(f"cannot write {self.target}: {self.target.parent} is not a "
+                             "directory", "create the directory first")
+
+    def prepare(self, fingerprint: str, resumable: bool) -> tuple[str, bool]:
+        """Rank 0: the directory ready for this plan; returns (the token the
+        other ranks must find, whether an earlier run's work is kept)."""
+        with naming(self.target):
+            kept = resumable and self._plan() == fingerprint
+            if not kept and self.path.exists():
+                shutil.rmtree(self.path)
+            try:
+                self.meta.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise output_error(self.target, exc) from exc
+            token = secrets.token_hex(8)
+            _write_small(self.meta / "plan", fingerprint)
+            _write_small(self.meta / "token", token)
+        return token, kept
+
+    def _plan(self) -> str | None:
+        try:
+            return (self.meta / "plan").read_text()
+        except OSError:
+            return None
+
+    def sees(self, token: str) -> bool:
+        """Whether this rank sees the directory rank 0 prepared (shared filesystem)."""
+        try:
+            return (self.meta / "token").read_text() == token
+        except OSError:
+            return False
+
+    # -- the manifest --------------------------------------------------------
+
+    def manifest(self, rank: int) -> Manifest:
+        return Manifest(self.meta / f"done-{rank}-{secrets.token_hex(4)}.jsonl")
+
+    def recorded(self) -> dict[tuple[str, str], dict[str, Any]]:
+        """Every unit some run recorded as written and verified: (file, unit) -> entry."""
+        found: dict[tuple[str, str], dict[str, Any]] = {}
+        try:
+            names = sorted(os.listdir(self.meta))
+        except OSError:
+            return found
+        for name in names:
+            if name.startswith("done-") and name.endswith(".jsonl"):
+                for entry in _lines(self.meta / name):
+                    found[(entry["file"], entry["unit"])] = entry
+        return found
+
+    # -- the end -------------------------------------------------------------
+
+    def commit(self, name: str | None, durable: bool) -> None:
+        """Rank 0, once every file is written and checked: the output into place."""
+        shutil.rmtree(self.meta)
+        if durable:
+            _fsync(self.path)
+        if not self.is_directory:
+            assert name is not None
+            os.replace(self.path / name, self.target)
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            replace_directory(self.path, self.target)
+        if durable:
+            _fsync(self.target.parent)
+
+
+class Manifest:
+    """One rank's record of the units it wrote and verified (appended, flushed per batch)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (open for the share)
+
+    def add(self, entries: list[dict[str, Any]]) -> None:
+        self._f.write("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries))
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def _lines(path: Path) -> Iterator[dict[str, Any]]:
+    """A manifest's entries; a line cut short by a crash is no entry."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError:
+        return
+    for line in text.splitlines():
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(entry, dict) and {"file", "unit", "checks"} <= entry.keys():
+            yield entry
+
+
+def _write_small(path: Path, text: str) -> None:
+    temp = path.with_name(path.name + ".tmp")
+    temp.write_text(text)
+    os.replace(temp, path)
+
+
+def _fsync(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
