@@ -33,7 +33,7 @@ from ckptool.read.layouts import embedded
 from ckptool.read.tensor_data import TensorData
 from ckptool.read.tensor_source import TensorValues
 from ckptool.read.tensors import TensorRecord
-from ckptool.write.layout import Made, Segment, Span, cast_bytes, tensor_segment
+from ckptool.write.layout import Made, Segment, Span, tensor_segment
 
 if TYPE_CHECKING:
     import torch
@@ -90,10 +90,9 @@ class TensorSource:
             import torch
 
             values = self.values(t).reshape(-1)
-            if dtype == t.dtype:  # the tensor's own memory, written as it is
-                return values.view(torch.uint8).numpy().data
-            data = values.view(torch.uint8).numpy().tobytes()
-            return cast_bytes(data, t.dtype, dtype)
+            if dtype != t.dtype:  # cast in one step, into memory of its own
+                values = values.to(getattr(torch, dtype))
+            return values.view(torch.uint8).numpy().data  # written as it is
 
         return Made(at, size, name, make)
 

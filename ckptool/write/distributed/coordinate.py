@@ -31,6 +31,7 @@ from ckptool.errors import EXIT_RANK_FAILED, CkptoolError, RankFailedError
 
 BEAT = 0.25  # seconds between beats, and between rank 0's looks at them
 GRACE = 5.0  # a rank told to stop that has not stopped by then leaves at once
+LINGER = 0.5  # a failed rank's wait, once rank 0 took its failure, before it leaves
 Progress = Callable[[int, int], None]
 
 
@@ -67,6 +68,7 @@ class Coordinator:
         self._beats = 0
         self._seen: dict[int, tuple[str, float]] = {}  # rank 0: last beat, when it changed
         self.failure: Failure | None = None
+        self.staged = False  # the staging directory is prepared: a re-run resumes
 
     # -- the beat thread -------------------------------------------------------
 
@@ -174,7 +176,7 @@ class Coordinator:
         return [json.loads(self.store.get(f"done/{r}")) for r in range(self.size)]
 
     def acknowledge(self) -> None:
-        """Rank 0 has said what failed: the failed rank may leave."""
+        """Rank 0 took the failure up, to say it: the failed rank may leave."""
         self.store.set("ack", "1")
 
     def wait_acknowledged(self) -> bool:
@@ -183,6 +185,9 @@ class Coordinator:
         while time.monotonic() < deadline:
             try:
                 if self.store.check(["ack"]):
+                    # a launcher stops every rank once one has left: rank 0
+                    # gets that long to print what it raises
+                    time.sleep(LINGER)
                     return True
             except (RuntimeError, OSError):
                 return False

@@ -31,7 +31,9 @@ from ckptool.write.fastcrc import crc_file_ranges
 from ckptool.write.layout import Data, Made, Segment, Span
 from ckptool.write.sources import TensorSource
 
-BATCH = 256 << 20  # bytes of units written between two manifest records
+# bytes of units written between two manifest records: a sixteenth of a
+# rank's share, within these bounds (a resumed run redoes at most one batch)
+BATCH, MIN_BATCH = 256 << 20, 4 << 20
 _BUG = "this is a bug in ckptool; nothing was committed"
 Progress = Callable[[int], None]  # bytes written by this rank so far
 
@@ -117,7 +119,8 @@ def write_share(plan: Plan, rank: int, staging: Staging, tensors: TensorSource,
                 continue
             fd = os.open(staging.file(f.name), os.O_RDWR | os.O_CREAT, 0o644)
             try:
-                for batch in _batches(todo):
+                for batch in _batches(todo, min(BATCH, max(MIN_BATCH, sum(
+                        u.nbytes for u in share) // 16))):
                     segments = [s for u in batch for s in mine[u.name]]
                     base = done
                     copy.write_checked(fd, durable, segments, _offset(progress, base))
@@ -148,11 +151,11 @@ def _by_file(units: list[Unit]) -> list[tuple[int, list[Unit]]]:
     return out
 
 
-def _batches(units: list[Unit]) -> list[list[Unit]]:
+def _batches(units: list[Unit], limit: int) -> list[list[Unit]]:
     out: list[list[Unit]] = [[]]
     size = 0
     for u in units:
-        if out[-1] and size + u.nbytes > BATCH:
+        if out[-1] and size + u.nbytes > limit:
             out.append([])
             size = 0
         out[-1].append(u)

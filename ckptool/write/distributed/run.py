@@ -20,6 +20,7 @@ failed; the other ranks say nothing, unless rank 0 could not hear them.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import time
@@ -99,6 +100,7 @@ def _convert(coord: Coordinator, src: str, dst: str, force: bool, progress: Prog
         if not staging.sees(token):
             raise InputError(f"rank {rank} does not see {staging.path}, which rank 0 made",
                              "OUT must be on a filesystem every node shares")
+    coord.staged = True
     coord.total = plan.total
     coord.progress = progress if rank == 0 else None
 
@@ -191,13 +193,14 @@ def _said(coord: Coordinator, exc: CkptoolError) -> CkptoolError:
     """What this rank raises for ``exc``: said by rank 0 for every rank."""
     if coord.failure is not None and coord.failure.rank != coord.rank:  # another one failed
         if coord.rank == 0:
-            import atexit
-
-            atexit.register(coord.acknowledge)  # once the CLI has printed it
+            coord.acknowledge()  # the failed rank lingers while this one says it
             return coord.stopped()
         return Quiet(str(exc))
     code = getattr(exc, "exit_code", 3)
-    hint = exc.hint if coord.size == 1 else f"{exc.hint}; {RESUME}" if exc.hint else RESUME
+    hint = exc.hint
+    if coord.staged:  # what the others wrote is kept for the re-run
+        hint = re.sub(r"(; )?nothing was (left half-)?written", "", hint)
+        hint = f"{hint}; {RESUME}" if hint else RESUME
     coord.fail(Failure(coord.rank, coord.node, exc.message, hint, code))
     if coord.rank == 0:
         coord.acknowledge()

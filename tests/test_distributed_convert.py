@@ -1,0 +1,253 @@
+"""``convert`` on many ranks (ckptool.write.distributed), its ranks run as
+threads of this process over one in-memory store (``world.alone_with``):
+the same bytes as the one-process convert for every output it writes
+file by file, from inputs real writers made (``dcp.save``,
+``huggingface_hub``, ``torch.save``); failures that commit nothing and name
+the rank; re-runs that resume. (The processes themselves, under torchrun,
+srun and ``--workers``: test_distributed_launch.py.)"""
+
+from __future__ import annotations
+
+import os
+import threading
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptool.errors import CkptoolError, RankFailedError, UsageError
+from ckptool.write.convert.run import convert as convert_one
+from ckptool.write.distributed import world
+from ckptool.write.distributed.plan import assign
+from ckptool.write.distributed.run import Quiet
+from ckptool.write.distributed.run import convert as convert_rank
+from ckptool.write.distributed.staging import Staging
+from tests.conftest import CliResult
+
+
+def on_ranks(n: int, src: Path | str, dst: Path | str, **options: Any) -> list[Any]:
+    """Run the conversion on ``n`` ranks (threads); each rank's result or error."""
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    out: list[Any] = [None] * n
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = convert_rank(world.alone_with(store, r, n), str(src), str(dst), **options)
+        except (CkptoolError, OSError) as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out
+
+
+def same_bytes(a: Path, b: Path) -> None:
+    if a.is_dir():
+        assert sorted(os.listdir(a)) == sorted(os.listdir(b))
+        for name in os.listdir(a):
+            assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    else:
+        assert a.read_bytes() == b.read_bytes()
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A DCP checkpoint (model and optimizer), HF shards (tied weights), a torch zip."""
+    import huggingface_hub as hub
+    import torch.distributed.checkpoint as dcp
+
+    root = tmp_path_factory.mktemp("dist_inputs")
+    g = torch.Generator().manual_seed(0)
+    model = {f"layer{i}.weight": torch.randn(32, 16 + i, generator=g) for i in range(9)}
+    model["emb.weight"] = torch.randn(300, 16, generator=g)
+    model["norm.bias"] = torch.randn(7, generator=g).to(torch.bfloat16)
+    model["steps"] = torch.arange(5)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model, "optim": {"state": {"0": {"exp_avg": torch.ones(3, 4)}},
+                                            "param_groups": [{"lr": 0.1, "params": [0]}]},
+                  "step": 7}, checkpoint_id=root / "dcp", no_dist=True)
+    tied = dict(model)
+    tied["lm_head.weight"] = tied["emb.weight"]
+    (root / "hf").mkdir()
+    hub.save_torch_state_dict(tied, root / "hf", max_shard_size="3KB")
+    torch.save(tied, root / "model.pt")
+    return {"dcp": root / "dcp", "hf": root / "hf", "pt": root / "model.pt"}
+
+
+CASES = [  # (input, output name, options)
+    ("dcp", "one.safetensors", {}),
+    ("dcp", "one.pt", {}),
+    ("dcp", "cast.safetensors", {"dtype": "bfloat16"}),
+    ("dcp", "shards", {"fmt": "hf", "max_shard_size": 2500}),
+    ("dcp", "bins", {"fmt": "hf-bin", "max_shard_size": 4000}),
+    ("hf", "from_hf.safetensors", {}),
+    ("hf", "hf_bins", {"fmt": "hf-bin", "max_shard_size": 3000}),
+    ("pt", "tied.safetensors", {}),
+    ("pt", "tied_shards", {"fmt": "hf", "max_shard_size": 1500, "dtype": "float16"}),
+]
+
+
+@pytest.mark.parametrize(("src", "name", "options"), CASES)
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_many_ranks_write_the_bytes_one_process_writes(
+        inputs: dict[str, Path], tmp_path: Path, src: str, name: str, options: dict[str, Any],
+        ranks: int) -> None:
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    expected = convert_one(str(inputs[src]), str(tmp_path / "one" / name), **options)
+    results = on_ranks(ranks, inputs[src], tmp_path / "many" / name, **options)
+    assert all(r is None for r in results[1:]), results
+    result = results[0]
+    assert not isinstance(result, BaseException), result
+    same_bytes(tmp_path / "one" / name, tmp_path / "many" / name)
+    assert result.bytes_written == expected.bytes_written
+    assert result.files == expected.files
+    per_rank = result.distributed["per_rank"]
+    assert [r["rank"] for r in per_rank] == list(range(ranks))
+    # every tensor written once, by exactly one rank
+    assert sum(r["tensors"] for r in per_rank) == expected.tensors
+    assert os.listdir(tmp_path / "many") == [name]  # no staging directory left
+
+
+def test_more_ranks_than_tensors(inputs: dict[str, Path], tmp_path: Path) -> None:
+    convert_one(str(inputs["pt"]), str(tmp_path / "one.safetensors"))
+    results = on_ranks(16, inputs["pt"], tmp_path / "many.safetensors")
+    assert min(r["tensors"] for r in results[0].distributed["per_rank"]) == 0  # 12 tensors
+    assert (tmp_path / "one.safetensors").read_bytes() == \
+        (tmp_path / "many.safetensors").read_bytes()
+
+
+def test_the_share_of_each_rank_is_its_bytes_plus_at_most_one_tensor() -> None:
+    sizes = [5, 100, 3, 3, 3, 40, 40, 1, 0, 7, 90, 2] * 20
+    for ranks in (1, 2, 3, 7, 16, 300):
+        bounds = assign(sizes, ranks)
+        assert bounds[0] == 0 and bounds[-1] == len(sizes)
+        assert bounds == sorted(bounds)  # contiguous runs, in order
+        shares = [sum(sizes[bounds[r]:bounds[r + 1]]) for r in range(ranks)]
+        assert sum(shares) == sum(sizes)
+        assert max(shares) <= sum(sizes) / ranks + max(sizes)
+    assert assign([0, 0], 3) == [0, 2, 2, 2]
+
+
+def _flip(path: Path, member: str, at: int = 100) -> None:
+    """Flip one byte of a torch zip's record, keeping the file's modification time."""
+    st = os.stat(path)
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(member)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2),
+                                                                                  "little")
+        where = info.header_offset + 30 + name_len + extra_len + at
+        f.seek(where)
+        byte = f.read(1)
+        f.seek(where)
+        f.write(bytes([byte[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+@pytest.fixture
+def big_pt(tmp_path: Path) -> Path:
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "big.pt"
+    torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}, path)
+    return path
+
+
+def test_a_failed_rank_commits_nothing_names_itself_and_the_rerun_resumes(
+        big_pt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    _flip(big_pt, "big/data/7")  # the last tensor: the last rank's to copy
+    results = on_ranks(3, big_pt, out)
+    assert isinstance(results[0], RankFailedError)  # said by rank 0, for rank 2
+    assert results[0].exit_code == 3  # the failed rank's own code (bad input)
+    assert results[0].message.startswith("rank 2 of 3 (")
+    assert "w7" in results[0].message
+    assert "run the same command again to resume" in results[0].hint
+    assert "nothing was written" not in results[0].hint
+    assert isinstance(results[1], Quiet) and isinstance(results[2], Quiet)
+    assert results[2].exit_code == 3  # the failed rank leaves with its own code
+    assert not out.exists()
+    staging = Staging(str(out), False)
+    assert len(staging.recorded()) == 6  # ranks 0 and 1 wrote theirs; rank 2 w6 and w7 at once
+    _flip(big_pt, "big/data/7")  # repaired: the same file, the same times
+    results = on_ranks(2, big_pt, out)  # resumed on another number of ranks
+    report = results[0].distributed
+    assert report["resumed"]
+    assert sum(r["bytes_kept"] for r in report["per_rank"]) == 6 * 256 * 256 * 4
+    convert_one(str(big_pt), str(tmp_path / "one.safetensors"))
+    assert out.read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+    assert not staging.path.exists()
+
+
+def test_kept_bytes_damaged_since_are_written_again(big_pt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    _flip(big_pt, "big/data/5")
+    on_ranks(2, big_pt, out)
+    staging = Staging(str(out), False)
+    recorded = staging.recorded()
+    assert ("out.safetensors", "w0") in recorded
+    at, size, _ = recorded[("out.safetensors", "w0")]["checks"][-1]
+    with open(staging.file("out.safetensors"), "r+b") as f:  # the disk lost a byte
+        f.seek(at + size // 2)
+        f.write(b"\xff")
+    _flip(big_pt, "big/data/5")
+    results = on_ranks(2, big_pt, out)
+    kept = sum(r["bytes_kept"] for r in results[0].distributed["per_rank"])
+    assert 0 < kept < 5 * 256 * 256 * 4  # w0 was written again
+    convert_one(str(big_pt), str(tmp_path / "one.safetensors"))
+    assert out.read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+
+
+def test_another_conversion_into_the_same_output_starts_afresh(big_pt: Path,
+                                                               tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    _flip(big_pt, "big/data/7")
+    on_ranks(2, big_pt, out)
+    _flip(big_pt, "big/data/7")
+    results = on_ranks(2, big_pt, out, dtype="bfloat16")  # not what the staging holds
+    assert not results[0].distributed["resumed"]
+    assert sum(r["bytes_kept"] for r in results[0].distributed["per_rank"]) == 0
+    convert_one(str(big_pt), str(tmp_path / "one.safetensors"), dtype="bfloat16")
+    assert out.read_bytes() == (tmp_path / "one.safetensors").read_bytes()
+
+
+def test_an_output_that_exists_is_refused_by_every_rank(inputs: dict[str, Path],
+                                                        tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    out.write_bytes(b"mine")
+    results = on_ranks(2, inputs["pt"], out)
+    assert isinstance(results[0], UsageError) and "already exists" in results[0].message
+    assert "resume" not in results[0].hint  # nothing was staged
+    assert isinstance(results[1], Quiet)
+    assert out.read_bytes() == b"mine"
+    results = on_ranks(2, inputs["pt"], out, force=True)
+    assert results[0].output == str(out) and out.read_bytes()[:8] != b"mine"
+
+
+def test_dry_run_shows_which_rank_writes_what(inputs: dict[str, Path], tmp_path: Path,
+                                              run_cli: Callable[..., CliResult]) -> None:
+    import json
+
+    code, out, _ = run_cli("convert", str(inputs["dcp"]), str(tmp_path / "o"), "--format", "hf",
+                           "--max-shard-size", "2500", "--dry-run", "--workers", "3", "--json")
+    assert code == 0
+    plan = json.loads(out)
+    assert plan["dry_run"] and plan["ranks"] == 3
+    assert [r["rank"] for r in plan["plan"]] == [0, 1, 2]
+    assert sum(r["tensors"] for r in plan["plan"]) == plan["tensors"]
+    assert plan["files"][-1] == "model.safetensors.index.json"
+    assert not (tmp_path / "o").exists()
+    code, out, _ = run_cli("convert", str(inputs["dcp"]), str(tmp_path / "o"), "--dry-run",
+                           "--workers", "40")
+    assert code == 0 and "more ranks: --json lists all" in out and "on 40 rank(s)" in out
