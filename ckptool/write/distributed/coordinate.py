@@ -175,6 +175,17 @@ class Coordinator:
             time.sleep(BEAT / 5)
         return [json.loads(self.store.get(f"done/{r}")) for r in range(self.size)]
 
+    def leave(self) -> None:
+        """A rank other than 0: it has heard the outcome and needs the store no more."""
+        self.store.add("left", 1)
+
+    def wait_all_left(self) -> None:
+        """Rank 0: the others heard the outcome (the store may live in this
+        process, and leave with it). A rank gone already is not waited for long."""
+        deadline = time.monotonic() + GRACE
+        while self.store.add("left", 0) < self.size - 1 and time.monotonic() < deadline:
+            time.sleep(BEAT / 5)
+
     def acknowledge(self) -> None:
         """Rank 0 took the failure up, to say it: the failed rank may leave."""
         self.store.set("ack", "1")

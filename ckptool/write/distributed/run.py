@@ -19,15 +19,15 @@ failed; the other ranks say nothing, unless rank 0 could not hear them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
-import shutil
 import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptool.errors import CkptoolError, InputError
+from ckptool.errors import EXIT_RANK_FAILED, CkptoolError, InputError
 from ckptool.write.convert.dcpwriter import check_values, write_dcp
 from ckptool.write.convert.directory import check_whole
 from ckptool.write.convert.job import Job, prepare
@@ -43,6 +43,8 @@ Progress = Callable[[int, int], None]
 
 class Quiet(CkptoolError):
     """This rank leaves without a word: rank 0 has said why."""
+
+    exit_code = EXIT_RANK_FAILED
 
 
 def plan_only(src: str, dst: str, ranks: int, **options: Any) -> Plan:
@@ -67,8 +69,9 @@ def convert(world: Any, src: str, dst: str, *, force: bool = False,
         if coord.failure is None:
             said = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
                 f"{type(exc).__name__}: {exc}"
-            coord.fail(Failure(coord.rank, coord.node, said, RESUME,
-                               130 if isinstance(exc, KeyboardInterrupt) else 3))
+            with contextlib.suppress(RuntimeError, OSError):  # the store may be what failed
+                coord.fail(Failure(coord.rank, coord.node, said, RESUME,
+                                   130 if isinstance(exc, KeyboardInterrupt) else 3))
         raise
     finally:
         coord.close()
@@ -118,10 +121,12 @@ def _convert(coord: Coordinator, src: str, dst: str, force: bool, progress: Prog
         coord.finished(report)
         if rank != 0:
             coord.wait_for("outcome")
+            coord.leave()
             return None
         reports = coord.wait_all_finished()
         result = _commit(plan, staging, tensors, durable, job)
     coord.publish("outcome", "committed")
+    coord.wait_all_left()  # under srun, the store lives in this process
     result.distributed = {"ranks": coord.size, "plan": plan.rows(), "per_rank": reports,
                           "resumed": resumed}
     if progress is not None:
@@ -190,29 +195,30 @@ def _small_file(staging: Staging, name: str, data: bytes, durable: bool) -> None
 
 
 def _said(coord: Coordinator, exc: CkptoolError) -> CkptoolError:
-    """What this rank raises for ``exc``: said by rank 0 for every rank."""
-    if coord.failure is not None and coord.failure.rank != coord.rank:  # another one failed
+    """What this rank raises for ``exc``: said by rank 0 for every rank.
+    Rank 0 leaves last (under srun the store lives in its process)."""
+    with contextlib.suppress(RuntimeError, OSError):  # the store may be gone with rank 0
+        if coord.failure is not None and coord.failure.rank != coord.rank:  # another failed
+            if coord.rank == 0:
+                coord.acknowledge()  # the failed rank lingers while this one says it
+                coord.wait_all_left()
+                return coord.stopped()
+            coord.leave()
+            return Quiet(str(exc))
+        code = getattr(exc, "exit_code", 3)
+        hint = exc.hint
+        if coord.staged:  # what the others wrote is kept for the re-run
+            hint = re.sub(r"(; )?nothing was (left half-)?written", "", hint)
+            hint = f"{hint}; {RESUME}" if hint else RESUME
+        coord.fail(Failure(coord.rank, coord.node, exc.message, hint, code))
         if coord.rank == 0:
-            coord.acknowledge()  # the failed rank lingers while this one says it
-            return coord.stopped()
-        return Quiet(str(exc))
-    code = getattr(exc, "exit_code", 3)
-    hint = exc.hint
-    if coord.staged:  # what the others wrote is kept for the re-run
-        hint = re.sub(r"(; )?nothing was (left half-)?written", "", hint)
-        hint = f"{hint}; {RESUME}" if hint else RESUME
-    coord.fail(Failure(coord.rank, coord.node, exc.message, hint, code))
-    if coord.rank == 0:
-        coord.acknowledge()
-        exc.hint = hint
-        return exc
-    if coord.wait_acknowledged():
-        quiet = Quiet(exc.message)
-        quiet.exit_code = code
-        return quiet
-    return coord.stopped()
-
-
-def discard(dst: str, is_directory: bool) -> None:
-    """Remove a staging directory (tests; a user removes it by hand)."""
-    shutil.rmtree(Staging(dst, is_directory).path, ignore_errors=True)
+            coord.acknowledge()
+            coord.wait_all_left()
+            exc.hint = hint
+            return exc
+        if coord.wait_acknowledged():
+            coord.leave()
+            quiet = Quiet(exc.message)
+            quiet.exit_code = code
+            return quiet
+    return coord.stopped() if coord.failure is not None else exc
