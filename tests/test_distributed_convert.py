@@ -119,6 +119,82 @@ def test_many_ranks_write_the_bytes_one_process_writes(
     assert os.listdir(tmp_path / "many") == [name]  # no staging directory left
 
 
+FIXTURES = Path(__file__).parent / "fixtures"
+WRITERS = [  # what real writers made (fixtures/*/make_*.py): every input layout ckptool reads
+    (FIXTURES / "deepspeed" / "z3_bf16_ws4", "zero3.safetensors", {}),
+    (FIXTURES / "deepspeed" / "z2_bf16", "module.pt", {"weights": "module"}),
+    (FIXTURES / "frameworks" / "llama_tied_bin_sharded", "llama", {"max_shard_size": 40000}),
+    (FIXTURES / "frameworks" / "peft_lora", "adapter", {"fmt": "hf-bin"}),
+    (FIXTURES / "multifile" / "dcp_4ranks", "whole.pt", {}),
+    (FIXTURES / "multifile" / "per_rank_dtensor" / "mesh2d_ws4", "dtensor.safetensors", {}),
+    (FIXTURES / "multifile" / "hf_storage", "hf_storage.safetensors", {"dtype": "float16"}),
+    (FIXTURES.parent.parent / "samples" / "tinynet.safetensors", "tinynet.pt", {}),
+]
+
+
+@pytest.mark.parametrize(("src", "name", "options"), WRITERS,
+                         ids=[f"{p.name}-{n}" for p, n, _ in WRITERS])
+def test_every_input_layout(src: Path, name: str, options: dict[str, Any],
+                            tmp_path: Path) -> None:
+    (tmp_path / "one").mkdir()
+    (tmp_path / "many").mkdir()
+    expected = convert_one(str(src), str(tmp_path / "one" / name), **options)
+    result = on_ranks(3, src, tmp_path / "many" / name, **options)[0]
+    assert not isinstance(result, BaseException), result
+    same_bytes(tmp_path / "one" / name, tmp_path / "many" / name)
+    assert (result.files, result.notes, result.left_out) == (
+        expected.files, expected.notes, expected.left_out)
+
+
+def test_rank_0_shows_one_bar_for_the_whole_job(big_pt: Path, tmp_path: Path) -> None:
+    import torch.distributed as dist
+
+    store = dist.HashStore()
+    seen: list[tuple[int, int]] = []
+    threads = [threading.Thread(target=convert_rank, args=(
+        world.alone_with(store, r, 2), str(big_pt), str(tmp_path / "o.safetensors")),
+        kwargs={"progress": (lambda d, t: seen.append((d, t))) if r == 0 else None})
+        for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    total = 8 * 256 * 256 * 4
+    assert seen[-1] == (total, total)
+    assert {t for _, t in seen} == {total}
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)  # never goes back
+
+
+def test_a_rank_that_stops_answering_is_taken_for_lost(
+        big_pt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank killed (or its machine lost) says nothing: rank 0 notices that
+    its beats stopped, and stops the job naming it."""
+    import torch.distributed as dist
+
+    from ckptool.write.distributed.coordinate import Coordinator
+
+    monkeypatch.setenv("CKPTOOL_RANK_TIMEOUT", "1")
+    store = dist.HashStore()
+    out: list[Any] = [None]
+
+    def rank0() -> None:
+        try:
+            convert_rank(world.alone_with(store, 0, 2), str(big_pt),
+                         str(tmp_path / "o.safetensors"))
+        except CkptoolError as exc:
+            out[0] = exc
+
+    thread = threading.Thread(target=rank0)
+    thread.start()
+    lost = Coordinator(world.alone_with(store, 1, 2).store, 1, 2, "gone")
+    lost._beat()  # it joined, beat once, then its machine went away
+    thread.join(60)
+    assert isinstance(out[0], RankFailedError)
+    assert out[0].message.startswith("rank 1 of 2 (?): stopped answering for 1 s")
+    assert out[0].exit_code == 4
+    assert not (tmp_path / "o.safetensors").exists()
+
+
 def test_more_ranks_than_tensors(inputs: dict[str, Path], tmp_path: Path) -> None:
     convert_one(str(inputs["pt"]), str(tmp_path / "one.safetensors"))
     results = on_ranks(16, inputs["pt"], tmp_path / "many.safetensors")

@@ -12,6 +12,7 @@ import click
 
 from ckptool.cli.common import SCHEMA_VERSION, console, fsync_help, progress, write_json
 from ckptool.cli.inputs import InputPath
+from ckptool.errors import UsageError
 
 if TYPE_CHECKING:
     from ckptool.write.convert.run import ConvertResult
@@ -64,6 +65,10 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         "dtype": planning.DTYPE_NAMES[dtype] if dtype else None,
         "weights": None if weights == "fp32" else weights, "salvage": salvage}
     launch = world.detect()
+    if launch is not None and workers is not None and workers != launch.size:
+        raise UsageError(f"--workers {workers} under {launch.launcher}, which started "
+                         f"{launch.size} process(es)",
+                         "leave --workers out: convert uses the processes it was started in")
     if dry_run:
         from ckptool.cli.convert_plan import show_plan
 

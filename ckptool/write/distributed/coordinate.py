@@ -69,6 +69,8 @@ class Coordinator:
         self._seen: dict[int, tuple[str, float]] = {}  # rank 0: last beat, when it changed
         self.failure: Failure | None = None
         self.staged = False  # the staging directory is prepared: a re-run resumes
+        self.handled = threading.Event()  # the main thread has taken the failure up
+        self.lost: set[int] = set()  # ranks that stopped beating
 
     # -- the beat thread -------------------------------------------------------
 
@@ -96,7 +98,7 @@ class Coordinator:
                 self.failure = Failure(0, "?", "the rendezvous store stopped answering (rank 0 "
                                        "or its machine is gone)", _RESUME, EXIT_RANK_FAILED)
                 self.stopping.set()
-            if self.stopping.is_set():
+            if self.stopping.is_set() and not self.handled.is_set():
                 stopped_at = stopped_at or time.monotonic()
                 if time.monotonic() - stopped_at > GRACE:  # stuck in a collective call
                     os._exit(self.failure.code if self.rank == 0 and self.failure
@@ -119,6 +121,7 @@ class Coordinator:
             if last is None or last[0] != count:
                 self._seen[r] = (count, now)
             elif now - last[1] > lost_after() and not self.store.check([f"done/{r}"]):
+                self.lost.add(r)
                 self.fail(Failure(r, "?", f"stopped answering for {lost_after():.0f} s "
                                   "(killed, or its machine was lost)", _RESUME,
                                   EXIT_RANK_FAILED))
@@ -183,7 +186,8 @@ class Coordinator:
         """Rank 0: the others heard the outcome (the store may live in this
         process, and leave with it). A rank gone already is not waited for long."""
         deadline = time.monotonic() + GRACE
-        while self.store.add("left", 0) < self.size - 1 and time.monotonic() < deadline:
+        while self.store.add("left", 0) < self.size - 1 - len(self.lost) and \
+                time.monotonic() < deadline:
             time.sleep(BEAT / 5)
 
     def acknowledge(self) -> None:

@@ -66,6 +66,7 @@ def convert(world: Any, src: str, dst: str, *, force: bool = False,
     except CkptoolError as exc:
         raise _said(coord, exc) from exc
     except BaseException as exc:  # Ctrl-C, an OSError...: said by this rank, heard by all
+        coord.handled.set()
         if coord.failure is None:
             said = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
                 f"{type(exc).__name__}: {exc}"
@@ -197,6 +198,7 @@ def _small_file(staging: Staging, name: str, data: bytes, durable: bool) -> None
 def _said(coord: Coordinator, exc: CkptoolError) -> CkptoolError:
     """What this rank raises for ``exc``: said by rank 0 for every rank.
     Rank 0 leaves last (under srun the store lives in its process)."""
+    coord.handled.set()
     with contextlib.suppress(RuntimeError, OSError):  # the store may be gone with rank 0
         if coord.failure is not None and coord.failure.rank != coord.rank:  # another failed
             if coord.rank == 0:
