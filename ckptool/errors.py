@@ -12,6 +12,7 @@ EXIT_OK = 0
 EXIT_FINDINGS = 1
 EXIT_USAGE = 2
 EXIT_BAD_INPUT = 3
+EXIT_RANK_FAILED = 4
 EXIT_INTERRUPTED = 130
 
 
@@ -62,6 +63,13 @@ class OutputError(CkptoolError):
     its directory is read-only... The message names the output."""
 
     exit_code = EXIT_BAD_INPUT
+
+
+class RankFailedError(CkptoolError):
+    """A process of a distributed convert failed or was lost; nothing was
+    committed."""
+
+    exit_code = EXIT_RANK_FAILED
 
 
 class Interrupted(KeyboardInterrupt):

@@ -1,0 +1,156 @@
+"""``convert --workers N``: N processes of ``python -m ckptool ...`` on this
+machine, started by torch's own elastic launcher (what ``torchrun
+--standalone --nproc-per-node N`` runs), not by a process pool of ours.
+
+The workers find themselves as torchrun's do (``world.detect``), inherit this
+process's stdout and stderr, and say their own errors. Here: the launcher's
+log kept quiet, ``OMP_NUM_THREADS=1`` unless the user set it (as torchrun
+does), and the outcome turned into ckptool's: 0 when all succeeded, the
+exit code of the worker that failed first, or ``RankFailedError`` when one
+died of a signal (nothing it could say itself).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from ckptool.errors import RankFailedError, UsageError
+
+if TYPE_CHECKING:
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+# what torch's launcher registers its handler for and never puts back
+# (``TORCHELASTIC_SIGNALS_TO_HANDLE``: it stops the workers, then raises)
+HANDLED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+# the loggers of the agent, its rendezvous and its process contexts
+QUIET = ("torch.distributed.elastic", "torch.distributed.launcher")
+WORKER_COMMAND = ("-m", "ckptool")
+
+
+def run_workers(n: int, argv: Sequence[str], *,
+                _command: Sequence[str] = WORKER_COMMAND) -> int:
+    """Run ``python -m ckptool *argv`` as ``n`` ranks; their exit code.
+
+    ``_command`` replaces ``-m ckptool`` for the tests (a worker that kills
+    itself). A Ctrl-C stops the workers and is a KeyboardInterrupt here.
+    """
+    if n < 1:
+        raise UsageError(f"--workers {n}: expected at least 1 worker process",
+                         hint="--workers N starts N processes on this machine")
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    # the launcher's files (its error.json per rank) go where they are cleaned up
+    with tempfile.TemporaryDirectory(prefix="ckptool-workers-") as logs, _quiet(), \
+            _environment(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")), \
+            _handlers_restored():
+        config = LaunchConfig(
+            min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
+            # port 0: the agent's store takes a free port and tells the
+            # workers (MASTER_PORT), as ``torchrun --standalone`` does
+            rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0",
+            rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.1,
+            logs_specs=DefaultLogsSpecs(log_dir=logs), signals_to_handle=",".join(HANDLED))
+        try:
+            elastic_launch(config, sys.executable)(*_command, *argv)
+        except ChildFailedError as exc:
+            return _failed(exc, n)
+        except SignalException as exc:
+            signum = exc.sigval
+        else:
+            return 0
+    # the workers were stopped; the signal is this process's again
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    signal.raise_signal(signum)
+    return 128 + signum  # a handler of the caller's took it and returned
+
+
+def _failed(exc: ChildFailedError, n: int) -> int:
+    """The exit code of the worker that failed first, or RankFailedError for
+    one that died of a signal.
+
+    torch's first failure is the first the launcher saw (by whole seconds,
+    then in the order seen). Among those it saw in that second, a death by
+    a signal other than the launcher's own SIGTERM (with which it stops the
+    rest) comes first: a worker killed (kill -9, the OOM killer) says
+    nothing, while the peer that lost it exits with a code of its own in
+    the same tenth of a second, and may be seen first.
+    """
+    failures = exc.failures
+    _, first = exc.get_first_failure()
+
+    def precedence(failure: ProcessFailure) -> int:
+        code = failure.exitcode
+        return 0 if code < 0 and code != -signal.SIGTERM else 1
+
+    rank = min((r for r, failure in failures.items() if failure.timestamp == first.timestamp),
+               key=lambda r: precedence(failures[r]))
+    code = failures[rank].exitcode
+    if code >= 0:
+        return int(code)
+    try:
+        name = signal.Signals(-code).name
+    except ValueError:
+        name = f"signal {-code}"
+    raise RankFailedError(
+        f"rank {rank} of {n} was killed by {name}",
+        hint="nothing was committed; run the same command again to resume: what was "
+        "written and verified is kept")
+
+
+@contextmanager
+def _quiet() -> Iterator[None]:
+    """The agent logs each step at INFO and WARNING (and a worker's failure
+    at ERROR): noise to a user of the CLI, who hears the outcome from us."""
+    saved = []
+    for name in QUIET:
+        logger = logging.getLogger(name)
+        sink = logging.NullHandler()
+        saved.append((logger, logger.propagate, sink))
+        logger.propagate = False
+        logger.addHandler(sink)  # (else logging's last resort prints WARNINGs)
+    try:
+        yield
+    finally:
+        for logger, propagate, sink in saved:
+            logger.removeHandler(sink)
+            logger.propagate = propagate
+
+
+@contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    """os.environ as the workers inherit it; as it was, afterwards (the
+    launcher sets ``TORCHELASTIC_SIGNALS_TO_HANDLE`` there too)."""
+    names = [*values, "TORCHELASTIC_SIGNALS_TO_HANDLE"]
+    saved = {name: os.environ.get(name) for name in names}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+@contextmanager
+def _handlers_restored() -> Iterator[None]:
+    """The launcher installs its signal handlers for good: put back ours."""
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in HANDLED}
+    try:
+        yield
+    finally:
+        for name, handler in saved.items():
+            if handler is not None:
+                signal.signal(getattr(signal, name), handler)
