@@ -7,6 +7,8 @@ Imported only when text is printed.
 
 from __future__ import annotations
 
+from typing import Any
+
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -73,6 +75,8 @@ def render_convert(console: Console, result: ConvertResult) -> None:
     grid.add_row("wrote", f"{result.output} · {fmt}{files} · "
                  f"{human_bytes(result.bytes_written)} · "
                  f"{plural(result.tensors, 'tensor')} verified")
+    if result.distributed is not None:
+        grid.add_row("ranks", _ranks_line(result.distributed))
     if result.aliases:
         pairs = ", ".join(f"{a} = {k}" for a, k in list(result.aliases.items())[:6])
         where = {"safetensors": "kept in __metadata__", "torch-zip": "restored as shared",
@@ -96,3 +100,19 @@ def render_convert(console: Console, result: ConvertResult) -> None:
     for note in result.notes:
         grid.add_row("note", Text(note, style="yellow"))
     console.print(grid)
+
+
+def _ranks_line(report: dict[str, Any]) -> str:
+    """Who wrote a distributed convert's output, and how evenly."""
+    per_rank = report["per_rank"]
+    nodes = len({r["node"] for r in per_rank})
+    written = [r["bytes_written"] for r in per_rank]
+    kept = sum(r["bytes_kept"] for r in per_rank)
+    slowest = max(per_rank, key=lambda r: r["seconds"])
+    line = (f"{plural(report['ranks'], 'process', 'processes')} on "
+            f"{plural(nodes, 'machine')} wrote {human_bytes(min(written))} to "
+            f"{human_bytes(max(written))} each; the slowest, rank {slowest['rank']}, in "
+            f"{slowest['seconds']:.1f} s")
+    if report["resumed"]:
+        line += f"; {human_bytes(kept)} kept from an earlier run, verified again"
+    return line
