@@ -311,6 +311,22 @@ def test_an_output_that_exists_is_refused_by_every_rank(inputs: dict[str, Path],
     assert results[0].output == str(out) and out.read_bytes()[:8] != b"mine"
 
 
+def test_force_replaces_a_checkpoint_directory_and_nothing_else(
+        inputs: dict[str, Path], tmp_path: Path) -> None:
+    out = tmp_path / "notes"
+    out.mkdir()
+    (out / "todo.txt").write_text("mine")
+    results = on_ranks(2, inputs["pt"], out, fmt="hf", force=True)
+    assert isinstance(results[0], UsageError) and "holds no checkpoint" in results[0].message
+    assert (out / "todo.txt").read_text() == "mine"
+    shards = tmp_path / "shards"
+    convert_one(str(inputs["dcp"]), str(shards), fmt="hf")
+    results = on_ranks(2, inputs["pt"], shards, fmt="hf-bin", force=True)
+    assert results[0].files == ["pytorch_model.bin"]
+    assert os.listdir(shards) == ["pytorch_model.bin"]
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(".")]  # nothing left aside
+
+
 def test_dry_run_shows_which_rank_writes_what(inputs: dict[str, Path], tmp_path: Path,
                                               run_cli: Callable[..., CliResult]) -> None:
     import json

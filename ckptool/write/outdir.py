@@ -64,7 +64,7 @@ class AtomicDirectory:
             if not self.target.is_dir() or self.target.is_symlink():
                 raise UsageError(f"{self.target} exists and is not a directory",
                                  "remove it, or name another output")
-            _check_replaceable(self.target)
+            check_replaceable(self.target)
             self.durable = True
         if not parent.is_dir():
             raise InputError(f"cannot write {self.target}: {parent} is not a directory",
@@ -135,7 +135,7 @@ def check_apart(source: Path, target: Path) -> None:
                          "write the output beside the input, under another name")
 
 
-def _check_replaceable(target: Path) -> None:
+def check_replaceable(target: Path) -> None:
     """``--force`` replaces a checkpoint directory (or an empty one), never
     one that holds something else."""
     from ckptool.errors import CkptoolError

@@ -30,7 +30,7 @@ from typing import Any
 
 from ckptool.errors import InputError, UsageError
 from ckptool.write.failures import naming, output_error
-from ckptool.write.outdir import check_apart, replace_directory
+from ckptool.write.outdir import check_apart, check_replaceable, replace_directory
 
 Check = tuple[int, int, int]  # (offset, size, CRC)
 
@@ -56,9 +56,11 @@ class Staging:
         if (self.target.exists() or self.target.is_symlink()) and not self.force:
             raise UsageError(f"{self.target} already exists",
                              "pass --force to replace it, or name another output")
-        if self.is_directory and self.target.exists() and not self.target.is_dir():
-            raise UsageError(f"{self.target} exists and is not a directory",
-                             "remove it, or name another output")
+        if self.is_directory and self.target.exists():
+            if not self.target.is_dir() or self.target.is_symlink():
+                raise UsageError(f"{self.target} exists and is not a directory",
+                                 "remove it, or name another output")
+            check_replaceable(self.target)  # --force replaces a checkpoint, nothing else
         if not self.target.parent.is_dir():
             raise InputError(f"cannot write {self.target}: {self.target.parent} is not a "
                              "directory", "create the directory first")
