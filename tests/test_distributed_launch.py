@@ -213,3 +213,54 @@ def _rank_pid(rank: int, needle: str) -> int | None:
                 b"--workers" not in cmdline:
             return int(pid)
     return None
+
+
+def _flip_record(path: Path, member: str) -> None:
+    """Flip one byte of a torch zip's record in place, keeping its times."""
+    import zipfile
+
+    st = os.stat(path)
+    with zipfile.ZipFile(path) as z:
+        info = z.getinfo(member)
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        skip = int.from_bytes(f.read(2), "little") + int.from_bytes(f.read(2), "little")
+        f.seek(info.header_offset + 30 + skip + 10)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_dcp_output_resumed_rank_by_rank(tmp_path: Path) -> None:
+    """A DCP output: rank 1 finds its input damaged inside the one dcp.save
+    of both ranks; rank 0 says so, naming rank 1. Once the input is whole
+    again, the re-run keeps rank 0's file (its size and CRC as recorded)
+    and the result holds the one-process output's tensors."""
+    g = torch.Generator().manual_seed(4)
+    src = tmp_path / "w.pt"
+    torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(6)}, src)
+    _flip_record(src, "w/data/5")
+    out = tmp_path / "dcp"
+    args = [sys.executable, "-m", "ckptool", "convert", str(src), str(out), "--format", "dcp",
+            "--workers", "2"]
+    failed = run(args)
+    assert failed.returncode == 3, failed.stderr
+    assert failed.stderr.startswith(f"ckptool: error: rank 1 of 2 ({socket.gethostname()}): "
+                                    "storage 5 of"), failed.stderr
+    assert not out.exists()
+    _flip_record(src, "w/data/5")
+    again = run([*args, "--json"])
+    assert again.returncode == 0, again.stderr
+    per_rank = json.loads(again.stdout)["distributed"]["per_rank"]
+    assert [r["bytes_kept"] > 0 for r in per_rank] == [True, False]
+    convert_one(str(src), str(tmp_path / "one"), fmt="dcp")
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(out, tmp_path / "many.pt")
+        dcp_to_torch_save(tmp_path / "one", tmp_path / "one.pt")
+    many, one = torch.load(tmp_path / "many.pt"), torch.load(tmp_path / "one.pt")
+    assert many.keys() == one.keys()
+    assert all(torch.equal(many[k], one[k]) for k in one)

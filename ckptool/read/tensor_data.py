@@ -16,6 +16,7 @@ many reads; the module functions are one-shot conveniences.
 from __future__ import annotations
 
 import os
+import zlib
 from collections.abc import Iterator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -132,6 +133,13 @@ class TensorData:
         except ZipError as exc:
             raise CorruptCheckpointError(f"cannot locate {record}: {exc}") from exc
 
+    def _check_record(self, storage_id: str, data: bytearray) -> None:
+        crc = self.record_crc(storage_id)
+        if crc is not None and zlib.crc32(data) != crc:
+            raise CorruptCheckpointError(
+                f"storage {storage_id} of {self.ckpt.path} does not match its own checksum",
+                "the file is damaged: fetch or copy it again; nothing was written")
+
     def storage_bytes(self, storage_id: str) -> bytearray:
         """All of a storage's bytes."""
         return self.read_range(storage_id, 0, self.storage(storage_id).nbytes)
@@ -162,8 +170,11 @@ class TensorData:
             yield bytes(self.read_range(storage_id, start, min(chunk_size, nbytes - start)))
 
     # -- values -------------------------------------------------------------
-    def values(self, tensor: TensorInfo) -> torch.Tensor:
-        """``tensor``'s values as a CPU torch tensor with its shape and stride."""
+    def values(self, tensor: TensorInfo, checked: bool = False) -> torch.Tensor:
+        """``tensor``'s values as a CPU torch tensor with its shape and stride.
+        ``checked``: when they fill their zip record, its bytes must have the
+        directory's CRC (a writer that casts or re-serializes them must not
+        turn damaged bytes into plausible ones)."""
         import torch
 
         _check_readable(tensor)
@@ -176,6 +187,8 @@ class TensorData:
         last = sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride, strict=True))
         start, length = tensor.storage_offset * size, (last + 1) * size
         buf = self.read_range(tensor.storage, start, length)
+        if checked and start == 0 and length == self.storage(tensor.storage).nbytes:
+            self._check_record(tensor.storage, buf)
         raw = torch.frombuffer(buf, dtype=torch.uint8)
         if self.byteswap and size > 1:
             unit = size // 2 if tensor.dtype in dtypes.COMPLEX else size

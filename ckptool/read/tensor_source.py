@@ -78,12 +78,13 @@ class TensorValues:
                 raise
         return self._readers[key]
 
-    def values(self, tensor: TensorInfo) -> torch.Tensor:
-        """``tensor``'s values as a CPU tensor of its shape."""
+    def values(self, tensor: TensorInfo, checked: bool = False) -> torch.Tensor:
+        """``tensor``'s values as a CPU tensor of its shape (``checked``: a
+        zip record's bytes against its CRC, ``TensorData.values``)."""
         if tensor.chunks or (self.ckpt.is_multifile and located(self.ckpt, tensor).file
                              is None):  # read_tensor makes it whole, or says why not
             return read_tensor(self.ckpt, tensor)
-        return self.reader(tensor).values(tensor)
+        return self.reader(tensor).values(tensor, checked)
 
 
 def located(ckpt: Checkpoint, tensor: TensorInfo) -> TensorInfo:

@@ -137,7 +137,7 @@ def tensor_segment(reader: TensorData, t: TensorInfo, dtype: str, at: int,
         return Span(at, reader.fileno(), src, size, name, checks, crc)
 
     def make() -> bytes:
-        values = reader.values(t).contiguous()
+        values = reader.values(t, checked=True).contiguous()
         data = ctypes.string_at(values.data_ptr(), values.numel() * values.element_size())
         return cast_bytes(data, t.dtype, dtype) if dtype != t.dtype else data
 

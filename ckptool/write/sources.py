@@ -81,7 +81,7 @@ class TensorSource:
 
     def values(self, t: TensorInfo) -> torch.Tensor:
         """``t`` as one contiguous CPU tensor."""
-        return self._values.values(t).contiguous()
+        return self._values.values(t, checked=True).contiguous()
 
     def _made(self, t: TensorInfo, dtype: str, at: int, name: str) -> Made:
         size = t.numel * dtypes.itemsize(dtype)

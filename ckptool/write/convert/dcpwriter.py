@@ -27,7 +27,7 @@ import warnings
 import zlib
 from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ckptool.errors import CkptoolError, CorruptCheckpointError, OutputError
 from ckptool.keys import unescape
@@ -45,13 +45,16 @@ _BUG = "this is a bug in ckptool; nothing was written"
 
 def write_dcp(written: Written, tensors: TensorSource, path: str, target: Path,
               durable: bool, advance: Callable[[int], None], crcs: dict[str, int],
-              names: Collection[str] | None = None, distributed: bool = False) -> list[str]:
+              names: Collection[str] | None = None, distributed: bool = False,
+              resume: Resume | None = None) -> list[str]:
     """Write ``written`` into directory ``path`` (the staging directory of
     ``target``) through torch's FileSystemWriter; ``crcs`` gets each
     tensor's values' CRC by its DCP key. With ``distributed``, this is one
     rank's part of a ``dcp.save`` of every rank (the default process
     group): the tensors ``names`` (and the names tied to them), and the
-    plain values on rank 0 only."""
+    plain values on rank 0 only. ``resume`` may keep this rank's file from
+    an earlier run (its tensors are then not asked for) and records the one
+    written."""
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
@@ -98,18 +101,63 @@ def write_dcp(written: Written, tensors: TensorSource, path: str, target: Path,
 
     # no copy-ahead: with CUDA present torch would otherwise ask for tensors
     # before writing the ones it has, and release() must free only written ones
-    writer = dcp.FileSystemWriter(path, single_file_per_rank=True,
-                                  sync_files=durable, thread_count=1,
-                                  per_thread_copy_ahead=0)
+    writer = _writer_type(resume)(path, single_file_per_rank=True, sync_files=durable,
+                                  thread_count=1, per_thread_copy_ahead=0)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # "torch.distributed is disabled..." and the like
             dcp.save(state, storage_writer=writer, planner=Planner(),
                      no_dist=not distributed)
     except dcp.CheckpointException as exc:  # (a BaseException: Ctrl-C is wrapped too)
+        failed = sorted(getattr(exc, "failures", None) or {})
+        if distributed and failed and torch.distributed.get_rank() not in failed:
+            cause = _failure(exc, target)  # another rank's: its own error says it
+            raise ElsewhereError(failed[0], str(getattr(cause, "message", cause))) from exc
         raise _failure(exc, target) from exc
     release()
     return sorted(n for n in os.listdir(path) if not n.startswith(".ckptool"))
+
+
+class ElsewhereError(CkptoolError):
+    """This rank's part of a ``dcp.save`` of many was written; another rank's failed."""
+
+    def __init__(self, rank: int, message: str) -> None:
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank = rank
+
+
+class Resume(Protocol):
+    """What keeps a rank's DCP file from an earlier run of the same plan."""
+
+    def kept(self, plan: Any) -> list[Any] | None:
+        """The write results of this rank's file for ``plan`` (a SavePlan),
+        when an earlier run wrote it and it is intact; else None."""
+
+    def record(self, plan: Any, results: list[Any]) -> None:
+        """This rank's file, just written for ``plan``, with its results."""
+
+
+def _writer_type(resume: Resume | None) -> Any:
+    """torch's FileSystemWriter; with ``resume``, one that skips a file kept."""
+    import torch.distributed.checkpoint as dcp
+    from torch.futures import Future
+
+    if resume is None:
+        return dcp.FileSystemWriter
+    hook = resume
+
+    class Resuming(dcp.FileSystemWriter):
+        def write_data(self, plan: Any, planner: Any) -> Any:
+            kept = hook.kept(plan)
+            if kept is not None:
+                done: Future[list[Any]] = Future()
+                done.set_result(kept)
+                return done
+            written = super().write_data(plan, planner)
+            hook.record(plan, written.wait())
+            return written
+
+    return Resuming
 
 
 def _failure(exc: BaseException, target: Path) -> BaseException:

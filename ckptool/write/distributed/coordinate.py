@@ -153,6 +153,20 @@ class Coordinator:
         failure = self.failure or self._failure()
         return failure.error(self.size)
 
+    def heard_from(self, rank: int, exc: CkptoolError) -> CkptoolError:
+        """The error to leave with when a collective call said that ``rank``
+        failed: its own record of why, once it arrives (or ``exc``)."""
+        deadline = time.monotonic() + GRACE
+        while self.failure is None and time.monotonic() < deadline:
+            if self.store.check(["failed"]):
+                self.failure = self._failure()
+                self.stopping.set()
+            else:
+                time.sleep(BEAT / 5)
+        if self.failure is None:
+            self.fail(Failure(rank, "?", exc.message, _RESUME, EXIT_RANK_FAILED))
+        return self.stopped()
+
     def publish(self, key: str, value: str) -> None:
         self.store.set(key, value)
 

@@ -28,9 +28,9 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptool.errors import EXIT_RANK_FAILED, CkptoolError, InputError
-from ckptool.write.convert.dcpwriter import check_values, write_dcp
 from ckptool.write.convert.directory import check_whole
 from ckptool.write.convert.job import Job, prepare
+from ckptool.write.distributed import dcpshare
 from ckptool.write.distributed import files as dist_files
 from ckptool.write.distributed.coordinate import RESUME, Coordinator, Failure
 from ckptool.write.distributed.plan import Plan, make
@@ -96,7 +96,7 @@ def _convert(coord: Coordinator, src: str, dst: str, force: bool, progress: Prog
                              "another input, or runs another ckptool)",
                              "every rank must read the same IN: put it on a filesystem every "
                              "node shares, and run one ckptool version everywhere")
-        token, resumed = staging.prepare(prints[0], resumable=job.kind != "dcp")
+        token, resumed = staging.prepare(prints[0])
         coord.publish("ready", f"{int(resumed)} {token}")
     else:
         resumed_text, _, token = coord.wait_for("ready").partition(" ")
@@ -114,11 +114,12 @@ def _convert(coord: Coordinator, src: str, dst: str, force: bool, progress: Prog
 
     with TensorSource(job.source) as tensors:
         if job.kind == "dcp":
-            report = _write_dcp_share(plan, rank, staging, tensors, durable, advance)
+            report = dcpshare.write_share(plan, coord, staging, tensors, durable, advance)
         else:
             report = dist_files.write_share(plan, rank, staging, tensors, durable, advance,
                                             resumed)
-        report.update(rank=rank, node=coord.node, seconds=round(time.monotonic() - start, 3))
+        report.update(rank=rank, node=coord.node, seconds=round(time.monotonic() - start, 3),
+                      peak_memory=_peak_memory())
         coord.finished(report)
         if rank != 0:
             coord.wait_for("outcome")
@@ -135,29 +136,13 @@ def _convert(coord: Coordinator, src: str, dst: str, force: bool, progress: Prog
     return result
 
 
-def _write_dcp_share(plan: Plan, rank: int, staging: Staging, tensors: TensorSource,
-                     durable: bool, advance: Callable[[int], None]) -> dict[str, Any]:
-    """This rank's tensors through one ``dcp.save`` of every rank; then the
-    values it wrote read back (every rank returns from ``dcp.save`` once the
-    metadata is written)."""
-    from ckptool.read.reader import open_checkpoint
+def _peak_memory() -> int:
+    """This process's peak resident memory so far, in bytes (Linux counts kB)."""
+    import resource
+    import sys
 
-    share = plan.share(rank)
-    written = plan.job.written
-    crcs: dict[str, int] = {}
-    done = [0]
-
-    def step(nbytes: int) -> None:
-        done[0] += nbytes
-        advance(done[0])
-
-    write_dcp(written, tensors, str(staging.path), staging.target, durable, step, crcs,
-              names=[u.name for u in share], distributed=True)
-    check_values(open_checkpoint(str(staging.path)), crcs)
-    nbytes = sum(u.nbytes for u in share)
-    return {"tensors": len(share), "files": [f"__{rank}_0.distcp"],
-            "bytes_read": sum(u.read for u in share), "bytes_written": nbytes,
-            "bytes_kept": 0}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
 
 
 def _commit(plan: Plan, staging: Staging, tensors: TensorSource, durable: bool,

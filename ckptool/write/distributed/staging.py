@@ -8,7 +8,7 @@ finds it). It holds the output's files as they are being written, and
 other ranks that they see the directory rank 0 made: the filesystem is
 shared), and one manifest per rank and run (``done-<rank>-<hex>.jsonl``):
 a line per unit written and verified, with the output ranges it covers and
-their CRCs.
+their CRCs (a DCP output: ``dcp-<rank>.json``, ``ckptool.write.distributed.dcpshare``).
 
 A re-run of the same conversion (the same fingerprint) keeps the directory;
 each rank re-reads the ranges the manifests list for its units and keeps
@@ -65,11 +65,11 @@ class Staging:
             raise InputError(f"cannot write {self.target}: {self.target.parent} is not a "
                              "directory", "create the directory first")
 
-    def prepare(self, fingerprint: str, resumable: bool) -> tuple[str, bool]:
+    def prepare(self, fingerprint: str) -> tuple[str, bool]:
         """Rank 0: the directory ready for this plan; returns (the token the
         other ranks must find, whether an earlier run's work is kept)."""
         with naming(self.target):
-            kept = resumable and self._plan() == fingerprint
+            kept = self._plan() == fingerprint
             if not kept and self.path.exists():
                 shutil.rmtree(self.path)
             try:
