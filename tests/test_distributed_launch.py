@@ -185,7 +185,7 @@ def test_workers_killed_mid_way_then_resumed(tmp_path: Path) -> None:
                     os.kill(victim, signal.SIGKILL)
                 break
         time.sleep(0.005)
-    stdout, stderr = job.communicate(timeout=120)
+    _, stderr = job.communicate(timeout=120)
     assert victim is not None, stderr
     assert job.returncode == 4, stderr
     assert "ckptool: error: rank 1 of 2 was killed by SIGKILL" in stderr
