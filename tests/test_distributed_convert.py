@@ -23,22 +23,26 @@ from ckptool.errors import CkptoolError, RankFailedError, UsageError
 from ckptool.write.convert.run import convert as convert_one
 from ckptool.write.distributed import world
 from ckptool.write.distributed.plan import assign
-from ckptool.write.distributed.run import Quiet
+from ckptool.write.distributed.ending import Quiet
 from ckptool.write.distributed.run import convert as convert_rank
 from ckptool.write.distributed.staging import Staging
 from tests.conftest import CliResult
 
 
 def on_ranks(n: int, src: Path | str, dst: Path | str, **options: Any) -> list[Any]:
-    """Run the conversion on ``n`` ranks (threads); each rank's result or error."""
+    """Run the conversion on ``n`` ranks (threads): rank 0's report, or the
+    error it said (its exit code the failure's), then each other rank's
+    None or ``Quiet``."""
     import torch.distributed as dist
 
     store = dist.HashStore()
     out: list[Any] = [None] * n
+    said: list[CkptoolError] = []
 
     def rank(r: int) -> None:
         try:
-            out[r] = convert_rank(world.alone_with(store, r, n), str(src), str(dst), **options)
+            out[r] = convert_rank(world.alone_with(store, r, n), str(src), str(dst),
+                                  say=said.append, **options)
         except (CkptoolError, OSError) as exc:
             out[r] = exc
 
@@ -47,6 +51,11 @@ def on_ranks(n: int, src: Path | str, dst: Path | str, **options: Any) -> list[A
         t.start()
     for t in threads:
         t.join(60)
+    assert len(said) <= 1, said  # said once
+    if said:
+        assert isinstance(out[0], Quiet)
+        said[0].exit_code = out[0].exit_code
+        out[0] = said[0]
     return out
 
 
@@ -153,7 +162,8 @@ def test_rank_0_shows_one_bar_for_the_whole_job(big_pt: Path, tmp_path: Path) ->
     seen: list[tuple[int, int]] = []
     threads = [threading.Thread(target=convert_rank, args=(
         world.alone_with(store, r, 2), str(big_pt), str(tmp_path / "o.safetensors")),
-        kwargs={"progress": (lambda d, t: seen.append((d, t))) if r == 0 else None})
+        kwargs={"progress": (lambda d, t: seen.append((d, t))) if r == 0 else None,
+                "say": print})
         for r in range(2)]
     for t in threads:
         t.start()
@@ -180,18 +190,19 @@ def test_a_rank_that_stops_answering_is_taken_for_lost(
     def rank0() -> None:
         try:
             convert_rank(world.alone_with(store, 0, 2), str(big_pt),
-                         str(tmp_path / "o.safetensors"))
-        except CkptoolError as exc:
-            out[0] = exc
+                         str(tmp_path / "o.safetensors"), say=out.append)
+        except Quiet as exc:
+            out.append(exc.exit_code)
 
     thread = threading.Thread(target=rank0)
     thread.start()
     lost = Coordinator(world.alone_with(store, 1, 2).store, 1, 2, "gone")
     lost._beat()  # it joined, beat once, then its machine went away
     thread.join(60)
-    assert isinstance(out[0], RankFailedError)
-    assert out[0].message.startswith("rank 1 of 2 (?): stopped answering for 1 s")
-    assert out[0].exit_code == 4
+    said, code = out[1], out[2]
+    assert isinstance(said, RankFailedError)
+    assert said.message.startswith("rank 1 of 2 (?): stopped answering for 1 s")
+    assert code == 4
     assert not (tmp_path / "o.safetensors").exists()
 
 
@@ -343,3 +354,18 @@ def test_dry_run_shows_which_rank_writes_what(inputs: dict[str, Path], tmp_path:
     code, out, _ = run_cli("convert", str(inputs["dcp"]), str(tmp_path / "o"), "--dry-run",
                            "--workers", "40")
     assert code == 0 and "more ranks: --json lists all" in out and "on 40 rank(s)" in out
+
+
+def test_a_resume_keeps_only_the_same_conversion(tmp_path: Path) -> None:
+    """The fingerprint a re-run must match: the same on any number of ranks,
+    and not the same for the module's half-precision weights and the fp32
+    masters cast to half (same names, shapes and output dtype)."""
+    from ckptool.write.distributed.run import plan_only
+
+    src = str(FIXTURES / "deepspeed" / "z2_bf16")
+    out = str(tmp_path / "o.safetensors")
+    masters = plan_only(src, out, 2, dtype="bfloat16")
+    assert masters.fingerprint() == plan_only(src, out, 7, dtype="bfloat16").fingerprint()
+    module = plan_only(src, out, 2, weights="module", dtype="bfloat16")
+    assert [u.name for u in module.units] == [u.name for u in masters.units]
+    assert module.fingerprint() != masters.fingerprint()

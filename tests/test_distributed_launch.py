@@ -91,7 +91,8 @@ def test_torchrun_three_processes_dcp_output_and_one_report(dcp_dir: Path,
 
 def test_torchrun_no_python_and_a_failed_rank(tmp_path: Path) -> None:
     """``torchrun --no-python ckptool ...``; a rank that finds its share of
-    the input damaged: rank 0 says which rank and why, nothing is committed."""
+    the input damaged: rank 0 says which rank and why, once, before torchrun
+    stops the job; nothing is committed."""
     g = torch.Generator().manual_seed(2)
     src = tmp_path / "w.pt"
     torch.save({f"w{i}": torch.randn(128, 128, generator=g) for i in range(4)}, src)
@@ -99,7 +100,7 @@ def test_torchrun_no_python_and_a_failed_rank(tmp_path: Path) -> None:
 
     with zipfile.ZipFile(src) as z:
         info = z.getinfo("w/data/3")
-    with open(src, "r+b") as f:  # one byte of the last tensor (rank 1's) flipped
+    with open(src, "r+b") as f:  # one byte of the last tensor (rank 2's) flipped
         f.seek(info.header_offset + 26)
         skip = int.from_bytes(f.read(2), "little") + int.from_bytes(f.read(2), "little")
         f.seek(info.header_offset + 30 + skip + 10)
@@ -107,11 +108,11 @@ def test_torchrun_no_python_and_a_failed_rank(tmp_path: Path) -> None:
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ 0xFF]))
     script = Path(sys.executable).parent / "ckptool"
-    got = run([*TORCHRUN, "--nproc-per-node", "2", "--no-python", str(script), "convert",
+    got = run([*TORCHRUN, "--nproc-per-node", "3", "--no-python", str(script), "convert",
                str(src), str(tmp_path / "out.safetensors")])
     assert got.returncode != 0
     said = [line for line in got.stderr.splitlines() if line.startswith("ckptool: error:")]
-    assert said == [f"ckptool: error: rank 1 of 2 ({socket.gethostname()}): the output's "
+    assert said == [f"ckptool: error: rank 2 of 3 ({socket.gethostname()}): the output's "
                     "tensor w3 does not match what was written"], got.stderr
     assert "run the same command again to resume" in got.stderr
     assert not (tmp_path / "out.safetensors").exists()
@@ -145,6 +146,7 @@ def test_srun_without_torchrun(dcp_dir: Path, tmp_path: Path) -> None:
     tasks = [subprocess.Popen(
         [sys.executable, "-m", "ckptool", "convert", str(dcp_dir), str(out), "--json"],
         env=env(SLURM_PROCID=str(r), SLURM_LOCALID=str(r), SLURM_NTASKS="2",
+                SLURM_STEP_ID="0", SLURM_STEP_NUM_TASKS="2",
                 SLURM_JOB_ID="4242", SLURM_JOB_NODELIST="localhost", MASTER_PORT=port),
         cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         for r in range(2)]
@@ -233,27 +235,29 @@ def _flip_record(path: Path, member: str) -> None:
 
 
 def test_dcp_output_resumed_rank_by_rank(tmp_path: Path) -> None:
-    """A DCP output: rank 1 finds its input damaged inside the one dcp.save
-    of both ranks; rank 0 says so, naming rank 1. Once the input is whole
-    again, the re-run keeps rank 0's file (its size and CRC as recorded)
-    and the result holds the one-process output's tensors."""
+    """A DCP output: rank 2 finds its input damaged inside the one dcp.save
+    of the three ranks; rank 0 says so, once, naming rank 2, and every
+    process exits with its code. Once the input is whole again, the re-run
+    keeps ranks 0 and 1's files (their size and CRC as recorded) and the
+    result holds the one-process output's tensors."""
     g = torch.Generator().manual_seed(4)
     src = tmp_path / "w.pt"
     torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(6)}, src)
     _flip_record(src, "w/data/5")
     out = tmp_path / "dcp"
     args = [sys.executable, "-m", "ckptool", "convert", str(src), str(out), "--format", "dcp",
-            "--workers", "2"]
+            "--workers", "3"]
     failed = run(args)
-    assert failed.returncode == 3, failed.stderr
-    assert failed.stderr.startswith(f"ckptool: error: rank 1 of 2 ({socket.gethostname()}): "
-                                    "storage 5 of"), failed.stderr
+    assert failed.returncode == 3, failed.stderr  # the failed rank's own code, from all
+    said = [line for line in failed.stderr.splitlines() if line.startswith("ckptool:")]
+    assert len(said) == 1 and said[0].startswith(
+        f"ckptool: error: rank 2 of 3 ({socket.gethostname()}): storage 5 of"), failed.stderr
     assert not out.exists()
     _flip_record(src, "w/data/5")
     again = run([*args, "--json"])
     assert again.returncode == 0, again.stderr
     per_rank = json.loads(again.stdout)["distributed"]["per_rank"]
-    assert [r["bytes_kept"] > 0 for r in per_rank] == [True, False]
+    assert [r["bytes_kept"] > 0 for r in per_rank] == [True, True, False]
     convert_one(str(src), str(tmp_path / "one"), fmt="dcp")
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 

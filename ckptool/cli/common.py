@@ -98,6 +98,18 @@ def write_json(data: dict[str, Any]) -> None:
         reader_gone()
 
 
+def say_error(message: str, hint: str = "") -> None:
+    """``ckptool: error: MESSAGE`` and ``hint: HINT`` on stderr."""
+    from ckptool.cli.inputs import unspool
+    from ckptool.describe import shown
+
+    # a name that is not UTF-8, or holds control codes, is shown escaped:
+    # never raw bytes to the terminal, never a surrogate that cannot print
+    click.echo(f"ckptool: error: {shown(unspool(message))}", err=True)
+    if hint:
+        click.echo(f"hint: {shown(hint)}", err=True)
+
+
 def reader_gone() -> None:
     """`ckptool ... | head`: the reader of the output went away, which is no
     error (click's own handling exits 1): stdout to devnull, so that nothing

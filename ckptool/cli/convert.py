@@ -6,13 +6,14 @@ its JSON report (the text view: ``fix_text.py``, beside fix's).
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 import click
 
 from ckptool.cli.common import SCHEMA_VERSION, console, fsync_help, progress, write_json
 from ckptool.cli.inputs import InputPath
-from ckptool.errors import UsageError
+from ckptool.errors import EXIT_INTERRUPTED, EXIT_USAGE, UsageError
 
 if TYPE_CHECKING:
     from ckptool.write.convert.run import ConvertResult
@@ -66,11 +67,13 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         "weights": None if weights == "fp32" else weights, "salvage": salvage}
     launch = world.detect()
     if launch is not None and workers is not None and workers != launch.size:
+        if launch.rank != 0:  # said once, by rank 0
+            raise click.exceptions.Exit(EXIT_USAGE)
         raise UsageError(f"--workers {workers} under {launch.launcher}, which started "
                          f"{launch.size} process(es)",
                          "leave --workers out: convert uses the processes it was started in")
     if dry_run:
-        from ckptool.cli.convert_plan import show_plan
+        from ckptool.cli.convert_dist import show_plan
 
         show_plan(path, output, workers or (launch.size if launch else 1), options,
                   as_json, quiet or (launch is not None and launch.rank != 0))
@@ -78,17 +81,21 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
     if workers is not None and launch is None:
         from ckptool.write.distributed.launch import run_workers
 
-        argv = ["convert", path, output,
+        argv = [*(["--traceback"] if "--traceback" in sys.argv else []), "convert", path, output,
                 *[word for flag, value in (("--format", fmt), ("--max-shard-size", max_shard),
                                            ("--dtype", dtype), ("--weights", weights))
                   if value is not None for word in (flag, value)],
                 *[flag for flag, on in (("--salvage", salvage), ("--force", force),
                                         ("--fsync", fsync), ("--quiet", quiet),
                                         ("--json", as_json)) if on]]
-        raise click.exceptions.Exit(run_workers(workers, argv))
-    if launch is not None:
-        from ckptool.cli.convert_plan import run_distributed
+        try:
+            code = run_workers(workers, argv)
+        except KeyboardInterrupt:  # the workers' rank 0 said it
+            code = EXIT_INTERRUPTED
+        raise click.exceptions.Exit(code)
+    from ckptool.cli.convert_dist import run_distributed, staged
 
+    if launch is not None or staged(output):
         result = run_distributed(launch, path, output, force, fsync, quiet, options)
         if result is None:
             return

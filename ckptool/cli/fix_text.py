@@ -106,13 +106,17 @@ def _ranks_line(report: dict[str, Any]) -> str:
     """Who wrote a distributed convert's output, and how evenly."""
     per_rank = report["per_rank"]
     nodes = len({r["node"] for r in per_rank})
-    written = [r["bytes_written"] for r in per_rank]
-    kept = sum(r["bytes_kept"] for r in per_rank)
+    busy = [r["bytes_written"] + r["bytes_kept"] for r in per_rank if r["tensors"]]
     slowest = max(per_rank, key=lambda r: r["seconds"])
+    least, most = (min(busy), max(busy)) if busy else (0, 0)
+    each = f"{human_bytes(most)} each" if least == most else \
+        f"{human_bytes(least)} to {human_bytes(most)} each"
     line = (f"{plural(report['ranks'], 'process', 'processes')} on "
-            f"{plural(nodes, 'machine')} wrote {human_bytes(min(written))} to "
-            f"{human_bytes(max(written))} each; the slowest, rank {slowest['rank']}, in "
-            f"{slowest['seconds']:.1f} s")
+            f"{plural(nodes, 'machine')}, {each}")
+    if len(busy) < len(per_rank):
+        line += f" ({len(per_rank) - len(busy)} with no tensor)"
+    line += f"; the slowest, rank {slowest['rank']}, took {slowest['seconds']:.1f} s"
+    kept = sum(r["bytes_kept"] for r in per_rank)
     if report["resumed"]:
         line += f"; {human_bytes(kept)} kept from an earlier run, verified again"
     return line

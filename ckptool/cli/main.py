@@ -27,7 +27,7 @@ from typing import Any, NoReturn, TextIO
 import click
 
 from ckptool import __version__
-from ckptool.cli.common import whole_process
+from ckptool.cli.common import say_error, whole_process
 from ckptool.errors import (
     EXIT_BAD_INPUT,
     EXIT_INTERRUPTED,
@@ -69,14 +69,7 @@ def cli(ctx: click.Context, show_traceback: bool) -> None:
 
 
 def _fail(message: str, hint: str, code: int) -> int:
-    from ckptool.cli.inputs import unspool
-    from ckptool.describe import shown
-
-    # a name that is not UTF-8, or holds control codes, is shown escaped:
-    # never raw bytes to the terminal, never a surrogate that cannot print
-    click.echo(f"ckptool: error: {shown(unspool(message))}", err=True)
-    if hint:
-        click.echo(f"hint: {shown(hint)}", err=True)
+    say_error(message, hint)
     return code
 
 

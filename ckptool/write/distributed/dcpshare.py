@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from ckptool.errors import CkptoolError
 from ckptool.read.reader import open_checkpoint
 from ckptool.write.convert.dcpwriter import ElsewhereError, check_values, write_dcp
 from ckptool.write.distributed.coordinate import Coordinator
@@ -27,8 +28,9 @@ from ckptool.write.fastcrc import crc_file_range
 from ckptool.write.sources import TensorSource
 
 
-def write_share(plan: Plan, coord: Coordinator, staging: Staging, tensors: TensorSource,
-                durable: bool, advance: Callable[[int], None]) -> dict[str, Any]:
+def write_share(plan: Plan, world: Any, coord: Coordinator, staging: Staging,
+                tensors: TensorSource, durable: bool,
+                advance: Callable[[int], None]) -> dict[str, Any]:
     """This rank's tensors through one ``dcp.save`` of every rank; then the
     values it wrote read back (every rank returns from ``dcp.save`` once the
     metadata is written). Another rank's failure inside ``dcp.save`` reaches
@@ -44,11 +46,20 @@ def write_share(plan: Plan, coord: Coordinator, staging: Staging, tensors: Tenso
         advance(done[0])
 
     record = RankFile(staging, rank, plan.size)
+    # every rank ready (or a failure heard) before the first collective call,
+    # which would wait for a rank that failed on its way there
+    coord.publish(f"dcp-ready/{rank}", "1")
+    for r in range(plan.size):
+        coord.wait_for(f"dcp-ready/{r}")
     try:
+        world.ensure_group()  # gloo: dcp.save is collective
         write_dcp(plan.job.written, tensors, str(staging.path), staging.target, durable, step,
                   crcs, names=[u.name for u in share], distributed=True, resume=record)
     except ElsewhereError as exc:
         raise coord.heard_from(exc.rank, exc) from exc
+    except RuntimeError as exc:  # gloo: a peer went away inside a collective call
+        raise coord.heard_from(None, CkptoolError(
+            f"a process stopped answering during dcp.save ({_first_line(exc)})")) from exc
     if record.reused:
         advance(nbytes)
     else:
@@ -131,3 +142,7 @@ def _result(plain: dict[str, Any]) -> Any:
     return WriteResult(MetadataIndex(plain["fqn"], offset, plain["index"]), plain["size"],
                        _StorageInfo(plain["file"], plain["at"], plain["length"],
                                     plain["transforms"]))
+
+
+def _first_line(exc: BaseException) -> str:
+    return (str(exc).strip().splitlines() or [type(exc).__name__])[0]

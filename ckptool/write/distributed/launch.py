@@ -2,12 +2,14 @@
 machine, started by torch's own elastic launcher (what ``torchrun
 --standalone --nproc-per-node N`` runs), not by a process pool of ours.
 
-The workers find themselves as torchrun's do (``world.detect``), inherit this
-process's stdout and stderr, and say their own errors. Here: the launcher's
-log kept quiet, ``OMP_NUM_THREADS=1`` unless the user set it (as torchrun
-does), and the outcome turned into ckptool's: 0 when all succeeded, the
-exit code of the worker that failed first, or ``RankFailedError`` when one
-died of a signal (nothing it could say itself).
+The workers find themselves as torchrun's do (``world.detect``: with
+``CKPTOOL_DISTRIBUTED=1``, whatever this process inherited), inherit its
+stdout and stderr, and say their own errors. Here: the launcher's log kept
+quiet, ``OMP_NUM_THREADS=1`` unless the user set it (as torchrun does), and
+the outcome turned into ckptool's: 0 when all succeeded, else the failure
+that is the cause (``_failed``): ``RankFailedError`` for a worker killed by a
+signal (nothing it could say itself), else the exit code of the worker that
+failed of itself, before those stopped because it did.
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ HANDLED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # the loggers of the agent, its rendezvous and its process contexts
 QUIET = ("torch.distributed.elastic", "torch.distributed.launcher")
 WORKER_COMMAND = ("-m", "ckptool")
+# how long the launcher waits after its SIGTERM before its SIGKILL
+# (``PContext.close(timeout=30)``)
+STOP_GRACE = 30
 
 
 def run_workers(n: int, argv: Sequence[str], *,
@@ -51,7 +56,8 @@ def run_workers(n: int, argv: Sequence[str], *,
 
     # the launcher's files (its error.json per rank) go where they are cleaned up
     with tempfile.TemporaryDirectory(prefix="ckptool-workers-") as logs, _quiet(), \
-            _environment(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1")), \
+            _environment(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
+                         CKPTOOL_DISTRIBUTED="1"), \
             _handlers_restored():
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
@@ -76,26 +82,32 @@ def run_workers(n: int, argv: Sequence[str], *,
 
 
 def _failed(exc: ChildFailedError, n: int) -> int:
-    """The exit code of the worker that failed first, or RankFailedError for
-    one that died of a signal.
+    """The exit code of the worker whose failure is the cause, or
+    RankFailedError for one that died of a signal.
 
-    torch's first failure is the first the launcher saw (by whole seconds,
-    then in the order seen). Among those it saw in that second, a death by
-    a signal other than the launcher's own SIGTERM (with which it stops the
-    rest) comes first: a worker killed (kill -9, the OOM killer) says
-    nothing, while the peer that lost it exits with a code of its own in
-    the same tenth of a second, and may be seen first.
+    By cause, not time (the others fail within the same second, and may be
+    seen first): a death by a signal other than SIGTERM and SIGINT (kill -9,
+    the OOM killer: it says nothing, its peers do); then an exit code of the
+    worker's own; then 130 (interrupted); then 4 (stopped because another
+    rank failed); last 143 and SIGTERM, with which the launcher stops the
+    rest, or its SIGKILL for one still running ``STOP_GRACE`` seconds later.
+    Among equals, the first the launcher saw.
     """
     failures = exc.failures
-    _, first = exc.get_first_failure()
+    first = min(failure.timestamp for failure in failures.values())
 
-    def precedence(failure: ProcessFailure) -> int:
+    def cause(failure: ProcessFailure) -> int:
         code = failure.exitcode
-        return 0 if code < 0 and code != -signal.SIGTERM else 1
+        if code == -signal.SIGKILL and failure.timestamp - first >= STOP_GRACE:
+            return 4  # the launcher's own SIGKILL after its SIGTERM
+        if code < 0 and code not in (-signal.SIGTERM, -signal.SIGINT):
+            return 0
+        return {130: 2, -signal.SIGINT: 2, 4: 3, 143: 4, -signal.SIGTERM: 4}.get(code, 1)
 
-    rank = min((r for r, failure in failures.items() if failure.timestamp == first.timestamp),
-               key=lambda r: precedence(failures[r]))
-    code = failures[rank].exitcode
+    # sorted() keeps the order seen among equals
+    rank, failure = sorted(failures.items(),
+                           key=lambda item: (cause(item[1]), item[1].timestamp))[0]
+    code = failure.exitcode
     if code >= 0:
         return int(code)
     try:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool import dtypes
+from ckptool.model import TensorInfo
 from ckptool.write.convert.job import Job, hf_files, hf_index
 from ckptool.write.convert.plan import Written
 
@@ -69,23 +70,27 @@ class Plan:
         return sum(u.nbytes for u in self.units)
 
     def rows(self) -> list[dict[str, Any]]:
-        """Per rank: what it writes and reads (``--dry-run``, ``--json``)."""
+        """Per rank: the files it writes into, its tensors, their bytes as
+        written (``tensor_bytes``: headers aside) and as read from the input
+        (``--dry-run``, ``--json``)."""
         out = []
         for rank in range(self.size):
             share = self.share(rank)
             if self.files:
                 names = list(dict.fromkeys(self.files[u.file].name for u in share))
-            else:
-                names = [f"__{rank}_0.distcp"] if share or rank == 0 else []
+            else:  # torch writes one for every rank, empty or not
+                names = [f"__{rank}_0.distcp"]
             out.append({"rank": rank, "files": names, "tensors": len(share),
-                        "bytes_written": sum(u.nbytes for u in share),
+                        "tensor_bytes": sum(u.nbytes for u in share),
                         "bytes_read": sum(u.read for u in share)})
         return out
 
     def fingerprint(self) -> str:
         """What the output depends on: the input's files (names, sizes,
-        times), the output's kind, files and tensors. (Where each unit lies
-        in its file is checked unit by unit when a run resumes.)"""
+        times), the output's kind, files and tensors, and where each tensor's
+        bytes come from in the input (``--weights module`` reads others than
+        the fp32 masters, of the same names and shapes). Where each unit lies
+        in its output file is checked unit by unit when a run resumes."""
         h = hashlib.sha256()
         job = self.job
         h.update(json.dumps([job.kind, _identity(job.source.directory
@@ -93,7 +98,7 @@ class Plan:
         for f in self.files:
             h.update(json.dumps([f.name, f.meta, f.written.aliases, f.written.paths and {
                 n: list(p) for n, p in f.written.paths.items()}], default=repr).encode())
-            h.update(json.dumps([[n, f.written.dtype(n), list(t.shape)]
+            h.update(json.dumps([[n, f.written.dtype(n), list(t.shape), _source(t)]
                                  for n, t in f.written.tensors.items()]).encode())
         if self.index is not None:
             h.update(self.index[1])
@@ -142,6 +147,13 @@ def assign(sizes: list[int], ranks: int) -> list[int]:
     for r in range(rank + 1, ranks + 1):
         bounds[r] = len(sizes)
     return bounds
+
+
+def _source(t: TensorInfo) -> list[object]:
+    """Where a tensor's bytes are read from."""
+    return [t.file, t.key, t.storage, t.storage_offset, t.dtype,
+            list(t.stride) if t.stride is not None else None,
+            [[c.file, c.byte_offset, c.byte_length] for c in t.chunks]]
 
 
 def _identity(path: str) -> list[object]:

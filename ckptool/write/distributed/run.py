@@ -21,18 +21,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import re
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
 
-from ckptool.errors import EXIT_RANK_FAILED, CkptoolError, InputError
+from ckptool.errors import EXIT_BAD_INPUT, InputError
 from ckptool.write.convert.directory import check_whole
 from ckptool.write.convert.job import Job, prepare
-from ckptool.write.distributed import dcpshare
+from ckptool.write.distributed import dcpshare, ending
 from ckptool.write.distributed import files as dist_files
-from ckptool.write.distributed.coordinate import RESUME, Coordinator, Failure
+from ckptool.write.distributed.coordinate import STORE_ERRORS, Coordinator, Failure
+from ckptool.write.distributed.ending import Say
 from ckptool.write.distributed.plan import Plan, make
 from ckptool.write.distributed.staging import Staging
 from ckptool.write.results import ConvertResult
@@ -41,55 +40,57 @@ from ckptool.write.sources import TensorSource
 Progress = Callable[[int, int], None]
 
 
-class Quiet(CkptoolError):
-    """This rank leaves without a word: rank 0 has said why."""
-
-    exit_code = EXIT_RANK_FAILED
-
-
 def plan_only(src: str, dst: str, ranks: int, **options: Any) -> Plan:
     """``--dry-run``: the plan of ``src`` into ``dst`` on ``ranks`` ranks."""
     return make(prepare(src, dst, **options), ranks)
 
 
-def convert(world: Any, src: str, dst: str, *, force: bool = False,
+def convert(world: Any, src: str, dst: str, *, say: Say, force: bool = False,
             progress: Progress | None = None, fsync: bool = False,
             **options: Any) -> ConvertResult | None:
     """This rank's part of converting ``src`` into ``dst`` (``options`` as
     ``convert.run.convert`` takes them). Returns the report on rank 0, None
-    on the others; raises ``Quiet`` where rank 0 says what failed."""
-    coord = Coordinator(world.store, world.rank, world.size,
-                        getattr(world, "node", socket.gethostname())).start()
+    on the others. A failure is said once, by rank 0 through ``say``, and
+    raised on every rank as ``Quiet`` with its exit code (``ending``)."""
+    coord = Coordinator(world.store, world.rank, world.size, world.node)
+    coord.say = say if world.rank == 0 else None
+    coord.start()
     start = time.monotonic()
+    stack = contextlib.ExitStack()  # what rank 0 holds until the end (the lock)
     try:
-        return _convert(coord, src, dst, force, progress, fsync, options, start)
-    except CkptoolError as exc:
-        raise _said(coord, exc) from exc
-    except BaseException as exc:  # Ctrl-C, an OSError...: said by this rank, heard by all
-        coord.handled.set()
-        if coord.failure is None:
-            said = "interrupted" if isinstance(exc, KeyboardInterrupt) else \
-                f"{type(exc).__name__}: {exc}"
-            with contextlib.suppress(RuntimeError, OSError):  # the store may be what failed
-                coord.fail(Failure(coord.rank, coord.node, said, RESUME,
-                                   130 if isinstance(exc, KeyboardInterrupt) else 3))
-        raise
+        return _convert(world, coord, stack, src, dst, force, progress, fsync, options, start)
+    except BaseException as exc:
+        err = ending.as_error(exc, coord, dst)
+        if err is None:  # a bug: heard by every rank, its traceback here
+            coord.handled.set()
+            with contextlib.suppress(*STORE_ERRORS):
+                coord.fail(Failure(coord.rank, coord.node, f"{type(exc).__name__}: {exc}",
+                                   "this is a bug in ckptool; its traceback is above",
+                                   EXIT_BAD_INPUT))
+            raise
+        raise ending.leave(coord, err, say) from exc
     finally:
         coord.close()
+        stack.close()
 
 
-def _convert(coord: Coordinator, src: str, dst: str, force: bool, progress: Progress | None,
-             fsync: bool, options: dict[str, Any], start: float) -> ConvertResult | None:
+def _convert(world: Any, coord: Coordinator, stack: contextlib.ExitStack[Any], src: str,
+             dst: str, force: bool, progress: Progress | None, fsync: bool,
+             options: dict[str, Any], start: float) -> ConvertResult | None:
     rank = coord.rank
     job = prepare(src, dst, **options)
     plan = make(job, coord.size)
     staging = Staging(dst, job.is_directory, force)
     if rank == 0:
         staging.check_target(job.source.directory or job.source.path)
+        staging.lock()  # released when this process ends, or at the end
+        stack.callback(staging.unlock)
     durable = fsync or (force and os.path.exists(dst))
-    coord.publish(f"plan/{rank}", plan.fingerprint())
+    coord.publish(f"plan/{rank}", f"{plan.fingerprint()} {coord.node}")
     if rank == 0:
-        prints = coord.gather("plan")
+        gathered = [p.partition(" ") for p in coord.gather("plan")]
+        coord.nodes = {r: node for r, (_, _, node) in enumerate(gathered)}
+        prints = [p for p, _, _ in gathered]
         odd = [r for r, p in enumerate(prints) if p != prints[0]]
         if odd:
             raise InputError(f"rank {odd[0]} planned another conversion than rank 0 (it sees "
@@ -114,7 +115,8 @@ def _convert(coord: Coordinator, src: str, dst: str, force: bool, progress: Prog
 
     with TensorSource(job.source) as tensors:
         if job.kind == "dcp":
-            report = dcpshare.write_share(plan, coord, staging, tensors, durable, advance)
+            report = dcpshare.write_share(plan, world, coord, staging, tensors, durable,
+                                          advance)
         else:
             report = dist_files.write_share(plan, rank, staging, tensors, durable, advance,
                                             resumed)
@@ -178,34 +180,3 @@ def _small_file(staging: Staging, name: str, data: bytes, durable: bool) -> None
             f.flush()
             os.fsync(f.fileno())
     os.replace(temp, staging.file(name))
-
-
-def _said(coord: Coordinator, exc: CkptoolError) -> CkptoolError:
-    """What this rank raises for ``exc``: said by rank 0 for every rank.
-    Rank 0 leaves last (under srun the store lives in its process)."""
-    coord.handled.set()
-    with contextlib.suppress(RuntimeError, OSError):  # the store may be gone with rank 0
-        if coord.failure is not None and coord.failure.rank != coord.rank:  # another failed
-            if coord.rank == 0:
-                coord.acknowledge()  # the failed rank lingers while this one says it
-                coord.wait_all_left()
-                return coord.stopped()
-            coord.leave()
-            return Quiet(str(exc))
-        code = getattr(exc, "exit_code", 3)
-        hint = exc.hint
-        if coord.staged:  # what the others wrote is kept for the re-run
-            hint = re.sub(r"(; )?nothing was (left half-)?written", "", hint)
-            hint = f"{hint}; {RESUME}" if hint else RESUME
-        coord.fail(Failure(coord.rank, coord.node, exc.message, hint, code))
-        if coord.rank == 0:
-            coord.acknowledge()
-            coord.wait_all_left()
-            exc.hint = hint
-            return exc
-        if coord.wait_acknowledged():
-            coord.leave()
-            quiet = Quiet(exc.message)
-            quiet.exit_code = code
-            return quiet
-    return coord.stopped() if coord.failure is not None else exc

@@ -20,6 +20,8 @@ what ``--force`` allows as ``AtomicDirectory`` does.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import secrets
@@ -36,7 +38,9 @@ Check = tuple[int, int, int]  # (offset, size, CRC)
 
 
 class Staging:
-    """``Staging(target, is_directory)``; rank 0 calls ``prepare``, the others ``join``."""
+    """``Staging(target, is_directory)``; rank 0 calls ``lock``, ``prepare``,
+    then ``commit`` and ``unlock``; the other ranks check that they ``sees``
+    the directory it prepared."""
 
     def __init__(self, target: str, is_directory: bool, force: bool = False) -> None:
         self.target = Path(target.rstrip("/") or target)
@@ -44,6 +48,9 @@ class Staging:
         self.force = force
         self.path = self.target.parent / f".{self.target.name}.ckptool-dist.partial"
         self.meta = self.path / ".ckptool"
+        self._lock: int | None = None
+        self._lock_path = self.path
+        self._done = False
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -61,9 +68,38 @@ class Staging:
                 raise UsageError(f"{self.target} exists and is not a directory",
                                  "remove it, or name another output")
             check_replaceable(self.target)  # --force replaces a checkpoint, nothing else
+        elif not self.is_directory and self.target.is_dir():
+            raise UsageError(f"{self.target} is a directory, and the output is one file",
+                             "name the output file, or give --format for a directory")
         if not self.target.parent.is_dir():
             raise InputError(f"cannot write {self.target}: {self.target.parent} is not a "
                              "directory", "create the directory first")
+
+    def lock(self) -> None:
+        """Rank 0, for the whole run: one conversion at a time into this
+        output (another one's rank 0 would remove this one's staging)."""
+        lock = self.target.parent / f".{self.target.name}.ckptool-dist.lock"
+        with naming(self.target):
+            try:
+                self._lock = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as exc:
+                raise output_error(self.target, exc) from exc
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            os.close(self._lock)
+            self._lock = None
+            raise UsageError(f"another convert is writing {self.target} (it holds {lock})",
+                             "wait for it to end, or name another output") from exc
+        self._lock_path = lock
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            if self._done:
+                with contextlib.suppress(OSError):
+                    os.unlink(self._lock_path)
+            os.close(self._lock)
+            self._lock = None
 
     def prepare(self, fingerprint: str) -> tuple[str, bool]:
         """Rank 0: the directory ready for this plan; returns (the token the
@@ -116,15 +152,22 @@ class Staging:
 
     def commit(self, name: str | None, durable: bool) -> None:
         """Rank 0, once every file is written and checked: the output into place."""
-        shutil.rmtree(self.meta)
         if durable:
             _fsync(self.path)
         if not self.is_directory:
             assert name is not None
             os.replace(self.path / name, self.target)
             shutil.rmtree(self.path, ignore_errors=True)
-        else:
-            replace_directory(self.path, self.target)
+        else:  # the manifests stay beside it until the output is in place
+            aside = self.path.with_name(self.path.name.removesuffix(".partial") + ".manifest")
+            os.rename(self.meta, aside)
+            try:
+                replace_directory(self.path, self.target)
+            except OSError:
+                os.rename(aside, self.meta)  # still resumable
+                raise
+            shutil.rmtree(aside, ignore_errors=True)
+        self._done = True
         if durable:
             _fsync(self.target.parent)
 

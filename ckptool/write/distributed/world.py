@@ -1,23 +1,31 @@
 """Where this process stands among the processes of a distributed convert,
 and joining them.
 
-``detect`` reads what the launcher said in the environment: ``torchrun`` (or
-``convert --workers N``, whose workers torch's elastic agent starts),
-any other ``env://`` launcher (``RANK``/``WORLD_SIZE``), or SLURM's ``srun``
-without torchrun (``SLURM_PROCID``/``SLURM_NTASKS``). It imports no torch.
-``join`` rendezvouses with the others through ``torch.distributed`` (public
-API: ``rendezvous("env://")``, then a gloo process group) and hands back a
-``World``: this rank, the number of ranks, and a key-value store all share.
-``alone_with`` makes a ``World`` of threads over one store, for tests.
+``detect`` reads what the launcher said in the environment (no torch):
+``torchrun`` (or ``convert --workers N``: torch's elastic agent), another
+``env://`` launcher (``RANK``/``WORLD_SIZE``), or a step of SLURM's ``srun``
+without torchrun; ``CKPTOOL_DISTRIBUTED=0`` says "a plain process" whatever
+they say (a ckptool run by a training job inherits its ``RANK``...). ``join``
+meets the others (``torch.distributed.rendezvous("env://")``, every rank
+counted in on its store) and hands back a ``World``: this rank, the number of
+ranks, a key-value store all share, scoped to the attempt (torchrun
+``--max-restarts`` keeps one store for all). ``World.ensure_group`` makes the
+gloo group only ``dcp.save`` needs; the other outputs coordinate through the
+store. A rank left waiting says so on stderr after 10 s, then every minute,
+and gives up after ``CKPTOOL_JOIN_TIMEOUT`` seconds (1800). ``alone_with``:
+a ``World`` of threads over one store, for tests.
 
-Under SLURM the rendezvous is rank 0's host and a port derived from the job
-id exactly as Lightning's ``SLURMEnvironment`` does
-(``src/lightning/fabric/plugins/environments/slurm.py``, ``main_port``: the
-last four characters of ``SLURM_JOB_ID`` plus 15000, 12910 without a job id,
-``MASTER_PORT`` when set), so that a job launched for Lightning and one for
-ckptool agree. Where Lightning takes the first host of ``SLURM_NODELIST`` with
-two regular expressions (``resolve_root_node_address``), ``expand_nodelist``
-expands the list as ``scontrol show hostnames`` does.
+srun(1), OUTPUT ENVIRONMENT VARIABLES: a task of a step has ``SLURM_STEP_ID``
+("the step ID of the current job"), ``SLURM_STEP_NUM_TASKS`` ("number of
+processes in the step"), ``SLURM_STEP_NODELIST`` ("list of nodes allocated to
+the step"), first here (a step may use part of the allocation); a salloc
+shell or a batch script has ``SLURM_PROCID=0``, the job's ``SLURM_NTASKS``,
+no step, and is one process. Rank 0's host and the port are Lightning's
+(``SLURMEnvironment.main_port``, ``src/lightning/fabric/plugins/
+environments/slurm.py``: the job id's last four characters plus 15000, 12910
+without one, ``MASTER_PORT`` when set), so that ckptool and a Lightning job
+agree; ``expand_nodelist`` expands a node list as ``scontrol show hostnames``
+does, where Lightning uses two regular expressions.
 """
 
 from __future__ import annotations
@@ -28,18 +36,21 @@ import re
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping
+import threading
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from itertools import product
 from typing import Any
 
 from ckptool.errors import UsageError
+from ckptool.write.distributed.nodelist import expand_nodelist  # (world.expand_nodelist)
 
 # Lightning's SLURMEnvironment.main_port: job id's last 4 digits + 15000
 SLURM_PORT_BASE = 15000
 SLURM_PORT_WITHOUT_JOB = 12910
+JOIN_TIMEOUT = 1800.0  # seconds, unless CKPTOOL_JOIN_TIMEOUT says otherwise
+SAY_WAITING_AFTER, SAY_WAITING_EVERY = 10.0, 60.0  # seconds
 
 
 @dataclass(frozen=True)
@@ -58,12 +69,20 @@ class Launch:
 def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
     """The launch this process is part of, or None for a plain process.
 
+    ``CKPTOOL_DISTRIBUTED=0``: None (1 or unset: look; else a UsageError).
     ``RANK`` set: torchrun (``TORCHELASTIC_RUN_ID`` set too; a Launch even for
     one process) or another env:// launcher (one process is a plain one).
-    Else ``SLURM_PROCID`` with ``SLURM_NTASKS`` > 1: a task of ``srun``; one
-    task is a plain process, so that ckptool run by hand inside an allocation
-    is not distributed. Malformed values are a UsageError naming the variable.
+    Else ``SLURM_PROCID`` in an srun step (``SLURM_STEP_ID``) of more than one
+    task (``SLURM_STEP_NUM_TASKS``, else ``SLURM_NTASKS``): one task is a
+    plain process. Malformed values are a UsageError naming the variable.
     """
+    opted = environ.get("CKPTOOL_DISTRIBUTED", "").strip()
+    if opted not in ("", "0", "1"):
+        raise UsageError(f"CKPTOOL_DISTRIBUTED={opted!r}: expected 0 or 1",
+                         hint="CKPTOOL_DISTRIBUTED=0 runs ckptool as one plain process "
+                         "whatever the launcher's variables (RANK, SLURM_PROCID) say")
+    if opted == "0":
+        return None
     node = environ.get("SLURMD_NODENAME") or socket.gethostname()
     if "RANK" in environ:
         launcher = "torchrun" if environ.get("TORCHELASTIC_RUN_ID") else "env"
@@ -81,11 +100,13 @@ def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
                              "port on it, or launch with torchrun")
         port = _port(environ, "MASTER_PORT", None)
         return Launch(rank, size, local_rank, launcher, addr, port, node)
-    if "SLURM_PROCID" not in environ or "SLURM_NTASKS" not in environ:
-        return None
-    size = _number(environ, "SLURM_NTASKS", None, low=1,
+    tasks = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if n in environ), "")
+    if "SLURM_PROCID" not in environ or not tasks or \
+            not environ.get("SLURM_STEP_ID", "").strip().isdigit():
+        return None  # no srun step: a salloc shell, a batch script, no SLURM
+    size = _number(environ, tasks, None, low=1,
                    hint="run ckptool under srun, which sets it to the number of tasks")
-    rank = _rank(environ, "SLURM_PROCID", size, "SLURM_NTASKS")
+    rank = _rank(environ, "SLURM_PROCID", size, tasks)
     if size == 1:
         return None
     local_rank = _number(environ, "SLURM_LOCALID", 0, low=0)
@@ -94,36 +115,49 @@ def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
     return Launch(rank, size, local_rank, "slurm", addr, port, node)
 
 
-def expand_nodelist(text: str) -> list[str]:
-    """The host names of a SLURM node list, as ``scontrol show hostnames``
-    gives them: ``node[01-03,07],gpu-a,rack[1-2]-n[3-4]`` is node01, node02,
-    node03, node07, gpu-a, rack1-n3, rack1-n4, rack2-n3, rack2-n4. A range
-    keeps the width of its low end (``[08-10]``: 08, 09, 10). ValueError for
-    what is no node list (an unclosed bracket, a range that runs backwards).
-    """
-    hosts: list[str] = []
-    for word in _split_top(text.strip()):
-        parts = re.split(r"(\[[^\[\]]*\])", word)
-        if any(c in part for part in parts[::2] for c in "[]"):
-            raise ValueError(f"unbalanced brackets in {word!r}")
-        choices = [[part] if i % 2 == 0 else _expand_group(part[1:-1], word)
-                   for i, part in enumerate(parts)]
-        hosts.extend("".join(pick) for pick in product(*choices))
-    if not hosts:
-        raise ValueError("no host in the node list")
-    return hosts
-
-
 @dataclass
 class World:
     """This rank among ``size`` ranks, and the store they share."""
 
     rank: int
     size: int
-    store: Any  # a torch.distributed Store; a PrefixStore "ckptool/" over the rendezvous's
+    store: Any  # a torch.distributed Store: PrefixStore "ckptool/attempt{n}" over the rendezvous's
     launch: Launch | None
     node: str
+    _group_store: Any = field(default=None, repr=False)  # "pg/attempt{n}"; None: alone_with
+    _timeout: float = field(default=JOIN_TIMEOUT, repr=False)
     _owns_group: bool = field(default=False, repr=False)
+
+    def ensure_group(self) -> None:
+        """Make the gloo process group over the store, once: collective, every
+        rank calls it at the same point. A group made already (by this World,
+        or by the program that runs ckptool) is the one. A failure to connect
+        is a one-line UsageError."""
+        import torch.distributed as dist
+
+        if self._owns_group or dist.is_initialized():
+            return
+        if self._group_store is None or self.launch is None:
+            raise AssertionError("a World of alone_with has no process group: run its ranks "
+                                 "as processes (join) for a DCP output")
+        where = f"{self.launch.master_addr}:{self.launch.master_port}"
+        with _stderr_held():
+            try:
+                dist.init_process_group("gloo", store=self._group_store, rank=self.rank,
+                                        world_size=self.size,
+                                        timeout=timedelta(seconds=self._timeout))
+            except (RuntimeError, ValueError) as exc:
+                raise UsageError(
+                    f"rank {self.rank} of {self.size} met the others at {where} "
+                    f"({self.launch.launcher}) but gloo could not connect them: "
+                    f"{_first_line(exc)}",
+                    hint="gloo connects every pair of ranks on the interface this host's "
+                    "name resolves to: set GLOO_SOCKET_IFNAME to the network interface the "
+                    "machines share (e.g. eth0)") from None
+        self._owns_group = True
+        # a process that exits with its gloo group alive aborts in the C++
+        # teardown ("terminate called without an active exception", exit 134)
+        atexit.register(self.close)
 
     def close(self) -> None:
         """Destroy the process group if this World made it; again, nothing."""
@@ -137,47 +171,57 @@ class World:
             dist.destroy_process_group()
 
 
-def join(launch: Launch, timeout: float = 1800.0) -> World:
-    """Rendezvous with the other ranks and make the gloo process group.
+def join(launch: Launch, timeout: float | None = None) -> World:
+    """Meet the other ranks: the rendezvous, then every rank counted in on the
+    store (its keys, and the group's, scoped to the attempt of torchrun).
 
-    A failure to meet them (nobody listening within ``timeout`` seconds, the
-    port taken) is a one-line UsageError naming MASTER_ADDR:MASTER_PORT and
-    the launcher. UsageError rather than InputError: nothing read was wrong,
-    it is how the processes were launched (their address, their port, their
-    number) that needs changing, as for any other command-line mistake.
+    ``timeout`` (seconds): ``CKPTOOL_JOIN_TIMEOUT``'s unless given. A failure
+    to meet them (not all there in time, the port taken) is a one-line
+    UsageError naming MASTER_ADDR:MASTER_PORT and the launcher: UsageError
+    rather than InputError, as nothing read was wrong; it is how the
+    processes were launched (their address, port, number) that needs
+    changing, as for any other command-line mistake.
     """
+    if timeout is None:
+        timeout = join_timeout()
+    attempt = _number(os.environ, "TORCHELASTIC_RESTART_COUNT", 0, low=0)
     if launch.launcher == "slurm":
         for name, value in (("MASTER_ADDR", launch.master_addr),
                             ("MASTER_PORT", launch.master_port), ("RANK", launch.rank),
                             ("WORLD_SIZE", launch.size), ("LOCAL_RANK", launch.local_rank)):
             os.environ.setdefault(name, str(value))
+    if "torch" not in sys.modules:  # read once, as libc10 loads: no C++ stack dumps
+        os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")  # when rank 0's store goes
     import torch.distributed as dist
 
     wait = timedelta(seconds=timeout)
     where = f"{launch.master_addr}:{launch.master_port}"
     # c10d logs each failed try with its C++ stack on fd 2, beside the
     # exception it raises: held back, and said as one line if it fails
-    with _stderr_held():
+    with _stderr_held() as say, _saying_waiting(say, f"ckptool: waiting for {launch.size - 1} "
+                                                f"processes at {where} ({launch.launcher}) ..."):
         try:
             store, rank, size = next(dist.rendezvous("env://", timeout=wait))
+            scoped = dist.PrefixStore(f"ckptool/attempt{attempt}", store)
+            if scoped.add("world/arrived", 1) == size:
+                scoped.set("world/met", "1")
+            scoped.wait(["world/met"], wait)
         except (RuntimeError, ValueError) as exc:
             raise _meeting_failed(launch, where, exc, timeout) from None
-        try:
-            dist.init_process_group("gloo", store=dist.PrefixStore("pg", store), rank=rank,
-                                    world_size=size, timeout=wait)
-        except (RuntimeError, ValueError) as exc:
-            raise UsageError(
-                f"rank {rank} of {size} met the others at {where} ({launch.launcher}) but "
-                f"gloo could not connect them: {_first_line(exc)}",
-                hint="gloo connects every pair of ranks on the interface this host's name "
-                "resolves to: set GLOO_SOCKET_IFNAME to the network interface the machines "
-                "share (e.g. eth0)") from None
-    world = World(rank, size, dist.PrefixStore("ckptool", store), launch, launch.node,
-                  _owns_group=True)
-    # a process that exits with its gloo group alive aborts in the C++
-    # teardown ("terminate called without an active exception", exit 134)
-    atexit.register(world.close)
-    return world
+    return World(rank, size, scoped, launch, launch.node,
+                 _group_store=dist.PrefixStore(f"pg/attempt{attempt}", store), _timeout=timeout)
+
+
+def join_timeout(environ: Mapping[str, str] = os.environ) -> float:
+    """``CKPTOOL_JOIN_TIMEOUT`` in seconds (a positive number), else 1800."""
+    text = environ.get("CKPTOOL_JOIN_TIMEOUT", "").strip()
+    if not text:
+        return JOIN_TIMEOUT
+    if not re.fullmatch(r"\d+(\.\d*)?|\.\d+", text) or float(text) <= 0:
+        raise UsageError(f"CKPTOOL_JOIN_TIMEOUT={text!r}: expected a number of seconds above 0",
+                         hint="CKPTOOL_JOIN_TIMEOUT is how long a process waits for the "
+                         f"others to start (default {JOIN_TIMEOUT:g})")
+    return float(text)
 
 
 def alone_with(store: Any, rank: int, size: int) -> World:
@@ -232,7 +276,7 @@ def _slurm_port(environ: Mapping[str, str]) -> int:
 
 
 def _first_host(environ: Mapping[str, str]) -> str:
-    for name in ("SLURM_JOB_NODELIST", "SLURM_NODELIST"):
+    for name in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST", "SLURM_NODELIST"):
         text = environ.get(name, "").strip()
         if text:
             try:
@@ -240,43 +284,9 @@ def _first_host(environ: Mapping[str, str]) -> str:
             except ValueError as exc:
                 raise UsageError(f"{name}={text!r} is no SLURM node list: {exc}",
                                  hint="set MASTER_ADDR to rank 0's host") from None
-    raise UsageError("SLURM_JOB_NODELIST is not set: SLURM_NTASKS says this is one of several "
+    raise UsageError("SLURM_STEP_NODELIST is not set: SLURM_PROCID says this is one of several "
                      "tasks, but not where rank 0 listens",
                      hint="run ckptool under srun inside an allocation, or set MASTER_ADDR")
-
-
-def _split_top(text: str) -> Iterator[str]:
-    """Words of a node list: split at commas and spaces outside brackets."""
-    depth, start = 0, 0
-    for i, char in enumerate(text + ","):
-        if char == "[":
-            depth += 1
-            if depth > 1:
-                raise ValueError("nested brackets")
-        elif char == "]":
-            depth -= 1
-            if depth < 0:
-                raise ValueError("a ']' without its '['")
-        elif (char == "," or char.isspace()) and depth == 0:
-            if text[start:i]:
-                yield text[start:i]
-            start = i + 1
-    if depth:
-        raise ValueError("a '[' without its ']'")
-
-
-def _expand_group(inner: str, word: str) -> list[str]:
-    """``01-03,07`` -> 01, 02, 03, 07."""
-    values: list[str] = []
-    for item in inner.split(","):
-        match = re.fullmatch(r"\s*(\d+)(?:-(\d+))?\s*", item)
-        if not match:
-            raise ValueError(f"[{inner}] in {word!r} is not numbers and ranges")
-        low, high = match.group(1), match.group(2) or match.group(1)
-        if int(high) < int(low):
-            raise ValueError(f"the range {item.strip()} in {word!r} runs backwards")
-        values.extend(str(n).zfill(len(low)) for n in range(int(low), int(high) + 1))
-    return values
 
 
 def _first_line(exc: BaseException) -> str:
@@ -292,36 +302,62 @@ def _meeting_failed(launch: Launch, where: str, exc: BaseException,
                 "a free port" + (" (under SLURM it comes from the job id, and jobs sharing a "
                                  "node can collide)" if launch.launcher == "slurm" else ""))
     else:
-        hint = (f"start all {launch.size} processes (within {timeout:g} s of each other) with "
-                f"the same MASTER_ADDR and MASTER_PORT, where rank 0 runs and the others can "
-                f"reach it")
+        hint = (f"start all {launch.size} processes (within {timeout:g} s of each other: "
+                f"CKPTOOL_JOIN_TIMEOUT) with the same MASTER_ADDR and MASTER_PORT, where rank "
+                f"0 runs and the others can reach it")
     return UsageError(f"rank {launch.rank} of {launch.size} could not meet the others at "
                       f"{where} ({launch.launcher}): {said}", hint=hint)
 
 
 @contextmanager
-def _stderr_held() -> Iterator[None]:
+def _stderr_held() -> Iterator[Callable[[str], None]]:
     """fd 2 into a temporary file while torch connects: written back once it
-    succeeded, dropped when it failed (the error says it in one line)."""
+    succeeded, dropped when it failed (the error says it in one line). What
+    ckptool says meanwhile (the function yielded) goes to stderr at once."""
     sys.stderr.flush()
     try:
         saved = os.dup(2)
-    except OSError:  # no stderr at all: nothing to hold
-        yield
+    except OSError:  # no stderr at all: nothing to hold, nobody to tell
+        yield lambda line: None
         return
     try:
         with tempfile.TemporaryFile() as kept:
             os.dup2(kept.fileno(), 2)
             failed = True
             try:
-                yield
+                yield lambda line: _write_all(saved, f"{line}\n".encode())
                 failed = False
             finally:
                 sys.stderr.flush()
                 os.dup2(saved, 2)
                 if not failed:
                     kept.seek(0)
-                    with os.fdopen(os.dup(2), "wb") as out:
-                        out.write(kept.read())
+                    _write_all(2, kept.read())
     finally:
         os.close(saved)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+@contextmanager
+def _saying_waiting(say: Callable[[str], None], line: str) -> Iterator[None]:
+    """``line`` said after SAY_WAITING_AFTER seconds, then every
+    SAY_WAITING_EVERY, until the block ends; nothing if it ends before."""
+    done = threading.Event()
+
+    def run() -> None:
+        delay = SAY_WAITING_AFTER
+        while not done.wait(delay):
+            say(line)
+            delay = SAY_WAITING_EVERY
+
+    thread = threading.Thread(target=run, name="ckptool-join-waiting", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()

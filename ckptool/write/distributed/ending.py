@@ -1,0 +1,114 @@
+"""How a rank of a distributed convert leaves when something failed: the
+failure turned into one error, recorded for every rank, said once by rank
+0, and every rank's exit code the failure's own.
+
+- This rank's own error (bad input, a full disk, Ctrl-C, a bug) is
+  recorded as the job's failure unless another came first.
+- Rank 0 prints the first failure (naming the rank it came from), tells
+  the others (``said``), and leaves last: under srun the store lives in its
+  process.
+- Every other rank waits for ``said`` and leaves with the failure's code
+  and without a word; if rank 0 cannot speak (it is gone), the rank whose
+  failure it was says it itself.
+- SIGTERM (torchrun or ``--workers`` stopping the job because one process
+  exited; ``scancel``; a time limit) is said by rank 0 alone, at once: the
+  launcher will not wait.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from ckptool.errors import EXIT_INTERRUPTED, EXIT_RANK_FAILED, CkptoolError
+from ckptool.write.distributed.coordinate import RESUME, STORE_ERRORS, Coordinator, Failure
+from ckptool.write.failures import is_output_error, output_error
+
+Say = Callable[[CkptoolError], None]
+EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
+
+
+class Quiet(CkptoolError):
+    """This rank leaves without a word (rank 0 said why, or will not be heard)."""
+
+    exit_code = EXIT_RANK_FAILED
+
+    def __init__(self, code: int) -> None:
+        super().__init__("")
+        self.exit_code = code
+
+
+class Terminated(CkptoolError):
+    """SIGTERM: the launcher, the scheduler or a user stopped this process."""
+
+    exit_code = EXIT_TERMINATED
+
+
+def as_error(exc: BaseException, coord: Coordinator, target: str) -> CkptoolError | None:
+    """``exc`` as the one-line error it is said as; None for a bug (its
+    traceback is worth more than a line)."""
+    if isinstance(exc, CkptoolError):
+        return exc
+    if isinstance(exc, KeyboardInterrupt):
+        err = CkptoolError("interrupted", RESUME if coord.staged else "")
+        err.exit_code = EXIT_INTERRUPTED
+        return err
+    if isinstance(exc, OSError) and is_output_error(exc, (Path(target),)):
+        return output_error(Path(target), exc)
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return CkptoolError(f"{where}{exc.strerror or exc}",
+                            "check that the path is readable, and free space")
+    if isinstance(exc, STORE_ERRORS):  # a store or gloo call whose peer is gone
+        return coord.stopped() if coord.failure is not None else CkptoolError(
+            f"lost the other processes: {str(exc).strip().splitlines()[0] if str(exc) else exc}",
+            RESUME)
+    return None
+
+
+def leave(coord: Coordinator, err: CkptoolError, say: Say) -> CkptoolError:
+    """What this rank raises for ``err``: ``Quiet`` everywhere once the
+    failure is said."""
+    coord.handled.set()
+    if isinstance(err, Terminated):
+        if coord.rank == 0:
+            say(err)
+        return Quiet(err.exit_code)
+    with contextlib.suppress(*STORE_ERRORS):  # the store may be gone with rank 0
+        failure = coord.failure
+        if failure is None or failure.rank == coord.rank:  # this rank's own
+            failure = coord.fail(Failure(coord.rank, coord.node, err.message,
+                                         _hint(err, coord), err.exit_code))
+        if coord.rank == 0:
+            if failure.rank == 0 and failure.message == err.message:  # its own, as raised
+                err.hint = failure.hint
+                say(err)
+            else:
+                say(failure.error(coord.size, prefix=failure.message != "interrupted"))
+            coord.said()
+            coord.wait_all_left()
+            return Quiet(failure.code)
+        heard = coord.wait_said()
+        if heard:
+            coord.leave()
+            return Quiet(failure.code)
+        if failure.rank == coord.rank:  # rank 0 is gone: said here, by the rank it concerns
+            say(failure.error(coord.size))
+        return Quiet(failure.code)
+    if coord.failure is not None and coord.failure.rank == coord.rank:
+        say(coord.failure.error(coord.size))
+    elif coord.failure is None:
+        say(err)
+    return Quiet(coord.failure.code if coord.failure is not None else err.exit_code)
+
+
+def _hint(err: CkptoolError, coord: Coordinator) -> str:
+    """``err``'s hint, with the way to resume once the staging directory is there."""
+    hint = err.hint
+    if not coord.staged or err.exit_code == EXIT_INTERRUPTED:
+        return hint
+    hint = re.sub(r"(;\s*)?(this is a bug in ckptool; )?nothing was "
+                  r"(left half-written|written|committed)", "", hint).strip("; ")
+    return f"{hint}; {RESUME}" if hint else RESUME
