@@ -382,7 +382,7 @@ def test_nobody_listening_is_one_line(monkeypatch: pytest.MonkeyPatch,
     assert "start all 2 processes (within 1.2 s of each other" in caught.value.hint
     said = capfd.readouterr().err.splitlines()
     assert len(said) >= 2  # (c10d gives up a little after the timeout)
-    assert set(said) == {f"ckptool: waiting for 1 processes at 127.0.0.1:{port} (slurm) ..."}
+    assert set(said) == {f"ckptool: waiting for 1 process at 127.0.0.1:{port} (slurm) ..."}
 
 
 def test_a_malformed_join_timeout(monkeypatch: pytest.MonkeyPatch) -> None:

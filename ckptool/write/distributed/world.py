@@ -102,7 +102,7 @@ def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
         return Launch(rank, size, local_rank, launcher, addr, port, node)
     tasks = next((n for n in ("SLURM_STEP_NUM_TASKS", "SLURM_NTASKS") if n in environ), "")
     if "SLURM_PROCID" not in environ or not tasks or \
-            not environ.get("SLURM_STEP_ID", "").strip().isdigit():
+            not re.fullmatch(r"[0-9]+", environ.get("SLURM_STEP_ID", "").strip()):
         return None  # no srun step: a salloc shell, a batch script, no SLURM
     size = _number(environ, tasks, None, low=1,
                    hint="run ckptool under srun, which sets it to the number of tasks")
@@ -198,8 +198,9 @@ def join(launch: Launch, timeout: float | None = None) -> World:
     where = f"{launch.master_addr}:{launch.master_port}"
     # c10d logs each failed try with its C++ stack on fd 2, beside the
     # exception it raises: held back, and said as one line if it fails
-    with _stderr_held() as say, _saying_waiting(say, f"ckptool: waiting for {launch.size - 1} "
-                                                f"processes at {where} ({launch.launcher}) ..."):
+    others = f"{launch.size - 1} process{'es' if launch.size > 2 else ''}"
+    with _stderr_held() as say, _saying_waiting(say, f"ckptool: waiting for {others} at {where} "
+                                                f"({launch.launcher}) ..."):
         try:
             store, rank, size = next(dist.rendezvous("env://", timeout=wait))
             scoped = dist.PrefixStore(f"ckptool/attempt{attempt}", store)
