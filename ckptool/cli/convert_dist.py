@@ -6,6 +6,7 @@ torchrun, srun or ``--workers`` (``ckptool.write.distributed``), where rank
 
 from __future__ import annotations
 
+import os
 import signal
 from types import FrameType
 from typing import Any
@@ -75,7 +76,8 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
     every rank exits with its code. SIGTERM (the launcher stopping the job,
     ``scancel``) is said by rank 0 and ends every rank at once."""
     from ckptool.write.distributed import world
-    from ckptool.write.distributed.ending import Quiet, Terminated
+    from ckptool.write.distributed.ending import EXIT_TERMINATED, Quiet, Terminated
+    from ckptool.write.distributed.launch import WORKERS_SAY_SIGNALS
     from ckptool.write.distributed.run import convert
 
     if launch is None:
@@ -87,6 +89,8 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
     rank = joined.rank
 
     def terminated(signum: int, frame: FrameType | None) -> None:
+        if os.environ.get(WORKERS_SAY_SIGNALS):  # --workers: its process says what ended
+            raise Quiet(EXIT_TERMINATED)
         raise Terminated("stopped by SIGTERM: the launcher or the scheduler stopped the job "
                          "(another process failed, or it was cancelled or ran out of time)",
                          RESUME)

@@ -72,6 +72,8 @@ def leave(coord: Coordinator, err: CkptoolError, say: Say) -> CkptoolError:
     """What this rank raises for ``err``: ``Quiet`` everywhere once the
     failure is said."""
     coord.handled.set()
+    if isinstance(err, Quiet):  # nothing to say (the --workers process says it)
+        return err
     if isinstance(err, Terminated):
         if coord.rank == 0:
             say(err)

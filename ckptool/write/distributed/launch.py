@@ -35,6 +35,9 @@ HANDLED = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
 # the loggers of the agent, its rendezvous and its process contexts
 QUIET = ("torch.distributed.elastic", "torch.distributed.launcher")
 WORKER_COMMAND = ("-m", "ckptool")
+# set for the workers: this process says how a worker killed by a signal
+# ended, so their rank 0 need not say that the launcher stopped it
+WORKERS_SAY_SIGNALS = "CKPTOOL_WORKERS_PARENT"
 # how long the launcher waits after its SIGTERM before its SIGKILL
 # (``PContext.close(timeout=30)``)
 STOP_GRACE = 30
@@ -57,7 +60,7 @@ def run_workers(n: int, argv: Sequence[str], *,
     # the launcher's files (its error.json per rank) go where they are cleaned up
     with tempfile.TemporaryDirectory(prefix="ckptool-workers-") as logs, _quiet(), \
             _environment(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                         CKPTOOL_DISTRIBUTED="1"), \
+                         CKPTOOL_DISTRIBUTED="1", **{WORKERS_SAY_SIGNALS: "1"}), \
             _handlers_restored():
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
