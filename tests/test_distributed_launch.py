@@ -168,7 +168,7 @@ def test_workers_killed_mid_way_then_resumed(tmp_path: Path) -> None:
     src = tmp_path / "src"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save({f"t{i}": torch.randn(1024, 1024, generator=g) for i in range(24)},
+        dcp.save({f"t{i}": torch.randn(1024, 1024, generator=g) for i in range(12)},
                  checkpoint_id=src, no_dist=True)
     out = tmp_path / "out.safetensors"
     args = [sys.executable, "-m", "ckptool", "convert", str(src), str(out), "--dtype", "bf16",
