@@ -227,8 +227,10 @@ class Coordinator:
         self.store.set("said", "1")
 
     def wait_said(self) -> bool:
-        """A rank other than 0: whether rank 0 printed the failure within the grace period."""
-        deadline = time.monotonic() + GRACE
+        """A rank other than 0: whether rank 0 printed the failure in time
+        (twice the grace period: rank 0 may be stuck in a collective call
+        for one, and speak once it gives up on it)."""
+        deadline = time.monotonic() + 2 * GRACE
         while time.monotonic() < deadline:
             try:
                 if self.store.check(["said"]):
