@@ -39,7 +39,7 @@ from ckptool.errors import (
 
 # command name -> the module whose ``command`` it is
 COMMANDS = {name: f"ckptool.cli.{name}" for name in (
-    "browse", "convert", "devices", "diagnose", "diff", "explain", "fix", "inspect")}
+    "browse", "convert", "devices", "diagnose", "diff", "explain", "fix", "inspect", "verify")}
 
 
 class LazyGroup(click.Group):

@@ -1,0 +1,12 @@
+"""``ckptool verify``: is a checkpoint whole and sane, in every layout.
+
+- ``problems``: what verify reports (``Problem``, ``Report``);
+- ``structure``: everything the files say about themselves, per layout
+  (sizes, coverage, zip CRC-32, pickles and headers that parse), with
+  ``zipcheck``, ``files``, ``hfindex``, ``dcpcheck`` and ``layouts``;
+- ``hfcache``: a Hugging Face cache snapshot's blobs against their names;
+- ``values``: NaN, Inf, all-zero and identical tensors (``--values``);
+- ``digest``, ``manifest``: per-tensor digests and manifests.
+
+Imports nothing: each module is imported where it is used.
+"""

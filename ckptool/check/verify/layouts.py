@@ -1,0 +1,178 @@
+"""Which layout a path holds, and which files it names, for verify: what
+``ckptool.read.layouts.recognise`` says, and, where it refuses a directory
+that is damaged, what can still be checked there (a DCP directory whose
+``.metadata`` is no pickle, files saved per rank with one rank missing,
+each checkpoint file of the directory alone).
+
+Refusals that say the path is no checkpoint at all (or one ckptool cannot
+read) are left to raise: verify exits 3 on them.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ckptool.check.verify.problems import HEADER, MISMATCH, MISSING_FILE, Problem, classify
+from ckptool.errors import CorruptCheckpointError, InputError
+from ckptool.read.formats.safetensors_fmt import SAFETENSORS
+from ckptool.read.layouts import recognise
+from ckptool.read.layouts.names import (
+    DATA_FILE,
+    DEEPSPEED_FILE,
+    INDEX_NAME,
+    MAX_SNIFFED,
+    METADATA,
+    RANK_METADATA,
+    RANK_NAME,
+    is_checkpoint_file,
+    listing,
+)
+from ckptool.read.layouts.recognise import (
+    DCP,
+    DEEPSPEED,
+    FILE,
+    HF,
+    HF_STORAGE,
+    PER_RANK,
+    Layout,
+)
+
+ALONE = "alone"  # files checked one by one: the directory's layout is refused
+WORLD_SIZE = re.compile(r"world_size_(\d+)")
+# the format names a layout's reader gives (Checkpoint.format), when it cannot be read
+FORMATS = {DCP: "dcp", DEEPSPEED: "deepspeed", PER_RANK: "dtensor-ranks",
+           HF_STORAGE: "hf-storage"}
+
+
+def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
+    """``path``'s layout (None: one file), and what is wrong that made
+    ``recognise`` refuse it, with the layout verify checks instead."""
+    try:
+        layout = recognise.recognise(path)
+        if layout is not None and layout.kind == PER_RANK:
+            missing = missing_ranks(layout)
+            if missing:  # its reader would say it less well: each file alone
+                return Layout(ALONE, path, path, metadata=layout.metadata), missing
+        return layout, []
+    except CorruptCheckpointError as exc:
+        if not os.path.isdir(path):
+            raise
+        return _damaged(path, exc)
+    except InputError:
+        if os.path.isdir(path):
+            gap = _rank_gap(path)
+            if gap is not None:
+                return gap
+        raise
+
+
+def _damaged(path: str, exc: CorruptCheckpointError) -> tuple[Layout, list[Problem]]:
+    files = sorted(n for n in listing(path) if os.path.isfile(os.path.join(path, n)))
+    metadata = [n for n in files if n == METADATA or RANK_METADATA.match(n)]
+    if metadata:  # a .metadata that is no pickle: the DCP check says so, naming it
+        return Layout(DCP, path, path, metadata=tuple(metadata)), []
+    message = exc.message.removeprefix(f"{path}: ")
+    if any(DATA_FILE.match(n) for n in files):
+        problem = Problem(MISSING_FILE, message, METADATA)
+    else:
+        named = next((n for n in files if n in message and INDEX_NAME.search(n)), None)
+        message = message.replace(os.path.join(path, ""), "")
+        if named is not None:
+            message = message.removeprefix(f"{named} ").removeprefix("is ")
+        problem = Problem(HEADER if named else classify(message, MISMATCH), message, named)
+    return Layout(ALONE, path, path, index=named,
+                  metadata=tuple(_checkpoint_files(path, files))), [problem]
+
+
+def _checkpoint_files(path: str, files: list[str]) -> list[str]:
+    return [n for n in files[:MAX_SNIFFED] if is_checkpoint_file(os.path.join(path, n))]
+
+
+def _rank_gap(path: str) -> tuple[Layout, list[Problem]] | None:
+    """Files named by rank (``model_world_size_4_rank_0.pt``) whose ranks
+    leave a gap (``recognise`` refuses them): the ranks missing, and the
+    others checked alone."""
+    files = _checkpoint_files(path, sorted(listing(path)))
+    groups: dict[str, dict[int, str]] = {}
+    for name in files:
+        m = RANK_NAME.match(name)
+        if m:
+            groups.setdefault(m.group("stem"), {})[int(m.group("rank"))] = name
+    if not groups or sum(len(g) for g in groups.values()) != len(files):
+        return None
+    problems = [p for stem, ranks in sorted(groups.items()) for p in _missing(stem, ranks)]
+    if not problems:
+        return None
+    return Layout(ALONE, path, path, metadata=tuple(files)), problems
+
+
+def missing_ranks(layout: Layout) -> list[Problem]:
+    """Rank files a per-rank layout lacks by its names' own world size
+    (``model_world_size_4_rank_*.pt`` with ranks 0 to 2 only)."""
+    ranks = {}
+    stem = ""
+    for name in layout.metadata:
+        m = RANK_NAME.match(name)
+        if m:
+            ranks[int(m.group("rank"))] = name
+            stem = m.group("stem")
+    return _missing(stem, ranks) if ranks else []
+
+
+def _missing(stem: str, ranks: dict[int, str]) -> list[Problem]:
+    m = WORLD_SIZE.search(stem)
+    world = max(max(ranks) + 1, int(m.group(1)) if m else 0)
+    low = min(ranks)
+    sample = ranks[low]
+    out = []
+    for rank in range(world):
+        if rank not in ranks:
+            name = sample.replace(f"rank_{low}.", f"rank_{rank}.") \
+                if f"rank_{low}." in sample else f"{stem} rank {rank}"
+            out.append(Problem(MISSING_FILE, f"rank {rank}'s file is missing (the directory "
+                               f"holds ranks {_ranges(sorted(ranks))} of {world})", name))
+    return out
+
+
+def _ranges(ranks: list[int]) -> str:
+    """``0-2, 5``."""
+    out: list[str] = []
+    for r in ranks:
+        if out and out[-1].split("-")[-1] == str(r - 1):
+            out[-1] = f"{out[-1].split('-')[0]}-{r}"
+        else:
+            out.append(str(r))
+    return ", ".join(out)
+
+
+def layout_files(layout: Layout) -> list[str]:
+    """The files of a layout read file by file (per rank, HF storage shards,
+    DeepSpeed's states, or a damaged directory's), relative to its directory."""
+    if layout.kind in (PER_RANK, HF_STORAGE, ALONE):
+        return list(layout.metadata)
+    if layout.kind == DEEPSPEED:
+        return sorted(n for n in listing(layout.directory)
+                      if DEEPSPEED_FILE.search(n)
+                      and os.path.isfile(os.path.join(layout.directory, n)))
+    return []
+
+
+def format_of(layout: Layout | None, sniffed: str | None) -> str | None:
+    """The format name of a layout that could not be read whole."""
+    if layout is None or layout.kind == FILE:
+        return sniffed
+    if layout.kind == HF or (layout.kind == ALONE and layout.index):
+        return "hf-safetensors" if SAFETENSORS in (layout.index or "") else "hf-bin"
+    if layout.kind == ALONE and layout.metadata and all(
+            RANK_NAME.match(n) for n in layout.metadata):
+        return FORMATS[PER_RANK]
+    return FORMATS.get(layout.kind)
+
+
+def one_file(path: str, layout: Layout | None) -> Layout:
+    """The layout of one file: ``path`` itself, or a directory's one file."""
+    if layout is not None and layout.file is not None:
+        return layout
+    folder = os.path.dirname(path)
+    return Layout(FILE, path, folder, file=path)

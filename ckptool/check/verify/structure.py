@@ -1,0 +1,273 @@
+"""``check(path, jobs)``: everything a checkpoint's files say about
+themselves, in every layout ckptool reads, as a ``Report``.
+
+Each file is checked alone first (``files``: it exists, its zip directory
+holds, its records' CRC-32 computed on ``jobs`` threads while the rest is
+read), then the layout as a whole: an HF index against its shards
+(``hfindex``), a DCP directory item by item (``dcpcheck``), and every
+layout through its own reader (``ckptool.read.reader.open_checkpoint``:
+sizes, coverage, DeepSpeed's partitions against ``param_shapes``, the
+ranks' shards). Where that reader refuses, each file is read alone, so that
+one damaged file never hides another. A Hugging Face cache snapshot's
+blobs are checked against their names (``hfcache``).
+
+A damaged checkpoint is a list of problems; only a path that is no
+checkpoint at all, or that ckptool cannot read, raises (exit 3). Nothing
+is written, and no tensor byte is read except by the CRC.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from ckptool.check.verify import dcpcheck, hfcache, hfindex, layouts
+from ckptool.check.verify.files import (
+    NO_CHECKSUM,
+    ZIP,
+    Run,
+    check_file,
+    local,
+    read_alone,
+    read_problem,
+    stat_file,
+)
+from ckptool.check.verify.problems import (
+    CRC,
+    MISMATCH,
+    MISSING_FILE,
+    TRUNCATED,
+    UNREADABLE,
+    Problem,
+    Report,
+    classify,
+    dedupe,
+)
+from ckptool.check.verify.zipcheck import CrcPool, Failure, failure_text
+from ckptool.describe import plural
+from ckptool.errors import CorruptCheckpointError, InputError
+from ckptool.model import Checkpoint
+from ckptool.read import dispatch
+from ckptool.read.layouts.recognise import DCP, FILE, HF, Layout
+from ckptool.read.reader import open_checkpoint
+
+SHOWN = 3  # tensors named in a damaged record's problem
+FILE_NAME = re.compile(r"[\w.-]+\.(pt|pth|bin|ckpt|safetensors|distcp|json)\b")
+
+
+def default_jobs() -> int:
+    """The CPUs this process may run on."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def check(path: str, jobs: int | None = None) -> Report:
+    """Verify the checkpoint at ``path`` (a file, a directory, an index, a
+    file or folder of a Hugging Face cache snapshot)."""
+    jobs = jobs or default_jobs()
+    snapshot = hfcache.locate(path)
+    target = snapshot.target if snapshot is not None else path
+    cache = hfcache.check(snapshot, jobs) if snapshot is not None else None
+    pool = CrcPool(jobs)
+    layout: Layout | None = None
+    ckpt: Checkpoint | None = None
+    tensors: int | None = None
+    try:
+        try:
+            run, layout, ckpt, tensors = _structure(target, pool)
+        except InputError as exc:
+            if cache is None or not cache.problems:
+                raise
+            # an interrupted download may leave no checkpoint to read: that is the problem
+            run = Run(target if os.path.isdir(target) else os.path.dirname(target), pool)
+            run.add(Problem(UNREADABLE, local(exc.message, target, os.path.basename(target))))
+        failures = pool.failures()
+    finally:
+        pool.close()
+    _name_failures(run, ckpt, failures)
+    if cache is not None:  # a file whose blob is gone: said once, by the cache
+        run.problems[:] = cache.problems + [p for p in run.problems if not (
+            p.kind == MISSING_FILE and p.file in cache.missing)]
+    hashed = cache.hashed if cache is not None else set()  # a blob's name is its sha256
+    for kind in dict.fromkeys(k for n, k in run.formats.items() if n not in hashed):
+        if kind in NO_CHECKSUM:
+            run.note(f"{NO_CHECKSUM[kind]}: damage inside their tensor bytes shows only "
+                     "against a manifest (verify --write-manifest FILE, later --manifest FILE)")
+    checks = ["structure", "crc"] + (["hf-cache"] if cache is not None else [])
+    fmt = ckpt.format if ckpt is not None else layouts.format_of(
+        layout, next(iter(run.formats.values()), None))
+    count = len(ckpt.tensors) if ckpt is not None else tensors
+    return Report(path, fmt, [{"name": n, "size": s} for n, s in run.sizes.items()], count,
+                  pool.checked + (cache.checked if cache is not None else 0),
+                  dedupe(run.problems), checks, notes=run.notes, checkpoint=ckpt)
+
+
+def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint | None,
+                                                  int | None]:
+    layout, problems = layouts.recognised(path)
+    kind = FILE if layout is None or layout.kind == FILE else layout.kind
+    if kind == FILE:
+        one = layouts.one_file(path, layout)
+        assert one.file is not None
+        dispatch.check(one.file)  # missing, empty, not a checkpoint: exit 3
+        run = Run(os.path.dirname(one.file), pool)
+        name = os.path.basename(one.file)
+        check_file(run, name)
+        ckpt = _refused(run, path, _open(path), name)
+        _companions(run, ckpt)
+        return run, layout, ckpt, None
+    assert layout is not None
+    run = Run(layout.directory, pool)
+    run.add(*problems)
+    tensors = None
+    read: Checkpoint | InputError | None
+    if kind == HF:
+        assert layout.index is not None
+        check_file(run, layout.index)
+        present = hfindex.check_shards(run, layout.index)
+        hfindex.extra_shards(run, layout.index)
+        read = _open(path)
+        if isinstance(read, InputError):
+            hfindex.cross_check(run, layout.index, present)
+    elif kind == DCP:
+        tensors = dcpcheck.check(run, layout)
+        read = _open(path)
+    else:
+        if layout.index is not None:  # a damaged index: the files beside it, alone
+            stat_file(run, layout.index)
+        names = [n for n in layouts.layout_files(layout) if check_file(run, n)]
+        read = _open(path) if kind != layouts.ALONE else None
+        if not isinstance(read, Checkpoint):
+            for name in names:
+                read_alone(run, name)
+    ckpt = _refused(run, path, read)
+    _companions(run, ckpt)
+    return run, layout, ckpt, tensors
+
+
+def _open(path: str) -> Checkpoint | InputError:
+    """The checkpoint read whole by its layout's reader, or why it was not."""
+    try:
+        return open_checkpoint(path)
+    except InputError as exc:
+        return exc
+
+
+def _refused(run: Run, path: str, read: Checkpoint | InputError | None,
+             name: str | None = None) -> Checkpoint | None:
+    """The checkpoint read whole; else None, and what its reader refused as
+    a problem, unless the checks of each file said it already. A refusal
+    that is no damage (no checkpoint, one ckptool cannot read) raises,
+    unless the files were found damaged. ``name``: the one file read."""
+    if not isinstance(read, InputError):
+        return read
+    if not isinstance(read, CorruptCheckpointError) and not run.problems:
+        raise read
+    if name is not None:  # one file: its reader's error is that file's
+        problem = read_problem(run, name, read)
+        run.add(*([problem] if problem is not None else []))
+        return None
+    message = _shorter(run, local(read.message, path, path))
+    kind = classify(message, MISMATCH)
+    named = next((n for n in sorted(run.sizes, key=len, reverse=True)
+                  if os.path.basename(n) in message), None)
+    if _said(run, message) or (kind == CRC and run.formats.get(named or "") == ZIP \
+            and named not in run.crc_zero):
+        return None  # the reader stopped at what the checks found (or the CRC will)
+    if named is None:  # a file it names that is not there
+        found = FILE_NAME.search(message)
+        named = found.group(0) if found else None
+    if named is not None:
+        message = message.removeprefix(f"{named}: ")
+    run.add(Problem(kind, message, named))
+    return None
+
+
+def _said(run: Run, message: str) -> bool:
+    """Whether a reader's ``message`` is about a problem already found: it
+    names a file or a tensor found damaged, or says what a problem says."""
+    if any(os.path.basename(bad) in message for bad in run.bad_files()):
+        return True
+    for p in run.problems:
+        if p.message.endswith(message) or message.endswith(p.message):
+            return True
+        if p.tensor and re.search(rf"(^|[\s'\"(]){re.escape(p.tensor)}($|[\s'\":,)])", message):
+            return True
+    return False
+
+
+def _shorter(run: Run, message: str) -> str:
+    """A reader's message with the checkpoint's directory left out of the
+    paths it gives."""
+    if run.directory:
+        message = message.replace(os.path.join(run.directory, ""), "")
+    return message
+
+
+def _companions(run: Run, ckpt: Checkpoint | None) -> None:
+    """The other files of a framework's folder (an optimizer state, an RNG
+    state...): their zip records checked, and what reading them found."""
+    framework = ckpt.framework if ckpt is not None else None
+    if framework is None:
+        return
+    for c in framework.companions:
+        if c.format is None and c.error is None:
+            continue
+        full = os.path.join(framework.directory, c.path)
+        name = os.path.relpath(full, run.directory or ".")
+        if c.error is not None and c.error.startswith("not read"):
+            run.note(f"{name}: {c.error}")
+            continue
+        check_file(run, name)
+        if c.error is not None:
+            problem = read_problem(run, name, CorruptCheckpointError(c.error))
+            run.add(*([problem] if problem is not None else []))
+
+
+def _name_failures(run: Run, ckpt: Checkpoint | None, failures: list[Failure]) -> None:
+    """Each record whose CRC-32 failed as a problem naming the tensors
+    whose bytes it holds."""
+    holders = _Holders(ckpt, run) if failures and ckpt is not None else None
+    for f in failures:
+        kind = CRC if f.error is None else (
+            TRUNCATED if "ends before" in f.error else UNREADABLE)
+        text = failure_text(f)
+        if isinstance(f.label, tuple):  # a DCP item: the tensor (or value) it holds
+            tensor, where = f.label
+            run.add(Problem(kind, f"{where}{text}", f.file, tensor))
+            continue
+        keys = holders.of(f) if holders is not None else []
+        if len(keys) == 1:
+            run.add(Problem(kind, text, f.file, keys[0]))
+            continue
+        more = f" and {plural(len(keys) - SHOWN, 'other')}" if len(keys) > SHOWN else ""
+        held = f" (it holds {', '.join(keys[:SHOWN])}{more})" if keys else ""
+        run.add(Problem(kind, text + held, f.file))
+
+
+class _Holders:
+    """The tensors whose bytes lie in a record: those viewing its storage,
+    and those with a chunk inside its bytes (DeepSpeed's runs, a rank's
+    shard)."""
+
+    def __init__(self, ckpt: Checkpoint, run: Run) -> None:
+        single = next(iter(run.sizes), None) if ckpt.directory is None else None
+        self.records: dict[tuple[str | None, str], list[str]] = {}
+        for s in ckpt.storages.values():
+            if s.record is not None and not s.record.startswith("@"):
+                self.records.setdefault((s.file or single, s.record), []).extend(s.tensors)
+        self.chunks: dict[str, list[tuple[int, int, str]]] = {}
+        for t in ckpt.tensors:
+            for c in t.chunks:
+                self.chunks.setdefault(c.file, []).append(
+                    (c.byte_offset, c.byte_offset + c.byte_length, t.key))
+
+    def of(self, f: Failure) -> list[str]:
+        r = f.record
+        keys = list(self.records.get((f.file, r.name), ()))
+        end = r.offset + r.size
+        keys += [key for start, stop, key in self.chunks.get(f.file, ())
+                 if start < end and r.offset < stop]
+        return list(dict.fromkeys(keys))

@@ -1,0 +1,128 @@
+"""``ckptool verify``: is a checkpoint whole, in every layout; the command
+and its JSON report (the text view: ``verify_text.py``).
+
+The structure and CRC checks (``ckptool.check.verify.structure``), then, as
+asked: the checkpoint against a manifest written before (``--manifest``),
+every tensor's values (``--values``), and a new manifest written once
+nothing is wrong (``--write-manifest``). Exit 0 when whole, 1 when a
+problem was found, 3 when the input cannot be read at all.
+
+``verify_dict`` is the ``--json`` schema.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import click
+
+from ckptool.check.verify.problems import Report
+from ckptool.cli.common import SCHEMA_VERSION, one_shot, write_json
+from ckptool.cli.inputs import InputPath, shown_path
+from ckptool.errors import EXIT_FINDINGS, EXIT_OK
+
+
+@click.command()
+@click.argument("path", type=InputPath())
+@click.option("--values", "read_values", is_flag=True,
+              help="Also read every tensor once: NaN and Inf, all-zero tensors, and tensors "
+                   "identical to another that nothing ties.")
+@click.option("--manifest", "against", metavar="FILE",
+              type=click.Path(exists=True, dir_okay=False),
+              help="Check against a manifest written before (--write-manifest): every file "
+                   "and tensor that differs.")
+@click.option("--write-manifest", "write_to", metavar="FILE", type=click.Path(dir_okay=False),
+              help="Write the checkpoint's manifest (the sha256 of each file, a digest of "
+                   "each tensor) to FILE, once nothing is found wrong.")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), metavar="N",
+              help="Threads checking files at once (default: one per CPU).")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
+@click.option("--quiet", "-q", is_flag=True,
+              help="Print nothing: the exit code says it (0 whole, 1 problems, 3 unreadable).")
+def verify(path: str, read_values: bool, against: str | None, write_to: str | None,
+           jobs: int | None, as_json: bool, quiet: bool) -> int:
+    """Check that a checkpoint is whole: every file its layout names, with
+    the size it implies; chunks and shards that cover every tensor once;
+    zip records against their CRC-32; pickles and headers that parse; a
+    Hugging Face cache's blobs against their names. Exits 0 when whole, 1
+    when a problem was found, 3 when it cannot be read."""
+    from ckptool.check.verify.structure import check, default_jobs
+
+    jobs = jobs or default_jobs()
+    with one_shot():
+        report = check(path, jobs)
+        if against is not None:
+            _against(report, against, jobs)
+        if read_values:
+            _values(report, jobs)
+        if write_to is not None:
+            _write(report, write_to, jobs)
+    if quiet:
+        pass
+    elif as_json:
+        write_json(verify_dict(report))
+    else:
+        from ckptool.cli.common import console
+        from ckptool.cli.verify_text import render_verify
+
+        render_verify(console(), report)
+    return EXIT_OK if report.ok else EXIT_FINDINGS
+
+
+command = verify
+
+
+def _against(report: Report, manifest_path: str, jobs: int) -> None:
+    from ckptool.check.verify import manifest
+
+    ckpt = report.checkpoint
+    if ckpt is not None:
+        report.problems += manifest.check_manifest(ckpt, manifest_path, jobs)
+    else:  # what can be said of files that do not open together
+        root = report.path if os.path.isdir(report.path) else os.path.dirname(report.path)
+        report.problems += manifest.check_files(root or ".", manifest_path, jobs)
+    report.checks.append("manifest")
+    report.manifest = {"checked": manifest_path}
+
+
+def _values(report: Report, jobs: int) -> None:
+    from ckptool.check.verify.values import check_values
+
+    if report.checkpoint is None:
+        report.notes.append("values not read: the checkpoint cannot be read whole")
+        return
+    problems, summary = check_values(report.checkpoint, jobs)
+    report.problems += problems
+    report.values = summary
+    report.checks.append("values")
+
+
+def _write(report: Report, dest: str, jobs: int) -> None:
+    from ckptool.check.verify.manifest import write_manifest
+
+    if not report.ok or report.checkpoint is None:
+        report.notes.append(f"no manifest written to {dest}: a manifest records a checkpoint "
+                            "found whole")
+        return
+    written = write_manifest(report.checkpoint, dest, jobs)
+    report.manifest = {"written": dest, "files": len(written.get("files", {})),
+                       "tensors": len(written.get("tensors", {}))}
+
+
+def verify_dict(report: Report) -> dict[str, Any]:
+    """The ``--json`` report."""
+    return {
+        "schema_version": SCHEMA_VERSION,
+        "input": shown_path(report.path),
+        "layout": report.layout,
+        "ok": report.ok,
+        "files": report.files,
+        "tensors": report.tensors,
+        "bytes_checked": report.bytes_checked,
+        "checks": report.checks,
+        "problems": [p.as_dict() for p in report.problems],
+        "notes": report.notes,
+        "values": report.values,
+        "manifest": report.manifest,
+    }

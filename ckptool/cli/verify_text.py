@@ -1,0 +1,60 @@
+"""Human output of ``ckptool verify``: one line per problem
+(``problem  FILE: TENSOR: message``), then what was checked in one line;
+or, when nothing is wrong, that line first (``ok  PATH · layout · ...``).
+
+Each problem stays on one line (never wrapped), so that it can be found
+with grep. Imported only when text is printed.
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.text import Text
+
+from ckptool.check.verify.problems import ERROR, Problem, Report
+from ckptool.cli.inputs import shown_path
+from ckptool.describe import human_bytes, plural
+
+
+def summary(report: Report) -> str:
+    """``PATH · layout · 3 files · 20 tensors · 1.2 GB checked``."""
+    parts = [shown_path(report.path), report.layout or "unknown layout",
+             plural(len(report.files), "file")]
+    if report.tensors is not None:
+        parts.append(plural(report.tensors, "tensor"))
+    parts.append(f"{human_bytes(report.bytes_checked)} checked")
+    if "values" in report.checks:
+        parts.append("values read")
+    manifest = report.manifest or {}
+    if "checked" in manifest:
+        parts.append(f"against {manifest['checked']}")
+    return " · ".join(parts)
+
+
+def problem_line(p: Problem) -> str:
+    """``FILE: TENSOR: message``, without what the problem does not name."""
+    return ": ".join(part for part in (p.file, p.tensor, p.message) if part)
+
+
+def render_verify(console: Console, report: Report) -> None:
+    errors = [p for p in report.problems if p.severity == ERROR]
+    warnings = [p for p in report.problems if p.severity != ERROR]
+    if not errors:
+        console.print(Text(f"ok  {summary(report)}", style="green"), soft_wrap=True)
+    for p in errors:
+        console.print(Text(f"problem  {problem_line(p)}", style="red"), soft_wrap=True)
+    for p in warnings:
+        console.print(Text(f"warning  {problem_line(p)}", style="yellow"), soft_wrap=True)
+    manifest = report.manifest or {}
+    if "written" in manifest:
+        console.print(Text(f"manifest  written to {manifest['written']}: "
+                           f"{plural(manifest['files'], 'file')}, "
+                           f"{plural(manifest['tensors'], 'tensor')}"), soft_wrap=True)
+    for note in report.notes:
+        console.print(Text(f"note  {note}", style="dim"), soft_wrap=True)
+    if errors:
+        said = plural(len(errors), "problem")
+        if warnings:
+            said += f", {plural(len(warnings), 'warning')}"
+        console.print(Text(f"damaged  {summary(report)} · {said}", style="bold red"),
+                      soft_wrap=True)
