@@ -6,8 +6,10 @@ checks."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -84,6 +86,16 @@ def test_quiet_says_it_by_the_exit_code(model: Path, run_cli: Run) -> None:
     assert run_cli("verify", "--quiet", str(model)) == (0, "", "")
     damage(model)
     assert run_cli("verify", "-q", str(model)) == (1, "", "")
+
+
+def test_standard_input_is_named_as_given(model: Path, run_cli: Run,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    damage(model)
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(model.read_bytes())))
+    code, out, _ = run_cli("verify", "-")
+    assert code == 1
+    assert out.startswith("problem  <stdin>: w: record ")
+    assert out.splitlines()[-1].startswith("damaged  <stdin> · torch-zip · 1 file")
 
 
 def test_no_checkpoint_is_exit_3_and_bad_options_exit_2(tmp_path: Path, run_cli: Run) -> None:

@@ -375,6 +375,31 @@ def test_dcp_chunks_that_leave_a_gap_or_overlap(tmp_path: Path) -> None:
     assert ("coverage-gap", ".metadata", name) in found(check(str(path), 1))
 
 
+def test_no_flipped_byte_of_a_dcp_directory_crashes(tmp_path: Path) -> None:
+    """A byte flipped anywhere in .metadata or a .distcp (a sample): a
+    report every time, never an exception; one in a tensor's bytes found."""
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "c"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"m": {"w": torch.arange(6.0).reshape(2, 3)}, "step": 2}, checkpoint_id=path,
+                 no_dist=True)
+    (_, offset, length), = [i for i in _items(path) if i[0] == "m.w"]
+    for name in (".metadata", "__0_0.distcp"):
+        data = (path / name).read_bytes()
+        for i in range(0, len(data), 53):
+            damaged = bytearray(data)
+            damaged[i] ^= 0x01
+            (path / name).write_bytes(damaged)
+            check(str(path), 1)
+        (path / name).write_bytes(data)
+    data = (path / "__0_0.distcp").read_bytes()
+    tensor = data.index(torch.arange(6.0).numpy().tobytes(), offset, offset + length)
+    flip(path / "__0_0.distcp", tensor + 9)
+    assert found(check(str(path), 1)) == {("crc", "__0_0.distcp", "m.w")}
+
+
 # -- files saved per rank, DeepSpeed, HF storage shards, framework folders ----
 
 def test_per_rank_missing_ranks_are_named(tmp_path: Path) -> None:
@@ -457,9 +482,27 @@ def test_framework_companions_are_checked(tmp_path: Path) -> None:
                                           ("truncated", "scheduler.bin", None)}
 
 
+def test_a_damaged_model_does_not_hide_its_companions(tmp_path: Path) -> None:
+    """The model cut short (its folder no longer reads as a framework's):
+    the files beside it are still checked, each alone."""
+    path = copy(FIXTURES / "frameworks" / "accelerate_state", tmp_path)
+    cut(path / "model.safetensors", 3000)
+    start, _ = data_at(path / "optimizer.bin", "data/0")
+    flip(path / "optimizer.bin", start)
+    assert found(check(str(path), 2)) == {("truncated", "model.safetensors", None),
+                                          ("crc", "optimizer.bin", None)}
+
+
 def test_no_checkpoint_at_all_raises(tmp_path: Path) -> None:
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(InputError):
         check(str(tmp_path / "notes.txt"), 1)
     with pytest.raises(InputError):
         check(str(tmp_path / "absent.pt"), 1)
+
+
+def test_a_whole_file_that_runs_code_says_so(tmp_path: Path) -> None:
+    report = check(str(Path(__file__).resolve().parent.parent / "samples" /
+                       "hostile_runs_code.pth"), 1)
+    assert report.ok
+    assert any("weights_only=False" in n and "diagnose" in n for n in report.notes)

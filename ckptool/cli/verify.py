@@ -13,13 +13,14 @@ problem was found, 3 when the input cannot be read at all.
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 import click
 
 from ckptool.check.verify.problems import Report
 from ckptool.cli.common import SCHEMA_VERSION, one_shot, write_json
-from ckptool.cli.inputs import InputPath, shown_path
+from ckptool.cli.inputs import InputPath, is_spooled, shown_path
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 
 
@@ -52,6 +53,8 @@ def verify(path: str, read_values: bool, against: str | None, write_to: str | No
     jobs = jobs or default_jobs()
     with one_shot():
         report = check(path, jobs)
+        if is_spooled(path):  # standard input: its file is named as given
+            _as_given(report, path)
         if against is not None:
             _against(report, against, jobs)
         if read_values:
@@ -71,6 +74,12 @@ def verify(path: str, read_values: bool, against: str | None, write_to: str | No
 
 
 command = verify
+
+
+def _as_given(report: Report, path: str) -> None:
+    temp, given = os.path.basename(path), shown_path(path)
+    report.problems = [replace(p, file=given) if p.file == temp else p for p in report.problems]
+    report.files = [{**f, "name": given} if f["name"] == temp else f for f in report.files]
 
 
 def _against(report: Report, manifest_path: str, jobs: int) -> None:

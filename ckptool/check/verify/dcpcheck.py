@@ -30,6 +30,7 @@ from ckptool.check.verify.problems import (
     PICKLE,
     SIZE,
     TRUNCATED,
+    UNREADABLE,
     Problem,
     classify,
 )
@@ -173,14 +174,17 @@ def _data_file(run: Run, file: str, pieces: list[Piece], named_by: str) -> None:
             end, last = max(end, p.item.offset + p.item.length), p
     transformed = 0
     path, cut = run.path(file), {id(p) for p in past}
-    with open(path, "rb") as f:
-        for p in pieces:
-            if id(p) in cut or not p.item.length:
-                continue
-            if p.item.transforms:
-                transformed += 1
-                continue
-            _item(run, f, path, file, p)
+    try:
+        with open(path, "rb") as f:
+            for p in pieces:
+                if id(p) in cut or not p.item.length:
+                    continue
+                if p.item.transforms:
+                    transformed += 1
+                    continue
+                _item(run, f, path, file, p)
+    except OSError as exc:
+        run.add(Problem(UNREADABLE, f"cannot read it ({exc.strerror or exc})", file))
     if transformed:
         run.note(f"{file}: {plural(transformed, 'item')} stored through a transform "
                  "(compressed) are not checked: ckptool does not undo them yet")

@@ -23,7 +23,13 @@ import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-from ckptool.check.verify.problems import BLOB_HASH, INCOMPLETE, MISSING_FILE, Problem
+from ckptool.check.verify.problems import (
+    BLOB_HASH,
+    INCOMPLETE,
+    MISSING_FILE,
+    UNREADABLE,
+    Problem,
+)
 from ckptool.describe import human_bytes, shell_word
 from ckptool.errors import InputError
 
@@ -103,7 +109,10 @@ def check(snapshot: Snapshot, jobs: int) -> CacheCheck:
         name = os.path.relpath(entry, base)
         if not os.path.islink(entry):
             continue  # a copy, not a link (no symlinks on this system): nothing names it
-        blob = os.path.normpath(os.path.join(os.path.dirname(entry), os.readlink(entry)))
+        try:
+            blob = os.path.normpath(os.path.join(os.path.dirname(entry), os.readlink(entry)))
+        except OSError:
+            continue
         if os.path.dirname(blob) != os.path.normpath(blobs):
             continue
         if not os.path.exists(blob):
@@ -116,9 +125,13 @@ def check(snapshot: Snapshot, jobs: int) -> CacheCheck:
     with ThreadPoolExecutor(max_workers=max(1, jobs), thread_name_prefix="ckptool-hash") as pool:
         results = list(pool.map(_digest, to_hash))
     for (blob, names), (got, size) in zip(to_hash.items(), results, strict=True):
+        want = os.path.basename(blob)
+        if size < 0:  # (got: why it could not be read)
+            out.problems += [Problem(UNREADABLE, f"its blob {want[:12]}… cannot be read ({got})",
+                                     name) for name in names]
+            continue
         out.checked += size
         out.hashed.update(names)
-        want = os.path.basename(blob)
         if got != want:
             for name in names:
                 out.problems.append(Problem(
@@ -143,20 +156,23 @@ def _entries(target: str) -> list[str]:
 
 def _digest(blob: str) -> tuple[str, int]:
     """The hash a blob is named by (sha256, or git's SHA-1 for a 40-digit
-    name) of its content, and its size."""
-    size = os.path.getsize(blob)
-    if GIT_SHA1.match(os.path.basename(blob)):
-        h = hashlib.sha1(usedforsecurity=False)
-        h.update(b"blob %d\0" % size)
-    else:
-        h = hashlib.sha256()
+    name) of its content, and its size; or why it cannot be read, and -1."""
     buf = bytearray(PIECE)
     view = memoryview(buf)
     done = 0
-    with open(blob, "rb", buffering=0) as f:
-        while n := f.readinto(buf):
-            h.update(view[:n])
-            done += n
+    try:
+        with open(blob, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if GIT_SHA1.match(os.path.basename(blob)):
+                h = hashlib.sha1(usedforsecurity=False)
+                h.update(b"blob %d\0" % size)
+            else:
+                h = hashlib.sha256()
+            while n := f.readinto(buf):
+                h.update(view[:n])
+                done += n
+    except OSError as exc:
+        return exc.strerror or str(exc), -1
     return h.hexdigest(), done
 
 

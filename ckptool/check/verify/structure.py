@@ -48,6 +48,7 @@ from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, InputError
 from ckptool.model import Checkpoint
 from ckptool.read import dispatch
+from ckptool.read.layouts.names import MAX_SNIFFED, is_checkpoint_file, listing
 from ckptool.read.layouts.recognise import DCP, FILE, HF, Layout
 from ckptool.read.reader import open_checkpoint
 
@@ -95,6 +96,11 @@ def check(path: str, jobs: int | None = None) -> Report:
         if kind in NO_CHECKSUM:
             run.note(f"{NO_CHECKSUM[kind]}: damage inside their tensor bytes shows only "
                      "against a manifest (verify --write-manifest FILE, later --manifest FILE)")
+    unsafe = ckpt.unsafe_globals if ckpt is not None else []
+    if unsafe:  # whole, and yet not what verify vouches for
+        run.note(f"it names globals torch.load(weights_only=False) would call ("
+                 f"{', '.join(unsafe[:3])}{', …' if len(unsafe) > 3 else ''}): no damage, but "
+                 "do not load it so; see ckptool diagnose")
     checks = ["structure", "crc"] + (["hf-cache"] if cache is not None else [])
     fmt = ckpt.format if ckpt is not None else layouts.format_of(
         layout, next(iter(run.formats.values()), None))
@@ -116,7 +122,7 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
         name = os.path.basename(one.file)
         check_file(run, name)
         ckpt = _refused(run, path, _open(path), name)
-        _companions(run, ckpt)
+        _companions(run, ckpt, path)
         return run, layout, ckpt, None
     assert layout is not None
     run = Run(layout.directory, pool)
@@ -143,7 +149,7 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
             for name in names:
                 read_alone(run, name)
     ckpt = _refused(run, path, read)
-    _companions(run, ckpt)
+    _companions(run, ckpt, path if kind == HF else None)
     return run, layout, ckpt, tensors
 
 
@@ -206,9 +212,16 @@ def _shorter(run: Run, message: str) -> str:
     return message
 
 
-def _companions(run: Run, ckpt: Checkpoint | None) -> None:
+def _companions(run: Run, ckpt: Checkpoint | None, folder: str | None = None) -> None:
     """The other files of a framework's folder (an optimizer state, an RNG
-    state...): their zip records checked, and what reading them found."""
+    state...): their zip records checked, and what reading them found.
+    Where the model could not be read (nothing said what its folder is),
+    every other checkpoint file of ``folder`` is checked alone."""
+    if ckpt is None and folder is not None and os.path.isdir(folder):
+        for name in sorted(listing(folder))[:MAX_SNIFFED]:
+            if name not in run.sizes and is_checkpoint_file(os.path.join(folder, name)) \
+                    and check_file(run, name):
+                read_alone(run, name)
     framework = ckpt.framework if ckpt is not None else None
     if framework is None:
         return
