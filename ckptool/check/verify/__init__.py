@@ -5,8 +5,10 @@
   (sizes, coverage, zip CRC-32, pickles and headers that parse), with
   ``zipcheck``, ``files``, ``hfindex``, ``dcpcheck`` and ``layouts``;
 - ``hfcache``: a Hugging Face cache snapshot's blobs against their names;
-- ``values``: NaN, Inf, all-zero and identical tensors (``--values``);
-- ``digest``, ``manifest``: per-tensor digests and manifests.
+- ``values`` (reading through ``valuescan``): NaN, Inf, all-zero and
+  identical tensors (``--values``);
+- ``digest``, ``manifest`` (with ``filehash``: a checkpoint's files and
+  their hashes): per-tensor digests and manifests.
 
 Imports nothing: each module is imported where it is used.
 """
