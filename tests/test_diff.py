@@ -237,7 +237,7 @@ def test_cli_json_schema(run_cli: CliRun, pair: tuple[Path, Path]) -> None:
     assert change["a"]["key"] == "state_dict/conv.weight"
     assert change["b"]["key"] == "state_dict/module.conv.weight"
     assert set(change["values"]) == {"status", "numel", "num_different", "max_abs_diff",
-                                     "nan_mismatch", "reason"}
+                                     "nan_mismatch", "reason", "by_digest"}
     # one line per field and per list item, plus a closing line per non-empty list
     assert len(out.splitlines()) == 2 + len(data) + (1 + 1) + (1 + 1) + (5 + 1)
 

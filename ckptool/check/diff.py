@@ -19,6 +19,10 @@ tied weight in a ``torch.save`` file does; with ``all_tensors``, a DCP key
 saved as (``model/fc.weight``, from ``.metadata``'s planner data), the key
 ``dcp_to_torch_save`` and ``torch.save`` of that dict give.
 
+With ``manifests`` for both sides (``ckptool.check.diffdigest``), values are
+told by the two manifests' tensor digests and no tensor byte is read, where
+both manifests still describe their checkpoints; a note says which.
+
 The report owns the exit-code policy: 1 when anything differs, else 0.
 """
 
@@ -26,8 +30,10 @@ from __future__ import annotations
 
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptool.check import manyfiles
+from ckptool.check.diffdigest import Found, by_digest, trusted_digests
 from ckptool.check.tensor_compare import DIFFERENT, NOT_COMPARED, ValueDiff, not_compared
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK, UnsupportedCheckpointError, UsageError
 from ckptool.keys import join_key, key_of, split_key
@@ -75,6 +81,8 @@ class DiffReport:
     # matched names with equal metadata whose values could not be read
     not_compared: list[tuple[str, str]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)  # how names were paired, where not plain
+    values_by_digest: bool = False  # values told by two manifests' digests
+    manifest_notes: list[str] = field(default_factory=list)  # manifests used, or why not
 
     @property
     def has_differences(self) -> bool:
@@ -86,8 +94,12 @@ class DiffReport:
 
 
 def diff_checkpoints(a: Checkpoint, b: Checkpoint, compare_values: bool = True,
-                     all_tensors: bool = False) -> DiffReport:
-    """Compare ``a`` with ``b``; values are read from ``a.path`` and ``b.path``."""
+                     all_tensors: bool = False,
+                     manifests: tuple[Found | None, Found | None] = (None, None)
+                     ) -> DiffReport:
+    """Compare ``a`` with ``b``; values are read from ``a.path`` and ``b.path``,
+    or told by the tensor digests of ``manifests`` (each side's path and
+    content, ``diffdigest.find_manifest``) where both can be trusted."""
     notes: list[str] = []
     if all_tensors:
         names_a, names_b = _all_keys(a, "A", notes), _all_keys(b, "B", notes)
@@ -103,24 +115,58 @@ def diff_checkpoints(a: Checkpoint, b: Checkpoint, compare_values: bool = True,
     report.only_in_b = [(n, t) for n, t in names_b.items() if n not in names_a]
     pairs = [(n, t, names_b[n]) for n, t in names_a.items() if n in names_b]
     report.num_matched = len(pairs)
-    with ExitStack() as stack:
-        readers: list[TensorValues] = []
-        if compare_values and pairs:
-            readers = [stack.enter_context(TensorValues(c)) for c in (a, b)]
+    digests = (trusted_digests(a, b, manifests, report.manifest_notes)
+               if compare_values and pairs else None)
+    with _Readers(a, b) as readers:
         for name, ta, tb in pairs:
-            _compare_pair(report, name, ta, tb, readers)
+            _compare_pair(report, name, ta, tb, readers if compare_values else None, digests)
+    if digests is not None:
+        _digest_note(report, manifests, readers.opened)
     return report
 
 
+class _Readers(ExitStack):
+    """Both sides' ``TensorValues``, opened when a value is first read."""
+
+    def __init__(self, a: Checkpoint, b: Checkpoint) -> None:
+        super().__init__()
+        self._ckpts = (a, b)
+        self._readers: tuple[TensorValues, TensorValues] | None = None
+        self.opened = 0  # pairs whose values were read
+
+    def pair(self) -> tuple[TensorValues, TensorValues]:
+        self.opened += 1
+        if self._readers is None:
+            a, b = self._ckpts
+            self._readers = (self.enter_context(TensorValues(a)),
+                             self.enter_context(TensorValues(b)))
+        return self._readers
+
+
+def _digest_note(report: DiffReport, found: tuple[Found | None, Found | None],
+                 read: int) -> None:
+    fa, fb = found
+    assert fa is not None and fb is not None
+    tail = (f"; values of {read} pair{'s' if read != 1 else ''} read (digests cannot tell: "
+            "dtypes differ, or no digest)" if read else "; no tensor bytes read")
+    report.manifest_notes.append(f"values compared by the manifests' digests (A: {fa[0]}, "
+                        f"B: {fb[0]}){tail}")
+    report.values_by_digest = True
+
+
 def _compare_pair(report: DiffReport, name: str, ta: TensorInfo, tb: TensorInfo,
-                  readers: list[TensorValues]) -> None:
+                  readers: _Readers | None,
+                  digests: tuple[dict[str, Any], dict[str, Any]] | None) -> None:
     changes = [what for what, x, y in (
         ("shape", ta.shape, tb.shape), ("dtype", ta.dtype, tb.dtype),
         ("location", ta.location, tb.location), ("layout", ta.layout, tb.layout),
     ) if x != y and not (what == "location" and (x is None or y is None))]
     values = None
-    if readers and ta.shape == tb.shape:
-        values = _compare_values(readers[0], readers[1], ta, tb)
+    if readers is not None and ta.shape == tb.shape:
+        if digests is not None:
+            values = by_digest(ta, tb, digests[0].get(ta.key), digests[1].get(tb.key))
+        if values is None:
+            values = _compare_values(*readers.pair(), ta, tb)
         if values.status == DIFFERENT:
             changes.append("values")
     if changes:

@@ -27,10 +27,12 @@ CHUNK_ELEMENTS = 1 << 20
 class ValueDiff:
     status: str  # equal, different or not_compared
     numel: int = 0
-    num_different: int = 0  # elements that differ (NaN facing NaN does not)
+    # elements that differ (NaN facing NaN does not); None: not known (by digest)
+    num_different: int | None = 0
     max_abs_diff: float | None = None  # floating/complex only; NaN-free pairs; may be inf
     nan_mismatch: int = 0  # elements where exactly one side is NaN
     reason: str | None = None  # why values were not compared
+    by_digest: bool = False  # told by two manifests' digests, no value read
 
 
 def not_compared(reason: str) -> ValueDiff:

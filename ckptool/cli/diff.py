@@ -15,7 +15,7 @@ import click
 from ckptool.check.diff import Change, DiffReport, Side
 from ckptool.check.tensor_compare import ValueDiff
 from ckptool.cli.common import SCHEMA_VERSION, console, one_shot, write_json
-from ckptool.cli.inputs import InputPath
+from ckptool.cli.inputs import InputPath, is_spooled
 from ckptool.model import TensorInfo
 
 
@@ -29,16 +29,29 @@ from ckptool.model import TensorInfo
               help="Compare every tensor by its full key, not only the main state dicts.")
 @click.option("--limit", "-n", type=click.IntRange(min=0), default=200, show_default=True,
               help="Most difference rows to print; 0 prints all.")
+@click.option("--manifest-a", metavar="FILE", type=click.Path(dir_okay=False),
+              help="A's manifest (default: A.manifest.json beside A, if there).")
+@click.option("--manifest-b", metavar="FILE", type=click.Path(dir_okay=False),
+              help="B's manifest (default: B.manifest.json beside B, if there).")
 def diff(path_a: str, path_b: str, as_json: bool, no_values: bool, all_tensors: bool,
-         limit: int) -> int:
+         limit: int, manifest_a: str | None, manifest_b: str | None) -> int:
     """Compare two checkpoints: names only in A or B, shape, dtype, location
-    and value changes. Exits 0 when they match, 1 when they differ."""
+    and value changes. Exits 0 when they match, 1 when they differ. When both
+    have a manifest (ckptool verify --write-manifest), values are compared by
+    its tensor digests, reading no tensor bytes."""
     from ckptool.check.diff import diff_checkpoints
+    from ckptool.check.diffdigest import find_manifest
     from ckptool.read.reader import open_checkpoint
 
     with one_shot():
-        report = diff_checkpoints(open_checkpoint(path_a), open_checkpoint(path_b),
-                                  compare_values=not no_values, all_tensors=all_tensors)
+        ckpt_a, ckpt_b = open_checkpoint(path_a), open_checkpoint(path_b)
+        notes: list[str] = []
+        found = (None, None) if no_values else tuple(
+            find_manifest(path, given, label, notes, look_beside=not is_spooled(path))
+            for path, given, label in ((path_a, manifest_a, "A"), (path_b, manifest_b, "B")))
+        report = diff_checkpoints(ckpt_a, ckpt_b, compare_values=not no_values,
+                                  all_tensors=all_tensors, manifests=(found[0], found[1]))
+        report.manifest_notes[:0] = notes
         if as_json:
             write_json(diff_dict(report))
         else:
@@ -69,7 +82,7 @@ def _values(v: ValueDiff | None) -> dict[str, Any] | None:
         "status": v.status, "numel": v.numel, "num_different": v.num_different,
         # JSON has no infinity: an infinite gap (inf facing a number) is the string "inf"
         "max_abs_diff": "inf" if top is not None and math.isinf(top) else top,
-        "nan_mismatch": v.nan_mismatch, "reason": v.reason,
+        "nan_mismatch": v.nan_mismatch, "reason": v.reason, "by_digest": v.by_digest,
     }
 
 
@@ -85,6 +98,7 @@ def diff_dict(report: DiffReport) -> dict[str, Any]:
         "b": _side(report.b),
         "mode": report.mode,
         "values_compared": report.values_compared,
+        "values_by_digest": report.values_by_digest,
         "has_differences": report.has_differences,
         "num_matched": report.num_matched,
         "num_identical": report.num_identical,
@@ -97,4 +111,5 @@ def diff_dict(report: DiffReport) -> dict[str, Any]:
         "changed": [_change(c) for c in report.changed],
         "not_compared": [{"name": n, "reason": r} for n, r in report.not_compared],
         "notes": report.notes,
+        "manifest_notes": report.manifest_notes,
     }

@@ -38,6 +38,8 @@ def _matched(report: DiffReport) -> str:
                 if s.prefix]
     how = f" after taking off {' and '.join(stripped)}" if stripped else ""
     values = "values compared" if report.values_compared else "values not read (--no-values)"
+    if report.values_by_digest:
+        values = "values compared by manifest digests"
     return f"{report.num_matched} {noun}{how} · {values}"
 
 
@@ -61,6 +63,8 @@ def render_summary(console: Console, report: DiffReport) -> None:
                                     style="yellow"))
     for i, note in enumerate(report.notes):
         grid.add_row("" if i else "paired", note)
+    for i, note in enumerate(report.manifest_notes):
+        grid.add_row("" if i else "manifests", note)
     console.print(grid)
 
 
@@ -83,6 +87,8 @@ def _values_cells(c: Change, report: DiffReport) -> tuple[str, str]:
         return "equal", ""
     if v.status == NOT_COMPARED:
         return "not compared", ""
+    if v.num_different is None:  # told by digests: how many is not known
+        return "differ (digest)", ""
     text = f"{v.num_different}/{v.numel} differ"
     if v.nan_mismatch:
         text += f" ({v.nan_mismatch} NaN vs number)"
