@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import make_samples, saved_on
+from helpers import flip_record_byte, make_samples, saved_on
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -158,19 +158,9 @@ def test_a_damaged_record_is_never_cast_or_rewritten_into_plausible_bytes(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str]) -> None:
     """A copy is checked by the record's CRC as it is copied; a tensor made
     anew (cast, or handed to torch's DCP writer) is checked before."""
-    import zipfile
-
     src = tmp_path / "w.pt"
     torch.save({"a": torch.randn(64, 64), "b": torch.randn(64, 64)}, src)
-    with zipfile.ZipFile(src) as z:
-        info = z.getinfo("w/data/1")
-    with open(src, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        skip = int.from_bytes(f.read(2), "little") + int.from_bytes(f.read(2), "little")
-        f.seek(info.header_offset + 30 + skip + 100)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0x10]))
+    flip_record_byte(src, "w/data/1")
     out = tmp_path / ("out.safetensors" if args == ["--dtype", "bf16"] else "out")
     assert main(["convert", str(src), str(out), *args]) == 3
     err = capsys.readouterr().err

@@ -11,19 +11,19 @@ from __future__ import annotations
 import os
 import threading
 import warnings
-import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import flip_record_byte
 
 from ckptool.errors import CkptoolError, RankFailedError, UsageError
 from ckptool.write.convert.run import convert as convert_one
 from ckptool.write.distributed import world
-from ckptool.write.distributed.plan import assign
 from ckptool.write.distributed.ending import Quiet
+from ckptool.write.distributed.plan import assign
 from ckptool.write.distributed.run import convert as convert_rank
 from ckptool.write.distributed.staging import Staging
 from tests.conftest import CliResult
@@ -226,23 +226,6 @@ def test_the_share_of_each_rank_is_its_bytes_plus_at_most_one_tensor() -> None:
     assert assign([0, 0], 3) == [0, 2, 2, 2]
 
 
-def _flip(path: Path, member: str, at: int = 100) -> None:
-    """Flip one byte of a torch zip's record, keeping the file's modification time."""
-    st = os.stat(path)
-    with zipfile.ZipFile(path) as z:
-        info = z.getinfo(member)
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        name_len, extra_len = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2),
-                                                                                  "little")
-        where = info.header_offset + 30 + name_len + extra_len + at
-        f.seek(where)
-        byte = f.read(1)
-        f.seek(where)
-        f.write(bytes([byte[0] ^ 1]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 @pytest.fixture
 def big_pt(tmp_path: Path) -> Path:
     g = torch.Generator().manual_seed(1)
@@ -254,7 +237,7 @@ def big_pt(tmp_path: Path) -> Path:
 def test_a_failed_rank_commits_nothing_names_itself_and_the_rerun_resumes(
         big_pt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.safetensors"
-    _flip(big_pt, "big/data/7")  # the last tensor: the last rank's to copy
+    flip_record_byte(big_pt, "big/data/7")  # the last tensor: the last rank's to copy
     results = on_ranks(3, big_pt, out)
     assert isinstance(results[0], RankFailedError)  # said by rank 0, for rank 2
     assert results[0].exit_code == 3  # the failed rank's own code (bad input)
@@ -267,7 +250,7 @@ def test_a_failed_rank_commits_nothing_names_itself_and_the_rerun_resumes(
     assert not out.exists()
     staging = Staging(str(out), False)
     assert len(staging.recorded()) == 6  # ranks 0 and 1 wrote theirs; rank 2 w6 and w7 at once
-    _flip(big_pt, "big/data/7")  # repaired: the same file, the same times
+    flip_record_byte(big_pt, "big/data/7")  # repaired: the same file, the same times
     results = on_ranks(2, big_pt, out)  # resumed on another number of ranks
     report = results[0].distributed
     assert report["resumed"]
@@ -279,7 +262,7 @@ def test_a_failed_rank_commits_nothing_names_itself_and_the_rerun_resumes(
 
 def test_kept_bytes_damaged_since_are_written_again(big_pt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.safetensors"
-    _flip(big_pt, "big/data/5")
+    flip_record_byte(big_pt, "big/data/5")
     on_ranks(2, big_pt, out)
     staging = Staging(str(out), False)
     recorded = staging.recorded()
@@ -288,7 +271,7 @@ def test_kept_bytes_damaged_since_are_written_again(big_pt: Path, tmp_path: Path
     with open(staging.file("out.safetensors"), "r+b") as f:  # the disk lost a byte
         f.seek(at + size // 2)
         f.write(b"\xff")
-    _flip(big_pt, "big/data/5")
+    flip_record_byte(big_pt, "big/data/5")
     results = on_ranks(2, big_pt, out)
     kept = sum(r["bytes_kept"] for r in results[0].distributed["per_rank"])
     assert 0 < kept < 5 * 256 * 256 * 4  # w0 was written again
@@ -299,9 +282,9 @@ def test_kept_bytes_damaged_since_are_written_again(big_pt: Path, tmp_path: Path
 def test_another_conversion_into_the_same_output_starts_afresh(big_pt: Path,
                                                                tmp_path: Path) -> None:
     out = tmp_path / "out.safetensors"
-    _flip(big_pt, "big/data/7")
+    flip_record_byte(big_pt, "big/data/7")
     on_ranks(2, big_pt, out)
-    _flip(big_pt, "big/data/7")
+    flip_record_byte(big_pt, "big/data/7")
     results = on_ranks(2, big_pt, out, dtype="bfloat16")  # not what the staging holds
     assert not results[0].distributed["resumed"]
     assert sum(r["bytes_kept"] for r in results[0].distributed["per_rank"]) == 0

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import flip_record_byte
 
 from ckptool.write.convert.run import convert as convert_one
 
@@ -96,17 +97,7 @@ def test_torchrun_no_python_and_a_failed_rank(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(2)
     src = tmp_path / "w.pt"
     torch.save({f"w{i}": torch.randn(128, 128, generator=g) for i in range(4)}, src)
-    import zipfile
-
-    with zipfile.ZipFile(src) as z:
-        info = z.getinfo("w/data/3")
-    with open(src, "r+b") as f:  # one byte of the last tensor (rank 2's) flipped
-        f.seek(info.header_offset + 26)
-        skip = int.from_bytes(f.read(2), "little") + int.from_bytes(f.read(2), "little")
-        f.seek(info.header_offset + 30 + skip + 10)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
+    flip_record_byte(src, "w/data/3", at=10, mask=0xFF)  # the last tensor: rank 2's
     script = Path(sys.executable).parent / "ckptool"
     got = run([*TORCHRUN, "--nproc-per-node", "3", "--no-python", str(script), "convert",
                str(src), str(tmp_path / "out.safetensors")])
@@ -217,23 +208,6 @@ def _rank_pid(rank: int, needle: str) -> int | None:
     return None
 
 
-def _flip_record(path: Path, member: str) -> None:
-    """Flip one byte of a torch zip's record in place, keeping its times."""
-    import zipfile
-
-    st = os.stat(path)
-    with zipfile.ZipFile(path) as z:
-        info = z.getinfo(member)
-    with open(path, "r+b") as f:
-        f.seek(info.header_offset + 26)
-        skip = int.from_bytes(f.read(2), "little") + int.from_bytes(f.read(2), "little")
-        f.seek(info.header_offset + 30 + skip + 10)
-        byte = f.read(1)
-        f.seek(-1, 1)
-        f.write(bytes([byte[0] ^ 0xFF]))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
 def test_dcp_output_resumed_rank_by_rank(tmp_path: Path) -> None:
     """A DCP output: rank 2 finds its input damaged inside the one dcp.save
     of the three ranks; rank 0 says so, once, naming rank 2, and every
@@ -243,7 +217,7 @@ def test_dcp_output_resumed_rank_by_rank(tmp_path: Path) -> None:
     g = torch.Generator().manual_seed(4)
     src = tmp_path / "w.pt"
     torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(6)}, src)
-    _flip_record(src, "w/data/5")
+    flip_record_byte(src, "w/data/5", at=10, mask=0xFF)
     out = tmp_path / "dcp"
     args = [sys.executable, "-m", "ckptool", "convert", str(src), str(out), "--format", "dcp",
             "--workers", "3"]
@@ -253,7 +227,7 @@ def test_dcp_output_resumed_rank_by_rank(tmp_path: Path) -> None:
     assert len(said) == 1 and said[0].startswith(
         f"ckptool: error: rank 2 of 3 ({socket.gethostname()}): storage 5 of"), failed.stderr
     assert not out.exists()
-    _flip_record(src, "w/data/5")
+    flip_record_byte(src, "w/data/5", at=10, mask=0xFF)
     again = run([*args, "--json"])
     assert again.returncode == 0, again.stderr
     per_rank = json.loads(again.stdout)["distributed"]["per_rank"]

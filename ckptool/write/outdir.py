@@ -92,10 +92,10 @@ class AtomicDirectory:
     def commit(self) -> None:
         assert self.temp is not None
         if self.durable:
-            _fsync(self.temp)
+            fsync_directory(self.temp)
         replace_directory(self.temp, self.target, on_renamed=self._renamed)
         if self.durable:
-            _fsync(self.target.parent)
+            fsync_directory(self.target.parent)
 
     def _renamed(self) -> None:
         self._committed = True
@@ -168,7 +168,8 @@ def remove_leftovers(parent: Path, name: str) -> list[str]:
     return removed
 
 
-def _fsync(directory: Path) -> None:
+def fsync_directory(directory: Path) -> None:
+    """Make a directory's entries (a rename into it) durable."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -32,7 +32,12 @@ from typing import Any
 
 from ckptool.errors import InputError, UsageError
 from ckptool.write.failures import naming, output_error
-from ckptool.write.outdir import check_apart, check_replaceable, replace_directory
+from ckptool.write.outdir import (
+    check_apart,
+    check_replaceable,
+    fsync_directory,
+    replace_directory,
+)
 
 Check = tuple[int, int, int]  # (offset, size, CRC)
 
@@ -153,7 +158,7 @@ class Staging:
     def commit(self, name: str | None, durable: bool) -> None:
         """Rank 0, once every file is written and checked: the output into place."""
         if durable:
-            _fsync(self.path)
+            fsync_directory(self.path)
         if not self.is_directory:
             assert name is not None
             os.replace(self.path / name, self.target)
@@ -169,7 +174,7 @@ class Staging:
             shutil.rmtree(aside, ignore_errors=True)
         self._done = True
         if durable:
-            _fsync(self.target.parent)
+            fsync_directory(self.target.parent)
 
 
 class Manifest:
@@ -206,11 +211,3 @@ def _write_small(path: Path, text: str) -> None:
     temp = path.with_name(path.name + ".tmp")
     temp.write_text(text)
     os.replace(temp, path)
-
-
-def _fsync(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
