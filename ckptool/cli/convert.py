@@ -47,12 +47,15 @@ if TYPE_CHECKING:
               help="Show the plan (which process writes which files, how many bytes each "
               "reads and writes) and write nothing; with --workers N, for N processes.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
+@click.option("--manifest", "manifest", metavar="FILE", default=None,
+              help="Also write OUT's manifest to FILE (as ckptool verify OUT --write-manifest "
+              "FILE would). Not with many processes yet.")
 @click.option("--fsync", is_flag=True, help=fsync_help("--force"))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtype: str | None,
             weights: str | None, salvage: bool, workers: int | None, dry_run: bool, force: bool,
-            fsync: bool, quiet: bool, as_json: bool) -> None:
+            manifest: str | None, fsync: bool, quiet: bool, as_json: bool) -> None:
     """Convert PATH (a file, a Hugging Face directory, a DCP or DeepSpeed directory) into OUT:
     one file (safetensors or torch, from OUT's extension) or a directory
     (--format). Under torchrun or srun, or with --workers N, on many processes."""
@@ -72,6 +75,13 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         raise UsageError(f"--workers {workers} under {launch.launcher}, which started "
                          f"{launch.size} process(es)",
                          "leave --workers out: convert uses the processes it was started in")
+    if manifest is not None and not dry_run:
+        from ckptool.check.verify.outmanifest import check_destination
+
+        if workers is not None or launch is not None:
+            raise UsageError("--manifest is not written by a conversion on many processes yet",
+                             "write it after: ckptool verify OUT --write-manifest FILE")
+        check_destination(manifest, output)
     if dry_run:
         from ckptool.cli.convert_dist import show_plan
 
@@ -96,6 +106,9 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
     from ckptool.cli.convert_dist import run_distributed, staged
 
     if launch is not None or staged(output):
+        if manifest is not None:  # a run on many processes left OUT half-written
+            raise UsageError("--manifest is not written by a conversion on many processes yet",
+                             "write it after: ckptool verify OUT --write-manifest FILE")
         result = run_distributed(launch, path, output, force, fsync, quiet, options)
         if result is None:
             return
@@ -103,8 +116,12 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         with progress(quiet) as update:
             result = run_convert(path, output, force=force, progress=update, fsync=fsync,
                                  **options)
+    if manifest is not None:
+        from ckptool.check.verify.outmanifest import default_jobs, write_for_output
+
+        result.notes.append(write_for_output(result.output, manifest, default_jobs())[1])
     if as_json:
-        write_json(convert_dict(result))
+        write_json(convert_dict(result, manifest))
     elif not quiet:
         from ckptool.cli.fix_text import render_convert
 
@@ -114,8 +131,9 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
 command = convert
 
 
-def convert_dict(result: ConvertResult) -> dict[str, Any]:
-    """The ``convert --json`` schema (a ConvertResult from ckptool.write.convert.run)."""
+def convert_dict(result: ConvertResult, manifest: str | None = None) -> dict[str, Any]:
+    """The ``convert --json`` schema (a ConvertResult from ckptool.write.convert.run);
+    ``manifest``: where OUT's manifest was written."""
     return {
         "schema_version": SCHEMA_VERSION,
         "input": result.source.path,
@@ -130,5 +148,6 @@ def convert_dict(result: ConvertResult) -> dict[str, Any]:
         "left_out": result.left_out,
         "bytes_written": result.bytes_written,
         "notes": result.notes,
+        "manifest": manifest,
         **({"distributed": result.distributed} if result.distributed is not None else {}),
     }

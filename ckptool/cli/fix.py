@@ -40,14 +40,17 @@ if TYPE_CHECKING:
 @click.option("--dry-run", is_flag=True, help="Show the plan and write nothing.")
 @click.option("--force", is_flag=True, help="Overwrite OUT if it exists.")
 @click.option("--in-place", is_flag=True, help="Replace IN itself (atomically).")
+@click.option("--manifest", "manifest", metavar="FILE", default=None,
+              help="Also write the output's manifest to FILE (as ckptool verify OUT "
+              "--write-manifest FILE would).")
 @click.option("--fsync", is_flag=True, help=fsync_help("--force, --in-place"))
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the plan and result as JSON.")
 def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: tuple[str, ...],
         add_prefix: str | None, rename: tuple[str, ...], extract: str | None,
         drop: tuple[str, ...], dtype: str | None, to: str | None, maps: tuple[str, ...],
-        salvage: bool, dry_run: bool, force: bool, in_place: bool, fsync: bool, quiet: bool,
-        as_json: bool) -> None:
+        salvage: bool, dry_run: bool, force: bool, in_place: bool, manifest: str | None,
+        fsync: bool, quiet: bool, as_json: bool) -> None:
     """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
     from ckptool.cli.inputs import is_spooled, shown_path
     from ckptool.errors import UsageError
@@ -72,13 +75,24 @@ def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: 
                    for a, b in (planning.parse_pair(m, "--map") for m in maps)),
         salvage=salvage,
     )
+    if manifest is not None and not dry_run:
+        from ckptool.check.verify.outmanifest import check_destination
+
+        check_destination(manifest, path if in_place else output)
     # a Ctrl-C says whether PATH was changed in place (exit 130 either way)
     with interrupt.reported(path if in_place and not dry_run else None):
         with progress(quiet) as update:
             result = run_fix(path, opts, output, force=force, in_place=in_place,
                              dry_run=dry_run, progress=update, fsync=fsync)
+        written = None
+        if manifest is not None and result.output is not None:
+            from ckptool.check.verify.outmanifest import default_jobs, write_for_output
+
+            result.plan.notes.append(write_for_output(result.output, manifest,
+                                                      default_jobs())[1])
+            written = manifest
         if as_json:
-            write_json(fix_dict(result))
+            write_json(fix_dict(result, written))
         elif not quiet:
             from ckptool.cli.fix_text import render_fix
 
@@ -104,8 +118,9 @@ def _missing_path(extract: str | None) -> NoReturn:
     raise UsageError("missing the checkpoint to fix", "ckptool fix CKPT [OPTIONS]")
 
 
-def fix_dict(result: FixResult) -> dict[str, Any]:
-    """The ``fix --json`` schema (a FixResult from ckptool.write.fix.run)."""
+def fix_dict(result: FixResult, manifest: str | None = None) -> dict[str, Any]:
+    """The ``fix --json`` schema (a FixResult from ckptool.write.fix.run);
+    ``manifest``: where the output's manifest was written."""
     plan = result.plan
     devices, casts = result.moves()
     return {
@@ -123,4 +138,5 @@ def fix_dict(result: FixResult) -> dict[str, Any]:
         "bytes_written": result.bytes_written,
         "verified_storages": result.verified_storages,
         "notes": plan.notes,
+        "manifest": manifest,
     }

@@ -1,0 +1,111 @@
+"""``convert ... --manifest FILE`` and ``fix ... --manifest FILE`` (issue 28
+item 3): the manifest of the output, equal to what ``ckptool verify OUT
+--write-manifest`` writes (but for its time), for every output kind;
+a destination that cannot take it refused before anything is written;
+convert on many processes refuses it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from huggingface_hub import save_torch_state_dict
+
+CliRun = Callable[..., tuple[int, str, str]]
+
+
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"module.fc.weight": torch.randn(8, 4, generator=g),
+            "module.fc.bias": torch.randn(8, generator=g), "module.steps": torch.arange(3)}
+
+
+def same_as_verify(run_cli: CliRun, out: Path, written: Path, tmp_path: Path) -> dict:
+    again = tmp_path / "again.json"
+    rc, _, err = run_cli("verify", str(out), "--write-manifest", str(again))
+    assert rc == 0, err
+    mine, theirs = json.loads(written.read_text()), json.loads(again.read_text())
+    mine.pop("created"), theirs.pop("created")
+    assert mine == theirs
+    assert mine["tensors"] and mine["files"]
+    return mine
+
+
+@pytest.fixture
+def source(tmp_path: Path) -> Path:
+    path = tmp_path / "in.pth"
+    torch.save({"state_dict": weights(), "epoch": 2}, path)
+    return path
+
+
+@pytest.mark.parametrize("out_name, fmt", [
+    ("out.safetensors", None), ("hf", "hf"), ("bin", "hf-bin"), ("dcp", "dcp")])
+def test_convert_manifest_of_every_output(run_cli: CliRun, source: Path, tmp_path: Path,
+                                          out_name: str, fmt: str | None) -> None:
+    out, dest = tmp_path / out_name, tmp_path / "out.manifest.json"
+    args = ["convert", str(source), str(out), "--manifest", str(dest), "--json",
+            *(["--format", fmt] if fmt else []),
+            *(["--max-shard-size", "100"] if fmt in ("hf", "hf-bin") else [])]
+    rc, stdout, err = run_cli(*args)
+    assert rc == 0, err
+    report = json.loads(stdout)
+    assert report["manifest"] == str(dest)
+    assert any(n.startswith(f"manifest of {out} written to {dest}") for n in report["notes"])
+    same_as_verify(run_cli, out, dest, tmp_path)
+
+
+def test_convert_hf_input_and_text(run_cli: CliRun, tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    save_torch_state_dict(weights(), src, max_shard_size=200)
+    out, dest = tmp_path / "one.pth", tmp_path / "m.json"
+    rc, stdout, err = run_cli("convert", str(src), str(out), "--manifest", str(dest))
+    assert rc == 0, err
+    assert "manifest of" in stdout
+    same_as_verify(run_cli, out, dest, tmp_path)
+
+
+@pytest.mark.parametrize("extra", [[], ["--in-place"], ["--dtype", "bf16"]])
+def test_fix_manifest(run_cli: CliRun, source: Path, tmp_path: Path, extra: list[str]) -> None:
+    out, dest = tmp_path / "fixed.pth", tmp_path / "fixed.manifest.json"
+    args = ["fix", str(source), "--strip-module", "--manifest", str(dest), "--json", *extra]
+    if "--in-place" not in extra:
+        args += ["-o", str(out)]
+    rc, stdout, err = run_cli(*args)
+    assert rc == 0, err
+    assert json.loads(stdout)["manifest"] == str(dest)
+    written = same_as_verify(run_cli, source if "--in-place" in extra else out, dest, tmp_path)
+    assert "state_dict/fc.weight" in written["tensors"]
+
+
+def test_fix_of_a_directory(run_cli: CliRun, tmp_path: Path) -> None:
+    src, out = tmp_path / "src", tmp_path / "out"
+    src.mkdir()
+    save_torch_state_dict(weights(), src, max_shard_size=200)
+    dest = tmp_path / "m.json"
+    rc, _, err = run_cli("fix", str(src), "--strip-module", "-o", str(out), "--manifest",
+                         str(dest))
+    assert rc == 0, err
+    same_as_verify(run_cli, out, dest, tmp_path)
+
+
+def test_bad_destinations_refused_before_writing(run_cli: CliRun, source: Path,
+                                                 tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    rc, _, err = run_cli("convert", str(source), str(out), "--manifest",
+                         str(tmp_path / "no" / "m.json"))
+    assert rc == 2 and "does not exist" in err and not out.exists()
+    rc, _, err = run_cli("convert", str(source), str(out), "--manifest", str(out))
+    assert rc == 2 and "the output itself" in err and not out.exists()
+    rc, _, err = run_cli("fix", str(source), "--in-place", "--strip-module", "--manifest",
+                         str(source))
+    assert rc == 2 and "the output itself" in err
+    rc, _, err = run_cli("convert", str(source), str(out), "--workers", "2", "--manifest",
+                         str(tmp_path / "m.json"))
+    assert rc == 2 and "many processes" in err and not out.exists()
+    rc, _, _ = run_cli("fix", str(source), "--strip-module", "--dry-run", "--manifest",
+                       str(tmp_path / "m.json"))
+    assert rc == 0 and not (tmp_path / "m.json").exists()
