@@ -15,6 +15,7 @@ import click
 
 from ckptool.cli.common import SCHEMA_VERSION, console, progress, say_error, write_json
 from ckptool.describe import human_bytes, plural
+from ckptool.errors import CkptoolError
 from ckptool.write.distributed.coordinate import RESUME
 
 SHOWN_RANKS = 16  # rows of the text plan before the middle is summed up
@@ -88,7 +89,15 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
         joined = world.join(launch)
     rank = joined.rank
 
+    said: list[int] = []  # the exit code of the failure this process has said
+
+    def say(err: CkptoolError) -> None:
+        said.append(err.exit_code)
+        say_error(err.message, err.hint)
+
     def terminated(signum: int, frame: FrameType | None) -> None:
+        if said:  # the launcher stops the job the failure said here ended: nothing to add
+            raise Quiet(said[0])
         if os.environ.get(WORKERS_SAY_SIGNALS):  # --workers: its process says what ended
             raise Quiet(EXIT_TERMINATED)
         raise Terminated("stopped by SIGTERM: the launcher or the scheduler stopped the job "
@@ -98,7 +107,7 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
     before = signal.signal(signal.SIGTERM, terminated)
     try:
         with progress(quiet or rank != 0) as update:
-            return convert(joined, path, output, say=lambda e: say_error(e.message, e.hint),
+            return convert(joined, path, output, say=say,
                            force=force, progress=update, fsync=fsync, **options)
     except Quiet as exc:
         raise click.exceptions.Exit(exc.exit_code) from exc
