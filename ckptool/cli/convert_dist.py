@@ -121,4 +121,7 @@ def staged(output: str) -> bool:
     (then even one process resumes it, through the same path)."""
     from ckptool.write.distributed.staging import Staging
 
-    return Staging(output, False).path.is_dir()
+    try:
+        return Staging(output, False).path.is_dir()
+    except OSError:  # a name too long for the filesystem...: the writer says it
+        return False
