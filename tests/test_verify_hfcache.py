@@ -148,3 +148,13 @@ def test_cli_on_a_cache(cache: Path, run_cli: Callable[..., CliResult]) -> None:
     code, out, _ = run_cli("verify", str(cache))
     assert code == 1
     assert "problem  config.json: its blob" in out
+
+
+def test_a_snapshot_named_by_a_relative_path_has_its_blobs_hashed(
+        cache: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    snapshot = snapshot_of(cache)
+    monkeypatch.chdir(snapshot.parent)
+    report = check(snapshot.name, 2)
+    assert report.bytes_checked == sum(p.stat().st_size for p in (cache / "blobs").iterdir())
+    monkeypatch.chdir(snapshot)
+    assert check(".", 2).bytes_checked == report.bytes_checked

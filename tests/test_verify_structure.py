@@ -506,3 +506,14 @@ def test_a_whole_file_that_runs_code_says_so(tmp_path: Path) -> None:
                        "hostile_runs_code.pth"), 1)
     assert report.ok
     assert any("weights_only=False" in n and "diagnose" in n for n in report.notes)
+
+
+def test_a_dcp_save_killed_before_its_metadata_is_a_problem(saved: Path,
+                                                            tmp_path: Path) -> None:
+    """What a dcp.save killed mid-save leaves (its data files, no .metadata)
+    is named, never a crash."""
+    folder = copy(saved / "dcp", tmp_path)
+    (folder / ".metadata").unlink()
+    report = check(str(folder), 1)
+    assert not report.ok
+    assert ("missing-file", ".metadata") in [(p.kind, p.file) for p in report.problems]

@@ -110,10 +110,11 @@ def check(snapshot: Snapshot, jobs: int) -> CacheCheck:
         if not os.path.islink(entry):
             continue  # a copy, not a link (no symlinks on this system): nothing names it
         try:
-            blob = os.path.normpath(os.path.join(os.path.dirname(entry), os.readlink(entry)))
+            blob = os.path.normpath(os.path.join(os.path.abspath(os.path.dirname(entry)),
+                                                 os.readlink(entry)))
         except OSError:
             continue
-        if os.path.dirname(blob) != os.path.normpath(blobs):
+        if os.path.dirname(blob) != os.path.normpath(os.path.abspath(blobs)):
             continue
         if not os.path.exists(blob):
             out.missing.add(name)

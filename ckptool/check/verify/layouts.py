@@ -73,6 +73,7 @@ def _damaged(path: str, exc: CorruptCheckpointError) -> tuple[Layout, list[Probl
     if metadata:  # a .metadata that is no pickle: the DCP check says so, naming it
         return Layout(DCP, path, path, metadata=tuple(metadata)), []
     message = exc.message.removeprefix(f"{path}: ")
+    named: str | None = None  # the index the message names
     if any(DATA_FILE.match(n) for n in files):
         problem = Problem(MISSING_FILE, message, METADATA)
     else:
