@@ -128,7 +128,8 @@ def test_any_error_fails_its_batch_and_the_checker_goes_on(
     real = bytecheck.crc_file_ranges
     calls: list[int] = []
 
-    def once_broken(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
+    def once_broken(fd: int, ranges: list[tuple[int, int]], observe: object = None
+                    ) -> list[int]:
         calls.append(len(ranges))
         if len(calls) == 1:
             raise ValueError("mmap offset is greater than file size")

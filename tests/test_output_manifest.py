@@ -109,3 +109,33 @@ def test_bad_destinations_refused_before_writing(run_cli: CliRun, source: Path,
     rc, _, _ = run_cli("fix", str(source), "--strip-module", "--dry-run", "--manifest",
                        str(tmp_path / "m.json"))
     assert rc == 0 and not (tmp_path / "m.json").exists()
+
+
+def test_convert_hashes_its_tensor_files_as_it_checks_them(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """convert --manifest takes a one-file output's sha256 and tensor digests
+    from the bytes it re-reads for their CRC: nothing of OUT is read again."""
+    from ckptool.check.verify import filehash, manifest
+    from ckptool.read.reader import open_checkpoint
+    from ckptool.write.convert.run import convert
+
+    src = tmp_path / "w.pt"
+    torch.save({"a": torch.randn(300, 70), "b": torch.randn(5).to(torch.bfloat16),
+                "e": torch.zeros(0)}, src)
+    out, dest = tmp_path / "w.safetensors", tmp_path / "w.manifest.json"
+    streams: dict[str, object] = {}
+    convert(str(src), str(out), streams=streams)  # type: ignore[arg-type]
+
+    def no_read(*args: object, **kwargs: object) -> object:
+        raise AssertionError("OUT read again")
+
+    monkeypatch.setattr(filehash, "hash_file", no_read)
+    monkeypatch.setattr(manifest, "digest_ranges", no_read)
+    from ckptool.check.verify.outmanifest import write_for_output
+
+    written, note = write_for_output(str(out), str(dest), 1, streams)  # type: ignore[arg-type]
+    assert "no second read" in note
+    monkeypatch.undo()
+    again = manifest.build_manifest(open_checkpoint(str(out)), 1)
+    assert written["files"] == again["files"] and written["tensors"] == again["tensors"]

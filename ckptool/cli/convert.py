@@ -113,13 +113,15 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         if result is None:
             return
     else:
+        streams: dict[str, Any] | None = {} if manifest is not None else None
         with progress(quiet) as update:
             result = run_convert(path, output, force=force, progress=update, fsync=fsync,
-                                 **options)
+                                 streams=streams, **options)
     if manifest is not None:
         from ckptool.check.verify.outmanifest import default_jobs, write_for_output
 
-        result.notes.append(write_for_output(result.output, manifest, default_jobs())[1])
+        result.notes.append(write_for_output(result.output, manifest, default_jobs(),
+                                             streams)[1])
     if as_json:
         write_json(convert_dict(result, manifest))
     elif not quiet:

@@ -18,7 +18,7 @@ import threading
 from collections.abc import Callable
 from types import TracebackType
 
-from ckptool.write.fastcrc import crc_file_ranges
+from ckptool.write.fastcrc import Observe, crc_file_ranges
 
 _SYNC_FILE_RANGE_WRITE = 2
 
@@ -48,8 +48,10 @@ class ByteChecker:
     what is still queued (a failed run must not re-read the rest of the
     file first) and ends the thread."""
 
-    def __init__(self, fd: int, durable: bool = False) -> None:
+    def __init__(self, fd: int, durable: bool = False,
+                 observe: Observe | None = None) -> None:
         self.fd = fd
+        self.observe = observe  # shown the bytes re-read, in order (a streaming hash)
         self.failed: list[str] = []
         self.problem: str | None = None  # why a range could not be read, if one could not
         self.checked = 0
@@ -85,7 +87,8 @@ class ByteChecker:
             if self._cancelled:
                 continue  # drained, unread
             try:
-                crcs = crc_file_ranges(self.fd, [(offset, size) for _, offset, size, _ in batch])
+                crcs = crc_file_ranges(self.fd, [(offset, size) for _, offset, size, _ in batch],
+                                       self.observe)
                 self.failed += [name for (name, _, _, crc), got in zip(batch, crcs, strict=True)
                                 if got != crc]
                 if self._writeback is not None:

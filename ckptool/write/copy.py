@@ -35,7 +35,7 @@ from collections.abc import Callable
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.write.bytecheck import ByteChecker
-from ckptool.write.fastcrc import crc_file_range
+from ckptool.write.fastcrc import Observe, crc_file_range
 from ckptool.write.gather import copy_pieces
 from ckptool.write.layout import CONGRUENT_MIN, PAGE, Check, Data, Made, Segment, Span
 
@@ -179,6 +179,8 @@ class Copier:
             ready = []
             while pending and pending[0][1] + pending[0][2] <= at + delta:
                 ready.append(pending.popleft())
+            if ready:
+                self._hand_over()  # the checks of the segments before this one go first
             self.checker.check_many(ready)
 
     def _kernel_copy(self, fd: int, src_at: int, size: int, dst_at: int) -> int:
@@ -246,11 +248,12 @@ def write(out_fd: int, checker: ByteChecker, segments: list[Segment],
 
 
 def write_checked(out_fd: int, durable: bool, segments: list[Segment],
-                  progress: Progress | None = None) -> None:
+                  progress: Progress | None = None, observe: Observe | None = None) -> None:
     """Write ``segments`` now and wait until every byte of them has been
-    re-read and found as written (``verify.check_bytes``)."""
+    re-read and found as written (``verify.check_bytes``); ``observe`` is
+    shown the bytes re-read, in file order where the segments are."""
     from ckptool.write.verify import check_bytes
 
-    with ByteChecker(out_fd, durable) as checker:
+    with ByteChecker(out_fd, durable, observe) as checker:
         write(out_fd, checker, segments, progress)
         check_bytes(checker)

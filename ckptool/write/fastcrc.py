@@ -55,14 +55,19 @@ def crc_file_range(fd: int, offset: int, size: int) -> int:
     return crc_file_ranges(fd, [(offset, size)])[0]
 
 
-def crc_file_ranges(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
+Observe = Callable[[int, memoryview], None]  # (file offset, the bytes there)
+
+
+def crc_file_ranges(fd: int, ranges: list[tuple[int, int]],
+                    observe: Observe | None = None) -> list[int]:
     """CRC-32 of each (offset, size) range of ``fd``; ranges sorted by offset.
 
     Neighbouring ranges share one mapped window, and ranges under 64 KiB are
     checked by zlib without releasing the GIL: a verifier that checks thousands
     of small zip headers beside a busy main thread would otherwise wait for
     the GIL at every one. Raises OSError when the file is shorter than a
-    range (mmap would otherwise fault past its end)."""
+    range (mmap would otherwise fault past its end). ``observe`` is shown
+    every range's bytes as they are checked, in order (a streaming hash)."""
     if ranges and max(o + n for o, n in ranges) > os.fstat(fd).st_size:
         raise OSError("file ends before the last range to check")
     crcs = [0] * len(ranges)  # an empty range's CRC, mapped or not
@@ -74,7 +79,7 @@ def crc_file_ranges(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
             continue
         start = offset - offset % _GRANULE
         if offset + size > start + WINDOW:  # longer than a window: a window at a time
-            crcs[i] = _crc_long(fd, offset, size)
+            crcs[i] = _crc_long(fd, offset, size, observe)
             i += 1
             continue
         # this range and the ones after it that end inside the same window
@@ -90,13 +95,15 @@ def crc_file_ranges(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
                 for k in range(i, j):
                     at = ranges[k][0] - start
                     crcs[k] = _crc(view, window, at, at + ranges[k][1], 0)
+                    if observe is not None:
+                        observe(ranges[k][0], view[at:at + ranges[k][1]])
         finally:
             window.close()
         i = j
     return crcs
 
 
-def _crc_long(fd: int, offset: int, size: int) -> int:
+def _crc_long(fd: int, offset: int, size: int, observe: Observe | None = None) -> int:
     crc, end = 0, offset + size
     while offset < end:
         start = offset - offset % _GRANULE
@@ -105,6 +112,8 @@ def _crc_long(fd: int, offset: int, size: int) -> int:
         try:
             with memoryview(window) as view:
                 crc = _crc(view, window, offset - start, stop - start, crc)
+                if observe is not None:
+                    observe(offset, view[offset - start:stop - start])
         finally:
             window.close()
         offset = stop

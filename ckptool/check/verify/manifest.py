@@ -37,7 +37,7 @@ import os
 from dataclasses import replace
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import Any
+from typing import Any, Protocol
 
 from ckptool.check.verify.digest import digest_ranges, is_digest, tensor_digest
 from ckptool.check.verify.filehash import (
@@ -96,15 +96,30 @@ def _spans(source: TensorSource, t: TensorInfo) -> list[Span] | None:
     return spans
 
 
-def _digest(source: TensorSource, values: TensorValues, t: TensorInfo) -> str:
+class Known(Protocol):
+    """Hashes already taken of a checkpoint's bytes (as a writer wrote them)."""
+
+    def file(self, path: str) -> tuple[int, str] | None:
+        """A file's (size, sha256), or None."""
+
+    def tensor(self, path: str, offset: int, size: int) -> str | None:
+        """The digest of ``size`` bytes of ``path`` at ``offset``, or None."""
+
+
+def _digest(source: TensorSource, values: TensorValues, t: TensorInfo,
+            known: Known | None = None) -> str:
     spans = _spans(source, t)
+    if spans is not None and known is not None and len(spans) == 1 and not t.chunks:
+        digest = known.tensor(source.reader(t).ckpt.path, spans[0].src, spans[0].size)
+        if digest is not None:
+            return digest
     if spans is not None:
         return digest_ranges(((s.fd, s.src, s.size) for s in spans), t.key)
     return tensor_digest(values.values(t))
 
 
 def tensor_entries(ckpt: Checkpoint, keys: set[str] | None = None,
-                   strict: bool = True) -> dict[str, dict[str, Any]]:
+                   strict: bool = True, known: Known | None = None) -> dict[str, dict[str, Any]]:
     """The manifest entry of each tensor (of ``keys``, or all), one at a
     time. A tensor ckptool cannot read the values of (sparse, quantized...)
     gets no digest and says why; with ``strict`` a damaged one raises its
@@ -122,7 +137,7 @@ def tensor_entries(ckpt: Checkpoint, keys: set[str] | None = None,
                 out[t.key] = entry
                 continue
             try:
-                entry["digest"] = _digest(source, values, t)
+                entry["digest"] = _digest(source, values, t, known)
             except UnsupportedCheckpointError as exc:
                 entry |= {"digest": None, "unread": exc.message}
             except CkptoolError as exc:
@@ -137,20 +152,22 @@ def tensor_entries(ckpt: Checkpoint, keys: set[str] | None = None,
 
 # -- writing --------------------------------------------------------------
 
-def build_manifest(ckpt: Checkpoint, jobs: int, exclude: str | None = None) -> dict[str, Any]:
+def build_manifest(ckpt: Checkpoint, jobs: int, exclude: str | None = None,
+                   known: Known | None = None) -> dict[str, Any]:
     """``ckpt``'s manifest (files hashed on ``jobs`` threads while this one
     digests the tensors); ``exclude``: a path that is not the checkpoint's
-    (the manifest itself)."""
+    (the manifest itself); ``known``: hashes taken already (not read again)."""
     root = root_of(ckpt)
     paths = {n: os.path.join(root, n) for n in files_of(ckpt)}
     if exclude is not None:
         paths = {n: p for n, p in paths.items() if not same_file(p, exclude)}
+    taken = {n: known.file(p) for n, p in paths.items()} if known is not None else {}
     files: dict[str, dict[str, Any]] = {}
-    with Hashing(paths, jobs) as hashing:
-        tensors = tensor_entries(ckpt)
+    with Hashing({n: p for n, p in paths.items() if taken.get(n) is None}, jobs) as hashing:
+        tensors = tensor_entries(ckpt, known=known)
         for name in sorted(paths):
             try:
-                size, sha = hashing.result(name)
+                size, sha = taken.get(name) or hashing.result(name)
             except OSError as exc:
                 raise InputError(f"{paths[name]}: cannot read it ({exc.strerror or exc})",
                                  "check the file's permissions and that it is still there"
@@ -184,13 +201,14 @@ def save_manifest(manifest: dict[str, Any], dest: str) -> None:
         out.commit()
 
 
-def write_manifest(ckpt: Checkpoint, dest: str, jobs: int) -> dict[str, Any]:
+def write_manifest(ckpt: Checkpoint, dest: str, jobs: int,
+                   known: Known | None = None) -> dict[str, Any]:
     """Write ``ckpt``'s manifest to ``dest`` (atomically) and return it."""
     for path in own_paths(ckpt):
         if same_file(path, dest):
             raise UsageError(f"{dest} is a file of the checkpoint: the manifest would replace it",
                              "write the manifest to another path")
-    manifest = build_manifest(ckpt, jobs, exclude=dest)
+    manifest = build_manifest(ckpt, jobs, exclude=dest, known=known)
     save_manifest(manifest, dest)
     return manifest
 

@@ -5,8 +5,12 @@ as it now reads).
 
 ``check_destination`` refuses, before anything is written, a manifest path
 that is the output itself or lies in a folder that does not exist (a long
-conversion must not end on that). ``write_for_output`` hashes the output
-after it was committed: a second read of it, said in the note it returns.
+conversion must not end on that). ``write_for_output`` takes the hashes
+``convert`` computed from the bytes it re-read to check their CRC (one
+file, HF shards: their bytes re-read in file order, each tensor's bytes its
+logical bytes), and hashes the rest after the commit (DCP through torch's
+writer, ``fix``'s rewritten zips, small files: a second read), said in the
+note it returns.
 """
 
 from __future__ import annotations
@@ -32,15 +36,56 @@ def check_destination(dest: str, output: str | None) -> None:
                          "write the manifest to another path")
 
 
-def write_for_output(output: str, dest: str, jobs: int) -> tuple[dict[str, Any], str]:
+class Streamed:
+    """The hashes a writer took of its files as it re-read them (``Known``):
+    by each file's real path, its (size, sha256) and its tensors' digests."""
+
+    def __init__(self, streams: dict[str, tuple[Any, int]]) -> None:
+        self._files: dict[str, tuple[int, str]] = {}
+        self._tensors: dict[str, dict[tuple[int, int], str]] = {}
+        for path, (stream, size) in streams.items():
+            got = stream.result(size)
+            if got is not None:
+                self._files[path] = (size, got[0])
+                self._tensors[path] = got[1]
+        self.used_files = 0
+        self.used_tensors = 0
+
+    def file(self, path: str) -> tuple[int, str] | None:
+        taken = self._files.get(os.path.realpath(path))
+        if taken is not None and os.path.getsize(path) == taken[0]:
+            self.used_files += 1
+            return taken
+        return None
+
+    def tensor(self, path: str, offset: int, size: int) -> str | None:
+        digest = self._tensors.get(os.path.realpath(path), {}).get((offset, size))
+        if digest is not None:
+            self.used_tensors += 1
+        return digest
+
+
+def write_for_output(output: str, dest: str, jobs: int,
+                     streams: dict[str, tuple[Any, int]] | None = None
+                     ) -> tuple[dict[str, Any], str]:
     """Write the manifest of the checkpoint at ``output`` to ``dest``; it and
-    the note that says so."""
+    the note that says so. ``streams``: the hashes the writer took as it
+    re-read what it wrote (``write.streamhash``); what they cover is not
+    read again."""
     from ckptool.read.reader import open_checkpoint
 
-    manifest = write_manifest(open_checkpoint(output), dest, jobs)
-    note = (f"manifest of {output} written to {dest} ({len(manifest['files'])} "
-            f"file{'s' if len(manifest['files']) != 1 else ''}, {len(manifest['tensors'])} "
-            "tensors), reading the output again to hash it")
+    known = Streamed(streams or {})
+    manifest = write_manifest(open_checkpoint(output), dest, jobs, known)
+    nfiles, ntensors = len(manifest["files"]), len(manifest["tensors"])
+    said = (f"manifest of {output} written to {dest} ({nfiles} "
+            f"file{'s' if nfiles != 1 else ''}, {ntensors} tensors)")
+    if known.used_files == nfiles and known.used_tensors:
+        note = f"{said}, from the bytes re-read as they were checked: no second read"
+    elif known.used_files:
+        note = (f"{said}: {known.used_files} of its files hashed as they were checked, the "
+                "rest read again")
+    else:
+        note = f"{said}, reading the output again to hash it"
     return manifest, note
 
 

@@ -23,7 +23,7 @@ from ckptool.model import Checkpoint
 from ckptool.read.reader import open_checkpoint
 from ckptool.write import shards
 from ckptool.write.convert.dcpwriter import check_values, write_dcp
-from ckptool.write.convert.files import write_safetensors, write_torch
+from ckptool.write.convert.files import Streams, write_safetensors, write_torch
 from ckptool.write.convert.job import Job, hf_files, hf_index
 from ckptool.write.convert.plan import Written
 from ckptool.write.outdir import AtomicDirectory
@@ -38,13 +38,13 @@ _BUG = "this is a bug in ckptool; nothing was written"
 
 
 def convert(job: Job, *, force: bool = False, progress: Progress | None = None,
-            fsync: bool = False) -> ConvertResult:
+            fsync: bool = False, streams: Streams | None = None) -> ConvertResult:
     """Write a planned conversion into a directory (hf, hf-bin, dcp)."""
     result = job.result
     result.files, result.bytes_written = write_directory(
         job.source, job.written, job.kind, job.dst, force=force, fsync=fsync,
         progress=progress, planned=None if job.kind == "dcp" else job.shards,
-        extras=job.extras, stem=job.stem)
+        extras=job.extras, stem=job.stem, streams=streams)
     return result
 
 
@@ -52,7 +52,8 @@ def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *
                     force: bool = False, fsync: bool = False, progress: Progress | None = None,
                     planned: list[shards.Shard] | None = None,
                     extras: Sequence[tuple[str, str]] = (),
-                    stem: str | None = None) -> tuple[list[str], int]:
+                    stem: str | None = None,
+                    streams: Streams | None = None) -> tuple[list[str], int]:
     """Write ``written`` (of ``source``) as directory ``dst`` of ``kind``, in
     the ``planned`` shards (hf, hf-bin; the index named for ``stem``), with
     the files ``extras`` ((path, name in dst)) copied as they are; returns
@@ -68,7 +69,7 @@ def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *
         else:
             assert planned is not None
             files = _write_hf(written, kind, tensors, outdir, planned, _Overall(progress, total),
-                              stem)
+                              stem, streams)
         for path, name in extras:
             with open(path, "rb") as f, \
                     outdir.file(name) as out:
@@ -107,13 +108,15 @@ class _Overall:
 
 
 def _write_hf(written: Written, kind: str, tensors: TensorSource, outdir: AtomicDirectory,
-              planned: list[shards.Shard], overall: _Overall, stem: str | None) -> list[str]:
+              planned: list[shards.Shard], overall: _Overall, stem: str | None,
+              streams: Streams | None = None) -> list[str]:
     names = []
     for (name, part, meta), shard in zip(hf_files(written, kind, planned), planned, strict=True):
         if meta is not None:
-            write_safetensors(part, meta, tensors, outdir.file(name), overall.part(shard.nbytes))
+            write_safetensors(part, meta, tensors, outdir.file(name), overall.part(shard.nbytes),
+                              streams)
         else:
-            write_torch(part, tensors, outdir.file(name), overall.part(shard.nbytes))
+            write_torch(part, tensors, outdir.file(name), overall.part(shard.nbytes), streams)
         overall.advance(shard.nbytes)
         names.append(name)
     index = hf_index(written, kind, planned, stem)

@@ -7,6 +7,8 @@ directory's shards are files of the same kind (``convert_dir``).
 from __future__ import annotations
 
 import functools
+import math
+import os
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +29,7 @@ from ckptool.write.formats import safetensors
 from ckptool.write.formats.torch_zip import NewArchive
 from ckptool.write.layout import Layout, Segment, contiguous_strides
 from ckptool.write.sources import TensorSource
+from ckptool.write.streamhash import StreamHash
 
 _TYPED = {v: k for k, v in dtypes.STORAGE_DTYPES.items() if k not in ("UntypedStorage",
                                                                        "TypedStorage")}
@@ -111,24 +114,38 @@ def _single(single_at: SingleAt, t: TensorInfo, dtype: str, name: str, at: int) 
     return single_at(t, dtype, at, name)
 
 
+# a file's hashes taken as it is written (``--manifest``), by its final path
+Streams = dict[str, tuple[StreamHash, int]]
+
+
 def write_safetensors(written: Written, meta: dict[str, str], tensors: TensorSource,
-                      output: AtomicOutput, progress: Progress | None) -> int:
+                      output: AtomicOutput, progress: Progress | None,
+                      streams: Streams | None = None) -> int:
     """One safetensors file of ``written``'s tensors (aliases and entries go
-    into ``meta``, the caller's to say); returns its size."""
-    return _write(lay_out_safetensors(written, meta, tensors.segments), output, progress)
+    into ``meta``, the caller's to say); returns its size. With ``streams``,
+    its sha256 and its tensors' digests are taken from the bytes re-read."""
+    return _write(lay_out_safetensors(written, meta, tensors.segments), output, progress,
+                  streams)
 
 
 def write_torch(written: Written, tensors: TensorSource, output: AtomicOutput,
-                progress: Progress | None) -> int:
+                progress: Progress | None, streams: Streams | None = None) -> int:
     """One torch zip (``torch.save``'s layout) of ``written``; returns its size."""
     return _write(lay_out_torch(written, tensors.single, Path(output.target).stem), output,
-                  progress)
+                  progress, streams)
 
 
-def _write(planned: FileLayout, output: AtomicOutput, progress: Progress | None) -> int:
+def _write(planned: FileLayout, output: AtomicOutput, progress: Progress | None,
+           streams: Streams | None = None) -> int:
+    stream = None
+    if streams is not None:
+        stream = StreamHash({key: (at, math.prod(planned.expect[key][0])
+                                   * dtypes.itemsize(planned.expect[key][1]))
+                             for key, at in planned.starts.items()})
+        streams[os.path.realpath(output.shown)] = (stream, planned.layout.end)
     with output as out:  # 3. laid out (before a byte is written)
         copy.write_checked(out.file.fileno(), out.durable, planned.layout.segments,
-                           progress)  # 4, 5
+                           progress, stream.feed if stream is not None else None)  # 4, 5
         out.sync_in_background()
         planned.check(out.read_path)
         out.commit()  # 6. commit

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ckptool.write.commit import AtomicOutput
-from ckptool.write.convert.files import write_safetensors, write_torch
+from ckptool.write.convert.files import Streams, write_safetensors, write_torch
 from ckptool.write.convert.job import Job, output_format, prepare
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
@@ -50,7 +50,7 @@ Progress = Callable[[int, int], None]
 def convert(src: str, dst: str, *, force: bool = False, progress: Progress | None = None,
             fsync: bool = False, fmt: str | None = None, max_shard_size: int | None = None,
             dtype: str | None = None, weights: str | None = None,
-            salvage: bool = False) -> ConvertResult:
+            salvage: bool = False, streams: Streams | None = None) -> ConvertResult:
     """Convert ``src`` into ``dst``: one file (the format from its extension)
     or a directory of ``fmt`` (hf, hf-bin, dcp), its floating tensors cast to
     ``dtype`` if given; of a DeepSpeed checkpoint, ``weights="module"``
@@ -61,22 +61,25 @@ def convert(src: str, dst: str, *, force: bool = False, progress: Progress | Non
     pickles: tensors, and plain values it pickles itself)."""
     job = prepare(src, dst, fmt=fmt, max_shard_size=max_shard_size, dtype=dtype,
                   weights=weights, salvage=salvage)  # 1. read, 2. plan
-    return write(job, force=force, progress=progress, fsync=fsync)
+    return write(job, force=force, progress=progress, fsync=fsync, streams=streams)
 
 
 def write(job: Job, *, force: bool = False, progress: Progress | None = None,
-          fsync: bool = False) -> ConvertResult:
-    """Write a planned conversion in this one process."""
+          fsync: bool = False, streams: Streams | None = None) -> ConvertResult:
+    """Write a planned conversion in this one process (``streams``: each
+    file's hashes taken as it is written, for ``--manifest``)."""
     if job.is_directory:
         from ckptool.write.convert import directory as convert_dir
 
-        return convert_dir.convert(job, force=force, progress=progress, fsync=fsync)
+        return convert_dir.convert(job, force=force, progress=progress, fsync=fsync,
+                                   streams=streams)
     result = job.result
     with TensorSource(job.source) as tensors:
         output = AtomicOutput(job.dst, force, fsync)
         if job.kind == "safetensors":
             result.bytes_written = write_safetensors(job.written, job.meta, tensors, output,
-                                                     progress)
+                                                     progress, streams)
         else:
-            result.bytes_written = write_torch(job.written, tensors, output, progress)
+            result.bytes_written = write_torch(job.written, tensors, output, progress,
+                                               streams)
     return result
