@@ -71,6 +71,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_browse.py
 	$(BIN)/python bench/bench_multifile.py
 	$(BIN)/python bench/bench_hf_storage.py
+	$(BIN)/python bench/bench_distributed.py
+	$(BIN)/python bench/bench_verify.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
