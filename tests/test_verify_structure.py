@@ -517,3 +517,27 @@ def test_a_dcp_save_killed_before_its_metadata_is_a_problem(saved: Path,
     report = check(str(folder), 1)
     assert not report.ok
     assert ("missing-file", ".metadata") in [(p.kind, p.file) for p in report.problems]
+
+
+def test_what_a_layout_reader_would_pass_over_is_named(tmp_path: Path) -> None:
+    """Damage that leaves the rest readable: a HuggingFaceStorageWriter shard
+    overwritten, one rank's file of per-rank DTensor files gone, an
+    accelerate folder's model whose .metadata was never written."""
+    multifile = Path(__file__).parent / "fixtures" / "multifile"
+    storage = copy(multifile / "hf_storage" / "distributed", tmp_path)
+    shard = next(storage.glob("shard-00002-*.safetensors"))
+    with open(shard, "r+b") as f:
+        f.write(b"garbage!")
+    report = check(str(storage), 1)
+    assert [(p.kind, p.file) for p in report.problems][:1] == [("header", shard.name)]
+    ranks = copy(multifile / "per_rank_dtensor" / "fsdp2_ws2", tmp_path)
+    (ranks / "model_world_size_2_rank_1.pt").unlink()
+    assert ("missing-file", "model_world_size_2_rank_1.pt") in found_files(check(str(ranks), 1))
+    folder = copy(multifile / "accelerate_fsdp", tmp_path)
+    (folder / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    assert ("missing-file", "pytorch_model_fsdp_0/.metadata") in found_files(
+        check(str(folder), 1))
+
+
+def found_files(report: Report) -> set[tuple[str, str | None]]:
+    return {(p.kind, p.file) for p in report.problems}

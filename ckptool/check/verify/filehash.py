@@ -25,11 +25,22 @@ import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
+from typing import Protocol
 
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read.layouts import journal, names
 
 FILE_BLOCK = 4 << 20  # bytes read and hashed at a time
+
+
+class Known(Protocol):
+    """Hashes already taken of a checkpoint's bytes (as a writer wrote them)."""
+
+    def file(self, path: str) -> tuple[int, str] | None:
+        """A file's (size, sha256), or None."""
+
+    def tensor(self, path: str, offset: int, size: int) -> str | None:
+        """The digest of ``size`` bytes of ``path`` at ``offset``, or None."""
 
 
 class Stopped(Exception):

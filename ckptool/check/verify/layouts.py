@@ -54,7 +54,12 @@ def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
             missing = missing_ranks(layout)
             if missing:  # its reader would say it less well: each file alone
                 return Layout(ALONE, path, path, metadata=layout.metadata), missing
-        return layout, []
+        if layout is not None and layout.kind == FILE and layout.file is not None and \
+                os.path.isdir(path) and RANK_NAME.match(os.path.basename(layout.file)):
+            ranks = _ranks_left(path)  # one rank's file is all that still reads
+            if ranks is not None:
+                return ranks
+        return layout, _unfinished_saves(path)
     except CorruptCheckpointError as exc:
         if not os.path.isdir(path):
             raise
@@ -84,6 +89,43 @@ def _damaged(path: str, exc: CorruptCheckpointError) -> tuple[Layout, list[Probl
         problem = Problem(HEADER if named else classify(message, MISMATCH), message, named)
     return Layout(ALONE, path, path, index=named,
                   metadata=tuple(_checkpoint_files(path, files))), [problem]
+
+
+def _ranks_left(path: str) -> tuple[Layout, list[Problem]] | None:
+    """Files saved per rank of which only one still reads: the others are
+    missing or damaged (their names say how many ranks saved)."""
+    names = sorted(n for n in listing(path) if RANK_NAME.match(n))
+    groups: dict[str, dict[int, str]] = {}
+    for name in names:
+        m = RANK_NAME.match(name)
+        assert m is not None
+        groups.setdefault(m.group("stem"), {})[int(m.group("rank"))] = name
+    problems = [p for stem, ranks in sorted(groups.items()) for p in _missing(stem, ranks)]
+    bad = [n for n in names if not is_checkpoint_file(os.path.join(path, n))]
+    problems += [Problem(HEADER, "a rank's file that is no checkpoint file: damaged, or cut "
+                         "short", n) for n in bad]
+    if not problems:
+        return None
+    return Layout(ALONE, path, path, metadata=tuple(n for n in names if n not in bad)), problems
+
+
+def _unfinished_saves(path: str) -> list[Problem]:
+    """Folders of a directory (an accelerate or Trainer folder's model and
+    optimizer) holding DCP data files and no .metadata: a save killed
+    before its end, which the layout's reader passes over."""
+    if not os.path.isdir(path):
+        return []
+    out = []
+    for name in sorted(listing(path)):
+        sub = os.path.join(path, name)
+        if not os.path.isdir(sub) or os.path.islink(sub):
+            continue
+        files = listing(sub)
+        if any(DATA_FILE.match(n) for n in files) and METADATA not in files:
+            out.append(Problem(MISSING_FILE, f"{name} holds DCP data files but no .metadata "
+                               "to say what is in them (a save killed before its end?)",
+                               f"{name}/{METADATA}"))
+    return out
 
 
 def _checkpoint_files(path: str, files: list[str]) -> list[str]:

@@ -37,11 +37,12 @@ import os
 from dataclasses import replace
 from datetime import datetime, timezone
 from importlib import metadata
-from typing import Any, Protocol
+from typing import Any
 
 from ckptool.check.verify.digest import digest_ranges, is_digest, tensor_digest
 from ckptool.check.verify.filehash import (
     Hashing,
+    Known,
     files_of,
     holders,
     layout_paths,
@@ -94,16 +95,6 @@ def _spans(source: TensorSource, t: TensorInfo) -> list[Span] | None:
     if len(spans) != len(segments) or sum(s.size for s in spans) != t.nbytes:
         return None
     return spans
-
-
-class Known(Protocol):
-    """Hashes already taken of a checkpoint's bytes (as a writer wrote them)."""
-
-    def file(self, path: str) -> tuple[int, str] | None:
-        """A file's (size, sha256), or None."""
-
-    def tensor(self, path: str, offset: int, size: int) -> str | None:
-        """The digest of ``size`` bytes of ``path`` at ``offset``, or None."""
 
 
 def _digest(source: TensorSource, values: TensorValues, t: TensorInfo,

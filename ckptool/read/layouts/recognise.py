@@ -287,7 +287,10 @@ def _lone_file(path: str, files: list[str], dirs: list[str], notes: tuple[str, .
     found = [n for n in files[:MAX_SNIFFED] if is_checkpoint_file(os.path.join(path, n))]
     pieces = [n for n in found if HF_STORAGE_SHARD.match(n)]
     if pieces and len(pieces) == len(found):  # even one: its name says which of how many
-        return Layout(HF_STORAGE, path, path, metadata=tuple(pieces))
+        # every shard its name says is one, read or not: a damaged one is
+        # the reader's to refuse, never left out without a word
+        return Layout(HF_STORAGE, path, path,
+                      metadata=tuple(n for n in files if HF_STORAGE_SHARD.match(n)))
     if choice is not None and choice.name is not None:  # what from_pretrained reads
         return Layout(FILE, path, path, file=os.path.join(path, choice.name),
                       notes=notes + tuple(loaders.notes(path, choice, files)))
