@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -143,6 +144,18 @@ def test_a_manifest_that_no_longer_matches_is_not_trusted(run_cli: CliRun,
     report = json.loads(out)
     assert "modified after the manifest" in report["manifest_notes"][0]
     assert report["changed"][0]["values"]["num_different"] == 1
+
+    # changed in place, its times set back as they were (touch -r, rsync -a):
+    # the change time still tells
+    with_manifest(b)
+    st = os.stat(b)
+    time.sleep(0.02)
+    changed["fc.weight"][0, 0] += 1
+    torch.save({"w": changed, "note": "x"}, b)  # the same size
+    assert os.stat(b).st_size == st.st_size
+    os.utime(b, ns=(st.st_atime_ns, st.st_mtime_ns))
+    rc, out, _ = run_cli("diff", "--json", str(a), str(b))
+    assert "modified after the manifest" in json.loads(out)["manifest_notes"][0]
 
 
 def test_one_side_only_and_bad_manifests(run_cli: CliRun, pair: tuple[Path, Path],

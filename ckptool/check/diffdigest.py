@@ -63,9 +63,12 @@ def untrusted(ckpt: Checkpoint, found: Found) -> str | None:
     where, manifest = found
     root = root_of(ckpt)
     try:
-        written = os.stat(where).st_mtime
+        made = os.stat(where)
     except OSError as exc:
         return f"cannot read it ({exc.strerror or exc})"
+    # a time set back (touch -r, cp -p, rsync -a) hides a change from the
+    # modification time, never from the change time, which no one can set
+    written, noted = made.st_mtime, made.st_ctime
     recorded: dict[str, dict[str, Any]] = manifest["files"]
     for name, entry in sorted(recorded.items()):
         try:
@@ -74,7 +77,7 @@ def untrusted(ckpt: Checkpoint, found: Found) -> str | None:
             return f"{name} is missing"
         if st.st_size != entry["size"]:
             return f"{name} is {st.st_size} bytes, the manifest says {entry['size']}"
-        if st.st_mtime > written:
+        if st.st_mtime > written or st.st_ctime > noted:
             return f"{name} was modified after the manifest was written"
     extra = [n for n in files_of(ckpt) if n not in recorded
              and not same_file(os.path.join(root, n), where)]
