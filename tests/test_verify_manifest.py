@@ -442,3 +442,23 @@ def test_a_bad_manifest_is_a_one_line_usage_error(content: bytes, message: str,
 def test_a_manifest_that_is_not_there(tmp_path: Path) -> None:
     with pytest.raises(UsageError, match=r"cannot read the manifest .*No such file"):
         manifest.read_manifest(str(tmp_path / "none.json"))
+
+
+def test_a_single_file_renamed_is_checked_under_its_new_name(tmp_path: Path) -> None:
+    """last.ckpt renamed epoch=3.ckpt after its manifest was written: the
+    same bytes, a warning, no problem."""
+    from ckptool.check.verify.manifest import check_manifest, write_manifest
+    from ckptool.read.reader import open_checkpoint
+
+    first = tmp_path / "last.ckpt"
+    torch.save({"w": torch.arange(12.0)}, first)
+    write_manifest(open_checkpoint(str(first)), str(tmp_path / "m.json"), 1)
+    moved = first.rename(tmp_path / "epoch=3.ckpt")
+    problems = check_manifest(open_checkpoint(str(moved)), str(tmp_path / "m.json"), 1)
+    assert [(p.severity, p.file) for p in problems] == [("warning", "epoch=3.ckpt")]
+    assert "last.ckpt" in problems[0].message
+    data = bytearray(moved.read_bytes())
+    data[-100] ^= 1
+    moved.write_bytes(bytes(data))
+    problems = check_manifest(open_checkpoint(str(moved)), str(tmp_path / "m.json"), 1)
+    assert any(p.severity == "error" and p.file == "epoch=3.ckpt" for p in problems)

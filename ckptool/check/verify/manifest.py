@@ -48,6 +48,7 @@ from ckptool.check.verify.filehash import (
     layout_paths,
     name_in,
     own_paths,
+    renamed_file,
     root_of,
     same_file,
 )
@@ -374,7 +375,12 @@ def check_manifest(ckpt: Checkpoint, manifest_path: str, jobs: int,
     manifest = read_manifest(manifest_path)
     recorded: dict[str, dict[str, Any]] = manifest["tensors"]
     root = root_of(ckpt)
-    problems = _check_files(manifest, root, manifest_path, jobs, files_of(ckpt))
+    present = files_of(ckpt)
+    files, renamed = renamed_file(manifest["files"], present, root,
+                                  manifest["layout"] == ckpt.format)
+    problems = [Problem("manifest-file", f"the manifest names it {renamed}: compared under "
+                        "its name here", file=present[0], severity="warning")] if renamed else []
+    problems += _check_files({**manifest, "files": files}, root, manifest_path, jobs, present)
     changed = {p.file for p in problems if p.file is not None}
     tensor_problems: list[Problem] = []
     same = _tensor_problems(ckpt, recorded, tensor_problems)
