@@ -25,7 +25,7 @@ import stat
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from types import TracebackType
-from typing import Any, Protocol
+from typing import Protocol
 
 from ckptool.model import Checkpoint, TensorInfo
 from ckptool.read.layouts import journal, names
@@ -128,23 +128,6 @@ def holders(ckpt: Checkpoint, root: str) -> dict[str, set[str]]:
         return {name_in(os.path.join(base, n), root) for n in names}
 
     return {t.key: of(t) for t in ckpt.tensors}
-
-
-def renamed_file(recorded: dict[str, Any], present: list[str], root: str,
-                 same_layout: bool) -> tuple[dict[str, Any], str | None]:
-    """A manifest's files as they are to be checked, and the name it gives
-    a lone file renamed since (``last.ckpt`` now ``epoch=3.ckpt``: one file
-    each side, the same layout and size), else None."""
-    listed = list(recorded)
-    if len(present) != 1 or len(listed) != 1 or present == listed or not same_layout:
-        return recorded, None
-    try:
-        size = os.stat(os.path.join(root, present[0])).st_size
-    except OSError:
-        return recorded, None
-    if size != recorded[listed[0]].get("size"):
-        return recorded, None
-    return {present[0]: recorded[listed[0]]}, listed[0]
 
 
 def same_file(a: str, b: str) -> bool:

@@ -26,7 +26,8 @@ tensor whose dtype, shape or digest differs. A tensor's digest is computed
 only where the bytes it is read from changed (a file that holds it, or one
 that says where it lies: an index, a ``.metadata``, the one file), unless
 ``every_tensor``: a file whose sha256 matches holds the same tensors.
-``check_files`` checks the files alone (a checkpoint that does not open).
+``check_files`` checks the files alone (a checkpoint that does not open);
+the files' part of a check is ``manifestfiles``'.
 A manifest that is not one, or is malformed, is a one-line ``UsageError``.
 """
 
@@ -48,10 +49,10 @@ from ckptool.check.verify.filehash import (
     layout_paths,
     name_in,
     own_paths,
-    renamed_file,
     root_of,
     same_file,
 )
+from ckptool.check.verify.manifestfiles import checkpoint_files, file_problems
 from ckptool.check.verify.problems import Problem
 from ckptool.errors import CkptoolError, InputError, UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint, TensorInfo
@@ -267,46 +268,6 @@ def _short(digest: str) -> str:
     return digest.removeprefix("sha256:")[:12]
 
 
-def _sizes(recorded: dict[str, dict[str, Any]], root: str,
-           problems: list[Problem]) -> dict[str, str]:
-    """Files missing or of another size than recorded (as problems); the
-    paths of the others, to hash."""
-    paths: dict[str, str] = {}
-    for name, entry in sorted(recorded.items()):
-        path = os.path.join(root, name)
-        try:
-            size = os.stat(path).st_size
-        except FileNotFoundError:
-            problems.append(Problem("manifest-missing", f"missing: the manifest lists it "
-                                    f"({entry['size']} bytes)", file=name))
-            continue
-        except OSError as exc:
-            problems.append(Problem("unreadable", f"cannot read it ({exc.strerror})", file=name))
-            continue
-        if size != entry["size"]:
-            problems.append(Problem("manifest-file", f"{size} bytes, the manifest says "
-                                    f"{entry['size']}", file=name))
-            continue
-        paths[name] = path
-    return paths
-
-
-def _hashes(hashing: Hashing, recorded: dict[str, dict[str, Any]],
-            problems: list[Problem]) -> None:
-    """Files whose sha256 is not the one recorded (as problems)."""
-    for name in sorted(hashing.paths):
-        try:
-            _, sha = hashing.result(name)
-        except OSError as exc:
-            problems.append(Problem("unreadable", f"cannot read it ({exc.strerror})", file=name))
-            continue
-        then = recorded[name]["sha256"]
-        if sha != then:
-            problems.append(Problem("manifest-file", f"content differs from the manifest "
-                                    f"(sha256 {sha[:12]}…, the manifest says {then[:12]}…)",
-                                    file=name))
-
-
 def _to_digest(ckpt: Checkpoint, root: str, changed: set[str]) -> set[str]:
     """The tensors whose values may have changed with the files ``changed``."""
     held = holders(ckpt, root)
@@ -352,18 +313,8 @@ def check_files(root: str, manifest_path: str, jobs: int,
     each missing, of another size or of another sha256 (hashed on ``jobs``
     threads), and those of ``present`` it does not list: what can be said
     of a checkpoint that does not even open."""
-    return _check_files(read_manifest(manifest_path), root, manifest_path, jobs, present)
-
-
-def _check_files(manifest: dict[str, Any], root: str, manifest_path: str, jobs: int,
-                 present: list[str] | None) -> list[Problem]:
-    recorded: dict[str, dict[str, Any]] = manifest["files"]
-    problems: list[Problem] = []
-    with Hashing(_sizes(recorded, root, problems), jobs) as hashing:
-        _hashes(hashing, recorded, problems)
-    problems += [Problem("manifest-extra", "not in the manifest", file=n) for n in present or ()
-                 if n not in recorded and not same_file(os.path.join(root, n), manifest_path)]
-    return problems
+    return file_problems(read_manifest(manifest_path)["files"], root, manifest_path, jobs,
+                         present)
 
 
 def check_manifest(ckpt: Checkpoint, manifest_path: str, jobs: int,
@@ -375,15 +326,12 @@ def check_manifest(ckpt: Checkpoint, manifest_path: str, jobs: int,
     manifest = read_manifest(manifest_path)
     recorded: dict[str, dict[str, Any]] = manifest["tensors"]
     root = root_of(ckpt)
-    present = files_of(ckpt)
-    files, renamed = renamed_file(manifest["files"], present, root,
-                                  manifest["layout"] == ckpt.format)
-    problems = [Problem("manifest-file", f"the manifest names it {renamed}: compared under "
-                        "its name here", file=present[0], severity="warning")] if renamed else []
-    problems += _check_files({**manifest, "files": files}, root, manifest_path, jobs, present)
+    problems = checkpoint_files(manifest, ckpt.format, root, manifest_path, jobs,
+                                files_of(ckpt))
     changed = {p.file for p in problems if p.file is not None}
     tensor_problems: list[Problem] = []
     same = _tensor_problems(ckpt, recorded, tensor_problems)
+    every_tensor = every_tensor or manifest["layout"] != ckpt.format  # its files say nothing
     wanted = same if every_tensor else same & _to_digest(ckpt, root, changed)
     for key, entry in (tensor_entries(ckpt, wanted, strict=False) if wanted else {}).items():
         then = recorded[key]["digest"]
