@@ -5,7 +5,9 @@ The structure and CRC checks (``ckptool.check.verify.structure``), then, as
 asked: the checkpoint against a manifest written before (``--manifest``),
 every tensor's values (``--values``), and a new manifest written once
 nothing is wrong (``--write-manifest``). Exit 0 when whole, 1 when a
-problem was found, 3 when the input cannot be read at all.
+problem was found, 3 when the input cannot be read at all. Under torchrun
+or srun, or with ``--workers N``, every process checks its share of the
+bytes and rank 0 reports (``_spread``, ``ckptool.check.verify.spread``).
 
 ``verify_dict`` is the ``--json`` schema.
 """
@@ -13,6 +15,7 @@ problem was found, 3 when the input cannot be read at all.
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -38,21 +41,35 @@ from ckptool.errors import EXIT_FINDINGS, EXIT_OK
                    "each tensor) to FILE, once nothing is found wrong.")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), metavar="N",
               help="Threads checking files at once (default: one per CPU).")
+@click.option("--workers", type=click.IntRange(min=1), default=None, metavar="N",
+              help="Check on N processes of this machine, each its share of the bytes "
+              "(started as torchrun would). Under torchrun or srun, verify uses the "
+              "processes it was started in.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--quiet", "-q", is_flag=True,
               help="Print nothing: the exit code says it (0 whole, 1 problems, 3 unreadable).")
 def verify(path: str, read_values: bool, against: str | None, write_to: str | None,
-           jobs: int | None, as_json: bool, quiet: bool) -> int:
+           jobs: int | None, workers: int | None, as_json: bool, quiet: bool) -> int:
     """Check that a checkpoint is whole: every file its layout names, with
     the size it implies; chunks and shards that cover every tensor once;
     zip records against their CRC-32; pickles and headers that parse; a
     Hugging Face cache's blobs against their names. Exits 0 when whole, 1
-    when a problem was found, 3 when it cannot be read."""
+    when a problem was found, 3 when it cannot be read. Under torchrun or
+    srun, or with --workers N, on many processes."""
     from ckptool.check.verify.structure import check, default_jobs
+    from ckptool.write.distributed import world
 
-    jobs = jobs or default_jobs()
+    launch = world.detect()
+    given, jobs = jobs, jobs or default_jobs()
     with one_shot():
-        report = check(path, jobs)
+        if launch is not None or workers is not None:  # on many processes
+            spread = _spread(launch, path, workers, given, (read_values, against, write_to),
+                             as_json, quiet)
+            if spread is None:  # a rank other than 0: rank 0 reports
+                return EXIT_OK
+            report = spread
+        else:
+            report = check(path, jobs)
         if is_spooled(path):  # standard input: its file is named as given
             _as_given(report, path)
         if against is not None:
@@ -74,6 +91,58 @@ def verify(path: str, read_values: bool, against: str | None, write_to: str | No
 
 
 command = verify
+
+
+def _spread(launch: Any, path: str, workers: int | None, jobs: int | None,
+            alone: tuple[bool, str | None, str | None], as_json: bool,
+            quiet: bool) -> Report | None:
+    """``verify`` on many processes (``ckptool.check.verify.spread``): the
+    report on rank 0; None on the others, and after ``--workers``, whose
+    exit code is rank 0's (``click.exceptions.Exit``). A mistake on the
+    command line is said by rank 0 alone."""
+    from ckptool.check.verify.spread import verify_share
+    from ckptool.check.verify.structure import default_jobs
+    from ckptool.errors import EXIT_INTERRUPTED, EXIT_USAGE, CkptoolError, UsageError
+    from ckptool.write.distributed import world
+
+    refused = None
+    if launch is not None and workers is not None and workers != launch.size:
+        refused = UsageError(f"--workers {workers} under {launch.launcher}, which started "
+                             f"{launch.size} process(es)",
+                             "leave --workers out: verify uses the processes it was started in")
+    elif any(alone):
+        refused = UsageError("--values, --manifest and --write-manifest are not run on many "
+                             "processes yet", "run them on one process for now (without "
+                             "--workers, or with CKPTOOL_DISTRIBUTED=0 under a launcher)")
+    elif is_spooled(path):
+        refused = UsageError("standard input is verified by one process",
+                             "leave --workers out, or verify the file itself")
+    if refused is not None:
+        if launch is not None and launch.rank != 0:  # said once, by rank 0
+            raise click.exceptions.Exit(EXIT_USAGE)
+        raise refused
+    if launch is None:
+        from ckptool.write.distributed.launch import run_workers
+
+        assert workers is not None
+        each = jobs or max(1, default_jobs() // workers)  # the machine's CPUs shared out
+        argv = [*(["--traceback"] if "--traceback" in sys.argv else []), "verify", path,
+                "--jobs", str(each),
+                *[flag for flag, on in (("--json", as_json), ("--quiet", quiet)) if on]]
+        try:
+            code = run_workers(workers, argv)
+        except KeyboardInterrupt:  # the workers' rank 0 said it
+            code = EXIT_INTERRUPTED
+        raise click.exceptions.Exit(code)
+    joined = world.join(launch)
+    try:
+        return verify_share(joined, path, jobs or default_jobs())
+    except CkptoolError as exc:
+        if joined.rank != 0:  # posted for rank 0 to say
+            raise click.exceptions.Exit(exc.exit_code) from exc
+        raise
+    finally:
+        joined.close()
 
 
 def _as_given(report: Report, path: str) -> None:

@@ -64,14 +64,17 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
-def check(path: str, jobs: int | None = None) -> Report:
+def check(path: str, jobs: int | None = None, pool: CrcPool | None = None) -> Report:
     """Verify the checkpoint at ``path`` (a file, a directory, an index, a
-    file or folder of a Hugging Face cache snapshot)."""
+    file or folder of a Hugging Face cache snapshot). ``pool``: what
+    computes the records' CRC-32 (a ``spread.SharedPool`` shares it among
+    the ranks of a distributed job); a ``CrcPool`` of ``jobs`` threads
+    unless given."""
     jobs = jobs or default_jobs()
     snapshot = hfcache.locate(path)
     target = snapshot.target if snapshot is not None else path
     cache = hfcache.check(snapshot, jobs) if snapshot is not None else None
-    pool = CrcPool(jobs)
+    pool = pool if pool is not None else CrcPool(jobs)
     layout: Layout | None = None
     ckpt: Checkpoint | None = None
     tensors: int | None = None
