@@ -521,3 +521,24 @@ def test_the_cause_among_failures(seen: dict[int, tuple[int, int]], said: int | 
 def test_no_workers_is_a_usage_error() -> None:
     with pytest.raises(UsageError, match="--workers 0"):
         launch.run_workers(0, ["--version"])
+
+
+def test_a_training_scripts_subprocess_is_one_plain_process(tmp_path: Path) -> None:
+    """A process of a torchrun job that runs ckptool (directly, or through a
+    shell) passes on its RANK and WORLD_SIZE: ckptool is not one of the
+    job's ranks, and converts alone instead of waiting for peers."""
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "9", "TORCHELASTIC_RUN_ID": "job",
+           "PYTHONPATH": str(root)}
+    env.pop("CKPTOOL_DISTRIBUTED", None)
+    script = ("import subprocess, sys; sys.exit(subprocess.run(sys.argv[1], shell=True)"
+              ".returncode)")
+    for i, how in enumerate(("{py} -m ckptool", "sh -c '{py} -m ckptool \"$@\"' sh")):
+        out = tmp_path / f"out{i}.safetensors"
+        command = (how.format(py=sys.executable) +
+                   f" convert {root / 'samples' / 'dcp_tinynet'} {out} -q")
+        done = subprocess.run([sys.executable, "-c", script, command], env=env, cwd=root,
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        assert out.exists()

@@ -84,6 +84,8 @@ def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
     if opted == "0":
         return None
     node = environ.get("SLURMD_NODENAME") or socket.gethostname()
+    if environ is os.environ and opted != "1" and _started_by_a_rank(environ):
+        return None  # a training script's subprocess: its variables are the script's
     if "RANK" in environ:
         launcher = "torchrun" if environ.get("TORCHELASTIC_RUN_ID") else "env"
         size = _number(environ, "WORLD_SIZE", None, low=1, hint="set WORLD_SIZE to the "
@@ -113,6 +115,40 @@ def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
     addr = environ.get("MASTER_ADDR", "").strip() or _first_host(environ)
     port = _port(environ, "MASTER_PORT", _slurm_port(environ))
     return Launch(rank, size, local_rank, "slurm", addr, port, node)
+
+
+# what may stand between a launcher and the process it starts (torchrun
+# --no-python bash -c ..., srun sh -c ...): looked through
+_WRAPPERS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "fish", "env", "time", "timeout",
+                       "nice", "nohup", "stdbuf", "numactl", "taskset"})
+
+
+def _started_by_a_rank(environ: Mapping[str, str]) -> bool:
+    """Whether a process of a distributed job started this one (a training
+    script running ``ckptool`` as a subprocess, which inherits its RANK or
+    SLURM_PROCID), rather than the launcher itself: the nearest ancestor
+    that is no shell or wrapper holds the same rank variable. Linux only
+    (``/proc``); elsewhere, and when unsure, False."""
+    name = "RANK" if "RANK" in environ else "SLURM_PROCID" if "SLURM_PROCID" in environ \
+        else None
+    if name is None:
+        return False
+    mine = f"{name}={environ[name]}".encode()
+    pid = os.getppid()
+    for _ in range(8):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                command = f.read().split(b"\0")[0].decode(errors="replace")
+            with open(f"/proc/{pid}/environ", "rb") as f:
+                theirs = f.read().split(b"\0")
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            return False
+        if os.path.basename(command) not in _WRAPPERS:
+            return mine in theirs
+        pid = parent
+    return False
 
 
 @dataclass
