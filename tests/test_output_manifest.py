@@ -139,3 +139,33 @@ def test_convert_hashes_its_tensor_files_as_it_checks_them(tmp_path: Path,
     monkeypatch.undo()
     again = manifest.build_manifest(open_checkpoint(str(out)), 1)
     assert written["files"] == again["files"] and written["tensors"] == again["tensors"]
+
+
+@pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16"}])
+def test_fix_hashes_its_output_as_it_checks_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                               options: dict[str, str]) -> None:
+    """fix -o (storages copied, or cast) takes the output's hashes from the
+    bytes it re-reads for their CRC: nothing of OUT is read again."""
+    from ckptool.check.verify import filehash, manifest
+    from ckptool.check.verify.outmanifest import write_for_output
+    from ckptool.read.reader import open_checkpoint
+    from ckptool.write.fix.plan import FixOptions
+    from ckptool.write.fix.run import fix
+
+    src = tmp_path / "w.pt"
+    torch.save({"module.a": torch.randn(300, 70), "module.b": torch.randn(5)}, src)
+    out, dest = tmp_path / "fixed.pt", tmp_path / "fixed.manifest.json"
+    streams: dict[str, object] = {}
+    fix(str(src), FixOptions(strip_module=True, **options), str(out),  # type: ignore[arg-type]
+        streams=streams)  # type: ignore[arg-type]
+
+    def no_read(*args: object, **kwargs: object) -> object:
+        raise AssertionError("OUT read again")
+
+    monkeypatch.setattr(filehash, "hash_file", no_read)
+    monkeypatch.setattr(manifest, "digest_ranges", no_read)
+    written, note = write_for_output(str(out), str(dest), 1, streams)  # type: ignore[arg-type]
+    assert "no second read" in note
+    monkeypatch.undo()
+    again = manifest.build_manifest(open_checkpoint(str(out)), 1)
+    assert written["files"] == again["files"] and written["tensors"] == again["tensors"]

@@ -81,15 +81,16 @@ def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: 
         check_destination(manifest, path if in_place else output)
     # a Ctrl-C says whether PATH was changed in place (exit 130 either way)
     with interrupt.reported(path if in_place and not dry_run else None):
+        streams: dict[str, Any] | None = {} if manifest is not None else None
         with progress(quiet) as update:
             result = run_fix(path, opts, output, force=force, in_place=in_place,
-                             dry_run=dry_run, progress=update, fsync=fsync)
+                             dry_run=dry_run, progress=update, fsync=fsync, streams=streams)
         written = None
         if manifest is not None and result.output is not None:
             from ckptool.check.verify.outmanifest import default_jobs, write_for_output
 
             result.plan.notes.append(write_for_output(result.output, manifest,
-                                                      default_jobs())[1])
+                                                      default_jobs(), streams)[1])
             written = manifest
         if as_json:
             write_json(fix_dict(result, written))

@@ -77,3 +77,8 @@ class StreamHash:
             return self._file.hexdigest(), {
                 (start, stop - start): f"sha256:{self._digests[name].hexdigest()}"
                 for start, stop, name in self._ranges}
+
+
+# each file's hashes taken as it is written (``--manifest``), by its final
+# path: (the hash, the file's size, -1 for the size it has once written)
+Streams = dict[str, tuple[StreamHash, int]]

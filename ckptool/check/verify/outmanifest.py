@@ -44,6 +44,11 @@ class Streamed:
         self._files: dict[str, tuple[int, str]] = {}
         self._tensors: dict[str, dict[tuple[int, int], str]] = {}
         for path, (stream, size) in streams.items():
+            if size < 0:  # the size the file came to
+                try:
+                    size = os.path.getsize(path)
+                except OSError:
+                    continue
             got = stream.result(size)
             if got is not None:
                 self._files[path] = (size, got[0])

@@ -23,12 +23,13 @@ from ckptool.model import Checkpoint
 from ckptool.read.reader import open_checkpoint
 from ckptool.write import shards
 from ckptool.write.convert.dcpwriter import check_values, write_dcp
-from ckptool.write.convert.files import Streams, write_safetensors, write_torch
+from ckptool.write.convert.files import write_safetensors, write_torch
 from ckptool.write.convert.job import Job, hf_files, hf_index
 from ckptool.write.convert.plan import Written
 from ckptool.write.outdir import AtomicDirectory
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
+from ckptool.write.streamhash import Streams
 
 if TYPE_CHECKING:
     pass

@@ -29,7 +29,7 @@ from ckptool.write.formats import safetensors
 from ckptool.write.formats.torch_zip import NewArchive
 from ckptool.write.layout import Layout, Segment, contiguous_strides
 from ckptool.write.sources import TensorSource
-from ckptool.write.streamhash import StreamHash
+from ckptool.write.streamhash import StreamHash, Streams
 
 _TYPED = {v: k for k, v in dtypes.STORAGE_DTYPES.items() if k not in ("UntypedStorage",
                                                                        "TypedStorage")}
@@ -112,10 +112,6 @@ def lay_out_torch(written: Written, single_at: SingleAt, root: str) -> FileLayou
 
 def _single(single_at: SingleAt, t: TensorInfo, dtype: str, name: str, at: int) -> Segment:
     return single_at(t, dtype, at, name)
-
-
-# a file's hashes taken as it is written (``--manifest``), by its final path
-Streams = dict[str, tuple[StreamHash, int]]
 
 
 def write_safetensors(written: Written, meta: dict[str, str], tensors: TensorSource,

@@ -37,10 +37,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ckptool.write.commit import AtomicOutput
-from ckptool.write.convert.files import Streams, write_safetensors, write_torch
+from ckptool.write.convert.files import write_safetensors, write_torch
 from ckptool.write.convert.job import Job, output_format, prepare
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
+from ckptool.write.streamhash import Streams
 
 __all__ = ["ConvertResult", "convert", "output_format", "write"]
 

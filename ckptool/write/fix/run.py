@@ -51,6 +51,7 @@ from ckptool.write import copy, interrupt, repickle, verify
 from ckptool.write.bytecheck import ByteChecker
 from ckptool.write.commit import AtomicOutput, shared_file
 from ckptool.write.failures import naming
+from ckptool.write.fastcrc import Observe
 from ckptool.write.fix import inplace
 from ckptool.write.fix.plan import (
     FixOptions,
@@ -60,10 +61,12 @@ from ckptool.write.fix.plan import (
     new_pid,
     refuse_unsafe,
 )
+from ckptool.write.fix.targets import check_suffix, check_target
 from ckptool.write.flagged import prove_clean, refuse_flagged
 from ckptool.write.formats import safetensors, torch_legacy, torch_zip
 from ckptool.write.layout import checked_cast
 from ckptool.write.results import FixResult
+from ckptool.write.streamhash import StreamHash, Streams
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
 
@@ -107,7 +110,8 @@ def fresh_output(src: str) -> str:
 
 def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = False,
         in_place: bool = False, dry_run: bool = False, progress: Progress | None = None,
-        fsync: bool = False, pending: Pending | None = None) -> FixResult:
+        fsync: bool = False, pending: Pending | None = None,
+        streams: Streams | None = None) -> FixResult:
     """Rewrite ``src`` as ``opts`` ask. The output is durable on disk before
     this returns when ``fsync`` is set or it replaces a file (``AtomicOutput``).
 
@@ -115,7 +119,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     new file: its other names keep the old one); with ``pending`` (a shard of
     a directory fixed in place) the change is written beside ``src`` (to
     ``pending.temp``) and verified, and the journal step that makes it is
-    appended to ``pending.steps``, not made."""
+    appended to ``pending.steps``, not made. ``streams``: the hashes of a
+    rewritten file, taken from the bytes re-read (``write.streamhash``)."""
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
     layout = recognise.recognise(src)
@@ -165,7 +170,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         change = stack.enter_context(interrupt.changing(src)) if alone else None
         early = None
         if not (dry_run or in_place):
-            early = _start_zip_early(src, target, opts, force, fsync, progress, stack, identity)
+            early = _start_zip_early(src, target, opts, force, fsync, progress, stack, identity,
+                                     streams)
         # 1. read (a started copy's own open file, when there is one: one version)
         with faithful():
             raw = dispatch.read_zip(src, early.archive) if early else dispatch.read(src)
@@ -183,8 +189,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             plan.notes.append(f"{shared}: it is now a file of its own, and the file it shared "
                               "is untouched")
         if not in_place:  # what the write would refuse, a dry run refuses too
-            _check_target(src, target, force)
-            _check_suffix(raw.format, target)
+            check_target(src, target, force)
+            check_suffix(raw.format, target)
         if dry_run:
             return result
         # (a salvage is read back before commit: never the metadata-only path)
@@ -203,10 +209,12 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
             follow_links=not in_place, like=later))
         # 3 to 5: lay out, copy, verify, in the input's own format
         if raw.format == TORCH_ZIP:
-            job = early or _start_zip(src, source, plan, out, progress, stack, identity)
+            job = early or _start_zip(src, source, plan, out, progress, stack, identity,
+                                      None if in_place else streams)
             result.verified_storages = _finish_zip(job, source, plan, out)
         elif raw.format == SAFETENSORS:
-            result.verified_storages = _write_safetensors(source, plan, out, progress, stack)
+            result.verified_storages = _write_safetensors(source, plan, out, progress, stack,
+                                                          None if in_place else streams)
         else:
             result.verified_storages = _write_legacy(src, source, plan, out, progress, stack,
                                                      identity)
@@ -221,31 +229,6 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
                                   temp=pending.temp))
     result.output = src if in_place else target
     return result
-
-
-def _check_target(src: str, target: str, force: bool) -> None:
-    """The output path must not be the input, nor a file to keep."""
-    if not os.path.lexists(target):
-        return
-    if os.path.exists(target) and os.path.samefile(target, src):
-        raise UsageError("the output would overwrite the input",
-                         "choose another path with -o, or pass --in-place")
-    if not force:
-        raise UsageError(f"{target} already exists",
-                         "pass --force to overwrite it, or -o to choose another path")
-
-
-def _check_suffix(fmt: str, target: str) -> None:
-    """fix writes its input's format: an output named for the other one is a
-    mistake that only shows when the file will not load."""
-    suffix = Path(target).suffix.lower()
-    torch_name = suffix in (".pth", ".pt", ".bin", ".ckpt", ".tar", ".pkl")
-    if (fmt == SAFETENSORS and torch_name) or (fmt != SAFETENSORS and suffix == ".safetensors"):
-        wants = "torch" if torch_name else "safetensors"
-        raise UsageError(
-            f"fix writes {fmt}, as its input is, and {Path(target).name} is named for {wants}",
-            f"to change formats use `ckptool convert IN {Path(target).name}`; or name the "
-            f"output for {fmt}")
 
 
 @dataclass
@@ -266,9 +249,12 @@ class _ZipJob:
 
 
 def _copy_storages(archive: ZipArchive, storages: torch_zip.Storages, out: AtomicOutput,
-                   progress: Progress | None, stack: contextlib.ExitStack) -> _ZipJob:
-    """Step 4 for the storage records, laid out: start copying them."""
-    checker = ByteChecker(out.file.fileno(), out.durable)
+                   progress: Progress | None, stack: contextlib.ExitStack,
+                   streams: Streams | None = None) -> _ZipJob:
+    """Step 4 for the storage records, laid out: start copying them (with
+    ``streams``, hashing the file and each storage as they are re-read)."""
+    observe = _stream(streams, out, {p.key: (p.data, p.size) for p in storages.pieces}, -1)
+    checker = ByteChecker(out.file.fileno(), out.durable, observe)
     copier = copy.Copier(out.file.fileno(), checker, progress).start()
     job = _ZipJob(archive, storages, out, checker, copier)
     stack.callback(job.stop)
@@ -276,9 +262,18 @@ def _copy_storages(archive: ZipArchive, storages: torch_zip.Storages, out: Atomi
     return job
 
 
+def _stream(streams: Streams | None, out: AtomicOutput, ranges: dict[str, tuple[int, int]],
+            size: int) -> Observe | None:
+    """A ``StreamHash`` of ``out`` (its size -1: the file's once written), registered."""
+    if streams is None:
+        return None
+    streams[os.path.realpath(out.shown)] = (stream := StreamHash(ranges), size)
+    return stream.feed
+
+
 def _start_zip_early(src: str, target: str, opts: FixOptions, force: bool, fsync: bool,
                      progress: Progress | None, stack: contextlib.ExitStack,
-                     identity: Identity | None) -> _ZipJob | None:
+                     identity: Identity | None, streams: Streams | None) -> _ZipJob | None:
     """Start copying every storage record of a torch zip before it is read,
     when no option can drop or cast one. None where that does not apply; the
     ordinary path then reports whatever is wrong, in its usual order."""
@@ -305,12 +300,12 @@ def _start_zip_early(src: str, target: str, opts: FixOptions, force: bool, fsync
         out = stack.enter_context(AtomicOutput(target, force=force, fsync=fsync))
     except CkptoolError:
         return None  # the ordinary path meets the same problem, and says it
-    return _copy_storages(archive, storages, out, progress, stack)
+    return _copy_storages(archive, storages, out, progress, stack, streams)
 
 
 def _start_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
                progress: Progress | None, stack: contextlib.ExitStack,
-               identity: Identity | None) -> _ZipJob:
+               identity: Identity | None, streams: Streams | None) -> _ZipJob:
     """The storage records the plan keeps, cast where it casts them."""
     used = plan.storages
     root = source.metadata.get("archive_root", "")
@@ -326,7 +321,7 @@ def _start_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
         for key, (a, dst) in plan.casts.items() if key in used}
     storages = torch_zip.lay_out_storages(f.fileno(), archive,
                                           {k: members[k] for k in used}, casts)
-    return _copy_storages(archive, storages, out, progress, stack)
+    return _copy_storages(archive, storages, out, progress, stack, streams)
 
 
 def _finish_zip(job: _ZipJob, source: Checkpoint, plan: Plan, out: AtomicOutput) -> int:
@@ -348,7 +343,8 @@ def _finish_zip(job: _ZipJob, source: Checkpoint, plan: Plan, out: AtomicOutput)
 
 
 def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
-                       progress: Progress | None, stack: contextlib.ExitStack) -> int:
+                       progress: Progress | None, stack: contextlib.ExitStack,
+                       streams: Streams | None) -> int:
     """Renamed, dropped or cast safetensors: a new header, the bytes streamed."""
     by_storage = {t.storage: t for t in source.tensors}
     items = []
@@ -362,7 +358,9 @@ def _write_safetensors(source: Checkpoint, plan: Plan, out: AtomicOutput,
     plan.notes += notes
     reader = stack.enter_context(TensorData(source))
     layout, starts = safetensors.lay_out(items, meta, safetensors.of_file(reader))
-    copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)
+    sizes = {n: t.numel * dtypes.itemsize(d) for n, t, d in items}
+    copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress, _stream(
+        streams, out, {n: (at, sizes[n]) for n, at in starts.items()}, layout.end))
     out.sync_in_background()
     expect = {n: (t.shape, d) for n, t, d in items}
     expect.update({a: expect[k] for a, k in ties.items()})
