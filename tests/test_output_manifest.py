@@ -111,34 +111,41 @@ def test_bad_destinations_refused_before_writing(run_cli: CliRun, source: Path,
     assert rc == 0 and not (tmp_path / "m.json").exists()
 
 
-def test_convert_hashes_its_tensor_files_as_it_checks_them(tmp_path: Path,
-                                                           monkeypatch: pytest.MonkeyPatch
-                                                           ) -> None:
-    """convert --manifest takes a one-file output's sha256 and tensor digests
-    from the bytes it re-reads for their CRC: nothing of OUT is read again."""
+def streamed_manifest_is_the_manifest(out: Path, streams: dict[str, object],
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The manifest from a writer's ``streams`` is written without reading
+    OUT again, and equals the one a read of OUT gives."""
     from ckptool.check.verify import filehash, manifest
+    from ckptool.check.verify.outmanifest import write_for_output
     from ckptool.read.reader import open_checkpoint
-    from ckptool.write.convert.run import convert
-
-    src = tmp_path / "w.pt"
-    torch.save({"a": torch.randn(300, 70), "b": torch.randn(5).to(torch.bfloat16),
-                "e": torch.zeros(0)}, src)
-    out, dest = tmp_path / "w.safetensors", tmp_path / "w.manifest.json"
-    streams: dict[str, object] = {}
-    convert(str(src), str(out), streams=streams)  # type: ignore[arg-type]
 
     def no_read(*args: object, **kwargs: object) -> object:
         raise AssertionError("OUT read again")
 
     monkeypatch.setattr(filehash, "hash_file", no_read)
     monkeypatch.setattr(manifest, "digest_ranges", no_read)
-    from ckptool.check.verify.outmanifest import write_for_output
-
+    dest = out.with_name(out.name + ".manifest.json")
     written, note = write_for_output(str(out), str(dest), 1, streams)  # type: ignore[arg-type]
     assert "no second read" in note
     monkeypatch.undo()
     again = manifest.build_manifest(open_checkpoint(str(out)), 1)
     assert written["files"] == again["files"] and written["tensors"] == again["tensors"]
+
+
+def test_convert_hashes_its_tensor_files_as_it_checks_them(tmp_path: Path,
+                                                           monkeypatch: pytest.MonkeyPatch
+                                                           ) -> None:
+    """convert --manifest takes a one-file output's sha256 and tensor digests
+    from the bytes it re-reads for their CRC: nothing of OUT is read again."""
+    from ckptool.write.convert.run import convert
+
+    src = tmp_path / "w.pt"
+    torch.save({"a": torch.randn(300, 70), "b": torch.randn(5).to(torch.bfloat16),
+                "e": torch.zeros(0)}, src)
+    out = tmp_path / "w.safetensors"
+    streams: dict[str, object] = {}
+    convert(str(src), str(out), streams=streams)  # type: ignore[arg-type]
+    streamed_manifest_is_the_manifest(out, streams, monkeypatch)
 
 
 @pytest.mark.parametrize("options", [{}, {"dtype": "bfloat16"}])
@@ -146,26 +153,13 @@ def test_fix_hashes_its_output_as_it_checks_it(tmp_path: Path, monkeypatch: pyte
                                                options: dict[str, str]) -> None:
     """fix -o (storages copied, or cast) takes the output's hashes from the
     bytes it re-reads for their CRC: nothing of OUT is read again."""
-    from ckptool.check.verify import filehash, manifest
-    from ckptool.check.verify.outmanifest import write_for_output
-    from ckptool.read.reader import open_checkpoint
     from ckptool.write.fix.plan import FixOptions
     from ckptool.write.fix.run import fix
 
     src = tmp_path / "w.pt"
     torch.save({"module.a": torch.randn(300, 70), "module.b": torch.randn(5)}, src)
-    out, dest = tmp_path / "fixed.pt", tmp_path / "fixed.manifest.json"
+    out = tmp_path / "fixed.pt"
     streams: dict[str, object] = {}
     fix(str(src), FixOptions(strip_module=True, **options), str(out),  # type: ignore[arg-type]
         streams=streams)  # type: ignore[arg-type]
-
-    def no_read(*args: object, **kwargs: object) -> object:
-        raise AssertionError("OUT read again")
-
-    monkeypatch.setattr(filehash, "hash_file", no_read)
-    monkeypatch.setattr(manifest, "digest_ranges", no_read)
-    written, note = write_for_output(str(out), str(dest), 1, streams)  # type: ignore[arg-type]
-    assert "no second read" in note
-    monkeypatch.undo()
-    again = manifest.build_manifest(open_checkpoint(str(out)), 1)
-    assert written["files"] == again["files"] and written["tensors"] == again["tensors"]
+    streamed_manifest_is_the_manifest(out, streams, monkeypatch)
