@@ -156,3 +156,20 @@ def test_no_manifest_of_a_damaged_checkpoint(model: Path, tmp_path: Path, run_cl
     code, out, _ = run_cli("verify", str(model), "--write-manifest", str(manifest))
     assert code == 1 and not manifest.exists()
     assert "note  no manifest written" in out
+
+
+def test_what_was_checked_is_what_the_report_says(tmp_path: Path,
+                                                  run_cli: Callable[..., CliResult]) -> None:
+    """A safetensors file has no CRC to check ("crc" not among the checks);
+    once it is checked against a manifest, the note that only a manifest can
+    prove its bytes is not said."""
+    samples = Path(__file__).resolve().parent.parent / "samples"
+    _, out, _ = run_cli("verify", str(samples / "tinynet.safetensors"), "--json")
+    report = json.loads(out)
+    assert report["checks"] == ["structure"] and report["notes"]
+    dest = tmp_path / "m.json"
+    run_cli("verify", str(samples / "tinynet.safetensors"), "--write-manifest", str(dest), "-q")
+    code, out, _ = run_cli("verify", str(samples / "tinynet.safetensors"), "--manifest",
+                           str(dest), "--json")
+    report = json.loads(out)
+    assert code == 0 and report["checks"] == ["structure", "manifest"] and not report["notes"]

@@ -104,7 +104,8 @@ def check(path: str, jobs: int | None = None, pool: CrcPool | None = None) -> Re
         run.note(f"it names globals torch.load(weights_only=False) would call ("
                  f"{', '.join(unsafe[:3])}{', …' if len(unsafe) > 3 else ''}): no damage, but "
                  "do not load it so; see ckptool diagnose")
-    checks = ["structure", "crc"] + (["hf-cache"] if cache is not None else [])
+    checks = ["structure", *(["crc"] if pool.checked or failures else []),
+              *(["hf-cache"] if cache is not None else [])]
     fmt = ckpt.format if ckpt is not None else layouts.format_of(
         layout, next(iter(run.formats.values()), None))
     count = len(ckpt.tensors) if ckpt is not None else tensors
