@@ -355,3 +355,15 @@ def test_a_resume_keeps_only_the_same_conversion(tmp_path: Path) -> None:
     module = plan_only(src, out, 2, weights="module", dtype="bfloat16")
     assert [u.name for u in module.units] == [u.name for u in masters.units]
     assert module.fingerprint() != masters.fingerprint()
+
+
+def test_an_error_every_rank_meets_is_said_as_one_process_says_it(tmp_path: Path) -> None:
+    """Not a checkpoint: every rank finds it while planning, whichever records
+    it first; rank 0 says it as one process would, with no rank named."""
+    src = tmp_path / "notes.pt"
+    src.write_text("hello\n")
+    for _ in range(3):
+        results = on_ranks(3, src, tmp_path / "o.safetensors")
+        assert results[0].message.startswith(f"{src} is not a checkpoint"), results[0].message
+        assert results[0].exit_code == 3
+        assert all(isinstance(r, Quiet) and r.exit_code == 3 for r in results[1:])

@@ -84,7 +84,7 @@ def leave(coord: Coordinator, err: CkptoolError, say: Say) -> CkptoolError:
             failure = coord.fail(Failure(coord.rank, coord.node, err.message,
                                          _hint(err, coord), err.exit_code))
         if coord.rank == 0:
-            if failure.rank == 0 and failure.message == err.message:  # its own, as raised
+            if failure.message == err.message:  # its own, as raised (or every rank's)
                 err.hint = failure.hint
                 say(err)
             else:
