@@ -367,3 +367,15 @@ def test_an_error_every_rank_meets_is_said_as_one_process_says_it(tmp_path: Path
         assert results[0].message.startswith(f"{src} is not a checkpoint"), results[0].message
         assert results[0].exit_code == 3
         assert all(isinstance(r, Quiet) and r.exit_code == 3 for r in results[1:])
+
+
+def test_a_bad_timeout_is_said_once_before_any_process_starts(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        run_cli: Callable[..., CliResult]) -> None:
+    monkeypatch.setenv("CKPTOOL_RANK_TIMEOUT", "soon")
+    code, out, err = run_cli("convert", str(FIXTURES.parent.parent / "samples" / "dcp_tinynet"),
+                             str(tmp_path / "o.safetensors"), "--workers", "2")
+    assert code == 2 and out == ""
+    assert err.splitlines()[0] == "ckptool: error: CKPTOOL_RANK_TIMEOUT='soon': expected a " \
+        "number of seconds above 0"
+    assert not (tmp_path / "o.safetensors").exists()

@@ -69,6 +69,15 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         "dtype": planning.DTYPE_NAMES[dtype] if dtype else None,
         "weights": None if weights == "fp32" else weights, "salvage": salvage}
     launch = world.detect()
+    if launch is not None or workers is not None:  # the settings, said once (by rank 0)
+        from ckptool.write.distributed.coordinate import lost_after
+
+        try:
+            lost_after(), world.join_timeout()
+        except UsageError:
+            if launch is not None and launch.rank != 0:
+                raise click.exceptions.Exit(EXIT_USAGE) from None
+            raise
     if launch is not None and workers is not None and workers != launch.size:
         if launch.rank != 0:  # said once, by rank 0
             raise click.exceptions.Exit(EXIT_USAGE)

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -48,17 +49,23 @@ def beat_every(size: int) -> float:
     return max(0.25, size / 2000)
 
 
+def seconds(name: str, default: float, what: str,
+            environ: Mapping[str, str] = os.environ) -> float:
+    """The positive number of seconds in variable ``name`` (``what`` it is,
+    for the hint), else ``default``; anything else is a UsageError."""
+    text = environ.get(name, "").strip()
+    if not text:
+        return default
+    if not re.fullmatch(r"\d+(\.\d*)?|\.\d+", text) or float(text) <= 0:
+        raise UsageError(f"{name}={text!r}: expected a number of seconds above 0",
+                         hint=f"{name} is {what} (default {default:g})")
+    return float(text)
+
+
 def lost_after() -> float:
-    text = os.environ.get("CKPTOOL_RANK_TIMEOUT", "60")
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise UsageError(f"CKPTOOL_RANK_TIMEOUT={text!r} is not a number of seconds above 0",
-                         "unset it (60 s), or set it to the seconds after which a rank that "
-                         "stopped answering is taken for lost")
-    return value
+    """``CKPTOOL_RANK_TIMEOUT`` in seconds, else 60."""
+    return seconds("CKPTOOL_RANK_TIMEOUT", 60, "the seconds after which a rank that stopped "
+                   "answering is taken for lost")
 
 
 @dataclass

@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 from ckptool.errors import UsageError
+from ckptool.write.distributed.coordinate import seconds
 from ckptool.write.distributed.nodelist import expand_nodelist  # (world.expand_nodelist)
 
 # Lightning's SLURMEnvironment.main_port: job id's last 4 digits + 15000
@@ -251,14 +252,8 @@ def join(launch: Launch, timeout: float | None = None) -> World:
 
 def join_timeout(environ: Mapping[str, str] = os.environ) -> float:
     """``CKPTOOL_JOIN_TIMEOUT`` in seconds (a positive number), else 1800."""
-    text = environ.get("CKPTOOL_JOIN_TIMEOUT", "").strip()
-    if not text:
-        return JOIN_TIMEOUT
-    if not re.fullmatch(r"\d+(\.\d*)?|\.\d+", text) or float(text) <= 0:
-        raise UsageError(f"CKPTOOL_JOIN_TIMEOUT={text!r}: expected a number of seconds above 0",
-                         hint="CKPTOOL_JOIN_TIMEOUT is how long a process waits for the "
-                         f"others to start (default {JOIN_TIMEOUT:g})")
-    return float(text)
+    return seconds("CKPTOOL_JOIN_TIMEOUT", JOIN_TIMEOUT, "how long a process waits for the "
+                   "others to start", environ)
 
 
 def alone_with(store: Any, rank: int, size: int) -> World:
