@@ -33,7 +33,7 @@ from ckptool.write.distributed import files as dist_files
 from ckptool.write.distributed.coordinate import STORE_ERRORS, Coordinator, Failure
 from ckptool.write.distributed.ending import Say
 from ckptool.write.distributed.plan import Plan, make
-from ckptool.write.distributed.staging import Staging
+from ckptool.write.distributed.staging import Staging, write_small
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
 
@@ -156,11 +156,11 @@ def _commit(plan: Plan, staging: Staging, tensors: TensorSource, durable: bool,
     else:
         names = dist_files.finish(plan, staging, tensors, durable)
     if plan.index is not None:
-        _small_file(staging, plan.index[0], plan.index[1], durable)
+        write_small(staging.file(plan.index[0]), plan.index[1], durable)
         names.append(plan.index[0])
     for path, name in job.extras:
         with open(path, "rb") as f:
-            _small_file(staging, name, f.read(), durable)
+            write_small(staging.file(name), f.read(), durable)
         names.append(name)
     if job.is_directory:
         back = check_whole(str(staging.path), job.written, job.kind)
@@ -170,13 +170,3 @@ def _commit(plan: Plan, staging: Staging, tensors: TensorSource, durable: bool,
         result.bytes_written = os.path.getsize(staging.file(names[0]))
     staging.commit(names[0] if not job.is_directory else None, durable)
     return result
-
-
-def _small_file(staging: Staging, name: str, data: bytes, durable: bool) -> None:
-    temp = staging.file(f".{name}.tmp")
-    with open(temp, "wb") as f:
-        f.write(data)
-        if durable:
-            f.flush()
-            os.fsync(f.fileno())
-    os.replace(temp, staging.file(name))

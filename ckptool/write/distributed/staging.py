@@ -118,8 +118,8 @@ class Staging:
             except OSError as exc:
                 raise output_error(self.target, exc) from exc
             token = secrets.token_hex(8)
-            _write_small(self.meta / "plan", fingerprint)
-            _write_small(self.meta / "token", token)
+            write_small(self.meta / "plan", fingerprint.encode())
+            write_small(self.meta / "token", token.encode())
         return token, kept
 
     def _plan(self) -> str | None:
@@ -207,7 +207,12 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
             yield entry
 
 
-def _write_small(path: Path, text: str) -> None:
-    temp = path.with_name(path.name + ".tmp")
-    temp.write_text(text)
+def write_small(path: Path, data: bytes, durable: bool = False) -> None:
+    """A small file written whole under a temporary name, then renamed."""
+    temp = path.with_name(f".{path.name}.tmp")
+    with open(temp, "wb") as f:
+        f.write(data)
+        if durable:
+            f.flush()
+            os.fsync(f.fileno())
     os.replace(temp, path)
