@@ -118,3 +118,30 @@ def flip_record_byte(path: Path, member: str, at: int = 100, mask: int = 0x10) -
         f.seek(-1, 1)
         f.write(bytes([byte[0] ^ mask]))
     os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def on_thread_ranks(n: int, work: Any, catch: tuple[type[BaseException], ...]) -> list[Any]:
+    """``work(world)`` on ``n`` ranks run as threads of this process over one
+    in-memory store (``world.alone_with``): each rank's result, or the
+    exception of ``catch`` it raised."""
+    import threading
+
+    import torch.distributed as dist
+
+    from ckptool.write.distributed import world
+
+    store = dist.HashStore()
+    out: list[Any] = [None] * n
+
+    def rank(r: int) -> None:
+        try:
+            out[r] = work(world.alone_with(store, r, n))
+        except catch as exc:
+            out[r] = exc
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return out

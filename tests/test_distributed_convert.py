@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from helpers import flip_record_byte
+from helpers import flip_record_byte, on_thread_ranks
 
 from ckptool.errors import CkptoolError, RankFailedError, UsageError
 from ckptool.write.convert.run import convert as convert_one
@@ -33,24 +33,9 @@ def on_ranks(n: int, src: Path | str, dst: Path | str, **options: Any) -> list[A
     """Run the conversion on ``n`` ranks (threads): rank 0's report, or the
     error it said (its exit code the failure's), then each other rank's
     None or ``Quiet``."""
-    import torch.distributed as dist
-
-    store = dist.HashStore()
-    out: list[Any] = [None] * n
     said: list[CkptoolError] = []
-
-    def rank(r: int) -> None:
-        try:
-            out[r] = convert_rank(world.alone_with(store, r, n), str(src), str(dst),
-                                  say=said.append, **options)
-        except (CkptoolError, OSError) as exc:
-            out[r] = exc
-
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = on_thread_ranks(n, lambda w: convert_rank(w, str(src), str(dst), say=said.append,
+                                                    **options), (CkptoolError, OSError))
     assert len(said) <= 1, said  # said once
     if said:
         assert isinstance(out[0], Quiet)

@@ -12,13 +12,13 @@ import os
 import shutil
 import subprocess
 import sys
-import threading
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from helpers import on_thread_ranks
 
 from ckptool.check.verify import zipcheck
 from ckptool.check.verify.problems import Report
@@ -71,25 +71,13 @@ def flip_last_byte(path: Path, suffix: str) -> None:
 
 def on_ranks(n: int, path: Path) -> tuple[Report, list[SharedPool]]:
     """Verify ``path`` on ``n`` ranks (threads): rank 0's report, each rank's pool."""
-    import torch.distributed as dist
-
-    store = dist.HashStore()
-    out: list[Any] = [None] * n
     pools: list[Any] = [None] * n
 
-    def rank(r: int) -> None:
-        joined = world.alone_with(store, r, n)
-        pools[r] = SharedPool(joined, 2)
-        try:
-            out[r] = verify_share(joined, str(path), 2, pools[r])
-        except CkptoolError as exc:
-            out[r] = exc
+    def rank(joined: Any) -> Any:
+        pools[joined.rank] = SharedPool(joined, 2)
+        return verify_share(joined, str(path), 2, pools[joined.rank])
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(60)
+    out = on_thread_ranks(n, rank, (CkptoolError,))
     if isinstance(out[0], CkptoolError):  # the same error on every rank (said by rank 0)
         assert all(type(o) is type(out[0]) for o in out[1:]), out
         raise out[0]
