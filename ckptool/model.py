@@ -176,7 +176,7 @@ class GlobalInfo:
     reason: str
     count: int
     # what loading does with it: called, called-instance, created, built
-    # (none: only referenced); see ckptool.read.policy
+    # (none: only referenced); see ckptool.read.pickle.policy
     uses: tuple[str, ...] = ()
     where: tuple[str, ...] = ()  # the file's pickles that name it
 

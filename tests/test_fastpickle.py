@@ -21,9 +21,9 @@ import torch
 import ckptool
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read import constructors, fastpickle, pickles
+from ckptool.read.pickle.unpickler import SafeUnpickler
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, StorageType, TensorRecord
-from ckptool.read.unpickler import SafeUnpickler
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -243,7 +243,8 @@ def test_unsafe_globals_are_never_resolved_by_the_fast_path() -> None:
     assert fastpickle.load(io.BytesIO(data), persistent) is None  # ...os.system is not
     seen = GlobalsSeen()
     assert pickles.load(data, persistent, seen)["a"] is not __import__("os").system
-    assert seen.unsafe() == ["os.system"]
+    # named by the ordinary read; only referenced, it is data (nothing calls it)
+    assert "os.system" in seen.counts and seen.unsafe() == []
 
 
 # -- 5. BUILD -----------------------------------------------------------------

@@ -25,7 +25,8 @@ from helpers import SAMPLES, saved_on
 from nets import Net
 
 from ckptool.model import Checkpoint, TensorInfo
-from ckptool.read import observe, unpickler
+from ckptool.read import observe
+from ckptool.read.pickle import unpickler
 from ckptool.read.reader import open_checkpoint
 from ckptool.read.seen import GlobalsSeen
 

@@ -205,21 +205,26 @@ def test_a_second_pickle_is_reported_even_when_harmless(tmp_path: Path) -> None:
                              "ignores them, but they are not what torch.save writes"]
 
 
-@pytest.mark.parametrize(("ops", "getattr_is", "flagged"), [
+@pytest.mark.parametrize(("ops", "getattr_is", "unsafe"), [
     # getattr(argparse.Namespace, 'Foo'): how protocol 2 names a nested class
-    (b"c__builtin__\ngetattr\ncargparse\nNamespace\nX\x03\x00\x00\x00Foo\x86R", "data", False),
-    # a nested class of an unsafe module is that module's: still flagged
-    (b"c__builtin__\ngetattr\ncsubprocess\nPopen\nX\x03\x00\x00\x00Foo\x86R", "data", True),
-    # any other getattr is a call that can reach anything
-    (b"c__builtin__\ngetattr\ncposix\nsystem\nX\x03\x00\x00\x00Foo\x86R", "unsafe", True),
-    (b"c__builtin__\ngetattr\ncargparse\nNamespace\nX\x04\x00\x00\x00keys\x86R", "unsafe", True),
-    (b"c__builtin__\ngetattr\n", "unsafe", True),
+    (b"c__builtin__\ngetattr\ncargparse\nNamespace\nX\x03\x00\x00\x00Foo\x86R", "data", []),
+    # getattr(G, 'name') names the global G.name: only referenced, it runs nothing
+    (b"c__builtin__\ngetattr\ncposix\nsystem\nX\x03\x00\x00\x00Foo\x86R", "data", []),
+    (b"c__builtin__\ngetattr\n", "data", []),
+    # ...and called, it is judged as a call of G.name
+    (b"c__builtin__\ngetattr\ncposix\nsystem\nX\x03\x00\x00\x00Foo\x86R)R", "data",
+     ["posix.system.Foo"]),
+    (b"c__builtin__\ngetattr\ncargparse\nNamespace\nX\x04\x00\x00\x00keys\x86R)R", "data",
+     ["argparse.Namespace.keys"]),
+    # getattr on a value that is not a global runs that object's own lookup: unknown
+    (b"c__builtin__\ngetattr\nX\x01\x00\x00\x00aX\x04\x00\x00\x00join\x86R", "unsafe",
+     ["builtins.getattr"]),
 ])
-def test_getattr_is_allowed_only_to_name_a_nested_class(tmp_path: Path, ops: bytes,
-                                                        getattr_is: str, flagged: bool) -> None:
+def test_getattr_names_the_global_it_looks_up(tmp_path: Path, ops: bytes, getattr_is: str,
+                                              unsafe: list[str]) -> None:
     path = tmp_path / "g.pkl"
     path.write_bytes(b"\x80\x02" + ops + b".")
     ckpt = ckptool.open(path)
     verdicts = {g.name: g.category for g in ckpt.globals}
     assert verdicts["builtins.getattr"] == getattr_is
-    assert bool(ckpt.unsafe_globals) == flagged
+    assert ckpt.unsafe_globals == unsafe

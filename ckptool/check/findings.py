@@ -21,8 +21,9 @@ from ckptool.check.reconcile import KeyReport, ShapeHint
 from ckptool.describe import human_bytes, plural, shell_word
 from ckptool.keys import pieces, split_key
 from ckptool.model import Checkpoint, GlobalInfo
-from ckptool.read import companions, policy
-from ckptool.read.policy import UNSAFE
+from ckptool.read import companions
+from ckptool.read.pickle import policy
+from ckptool.read.pickle.policy import UNSAFE
 from ckptool.read.prefixes import common_prefix, describe_wrapper, split_wrappers, wrapper_prefix
 from ckptool.write.fix.flags import flags as command_flags
 from ckptool.write.fix.plan import FixOptions
@@ -153,8 +154,8 @@ def global_findings(ckpt: Checkpoint, opts: FixOptions, name: str) -> list[Findi
         opts.extract = opts.extract or ("auto" if extract else None)
         opts.salvage = bool(extract)  # a flagged file is written from only when asked
         # what loading does with it, where that is what makes it unsafe
-        how = "".join(f"; {g.reason}" for g in unsafe
-                      if g.reason.startswith(("calls", "a value stored through")))
+        how = "".join(f"; {g.reason}" for g in unsafe if g.reason.startswith(
+            ("calls", "a value stored through", "unknown:", "called by")))
         out.append(Finding(
             "unsafe-globals", ERROR,
             f"the file names {', '.join(g.name for g in unsafe)}{how}: "

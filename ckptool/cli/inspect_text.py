@@ -98,9 +98,9 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
             f"{', '.join(unsafe)}: torch.load(weights_only=False) would call "
             f"{'these' if len(unsafe) > 1 else 'this'}; do not load it with torch",
             style="red"))
-        for g in ckpt.globals:  # where what loading does with it makes it unsafe
-            if g.category == "unsafe" and g.reason.startswith("calls"):
-                grid.add_row("", Text(g.reason, style="red"))
+        for g in ckpt.globals:  # what loading does with it, and where
+            if g.category == "unsafe" and g.reason:
+                grid.add_row("", Text(f"{g.name}: {g.reason}", style="red"))
     custom = [g for g in ckpt.globals if g.category == "custom"]
     if custom:
         names = ", ".join(g.name for g in custom[:6]) + (

@@ -18,14 +18,18 @@ from dataclasses import replace
 
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
-from ckptool.read import dispatch, optim, policy, prefixes
+from ckptool.read import dispatch, optim, prefixes
 from ckptool.read.layouts import framework, journal, loaders, recognise
+from ckptool.read.layouts import names as names_mod
 from ckptool.read.layouts.names import SHARD_NAME
+from ckptool.read.pickle import policy
 from ckptool.read.tensors import TensorRecord
 
 # files read as pickles (or torch files) to scan them: by name or by bytes
 PICKLE_NAMES = re.compile(r"\.(pt|pth|bin|pkl|pickle|ckpt|safetensors)$")
-MAX_COMPANIONS = 64  # files scanned in one folder; the rest are listed unread
+# what an unreadable pickle beside the model is called in its verdict: torch
+# or pickle would read it all the same, so ckptool cannot vouch for it
+UNREADABLE = "<a file ckptool cannot read: torch.load would unpickle it all the same>"
 
 
 def framework_of(path: str, layout: recognise.Layout | None,
@@ -51,8 +55,10 @@ def framework_of(path: str, layout: recognise.Layout | None,
     own = _own_files(path, layout, ckpt)
     others = [n for n in files if n not in own]
     read = os.path.basename(layout.file) if layout.file is not None else layout.index
-    found = [c for c in (_companion(path, n, i < MAX_COMPANIONS, read)
-                         for i, n in enumerate(others)) if c is not None]
+    # every file: a payload in the 65th rank's file is as live as in the first
+    found = [c for c in (_companion(path, n, read) for n in others) if c is not None]
+    found += [c for n in _deepspeed_files(path, files, dirs, layout)
+              if (c := _companion(path, n, read)) is not None]
     facts = framework.folder_facts(path, files, dirs)
     if facts is None:
         if not any(c.format or c.error for c in found):
@@ -110,7 +116,23 @@ def _own_files(path: str, layout: recognise.Layout, ckpt: Checkpoint) -> set[str
     return set()
 
 
-def _companion(directory: str, name: str, scan: bool, read: str | None = None) -> Companion | None:
+def _deepspeed_files(path: str, files: list[str], dirs: list[str],
+                     layout: recognise.Layout) -> list[str]:
+    """The files of the DeepSpeed tag directories beside the model (a
+    Trainer's ``checkpoint-N/global_step10/``, and the one ``latest`` names,
+    nested or not), which resuming ``torch.load``s: each read as a companion."""
+    if layout.kind == recognise.DEEPSPEED:
+        return []  # the checkpoint read is itself DeepSpeed's
+    tags = [d for d in dirs if names_mod.is_deepspeed_tag(os.path.join(path, d))]
+    tag = names_mod.latest(path) if names_mod.LATEST in files else None
+    if tag is not None and tag not in tags and names_mod.is_deepspeed_tag(
+            os.path.join(path, tag)):
+        tags.append(tag)
+    return [f"{d}/{n}" for d in tags for n in sorted(recognise.listing(os.path.join(path, d)))
+            if PICKLE_NAMES.search(n)]
+
+
+def _companion(directory: str, name: str, read: str | None = None) -> Companion | None:
     """A file beside the model, read if it is a pickle (and ``scan``); None
     for one that is neither known to a framework nor a checkpoint. The
     framework's other weights are named beside ``read``, the model read (a
@@ -123,17 +145,20 @@ def _companion(directory: str, name: str, scan: bool, read: str | None = None) -
     role = framework.role_of(name) or (loaders.role(name, read) if read else None)
     if not PICKLE_NAMES.search(name) and not (role is None and recognise.is_checkpoint_file(full)):
         return Companion(name, role, size) if role else None
-    if not scan:
-        return Companion(name, role or "a pickle or checkpoint file", size, error="not read: only "
-                         f"the first {MAX_COMPANIONS} files beside the model are")
     if size == 0:
         return Companion(name, role or "empty file", size, error="empty (0 bytes)")
     try:
         raw = dispatch.read(full)
     except CkptoolError as exc:
-        if role is None:
-            return None  # a .bin that is no pickle: not ours to judge
-        return Companion(name, role, size, error=exc.message.removeprefix(f"{full}: "))
+        why = exc.message.removeprefix(f"{full}: ")
+        if name.endswith(".safetensors"):  # no pickle: loading it runs nothing
+            return Companion(name, role or "a safetensors file", size, error=why)
+        if role is None and not PICKLE_NAMES.search(name):
+            return None  # a file that is no pickle by its name or its bytes
+        # torch.load (or pickle) of it would read whatever it holds: unknown,
+        # which fails closed (a PROTO 1 header, a pre-0.4 tar, a damaged file)
+        return Companion(name, role or "a pickle or checkpoint file", size,
+                         unsafe=(UNREADABLE,), error=why)
     verdicts = raw.seen.final()
     unsafe = tuple(n for n, v in verdicts.items() if v.category == policy.UNSAFE)
     custom = tuple(n for n, v in verdicts.items() if v.category == policy.CUSTOM)

@@ -135,12 +135,30 @@ def _hashed(items: Any) -> list[Any]:
     return items
 
 
-def safe_set(items: Any = ()) -> set[Any]:
+def _of_standin(name: str, items: Any) -> Any:
+    """What a container built from an object ckptool did not build (a stand-in:
+    what it iterates to is its own code's) becomes: a stand-in of the call."""
+    return standin_class(f"builtins.{name}()", "data")(items)
+
+
+def safe_set(items: Any = ()) -> Any:
+    if isinstance(items, StandIn):
+        return _of_standin("set", items)
     return set(_hashed(items))
 
 
-def safe_frozenset(items: Any = ()) -> frozenset[Any]:
+def safe_frozenset(items: Any = ()) -> Any:
+    if isinstance(items, StandIn):
+        return _of_standin("frozenset", items)
     return frozenset(_hashed(items))
+
+
+def safe_list(items: Any = ()) -> Any:
+    return _of_standin("list", items) if isinstance(items, StandIn) else list(items)
+
+
+def safe_tuple(items: Any = ()) -> Any:
+    return _of_standin("tuple", items) if isinstance(items, StandIn) else tuple(items)
 
 
 def _pairs(args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -156,11 +174,15 @@ def _pairs(args: tuple[Any, ...]) -> tuple[Any, ...]:
     return args
 
 
-def safe_dict(*args: Any, **kwargs: Any) -> dict[Any, Any]:
+def safe_dict(*args: Any, **kwargs: Any) -> Any:
+    if args and isinstance(args[0], StandIn):  # a mapping ckptool did not build
+        return standin_class("builtins.dict()", "data")(*args)
     return dict(*_pairs(args), **kwargs)
 
 
-def ordered_dict(*args: Any, **kwargs: Any) -> OrderedDict[Any, Any]:
+def ordered_dict(*args: Any, **kwargs: Any) -> Any:
+    if args and isinstance(args[0], StandIn):
+        return standin_class("collections.OrderedDict()", "data")(*args)
     return OrderedDict(*_pairs(args), **kwargs)
 
 
@@ -196,7 +218,7 @@ _SAFE_CALLABLES: dict[str, Any] = {
     "builtins.set": safe_set, "builtins.frozenset": safe_frozenset,
     "builtins.slice": safe_slice, "builtins.bytes": safe_bytes,
     "builtins.complex": complex, "builtins.bytearray": safe_bytearray,
-    "builtins.list": list, "builtins.dict": safe_dict, "builtins.tuple": tuple,
+    "builtins.list": safe_list, "builtins.dict": safe_dict, "builtins.tuple": safe_tuple,
     "_codecs.encode": codecs_encode, "codecs.encode": codecs_encode,
     "copyreg._reconstructor": reconstructor, "copyreg.__newobj__": newobj,
     "numpy.core.multiarray._reconstruct": numpy_reconstruct,

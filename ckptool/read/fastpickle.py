@@ -1,7 +1,7 @@
 """The fast way through a torch pickle: the C unpickler, where a scan shows
 the pickle is one it reads as safely as ckptool's own.
 
-``ckptool.read.unpickler`` (pure Python, every opcode ours) stays the reader
+``ckptool.read.pickle.unpickler`` (pure Python, every opcode ours) stays the reader
 of record. ``load`` tries this path first for an object pickle (one with
 storages) and returns ``None`` whenever it cannot vouch for the result;
 the caller then reads the pickle the ordinary way, from its start, and
@@ -67,8 +67,9 @@ from collections.abc import Callable
 from functools import cache
 from typing import IO, Any
 
-from ckptool.read import constructors, observe, policy, resolve, tensors
-from ckptool.read.unpickler import python3_name
+from ckptool.read import constructors, observe, resolve, tensors
+from ckptool.read.pickle import policy
+from ckptool.read.pickle.unpickler import python3_name
 
 PersistentLoader = Callable[[tuple[Any, ...]], Any]
 Named = list[tuple[str, policy.Verdict]]

@@ -6,7 +6,7 @@ added, when the stack says where that dict sits (``Observing._path``). The
 browser uses it to show the first screenful of a 100,000-tensor file long
 before the read ends.
 
-``Observing`` holds the observed opcodes; ``ckptool.read.unpickler`` mixes
+``Observing`` holds the observed opcodes; ``ckptool.read.pickle.unpickler`` mixes
 them into its unpickler and switches to their dispatch table only for a
 read that is observed, so an unobserved read costs nothing extra.
 """

@@ -3,7 +3,7 @@
 and ``scan_rest`` for what follows it.
 
 The format readers call these for each pickle their format holds; the
-unpickler itself (``ckptool.read.unpickler``) knows no file, only a stream.
+unpickler itself (``ckptool.read.pickle.unpickler``) knows no file, only a stream.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import IO, Any
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, RefusedPickleError
 from ckptool.read import fastpickle, observe
+from ckptool.read.pickle.unpickler import EmbeddedReader, PersistentLoader, SafeUnpickler
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.treecheck import HINT, check_tree
-from ckptool.read.unpickler import EmbeddedReader, PersistentLoader, SafeUnpickler
 
 __all__ = ["HINT", "PersistentLoader", "load", "scan_rest"]
 

@@ -24,12 +24,13 @@ from typing import Any
 from ckptool.describe import plural
 from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import companions, dispatch, observe, optim, params, policy, prefixes, ties
+from ckptool.read import companions, dispatch, observe, optim, params, prefixes, ties
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import dcp, deepspeed, hf_sharded, hf_storage, per_rank, recognise
 from ckptool.read.layouts.base import MultiRead, list_ties, tied_records
-from ckptool.read.policy import UNSAFE
+from ckptool.read.pickle import policy
+from ckptool.read.pickle.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
 from ckptool.read.values import StandIn

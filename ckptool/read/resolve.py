@@ -1,7 +1,7 @@
 """What each global named by a pickle becomes: never the real object.
 
 ``resolve_global`` maps a dotted name (already classified by
-``ckptool.read.policy``) to a safe torch rebuild function, an inert value, or a
+``ckptool.read.pickle.policy``) to a safe torch rebuild function, an inert value, or a
 recording ``StandIn``. Inside ``faithful()`` (reads for a rewrite) tensor
 rebuilds also record their call and nothing is decoded, so that
 ``ckptool.write.repickle`` can write the pickle back exactly.
@@ -14,7 +14,8 @@ import contextvars
 from collections.abc import Iterator
 from typing import Any
 
-from ckptool.read import constructors, policy, tensors, values
+from ckptool.read import constructors, tensors, values
+from ckptool.read.pickle import policy
 
 _faithful = contextvars.ContextVar("ckptool_faithful", default=False)
 

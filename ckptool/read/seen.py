@@ -14,7 +14,7 @@ from collections import Counter
 from collections.abc import Iterator
 
 from ckptool.errors import InputError
-from ckptool.read import policy
+from ckptool.read.pickle import policy
 
 
 class GlobalsSeen:
@@ -26,6 +26,8 @@ class GlobalsSeen:
         self.counts: Counter[str] = Counter()
         self.verdicts: dict[str, policy.Verdict] = {}  # by name (policy.classify)
         self.uses: dict[str, set[str]] = {}
+        # the first of each use: why it happens and where (for the verdict's reason)
+        self.why: dict[str, dict[str, str]] = {}
         self.where: dict[str, list[str]] = {}  # the pickles that name it, in order
         self.part = "the pickle"  # the pickle being read
 
@@ -36,9 +38,18 @@ class GlobalsSeen:
         if self.part not in where:
             where.append(self.part)
 
-    def use(self, dotted: str, use: str) -> None:
+    def flag(self, dotted: str, reason: str) -> None:
+        """Something ckptool cannot read, so cannot vouch for, named as a
+        global that is unsafe whatever loading does with it (fail closed)."""
+        self.add(dotted, policy.Verdict(policy.UNSAFE, reason))
+        self.uses.setdefault(dotted, set()).add(policy.FLAGGED)
+
+    def use(self, dotted: str, use: str, why: str = "", where: str = "") -> None:
         if dotted in self.verdicts:
             self.uses.setdefault(dotted, set()).add(use)
+            if why:
+                self.why.setdefault(dotted, {}).setdefault(
+                    use, f"{why}, {where}" if where else why)
 
     def merge(self, other: GlobalsSeen, part: str) -> None:
         """An embedded file's globals, as named in ``part`` of this one."""
@@ -46,13 +57,18 @@ class GlobalsSeen:
             self.counts[name] += count
             self.verdicts.setdefault(name, other.verdicts[name])
             self.uses.setdefault(name, set()).update(other.uses.get(name, ()))
+        for name, whys in other.why.items():
+            mine = self.why.setdefault(name, {})
+            for use, why in whys.items():
+                mine.setdefault(use, f"{why}, in {part}")
             where = self.where.setdefault(name, [])
             if part not in where:
                 where.append(part)
 
     def final(self) -> dict[str, policy.Verdict]:
         """Each global's verdict once its uses are known (``policy.judge``)."""
-        return {name: policy.judge(name, verdict, self.uses.get(name, set()))
+        return {name: policy.judge(name, verdict, self.uses.get(name, set()),
+                                   self.why.get(name, {}))
                 for name, verdict in self.verdicts.items()}
 
     def unsafe(self) -> list[str]:

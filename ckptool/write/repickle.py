@@ -1,6 +1,6 @@
 """Write a faithfully read object tree back as a torch pickle.
 
-The inverse of ``ckptool.read.unpickler`` in faithful mode: stand-ins go back as the
+The inverse of ``ckptool.read.pickle.unpickler`` in faithful mode: stand-ins go back as the
 globals they stand for (``NEWOBJ`` or ``REDUCE``, then their items and
 ``BUILD`` state), tensor records as the rebuild call that made them, storage
 records as persistent ids from a callback (which is where a rewrite changes

@@ -23,7 +23,7 @@ from ckptool.check.findings import explain as explain_hint
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.reconcile import Rewrite, explain_shapes, reconcile
 from ckptool.describe import plural
-from ckptool.read import policy
+from ckptool.read.pickle import policy
 from ckptool.read.prefixes import describe_wrapper, wrapper_prefix
 from ckptool.read.reader import PREFERRED_NAMES
 from ckptool.write.fix.flags import flags as command_flags

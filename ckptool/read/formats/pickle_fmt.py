@@ -38,7 +38,7 @@ _OLD_FIRST = frozenset(op.code.encode("latin-1")[0] for op in pickletools.opcode
 
 def sniff(head: bytes, tail: bytes) -> bool:
     if head[:1] == b"\x80":
-        return len(head) > 1 and 2 <= head[1] <= 5
+        return len(head) > 1 and head[1] <= 5  # PROTO 0 and 1 too: pickle reads them
     return bool(head) and head[0] in _OLD_FIRST and _parses(head)
 
 

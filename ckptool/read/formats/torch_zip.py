@@ -24,12 +24,15 @@ from ckptool.read import pickles
 from ckptool.read.formats import pt2
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.formats.torch_legacy import read_bytes
+from ckptool.read.pickle import policy, torchscript
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef
 from ckptool.read.ziparchive import ChecksumMismatch, Member, ZipArchive, ZipError
 
 TORCH_ZIP = "torch-zip"
 TORCHSCRIPT = "torchscript"
+SCRIPT_CLASS = ("a TorchScript class of this archive: torch.jit.load compiles it from the "
+                "archive's code/ records, whose __setstate__ calls ckptool judges")
 TRUNCATED_HINT = ("the file was probably cut short while copying or downloading; "
                   "compare its size with the original")
 # torch stores records uncompressed; a compressed pickle record is read whole,
@@ -144,6 +147,8 @@ def read_archive(zf: Archive) -> RawRead:
             _scan_pickle(_read_record(zf, other), seen, other)
             warnings.append(f"{other}: a pickle record torch.load does not read; "
                             "read for the globals it names")
+    if is_script:
+        _judge_code(zf, prefix, names, seen)
     named = {ref.record for ref in storages.values()}
     unnamed = sorted(n for n in infos.keys() - named  # (the set difference in C)
                      if n.startswith(f"{prefix}data/") and not n.endswith("/"))
@@ -216,6 +221,22 @@ def _scan_pickle(data: bytes, seen: GlobalsSeen, part: str) -> None:
     stream = io.BytesIO(data)
     pickles.load(stream, pickles.ignore_persistent, seen, {}, read_bytes)
     pickles.scan_rest(stream, len(data), seen, part, read_bytes)
+
+
+def _judge_code(zf: Any, prefix: str, names: list[str], seen: GlobalsSeen) -> None:
+    """A TorchScript archive's code: what its ``__setstate__`` methods call
+    when torch.jit.load runs them (``ckptool.read.pickle.torchscript``); and
+    its ``__torch__`` classes are the archive's own, compiled from that code."""
+    code = {n: _read_record(zf, n) for n in names
+            if n.startswith(f"{prefix}code/") and n.endswith(".py")}
+    outer = seen.part
+    for finding in torchscript.judge(code):
+        seen.part = finding.record
+        seen.flag(finding.op, finding.reason)
+    seen.part = outer
+    for name, verdict in list(seen.verdicts.items()):
+        if name.startswith("__torch__.") and verdict.category == policy.CUSTOM:
+            seen.verdicts[name] = policy.Verdict(policy.TORCH, SCRIPT_CLASS)
 
 
 def _explain_other_zip(names: list[str]) -> None:

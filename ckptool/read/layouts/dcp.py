@@ -30,7 +30,7 @@ from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.keys import key_of, split_key
 from ckptool.model import Chunk, FileInfo
-from ckptool.read import dispatch, optim, policy
+from ckptool.read import dispatch, optim
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import sniff as sniff_safetensors
 from ckptool.read.layouts import dcp_metadata, embedded
@@ -258,9 +258,9 @@ def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,
         # cannot vouch for it: failing closed, the value counts as unsafe
         how, outer = ", ".join(item.transforms), seen.part
         seen.part = f"{item.file}: {fqn}"
-        seen.add(UNREAD_VALUE, policy.Verdict(
-            policy.UNSAFE, f"a value stored through {how}, which ckptool does not undo: "
-            "dcp.load unpickles it with weights_only=False, and what it runs is unknown"))
+        seen.flag(UNREAD_VALUE, f"a value stored through {how}, which ckptool does not "
+                  "undo: dcp.load unpickles it with weights_only=False, and what it runs is "
+                  "unknown")
         seen.part = outer
         return Unread(f"stored through {how}; not read, so not vouched for")
     path = os.path.join(layout.directory, item.file)

@@ -82,10 +82,23 @@ def latest(path: str) -> str | None:
         tag = data.decode("utf-8").strip()
     except UnicodeDecodeError:
         return None
-    if not tag or len(data) > MAX_TAG_BYTES or "\n" in tag or "\0" in tag or "/" in tag \
-            or "\\" in tag or tag in (".", ".."):
+    # DeepSpeed reads os.path.join(load_dir, tag): a nested tag
+    # (resume/global_step9) is followed as it follows it
+    parts = tag.split("/")
+    if not tag or len(data) > MAX_TAG_BYTES or "\n" in tag or "\0" in tag or "\\" in tag \
+            or tag.startswith("/") or any(p in ("", ".", "..") for p in parts):
         return None
     return tag
+
+
+def is_deepspeed_tag(path: str) -> bool:
+    """Whether ``path`` is a DeepSpeed tag directory (holds its model or
+    optimizer state files)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return False
+    return any(MODEL_FILE.match(n) or OPTIM_FILE.match(n) for n in names)
 
 
 def holds_dcp(folder: str) -> bool:

@@ -50,6 +50,7 @@ from ckptool.read.layouts.names import (
     RANK_NAME,
     RECOVERY_SCRIPTS,
     is_checkpoint_file,
+    is_deepspeed_tag,
     listing,
 )
 from ckptool.read.layouts.names import holds_dcp as _holds_dcp
@@ -196,7 +197,7 @@ def _with_deepspeed(path: str, files: list[str], dirs: list[str], layout: Layout
     """``layout`` with a note naming the DeepSpeed checkpoint beside it (HF
     Trainer's checkpoint-N/ with DeepSpeed's tag directory)."""
     tag = _latest(path) if LATEST in files else None
-    if tag is None or tag not in dirs:
+    if tag is None or not (tag in dirs or is_deepspeed_tag(os.path.join(path, tag))):
         return layout
     return replace(layout, notes=(
         *layout.notes, f"{path} also holds a DeepSpeed checkpoint ({tag}/, named by "
@@ -213,9 +214,11 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
                       tag=os.path.basename(os.path.normpath(os.path.abspath(path)))), ""
     tags = [d for d in dirs if any(MODEL_FILE.match(n) or OPTIM_FILE.match(n)
                                    for n in listing(os.path.join(path, d)))]
+    tag = _latest(path) if LATEST in files else None
+    if tag is not None and "/" in tag and is_deepspeed_tag(os.path.join(path, tag)):
+        tags.append(tag)  # a nested tag (resume/global_step9), as DeepSpeed joins it
     if not tags:
         return None, ""
-    tag = _latest(path) if LATEST in files else None
     if tag is not None and tag not in tags:
         raise CorruptCheckpointError(
             f"{os.path.join(path, LATEST)} names the tag {tag!r}, but {path} has no DeepSpeed "

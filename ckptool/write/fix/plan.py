@@ -27,7 +27,7 @@ from ckptool.read.companions import why_no_weights
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_legacy import HEADER_PICKLES, TORCH_LEGACY
 from ckptool.read.formats.torch_zip import TORCH_ZIP
-from ckptool.read.policy import UNSAFE
+from ckptool.read.pickle.policy import UNSAFE
 from ckptool.read.tensors import CompositeTensor, StorageRef, StorageType, TensorRecord
 from ckptool.read.values import StandIn
 from ckptool.read.walk import children, module_kind, module_metadata, module_tensors
@@ -349,7 +349,7 @@ def _survey(root: Any, unsafe: set[str]) -> tuple[dict[str, StorageRef], list[st
         cls = obj if isinstance(obj, type) else type(obj)
         if issubclass(cls, StandIn):
             name = cls.qualname.split("()", 1)[0]  # x() was made by calling x
-            if name in unsafe or cls.category == UNSAFE:
+            if name in unsafe:
                 named.add(name)
     return storages, sorted(named)
 

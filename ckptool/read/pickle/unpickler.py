@@ -3,7 +3,9 @@
 ``SafeUnpickler.find_class`` resolves each global to one of: a safe torch
 rebuild function (``ckptool.read.tensors``), an inert value (``ckptool.read.values``),
 or a ``StandIn`` class for that dotted name. Every global is recorded with
-its ``ckptool.read.policy`` verdict, so callers can report unsafe ones.
+its name's verdict (``names.classify``), and every call, creation and BUILD
+with what the real loader would do there (``reach.Calls``,
+``lookups.Lookups``): ``policy.judge`` turns those records into verdicts.
 Persistent ids (torch storages) go to a callback given by the format reader,
 which turns them into ``StorageRef``s without reading any tensor byte.
 
@@ -14,7 +16,8 @@ the file's own objects are ours too, not only ``find_class``:
   objects (which a plain ``pickle.loads`` in the same process fills);
 - ``BUILD`` sets state only on objects this read made for the file
   (``constructors.BUILDABLE``): never on a class or function we hand out, which
-  every later read shares, nor on a tensor or storage record already checked;
+  every later read shares, nor on a tensor or storage record already checked
+  (but a ``__setstate__`` an earlier BUILD put on it is a call, as in CPython);
 - every dict key and set item is checked before it is hashed
   (``values.check_key``): the C unpickler hashes a 100k-deep tuple key
   straight into a stack overflow, a crash no ``except`` catches;
@@ -43,8 +46,10 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read import constructors, frames, observe, policy, values
-from ckptool.read.resolve import is_faithful, resolve_global
+from ckptool.read import frames, observe, values
+from ckptool.read.pickle import policy
+from ckptool.read.pickle.lookups import Lookups
+from ckptool.read.resolve import resolve_global
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.treecheck import HINT
 from ckptool.read.values import StandIn
@@ -74,7 +79,7 @@ class _Dispatch(dict[int, Any]):
         raise pickle.UnpicklingError(f"invalid load key, {bytes([key])!r}")
 
 
-class SafeUnpickler(observe.Observing, pickle._Unpickler):
+class SafeUnpickler(observe.Observing, Lookups, pickle._Unpickler):
     # set by pickle._Unpickler or by load(); declared for mypy
     stack: list[Any]
     metastack: list[list[Any]]
@@ -99,6 +104,11 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         self._tell, self._seek = file.tell, file.seek
         # id of each bytes object read -> (it, the stream offset of its data)
         self._bytes_at: dict[int, tuple[bytes, int]] = {}
+        # what each global became (id -> (it, dotted)), each dotted name's
+        # (module, name), and what BUILD put on instances: the call model's
+        self._resolved: dict[int, tuple[Any, str]] = {}
+        self._split: dict[str, tuple[str, str]] = {}
+        self._injected: dict[int, tuple[Any, dict[str, Any]]] = {}
         self._dispatch = self.dispatch
         self._observer = None
         watch = observe.claim(persistent is not None or embedded is not None)
@@ -122,6 +132,9 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
                 dispatch[key[0]](self)  # type: ignore[arg-type]
         except _Done as done:
             return done.value
+        finally:  # the bound reader refers back to self: no cycle outlives the read
+            self._resolved.clear()
+            self._injected.clear()
 
     def find_class(self, module: str, name: str) -> Any:
         if not isinstance(module, str) or not isinstance(name, str):
@@ -130,9 +143,20 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         dotted = f"{module}.{name}"
         verdict = policy.classify(module, name)
         self._record(dotted, verdict)
+        self._split.setdefault(dotted, (module, name))
         if dotted == "torch.storage._load_from_bytes":
-            return self._load_from_bytes
-        return resolve_global(module, name, verdict)
+            found: Any = self._load_from_bytes  # known by its id while the read lasts
+        else:
+            found = resolve_global(module, name, verdict)
+        if not (type(found) is type and issubclass(found, StandIn)):
+            self._resolved[id(found)] = (found, dotted)
+        return found
+
+    def _position(self) -> str:
+        try:
+            return f"at byte {self._tell()} of {self.seen.part}"
+        except (OSError, ValueError):
+            return f"in {self.seen.part}"
 
     def _record(self, dotted: str, verdict: policy.Verdict) -> None:
         if dotted not in self.seen.verdicts and len(self.seen.verdicts) >= MAX_GLOBALS:
@@ -149,9 +173,11 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
         if code <= 0:
             raise pickle.UnpicklingError("EXT specifies code <= 0")
         dotted = f"copyreg.extension.{code}"
-        self._record(dotted, policy.Verdict(
-            policy.UNSAFE, "an extension code: the loading process's copyreg registry "
-            "decides which global it is"))
+        if dotted not in self.seen.verdicts and len(self.seen.verdicts) >= MAX_GLOBALS:
+            raise CorruptCheckpointError(
+                f"pickle names more than {MAX_GLOBALS} different globals", HINT)
+        self.seen.flag(dotted, "an extension code: the loading process's copyreg registry "
+                       "decides which global it is")
         self.append(values.standin_class(dotted, policy.UNSAFE))
 
     def _load_from_bytes(self, data: Any) -> Any:
@@ -260,96 +286,51 @@ class SafeUnpickler(observe.Observing, pickle._Unpickler):
             values.check_key(items[i])
             target[items[i]] = items[i + 1]
 
-    def _load_additems(self) -> None:
-        items = self.pop_mark()
-        for item in items:
-            values.check_key(item)
-        target = self.stack[-1]
-        if isinstance(target, set):
-            target.update(items)
-        else:
-            for item in items:
-                target.add(item)
-
     def _load_frozenset(self) -> None:
         items = self.pop_mark()
         for item in items:
             values.check_key(item)
         self.append(frozenset(items))
 
-    def _load_build(self) -> None:
-        inst = self.stack[-2]
-        if not isinstance(inst, constructors.BUILDABLE):
-            raise pickle.UnpicklingError(
-                f"pickle sets state on {values.brief(inst)}, which it did not create")
-        if isinstance(inst, StandIn):
-            self.seen.use(_made_by(inst), policy.BUILT)
-        _BASE_BUILD(self)  # type: ignore[arg-type]
-
-    # -- calls: what the pickle does with each global is recorded (policy.judge) --
+    # -- calls: what the pickle does with each global (ckptool.read.pickle) --
 
     def _load_reduce(self) -> None:
-        stack = self.stack
-        args = stack.pop()
-        func = stack[-1]
-        if type(func) is type and issubclass(func, StandIn):
-            nested = self._nested_class(func, args)
-            if nested is not None:
-                self.seen.use(func.qualname, policy.NESTED)
-                stack[-1] = nested
-                return
-            wraps = args[0] if isinstance(args, tuple) and len(args) == 1 else None
-            self.seen.use(func.qualname, policy.PARTIAL if func.qualname == policy.PARTIAL_OF
-                          and type(wraps) is type and issubclass(wraps, StandIn) else policy.CALLED)
-            if func.qualname in _CREATORS:
-                self._created(args)
-        elif isinstance(func, StandIn):
-            self.seen.use(_made_by(func), policy.CALLED_INSTANCE)
-        elif func in _CREATOR_FUNCTIONS:
-            self._created(args)
-        stack[-1] = func(*args)
-
-    def _nested_class(self, func: type[StandIn], args: Any) -> Any:
-        """``getattr(Outer, "Inner")``: the global ``Outer.Inner`` (a rewrite's
-        read keeps the call); None for any other call (``policy.nested_class``)."""
-        outer = args[0] if isinstance(args, tuple) and len(args) == 2 else None
-        if func.qualname != policy.GETATTR or is_faithful() or not (
-                type(outer) is type and issubclass(outer, StandIn)):
-            return None
-        found = policy.nested_class(outer.qualname, args[1])
-        return None if found is None else self.find_class(*found)
-
-    def _created(self, args: Any) -> None:
-        """copyreg's reconstructors: ``cls.__new__(cls)`` for their first argument."""
-        if args and type(args[0]) is type and issubclass(args[0], StandIn):
-            self.seen.use(args[0].qualname, policy.CREATED)
+        args = self.stack.pop()
+        self.stack[-1] = self.call(self.stack[-1], args)
 
     def _load_newobj(self) -> None:
-        self._created((self.stack[-2],))
+        self._created(self.stack[-2])
         _BASE_NEWOBJ(self)  # type: ignore[arg-type]
 
     def _load_newobj_ex(self) -> None:
-        self._created((self.stack[-3],))
+        self._created(self.stack[-3])
         _BASE_NEWOBJ_EX(self)  # type: ignore[arg-type]
+
+    def _created(self, cls: Any) -> None:
+        """NEWOBJ: ``cls.__new__(cls, *args)``."""
+        name = self.global_name(cls)
+        if name is not None:
+            self._use(name, policy.CREATED, "made by NEWOBJ (cls.__new__)")
 
     def _load_inst(self) -> None:
         module = self.readline()[:-1].decode("ascii")
         name = self.readline()[:-1].decode("ascii")
-        klass = self.find_class(module, name)
-        self._called_by_instantiate(klass)
-        self._instantiate(klass, self.pop_mark())  # type: ignore[attr-defined]
+        self._instantiate_modelled(self.find_class(module, name), self.pop_mark())
 
     def _load_obj(self) -> None:
         args = self.pop_mark()
         cls = args.pop(0)
-        self._called_by_instantiate(cls)
-        self._instantiate(cls, args)  # type: ignore[attr-defined]
+        self._instantiate_modelled(cls, args)
 
-    def _called_by_instantiate(self, klass: Any) -> None:
-        """INST and OBJ call what they name (a function, or a class with
-        arguments): taken as a call, as ``REDUCE``."""
-        if type(klass) is type and issubclass(klass, StandIn):
-            self.seen.use(klass.qualname, policy.CALLED)
+    def _instantiate_modelled(self, klass: Any, args: list[Any]) -> None:
+        """INST and OBJ: ``klass(*args)``, or ``klass.__new__(klass)`` for a
+        class given no arguments (as ``pickle._Unpickler._instantiate``)."""
+        if not args and isinstance(klass, type):
+            self._created(klass)
+            self.append(klass.__new__(klass))  # type: ignore[call-overload]
+            return
+        self.append(self.call(klass, tuple(args)))
+
 
 def python3_name(module: str, name: str) -> tuple[str, str]:
     """A global as Python 3 names it: protocol 0-2 files written by Python 2
@@ -359,18 +340,6 @@ def python3_name(module: str, name: str) -> tuple[str, str]:
     return _compat_pickle.IMPORT_MAPPING.get(module, module), name
 
 
-def _made_by(obj: StandIn) -> str:
-    """The global an inert object was made from: ``x()`` and ``x()()`` are
-    results of calling ``x``."""
-    return type(obj).qualname.split("()", 1)[0]
-
-
-# copyreg's reconstructors, as a faithful read names them (stand-ins) and as
-# an ordinary read runs them (ckptool's own)
-_CREATORS = frozenset({"copyreg._reconstructor", "copyreg.__newobj__",
-                       "copyreg.__newobj_ex__"})
-_CREATOR_FUNCTIONS = frozenset({constructors.reconstructor, constructors.newobj})
-_BASE_BUILD = pickle._Unpickler.dispatch[pickle.BUILD[0]]
 _BASE_NEWOBJ = pickle._Unpickler.dispatch[pickle.NEWOBJ[0]]
 _BASE_NEWOBJ_EX = pickle._Unpickler.dispatch[pickle.NEWOBJ_EX[0]]
 SafeUnpickler.dispatch = _Dispatch(pickle._Unpickler.dispatch)
@@ -388,6 +357,8 @@ SafeUnpickler.dispatch.update({
     pickle.FROZENSET[0]: SafeUnpickler._load_frozenset,
     pickle.BUILD[0]: SafeUnpickler._load_build,
     pickle.REDUCE[0]: SafeUnpickler._load_reduce,
+    pickle.APPEND[0]: SafeUnpickler._load_append,
+    pickle.APPENDS[0]: SafeUnpickler._load_appends,
     pickle.NEWOBJ[0]: SafeUnpickler._load_newobj,
     pickle.NEWOBJ_EX[0]: SafeUnpickler._load_newobj_ex,
     pickle.INST[0]: SafeUnpickler._load_inst,

@@ -1,53 +1,30 @@
-"""Which globals a pickle may name, and what the pickle does with them.
+"""Which world each global a pickle names belongs to, by its name alone.
 
-Every ``GLOBAL``/``STACK_GLOBAL`` in a checkpoint is put in one category,
-first by its name (``classify``), then by its use (``judge``):
+``classify`` puts ``module.name`` in a category before anything is known
+of its use (``ckptool.read.pickle.policy.judge`` then decides by use):
 
-- ``torch``: tensor and storage reconstruction (``torch._utils._rebuild_*``,
-  storage classes, dtypes, devices, ``torch.nn`` module classes). Read by
-  ckptool's own rebuild functions.
+- ``torch``: tensor and storage reconstruction, dtypes, devices,
+  ``torch.nn`` module classes, optimizers, DCP metadata dataclasses;
 - ``data``: known, inert data types (``collections.OrderedDict``,
-  ``argparse.Namespace``, numpy arrays, pathlib, omegaconf...).
-- ``unsafe``: a callable that can run code, touch files, processes or the
-  network, or reach such a thing (``os.system``, ``builtins.eval``,
-  ``builtins.getattr``, ``functools.partial``, ``runpy``...). ``torch.load``
-  with ``weights_only=False`` would call it.
-- ``custom``: anything else (user classes such as ``mypkg.nets.ResNet``).
-  Loading it with torch imports that module; ckptool only shows its state.
+  ``argparse.Namespace``, numpy arrays, pathlib, omegaconf...);
+- ``unsafe``: members of the modules that run code or reach the system
+  (``os``, ``subprocess``, ``builtins.eval``, ``torch.hub``...), and every
+  other name of a known world (the standard library, torch, numpy, the
+  packages torch ships with) that the tables do not list as data: what
+  ckptool does not know there may act when called or made;
+- ``custom``: anything else (``mypkg.nets.ResNet``): loading imports it.
 
-Known names are looked up first; then modules. Data modules are trusted for
-their classes only: their functions include string evaluators and command
-runners (``typing.get_type_hints``, ``dataclasses._create_fn``,
-``uuid._get_command_stdout``, ``omegaconf._utils._get_class``), so a
-lowercase name there is unsafe unless listed. numpy is an allowlist too.
-
-A name ckptool does not know is not thereby harmless: what matters is what
-loading does with it. The unpickler records each global's uses (``CALLED``
-by ``REDUCE``, ``INST`` or ``OBJ``; ``CREATED`` by ``NEWOBJ`` or copyreg's
-reconstructors; ``BUILT``, its ``__setstate__`` given state; nothing:
-only referenced), and ``judge`` fails closed:
-
-- a function called at load time that is not a known harmless
-  reconstructor is ``unsafe`` whatever its module: it could be anything
-  (profilers and test helpers in well-known packages run the code they are
-  given). A global is taken for a function unless its name says class
-  (``CamelCase``) or it is a known class with a lowercase name;
-- calling an object the file made (``REDUCE`` on an instance) is
-  ``unsafe``: its ``__call__`` runs;
-- a class whose constructor or ``__setstate__`` runs at load time stays
-  ``custom``, and says that its code runs;
-- a global only referenced is ``custom``: torch imports its module.
-
-Nothing here imports or calls anything the file names: it is a table
-lookup on names and uses.
+Data modules are trusted for their classes only: their functions include
+string evaluators and command runners (``typing.get_type_hints``,
+``uuid._get_command_stdout``), so a lowercase name there is unsafe unless
+``calls.MODELS`` models it. numpy is an allowlist too.
 """
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import dataclass
-
-from ckptool import dtypes
 
 TORCH = "torch"
 DATA = "data"
@@ -83,7 +60,8 @@ _UNSAFE_MODULES = (
     "nntplib", "socketserver", "wsgiref", "compileall", "py_compile", "zipapp",
     "_bootsubprocess", "commands", "httplib", "urllib2",
     # third-party loaders, evaluators and downloaders
-    "yaml", "IPython", "jinja2", "sympy", "keras", "tensorflow", "h5py", "fsspec",
+    "yaml", "IPython", "jinja2", "sympy", "mpmath", "networkx", "markupsafe", "filelock",
+    "typing_extensions", "keras", "tensorflow", "h5py", "fsspec",
     "huggingface_hub", "transformers.dynamic_module_utils", "pandas.io", "aiohttp",
     "httpx", "paramiko",
     # torch parts that load, compile, run or fetch code and files
@@ -157,6 +135,18 @@ _KNOWN: dict[str, str] = {
     "datetime.datetime": DATA, "datetime.date": DATA, "datetime.time": DATA,
     "datetime.timedelta": DATA, "datetime.timezone": DATA, "datetime.tzinfo": DATA,
     "random.Random": DATA,  # Random() then setstate: a generator's state
+    # what real code pickles from modules that also hold code: each listed as
+    # the data it is (its constructor stores its arguments; calls.MODELS says so
+    # for the lowercase ones)
+    "types.SimpleNamespace": DATA, "array.array": DATA, "array._array_reconstructor": DATA,
+    "zoneinfo.ZoneInfo": DATA, "zoneinfo.ZoneInfo._unpickle": DATA,
+    "zoneinfo._zoneinfo.ZoneInfo": DATA, "zoneinfo._zoneinfo.ZoneInfo._unpickle": DATA,
+    "numpy.memmap": DATA, "numpy._core._internal._convert_to_stringdtype_kwargs": DATA,
+    "numpy.core._internal._convert_to_stringdtype_kwargs": DATA,
+    "torch._C.Generator": TORCH, "torch.Generator": TORCH,
+    **{f"torch.utils.data.dataset.{n}": TORCH for n in (
+        "Dataset", "IterableDataset", "TensorDataset", "StackDataset", "ConcatDataset",
+        "ChainDataset", "Subset")},
 }
 
 # these name data types (their classes are kept inert); functions in them
@@ -195,6 +185,9 @@ _TORCH_DATA_PREFIXES = (
     "torch.nn.functional.", "torch.torch_version.TorchVersion", "torch.nn.utils.",
     "torch.distributions.",
     "torch.distributed._shard.sharded_tensor.metadata.",
+    # structseq results (torch.max(x, 1)): a tuple of tensors by field name;
+    # quantized module classes (torch.ao.nn.quantized...): state, packed params
+    "torch.return_types.", "torch.ao.nn.",
 )
 
 # numpy: array, scalar, dtype, masked-array and random-state reconstruction
@@ -225,65 +218,57 @@ _NUMPY_NAMES = frozenset({
 })
 
 
-# what loading does with a global (recorded by the unpickler)
-CALLED = "called"  # REDUCE, INST or OBJ: called with the file's arguments
-CALLED_INSTANCE = "called-instance"  # an object made from it is called
-CREATED = "created"  # NEWOBJ, copyreg reconstruction: cls.__new__(cls)
-BUILT = "built"  # BUILD on an object made from it: its __setstate__
-# getattr(Outer, "Inner") on a class the pickle named: how protocols 0-2 name
-# a nested class (torch's ShardedTensor.ProcessGroupState); nothing else
-NESTED = "nested-class"
-# functools.partial(f) of a class or function the file names: builds the
-# partial, calls nothing (what it wraps is judged as any global is)
-PARTIAL = "partial-of-a-global"
-USES = (CALLED, CALLED_INSTANCE, CREATED, BUILT, NESTED, PARTIAL)
-GETATTR = "builtins.getattr"
-PARTIAL_OF = "functools.partial"
-
-# called with the file's arguments by every torch checkpoint, and known to
-# build data only: lowercase names ``judge`` does not take for code
-_KNOWN_CALLABLE_PREFIXES = ("torch._utils._rebuild_", "torch._tensor._rebuild_from_type")
-_KNOWN_CALLABLES = frozenset({
-    "torch.device", "torch.Size", "torch.serialization._get_layout",
-    "torch.storage._load_from_bytes", "torch.nested._internal.nested_tensor._rebuild_njt",
-})
-
-
 @dataclass(frozen=True)
 class Verdict:
     category: str
     reason: str = ""
 
 
-def _under(dotted: str, module: str) -> bool:
+def under(dotted: str, module: str) -> bool:
     return dotted == module or dotted.startswith(module + ".")
 
 
-def _is_class_name(name: str) -> bool:
+def is_class_name(name: str) -> bool:
     return name.lstrip("_")[:1].isupper()
 
 
-def _numpy_data(module: str, name: str) -> bool:
+def numpy_data(module: str, name: str) -> bool:
     if f"{module}.{name}" in _NUMPY_NAMES:
         return True
     if module == "numpy":
         return name in _NUMPY_TYPES
     if module == "numpy.dtypes":
-        return _is_class_name(name)
+        return is_class_name(name)
     # RandomState, Generator, MT19937, SeedSequence and Cython's unpicklers
     return module.startswith("numpy.random.") and "." not in name and (
-        _is_class_name(name) or name.startswith("__pyx_unpickle_"))
+        is_class_name(name) or name.startswith("__pyx_unpickle_"))
+
+
+# pandas pickles its objects through its own reconstructors (``_new_Index``,
+# ``_unpickle_block``, Cython's ``__pyx_unpickle_*``): pandas code run on the
+# file's arguments, which ckptool does not model; judged as pandas' classes
+# are, custom (docs/safety.md: pandas)
+_PANDAS_RECONSTRUCTOR = re.compile(r"(_new_|_unpickle|__pyx_unpickle_|_reconstruct)\w*")
+PANDAS_REASON = ("pandas' own unpickling code: loading imports pandas and runs it on the "
+                 "file's arguments; ckptool does not model pandas")
+
+
+def pandas_reconstructor(module: str, name: str) -> bool:
+    return under(module, "pandas") and not under(module, "pandas.io") and bool(
+        _PANDAS_RECONSTRUCTOR.fullmatch(name))
 
 
 def classify(module: str, name: str) -> Verdict:
     """Put the global ``module.name`` into one category, with a reason."""
     dotted = f"{module}.{name}"
+    if pandas_reconstructor(module, name):
+        return Verdict(CUSTOM, PANDAS_REASON)
     if dotted in _UNSAFE_NAMES:
         return Verdict(UNSAFE, "reads, writes or loads files")
     known = _KNOWN.get(dotted)
     if known is not None:
         return Verdict(known)
-    if _under(module, "numpy") and _numpy_data(module, name):
+    if under(module, "numpy") and numpy_data(module, name):
         return Verdict(DATA)
     parts = name.split(".")
     if any(p.startswith("__") and p.endswith("__") for p in parts) or name.startswith("__"):
@@ -297,9 +282,9 @@ def classify(module: str, name: str) -> Verdict:
             return Verdict(DATA)
         return Verdict(UNSAFE, "builtin that can run code or reach the system")
     for mod in _UNSAFE_MODULES:
-        if _under(module, mod):
+        if under(module, mod):
             return Verdict(UNSAFE, f"member of {mod}")
-    if _under(module, "numpy"):
+    if under(module, "numpy"):
         return Verdict(UNSAFE, "numpy function that is not a known array or scalar "
                        "constructor (some load files or import by name)")
     if module == "torch":
@@ -311,12 +296,12 @@ def classify(module: str, name: str) -> Verdict:
     if dotted in _DATA_NAMES:
         return Verdict(DATA)
     for mod in _DATA_MODULES:
-        if _under(module, mod):
-            if _is_class_name(name):
+        if under(module, mod):
+            if is_class_name(name):
                 return Verdict(DATA)
             return Verdict(UNSAFE, f"function in {mod} that is not a known data constructor "
                            "(some evaluate strings or run commands)")
-    if _under(module, "torch"):
+    if under(module, "torch"):
         # torch is a known world too: what is not listed above may act
         return Verdict(UNSAFE, "a torch global ckptool does not know to be harmless to make "
                        "or call")
@@ -328,70 +313,11 @@ def classify(module: str, name: str) -> Verdict:
     return Verdict(CUSTOM, "needs its module imported to load with torch")
 
 
-def function_like(name: str) -> bool:
-    """Whether a global's name reads as a function's (``run``, ``_helper``),
-    not a class's (``Namespace``, ``_Private``)."""
-    return not _is_class_name(name.rsplit(".", 1)[-1])
-
-
-def known_callable(dotted: str, verdict: Verdict) -> bool:
-    """A lowercase global known to build data when called: listed by name."""
-    if verdict.category not in (TORCH, DATA):
-        return False
-    if dotted in _KNOWN_CALLABLES or dotted.startswith(_KNOWN_CALLABLE_PREFIXES):
-        return True
-    if verdict.category == DATA:
-        # a lowercase name in a data module is unsafe unless _KNOWN lists it,
-        # so every lowercase DATA verdict is an explicitly known one
-        return True
-    module, _, name = dotted.rpartition(".")
-    return dotted in _KNOWN or (module == "torch" and (
-        name in _TORCH_VALUES or name in dtypes.ITEMSIZE))
-
-
 # top-level torch names that are values or classes, never code: dtypes,
 # layouts, memory formats, quantization schemes (``dtypes`` keeps the dtypes)
-_TORCH_VALUES = frozenset({
+TORCH_VALUES = frozenset({
     "strided", "sparse_coo", "sparse_csr", "sparse_csc", "sparse_bsr", "sparse_bsc",
     "_mkldnn", "contiguous_format", "channels_last", "channels_last_3d",
     "preserve_format", "per_tensor_affine", "per_channel_affine",
     "per_tensor_symmetric", "per_channel_symmetric", "per_channel_affine_float_qparams",
 })
-
-
-def nested_class(outer: str, name: object) -> tuple[str, str] | None:
-    """``getattr(Outer, "Inner")`` on the class ``outer`` (dotted), both names
-    classes': how protocols 0-2 name a nested class. (module, "Outer.Inner"),
-    to classify as any global; None for any other use of getattr."""
-    module, _, cls = outer.rpartition(".")
-    if not (module and _is_class_name(cls) and isinstance(name, str) and name.isidentifier()
-            and _is_class_name(name) and not name.startswith("_")):
-        return None
-    return module, f"{cls}.{name}"
-
-
-def judge(dotted: str, verdict: Verdict, uses: frozenset[str] | set[str]) -> Verdict:
-    """The verdict on a global once the pickle has been read: its name's
-    (``classify``), made stricter by what loading does with it."""
-    if dotted == GETATTR and uses and set(uses) == {NESTED}:
-        return Verdict(DATA, "names a nested class (getattr(Outer, 'Inner')), as protocols "
-                       "0-2 must; used for nothing else")
-    if dotted == PARTIAL_OF and uses and set(uses) <= {PARTIAL, BUILT}:
-        return Verdict(DATA, "a partial of a class or function the file names (judged on "
-                       "its own): loading builds it and calls nothing")
-    if verdict.category == UNSAFE:
-        return verdict
-    if CALLED_INSTANCE in uses:
-        return Verdict(UNSAFE, f"calls an object made from {dotted} at load time; "
-                       "ckptool cannot tell what that does")
-    if CALLED in uses and function_like(dotted) and not known_callable(dotted, verdict):
-        return Verdict(UNSAFE, f"calls {dotted} at load time; ckptool cannot tell what it does")
-    if verdict.category != CUSTOM:
-        return verdict
-    if CALLED in uses:
-        return Verdict(CUSTOM, "a class torch imports and calls at load time: its "
-                       "constructor runs with the file's arguments")
-    if uses:
-        return Verdict(CUSTOM, "a class torch imports at load time: its code runs "
-                       "(__new__, __setstate__)")
-    return Verdict(CUSTOM, "referenced only: torch imports its module to load the file")

@@ -1,0 +1,181 @@
+"""The callables ckptool models: what each real one does with its arguments.
+
+A pickle's globals are only dangerous where something calls them. CPython's
+unpickler calls what REDUCE, INST and OBJ name; a modelled callee may then
+call one of its own arguments (numpy's random-state helpers call their
+bit-generator argument; ``_rebuild_from_type_v2`` calls its first;
+``copyreg._reconstructor`` runs its base class's constructor), make an
+object of one (``cls.__new__``), or read a mapping whose ``__missing__``
+calls a factory (``Counter(ChainMap(defaultdict(f), ...))`` calls ``f``).
+
+``MODELS`` is the whole table. Each entry says, for each argument position:
+
+- ``STORE``: kept as a value; the callee never calls it;
+- ``CREATE``: a class it makes an instance of (``cls.__new__``);
+- ``CALL``: a callable it calls (with the arguments ``calls_with`` says);
+- ``READ``: a mapping it reads key by key (a ChainMap's defaultdicts'
+  factories are called for the keys they lack).
+
+A callable value (a global, a ``functools.partial``, a factory held by a
+``defaultdict``) at any position the model does not name, or given to a
+callee the table does not hold, may be called with arguments ckptool
+cannot know: it is judged as called. ``any_args`` marks the callees that
+are harmless whatever they are given (plain data constructors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+STORE, CREATE, CALL, READ = "store", "create", "call", "read"
+REST = -1  # the position that stands for every position not listed
+
+
+@dataclass(frozen=True)
+class Model:
+    what: str  # what the real callee does, in a line
+    positions: dict[int, str] = field(default_factory=dict)  # REST for the others
+    any_args: bool = False  # harmless however it is called (a data constructor)
+    # CALL positions: which argument positions the call passes on (None: unknown)
+    calls_with: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+
+    def role(self, position: int) -> str | None:
+        return self.positions.get(position, self.positions.get(REST))
+
+
+def _stores(what: str) -> Model:
+    return Model(what, {REST: STORE}, any_args=True)
+
+
+def _reads_first(what: str) -> Model:
+    return Model(what, {0: READ, REST: STORE}, any_args=True)
+
+
+_NUMPY_CORES = ("numpy.core", "numpy._core")
+_REBUILD_STORES = ("_rebuild_tensor", "_rebuild_tensor_v2", "_rebuild_tensor_v3",
+                   "_rebuild_qtensor", "_rebuild_parameter", "_rebuild_parameter_with_state",
+                   "_rebuild_meta_tensor_no_storage", "_rebuild_device_tensor_from_numpy",
+                   "_rebuild_xla_tensor", "_rebuild_mtia_tensor", "_rebuild_sparse_tensor",
+                   "_rebuild_nested_tensor")
+
+MODELS: dict[str, Model] = {
+    # plain data: they iterate or store what they are given
+    **{f"builtins.{n}": _stores(f"builds a {n} from data") for n in (
+        "list", "tuple", "set", "frozenset", "slice", "complex", "bytes", "bytearray",
+        "int", "float", "str", "bool", "object", "range")},
+    "builtins.dict": _reads_first("builds a dict, reading a mapping key by key"),
+    "collections.OrderedDict": _reads_first("builds an OrderedDict, reading a mapping"),
+    "collections.Counter": _reads_first("builds a Counter, reading a mapping key by key"),
+    "collections.defaultdict": Model(
+        "builds a dict that calls its factory for a missing key; reads its mapping",
+        {0: STORE, 1: READ, REST: STORE}, any_args=True),
+    "collections.ChainMap": _stores("stores mappings; reading it reads each in turn"),
+    "collections.deque": _stores("builds a deque from an iterable"),
+    "collections.OrderedDict.__new__": _stores("builds an OrderedDict"),
+    "functools.partial": _stores("stores a callable and its arguments; calling the "
+                                 "partial calls the callable"),
+    "argparse.Namespace": _stores("stores attributes"),
+    "array.array": _stores("an array of numbers from its typecode and items"),
+    "types.SimpleNamespace": _stores("stores attributes"),
+    "copyreg._reconstructor": Model(
+        "object.__new__(cls), or base.__new__(cls, state) and base.__init__(obj, state)",
+        {0: CREATE, 1: CALL, 2: STORE}, calls_with={1: None}),
+    "copyreg.__newobj__": Model("cls.__new__(cls, *args)", {0: CREATE, REST: STORE}),
+    "copyreg.__newobj_ex__": Model("cls.__new__(cls, *args, **kwargs)",
+                                   {0: CREATE, 1: STORE, 2: READ}),
+    "_codecs.encode": _stores("encodes a string to bytes"),
+    "codecs.encode": _stores("encodes a string to bytes"),
+    "re._compile": _stores("compiles a regular expression"),
+    "re.compile": _stores("compiles a regular expression"),
+    "array._array_reconstructor": Model("array.array from its typecode and bytes",
+                                        {0: CREATE, REST: STORE}),
+    "zoneinfo.ZoneInfo._unpickle": _stores("a time zone by its key, from the system's "
+                                           "time-zone database"),
+    # numpy
+    **{f"{core}.multiarray._reconstruct": Model("ndarray.__new__(subtype, shape, dtype)",
+                                                {0: CREATE, REST: STORE})
+       for core in _NUMPY_CORES},
+    **{f"{core}.{name}": _stores(what) for core in _NUMPY_CORES for name, what in (
+        ("multiarray.scalar", "a numpy scalar from its bytes"),
+        ("numeric._frombuffer", "an array from its bytes"),
+        ("_internal._convert_to_stringdtype_kwargs", "a StringDType from its options"))},
+    "numpy.ma.core._mareconstruct": Model("a masked array of a subtype",
+                                          {0: CREATE, 1: CREATE, REST: STORE}),
+    "numpy.random._pickle.__randomstate_ctor": Model(
+        "calls its second argument (a bit-generator constructor) with its first",
+        {0: STORE, 1: CALL}, calls_with={1: (0,)}),
+    "numpy.random._pickle.__generator_ctor": Model(
+        "calls its second argument (a bit-generator constructor) with its first",
+        {0: STORE, 1: CALL}, calls_with={1: (0,)}),
+    "numpy.random._pickle.__bit_generator_ctor": Model(
+        "calls its argument when it is a class; else looks the name up", {0: CALL},
+        calls_with={0: ()}),
+    "numpy.random.__RandomState_ctor": _stores("a RandomState"),
+    # torch
+    "torch.device": _stores("a device from its name"),
+    "torch.Size": _stores("a shape from its sizes"),
+    "torch.serialization._get_layout": _stores("a layout by its name"),
+    "torch.storage._load_from_bytes": Model(
+        "torch.load(weights_only=False) of the bytes it is given: read and judged as a "
+        "file of their own", {0: STORE}),
+    **{f"torch._utils.{name}": Model("rebuilds a tensor from a storage and sizes",
+                                     {REST: STORE}) for name in _REBUILD_STORES},
+    "torch._utils._rebuild_wrapper_subclass": Model(
+        "Tensor._make_wrapper_subclass(cls, ...)", {0: CREATE, REST: STORE}),
+    "torch._tensor._rebuild_from_type_v2": Model(
+        "func(*args), then as_subclass(new_type) and its __setstate__(state)",
+        {0: CALL, 1: CREATE, 2: STORE, 3: STORE}, calls_with={0: None}),
+    "torch._tensor._rebuild_from_type": Model(
+        "func(*args), then as_subclass(new_type)",
+        {0: CALL, 1: CREATE, 2: STORE, 3: STORE}, calls_with={0: None}),
+    "torch.nested._internal.nested_tensor._rebuild_njt": _stores(
+        "a jagged nested tensor from its parts"),
+    # TorchScript's pickler tags lists with these: each returns its argument
+    **{f"torch.jit._pickle.{n}": _stores("returns its argument") for n in (
+        "build_intlist", "build_tensorlist", "build_doublelist", "build_boollist",
+        "restore_type_tag")},
+    **{f"datetime.{n}": _stores(f"a {n} from its fields") for n in (
+        "datetime", "date", "time", "timedelta", "timezone", "tzinfo")},
+}
+
+# numpy.random's Cython unpicklers: __pyx_unpickle_X(cls, checksum, state) is
+# cls.__new__(cls) and its __setstate_cython__(state)
+_STRUCTSEQ = _stores("a torch result (a tuple of tensors by field name)")
+_PYX = Model("cls.__new__(cls), then its state", {0: CREATE, REST: STORE})
+
+
+def model_of(dotted: str) -> Model | None:
+    found = MODELS.get(dotted)
+    if found is None and dotted.startswith("numpy.random.") and \
+            dotted.rpartition(".")[2].startswith("__pyx_unpickle_"):
+        return _PYX
+    if found is None and dotted.startswith("torch.return_types."):
+        return _STRUCTSEQ
+    return found
+
+
+# plain containers a call's arguments are looked through for callables; the
+# walk is bounded (a hostile file's arguments cost at most this much)
+MAX_DEPTH = 6
+MAX_ITEMS = 10_000
+
+
+def walk_values(value: Any) -> Iterator[Any]:
+    """``value`` and what plain containers in it hold, depth and count bounded."""
+    todo: list[tuple[Any, int]] = [(value, 0)]
+    seen: set[int] = set()
+    count = 0
+    while todo and count < MAX_ITEMS:
+        obj, depth = todo.pop()
+        count += 1
+        yield obj
+        if depth >= MAX_DEPTH or id(obj) in seen:
+            continue
+        if isinstance(obj, (tuple, list, set, frozenset)):
+            seen.add(id(obj))
+            todo.extend((item, depth + 1) for item in obj)
+        elif isinstance(obj, dict):
+            seen.add(id(obj))
+            todo.extend((item, depth + 1) for pair in obj.items() for item in pair)

@@ -1,0 +1,272 @@
+"""What CPython's unpickler, and the callees it calls, would call.
+
+Mixed into ``ckptool.read.pickle.unpickler.SafeUnpickler``: ``call`` is REDUCE,
+INST and OBJ (the callee named, then its model applied to its arguments),
+``reach`` is a call the real code makes later (a partial's target, a
+defaultdict's factory, an injected ``__setstate__``), and ``getattr`` is
+``builtins.getattr`` on a global the file names, which names another global
+(``getattr(ZoneInfo, "_unpickle")`` is ``zoneinfo.ZoneInfo._unpickle``).
+
+Every call is recorded on the global it reaches (``seen.use``) with why and
+where; ``policy.judge`` turns those records into verdicts. Nothing the file
+names is imported or called here: stand-ins and ckptool's own safe
+implementations only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+from ckptool.errors import CkptoolError
+from ckptool.read import constructors
+from ckptool.read.pickle import calls, policy
+from ckptool.read.seen import GlobalsSeen
+from ckptool.read.values import StandIn, brief
+
+PARTIAL = "functools.partial"
+CHAINMAP = "collections.ChainMap"
+DEFAULTDICT = "collections.defaultdict"
+LOAD_FROM_BYTES = "torch.storage._load_from_bytes"
+MAX_REACH_DEPTH = 32  # partials of partials...: deeper is refused as unknown
+
+
+_RECONSTRUCTORS = ("copyreg._reconstructor", "copyreg.__newobj__", "copyreg.__newobj_ex__")
+
+
+def made_by(obj: StandIn) -> str:
+    """The global an inert object was made from: ``x()`` and ``x()()`` are
+    results of calling ``x``; ``copyreg._reconstructor(cls, ...)``, as a
+    rewrite's read keeps it, made a ``cls``."""
+    name = type(obj).qualname.split("()", 1)[0]
+    if name in _RECONSTRUCTORS and obj.args and type(obj.args[0]) is type and issubclass(
+            obj.args[0], StandIn):
+        return obj.args[0].qualname
+    return name
+
+
+def partial_parts(obj: StandIn) -> tuple[Any, tuple[Any, ...]]:
+    """(target, bound arguments) of a ``functools.partial`` stand-in: its
+    BUILD state ``(func, args, kwds, dict)`` wins over ``partial(func, *args)``."""
+    state = obj.state
+    if isinstance(state, tuple) and state:
+        bound = state[1] if len(state) > 1 and isinstance(state[1], tuple) else ()
+        return state[0], bound
+    return (obj.args[0] if obj.args else None), tuple(obj.args[1:])
+
+
+def _factory(obj: Any) -> Any:
+    if isinstance(obj, constructors.DefaultDict):
+        return obj.factory
+    if isinstance(obj, StandIn) and made_by(obj) == DEFAULTDICT and obj.args:
+        return obj.args[0]
+    return None
+
+
+def _chain_maps(obj: StandIn) -> list[Any]:
+    """A ChainMap's maps: its constructor's arguments, or BUILD's ``maps``."""
+    maps = list(obj.args)
+    state = obj.state_dict_view().get("maps")
+    if isinstance(state, (list, tuple)):
+        maps.extend(state)
+    return maps
+
+
+def factories_read(value: Any, depth: int = 0) -> Iterator[Any]:
+    """The defaultdict factories that reading ``value`` key by key calls: a
+    ChainMap looks each key up in each of its maps in turn, so a map that
+    lacks it calls its ``__missing__``."""
+    if depth > calls.MAX_DEPTH or not (isinstance(value, StandIn) and made_by(value) == CHAINMAP):
+        return
+    for m in _chain_maps(value):
+        factory = _factory(m)
+        if factory is not None:
+            yield factory
+        yield from factories_read(m, depth + 1)
+
+
+def factories_in(value: Any) -> Iterator[Any]:
+    """The factories a reader of ``value`` could call: each defaultdict's
+    (a lookup of a missing key) and each ChainMap's maps' (any lookup)."""
+    for v in calls.walk_values(value):
+        factory = _factory(v)
+        if factory is not None:
+            yield factory
+        yield from factories_read(v)
+
+
+class Calls:
+    """The call model, for the unpickler to mix in."""
+
+    seen: GlobalsSeen
+    _resolved: dict[int, tuple[Any, str]]
+    _split: dict[str, tuple[str, str]]
+    _reach_depth: int = 0
+
+    def find_class(self, module: str, name: str) -> Any:  # the unpickler's
+        raise NotImplementedError
+
+    def _position(self) -> str:
+        raise NotImplementedError
+
+    def _load_from_bytes(self, data: Any) -> Any:
+        raise NotImplementedError
+
+    def global_name(self, value: Any) -> str | None:
+        """The dotted name of a global the file named, if ``value`` is one."""
+        if type(value) is type and issubclass(value, StandIn) and "()" not in value.qualname:
+            return value.qualname
+        found = self._resolved.get(id(value))
+        return found[1] if found is not None and found[0] is value else None
+
+    def _use(self, dotted: str, use: str, why: str = "") -> None:
+        known = self.seen.why.get(dotted)
+        if known is not None and use in known:  # said once, where it first happened
+            self.seen.use(dotted, use)
+        else:
+            self.seen.use(dotted, use, why, self._position())
+
+    def _called(self, name: str, how: str) -> None:
+        """A call with known arguments: recorded, but for the callees the
+        model holds, whose calls are judged by what they do with their
+        arguments (recorded on those), not by being called."""
+        if calls.model_of(name) is None:
+            self._use(name, policy.CALLED, how)
+
+    def call(self, func: Any, args: Any) -> Any:
+        """REDUCE (and INST, OBJ): ``func(*args)``, recorded and modelled."""
+        if not isinstance(args, tuple):
+            raise TypeError("the arguments of a call are not a tuple")
+        name = self.global_name(func)
+        if name == policy.GETATTR:
+            return self.getattr(func, args)
+        if name is not None:
+            self._called(name, "called by the pickle")
+            self.apply_model(name, args)
+        elif isinstance(func, StandIn):
+            self.reach(func, args, "called by the pickle")
+        return func(*args)
+
+    def getattr(self, func: Any, args: tuple[Any, ...]) -> Any:
+        """``getattr(G, "name")`` on a global ``G``: the global ``G.name``
+        (how protocols 0-2 name a nested class or a method). On anything
+        else the lookup is the object's own code: unknown."""
+        owner = self.global_name(args[0]) if len(args) == 2 else None
+        attr = args[1] if len(args) == 2 else None
+        if owner is None or owner not in self._split or not (
+                isinstance(attr, str) and attr.isidentifier()):
+            self._use(policy.GETATTR, policy.MISUSED,
+                      f"getattr({brief(args[0]) if args else ''}, ...) on a value that is not "
+                      "a global: what the lookup runs and returns is the object's own code")
+            return func(*args)
+        self._use(policy.GETATTR, policy.CALLED, "looks up an attribute of a global")
+        module, name = self._split[owner]
+        found = self.find_class(module, f"{name}.{attr}")
+        from ckptool.read.resolve import is_faithful
+
+        return func(*args) if is_faithful() else found
+
+    def apply_model(self, name: str, args: tuple[Any, ...]) -> None:
+        """What the real ``name`` does with ``args``: the calls it makes."""
+        model = calls.model_of(name)
+        if name == LOAD_FROM_BYTES:
+            return  # the unpickler reads the bytes as the file torch.load would read
+        for pos, arg in enumerate(args):
+            role = model.role(pos) if model is not None else None
+            if role == calls.STORE:
+                continue
+            if role == calls.CREATE:
+                created = self.global_name(arg)
+                if created is not None:
+                    self._use(created, policy.CREATED, f"made by {name}")
+            elif role == calls.CALL:
+                if name == "copyreg._reconstructor" and self.global_name(arg) == "builtins.object":
+                    continue  # object.__new__(cls): nothing else runs
+                self.reach(arg, self._call_args(name, model, pos, args), f"called by {name}")
+            elif role == calls.READ:
+                self.read_mapping(arg, name)
+            else:
+                for value in self.callables_in(arg):
+                    self.reach(value, None, f"passed to {name}, which ckptool does not model "
+                               "calling it")
+
+    def read_mapping(self, arg: Any, reader: str) -> None:
+        """``reader`` reads ``arg`` key by key (``dict.update``): a ChainMap's
+        defaultdicts' factories run for the keys they lack."""
+        for factory in factories_read(arg):
+            self.reach(factory, (), f"the factory of a defaultdict that {reader} reads "
+                       "through a ChainMap (its __missing__)")
+
+    @staticmethod
+    def _call_args(name: str, model: calls.Model | None, pos: int,
+                   args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+        if model is None:
+            return None
+        if name.startswith("torch._tensor._rebuild_from_type"):
+            return args[2] if len(args) > 2 and isinstance(args[2], tuple) else None
+        with_ = model.calls_with.get(pos)
+        if with_ is None:
+            return None
+        return tuple(args[i] for i in with_ if i < len(args))
+
+    def callables_in(self, value: Any) -> Iterator[Any]:
+        """The values in ``value`` that a call could run: globals that are
+        callables, ``functools.partial`` objects, defaultdict factories."""
+        for v in calls.walk_values(value):
+            if self.global_name(v) is not None:
+                if callable(v) or isinstance(v, type):
+                    yield v
+            elif isinstance(v, StandIn) and made_by(v) in (PARTIAL, CHAINMAP):
+                yield v
+            elif _factory(v) is not None:
+                yield _factory(v)
+
+    def reach(self, value: Any, args: tuple[Any, ...] | None, how: str) -> None:
+        """The real code calls ``value`` (``args``; None: arguments ckptool
+        cannot know)."""
+        if self._reach_depth >= MAX_REACH_DEPTH:
+            self._use(PARTIAL, policy.MISUSED, "calls nest too deeply to follow")
+            return
+        self._reach_depth += 1
+        try:
+            self._reach(value, args, how)
+        finally:
+            self._reach_depth -= 1
+
+    def _reach(self, value: Any, args: tuple[Any, ...] | None, how: str) -> None:
+        name = self.global_name(value)
+        if name is not None:
+            if not (callable(value) or isinstance(value, type)):
+                return  # a dtype or a constant: calling it fails, runs nothing
+            if args is None:
+                self._use(name, policy.REACHED, how)
+                return
+            self._called(name, how)
+            self.apply_model(name, args)
+            if name == LOAD_FROM_BYTES:
+                self._nested_load(args)
+            return
+        if isinstance(value, StandIn):
+            made = made_by(value)
+            if made == PARTIAL:
+                target, bound = partial_parts(value)
+                self.reach(target, None if args is None else bound + args,
+                           f"{how}, through a functools.partial")
+            elif made == CHAINMAP:
+                # a ChainMap as a callable: not callable, but its factories are read
+                for factory in factories_read(value):
+                    self.reach(factory, (), f"{how}: the factory of a defaultdict in a ChainMap")
+            else:
+                self._use(made, policy.CALLED_INSTANCE, how)
+        # anything else is a value ckptool made (a list, a dict, a tensor
+        # record): not callable where torch loads it, so nothing runs
+
+    def _nested_load(self, args: tuple[Any, ...]) -> None:
+        """``torch.storage._load_from_bytes`` reached by a later call: the
+        bytes are read as the torch file that ``torch.load`` would read."""
+        try:
+            self._load_from_bytes(*args)
+        except (CkptoolError, TypeError) as exc:
+            self._use(LOAD_FROM_BYTES, policy.MISUSED,
+                      f"torch.load(weights_only=False) of bytes ckptool cannot read as a "
+                      f"torch file ({exc}): whatever pickle they hold would run")

@@ -1,0 +1,233 @@
+"""A TorchScript archive's code: what ``torch.jit.load`` runs while it loads.
+
+A TorchScript archive carries its program as source (``code/__torch__/*.py``,
+a subset of Python), compiled by ``torch.jit.load`` (and by ``torch.load``,
+which hands TorchScript archives to it). Loading calls the ``__setstate__``
+of every module and script class that defines one, with the state the
+pickle holds: code outside any pickle, which no name table sees.
+
+``judge`` parses each code record with ``ast`` (parsing runs nothing), finds
+every ``__setstate__``, follows what it calls through the archive's own
+methods and functions (``self.m()``, ``__torch__.f()``, a function held in a
+local name), and judges every other call against small lists of what is
+pure: tensor ops (``torch.add``, ``ops.aten.copy_``), the interpreter's
+``ops.prim`` primitives, quantized packers, TorchScript's builtins and
+tensor, list and dict methods. Anything else (``torch.from_file``,
+``torch.ops.<library>.*``, ``torch.classes``, a method ckptool does not
+know) is a finding: which method calls which op. A record that does not
+parse is a finding too: unknown fails closed.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+MAX_CODE = 16 << 20  # one code record; larger is refused as unknown
+MAX_NODES = 2_000_000  # what one archive's code may hold, all records together
+
+# tensor ops that compute on their arguments and touch nothing else (aten's,
+# as TorchScript spells them: torch.X or ops.aten.X)
+PURE_OPS = frozenset([
+    "abs", "absolute", "acos", "add", "add_", "addmm", "all", "allclose", "amax", "amin", "any",
+    "arange", "argmax", "argmin", "asin", "atan", "atan2", "baddbmm", "bitwise_and",
+    "bitwise_not", "bitwise_or", "bmm", "broadcast_tensors", "cat", "ceil", "chunk", "clamp",
+    "clamp_", "clamp_max", "clamp_min", "clone", "contiguous", "copy_", "cos", "cosh",
+    "cumprod", "cumsum", "detach", "detach_", "device", "diag", "dim", "div", "div_", "dropout",
+    "dtype", "einsum", "empty", "empty_like", "eq", "equal", "erf", "exp", "expand",
+    "expand_as", "eye", "fill_", "flatten", "flip", "floor", "floor_divide", "fmod", "format",
+    "full", "full_like", "gather", "ge", "gelu", "gt", "hardtanh", "index", "index_put_",
+    "index_select", "is_floating_point", "is_nonzero", "isnan", "item", "layer_norm", "le",
+    "len", "linear", "linspace", "log", "log_softmax", "logical_and", "logical_not",
+    "logical_or", "lt", "masked_fill", "masked_fill_", "matmul", "max", "maximum", "mean",
+    "min", "minimum", "mm", "mul", "mul_", "narrow", "ne", "neg", "nonzero", "norm", "numel",
+    "ones", "ones_like", "permute", "pow", "prod", "rand", "rand_like", "randn", "randn_like",
+    "relu", "relu_", "remainder", "repeat", "reshape", "round", "rsqrt", "scalar_tensor",
+    "select", "sigmoid", "sign", "sin", "size", "slice", "softmax", "sort", "split", "sqrt",
+    "squeeze", "stack", "std", "sub", "sub_", "sum", "t", "tanh", "tensor", "tensor_split",
+    "to", "topk", "transpose", "tril", "triu", "unbind", "unsqueeze", "var", "view", "view_as",
+    "where", "zero_", "zeros", "zeros_like", "quantize_per_tensor", "quantize_per_channel",
+    "dequantize", "_empty_affine_quantized", "_empty_per_channel_affine_quantized", "q_scale",
+    "q_zero_point", "q_per_channel_scales", "q_per_channel_zero_points", "q_per_channel_axis",
+    "int_repr", "qscheme", "__and__", "__or__", "__not__", "__is__", "__isnot__",
+    "__contains__", "__getitem__", "__setitem__", "__derive_index", "__range_length",
+    "__interpolate", "_set_item", "append", "extend", "insert", "pop", "keys", "values",
+    "items", "get", "setdefault", "update", "clear", "copy", "list", "dict", "str", "int",
+    "float", "bool", "warn",
+])
+# ops of other namespaces that only pack or unpack quantized weights
+PURE_NAMESPACED = frozenset(
+    f"quantized.{kind}_{what}" for kind in (
+        "linear", "linear_fp16", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+        "conv_transpose2d", "conv_transpose3d", "embedding_bag")
+    for what in ("prepack", "unpack")) | frozenset({
+        "quantized.linear_unpack_fp16", "quantized.linear_prepack_fp16"})
+# TorchScript's builtins and the interpreter's own forms
+PURE_BUILTINS = frozenset([
+    "len", "int", "float", "bool", "str", "range", "isinstance", "annotate", "unchecked_cast",
+    "uninitialized", "hasattr", "getattr", "print", "min", "max", "abs", "round", "list",
+    "dict", "tuple", "enumerate", "zip", "sorted", "divmod", "ord", "chr",
+])
+
+
+@dataclass(frozen=True)
+class Finding:
+    method: str  # __torch__.Evil.__setstate__
+    op: str  # torch.from_file
+    record: str  # the code record the call is in
+
+    @property
+    def reason(self) -> str:
+        return (f"called by {self.method} ({self.record}), which torch.jit.load and "
+                "torch.load run while they load the archive: not a pure tensor op "
+                "ckptool knows (files, processes, the network and torch.ops libraries "
+                "are outside that list)")
+
+
+@dataclass
+class _Def:
+    qualname: str  # __torch__.a.b.Class.method or __torch__.a.b.func
+    node: ast.FunctionDef
+    record: str
+
+
+class _Program:
+    """Every class method and function of the archive's code, by name."""
+
+    def __init__(self) -> None:
+        self.by_qualname: dict[str, _Def] = {}
+        self.methods: dict[str, list[_Def]] = {}  # by bare method name
+        self.setstates: list[_Def] = []
+        self.unreadable: list[Finding] = []
+
+    def add(self, record: str, module: str, source: bytes) -> None:
+        if len(source) > MAX_CODE:
+            self.unreadable.append(Finding(module, "<a code record too large to read>", record))
+            return
+        try:
+            tree = ast.parse(source.decode("utf-8"), record)
+        except (SyntaxError, UnicodeDecodeError, ValueError, RecursionError, MemoryError):
+            self.unreadable.append(Finding(module, "<code ckptool cannot parse>", record))
+            return
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef):
+                for item in node.body:
+                    if isinstance(item, ast.FunctionDef):
+                        d = _Def(f"{module}.{node.name}.{item.name}", item, record)
+                        self.by_qualname[d.qualname] = d
+                        self.methods.setdefault(item.name, []).append(d)
+                        if item.name == "__setstate__":
+                            self.setstates.append(d)
+            elif isinstance(node, ast.FunctionDef):
+                d = _Def(f"{module}.{node.name}", node, record)
+                self.by_qualname[d.qualname] = d
+                self.methods.setdefault(node.name, []).append(d)
+
+
+def _dotted(node: ast.expr) -> str | None:
+    parts: list[str] = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if isinstance(node, ast.Name):
+        parts.append(node.id)
+        return ".".join(reversed(parts))
+    return None
+
+
+def _aliases(fn: ast.FunctionDef) -> dict[str, str]:
+    """Local names bound to a dotted callable (``_0 = __torch__.f``)."""
+    found: dict[str, str] = {}
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
+                node.targets[0], ast.Name):
+            target = _dotted(node.value) if isinstance(node.value, ast.Attribute) else None
+            if target is not None and target.split(".", 1)[0] in ("torch", "ops", "__torch__"):
+                found[node.targets[0].id] = target
+    return found
+
+
+def _judge_call(prog: _Program, call: ast.Call, aliases: dict[str, str]) -> tuple[
+        str | None, list[_Def]]:
+    """(an op that is not pure, or None; the archive's definitions it runs)."""
+    func = call.func
+    if isinstance(func, ast.Name):
+        name = aliases.get(func.id, func.id)
+        if "." not in name:
+            if name in PURE_BUILTINS or name in PURE_OPS:
+                return None, []
+            return (name, []) if name not in prog.methods else (None, prog.methods[name])
+        return _judge_dotted(prog, name)
+    dotted = _dotted(func)
+    if dotted is not None and dotted.split(".", 1)[0] in ("torch", "ops", "__torch__"):
+        return _judge_dotted(prog, dotted)
+    if isinstance(func, ast.Attribute):  # a method of a value: self.m(), x.copy_()
+        if func.attr in prog.methods:
+            return None, prog.methods[func.attr]
+        if func.attr in PURE_OPS:
+            return None, []
+        return f"<value>.{func.attr}", []
+    return "<a call ckptool cannot name>", []
+
+
+def _judge_dotted(prog: _Program, name: str) -> tuple[str | None, list[_Def]]:
+    head, _, rest = name.partition(".")
+    if head == "__torch__":
+        found = prog.by_qualname.get(name) or prog.by_qualname.get(f"{name}.__init__")
+        return (None, [found]) if found is not None else (None, [])
+    if head == "torch":
+        if rest.startswith("ops."):
+            head, rest = "ops", rest[4:]
+        elif "." not in rest and rest in PURE_OPS:
+            return None, []
+        else:
+            return name, []
+    # ops.<namespace>.<op>
+    namespace, _, op = rest.partition(".")
+    if namespace == "prim" or (namespace == "aten" and op in PURE_OPS):
+        return None, []
+    if f"{namespace}.{op}" in PURE_NAMESPACED:
+        return None, []
+    return f"torch.ops.{rest}", []
+
+
+def judge(records: dict[str, bytes]) -> Iterator[Finding]:
+    """What the ``__setstate__`` methods of an archive's code call that is
+    not pure: ``records`` maps each code record's name (``x/code/__torch__/
+    a/b.py``) to its bytes."""
+    prog = _Program()
+    for record, source in sorted(records.items()):
+        tail = record.split("/code/", 1)[-1]
+        module = tail.removesuffix(".py").replace("/", ".")
+        prog.add(record, module, source)
+    yield from prog.unreadable
+    # operators and builtins call dunder methods (len(x) is x.__len__(), a + b
+    # is a.__add__(b)) without a call naming them: each is taken as reached
+    implicit = [d for name, defs in prog.methods.items() if name.startswith("__")
+                and name.endswith("__") and name not in ("__getstate__", "__setstate__")
+                for d in defs]
+    nodes = 0
+    for root in prog.setstates:
+        todo = [root, *implicit]
+        done, reported = {id(d.node) for d in todo}, set()
+        while todo:
+            current = todo.pop()
+            aliases = _aliases(current.node)
+            for node in ast.walk(current.node):
+                nodes += 1
+                if nodes > MAX_NODES:
+                    yield Finding(root.qualname, "<more code than ckptool reads>", root.record)
+                    return
+                if not isinstance(node, ast.Call):
+                    continue
+                bad, runs = _judge_call(prog, node, aliases)
+                if bad is not None and bad not in reported:
+                    reported.add(bad)
+                    yield Finding(current.qualname if current is root else
+                                  f"{root.qualname} (through {current.qualname})", bad,
+                                  current.record)
+                for d in runs:
+                    if id(d.node) not in done:
+                        done.add(id(d.node))
+                        todo.append(d)
