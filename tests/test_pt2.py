@@ -150,7 +150,8 @@ def test_a_pickled_weight_is_read_for_what_it_names(
     assert ok.unsafe_globals == []
     bad = ckptool.open(_pickled_weight(exported[0], tmp_path / "bad.pt2", evil.read_bytes()))
     assert "os.system" in bad.unsafe_globals
-    with pytest.raises(ckptool.CkptoolError, match="weights_only=False") as exc:
-        ckptool.open(_pickled_weight(exported[0], tmp_path / "junk.pt2", b"not a zip"))
-    assert exc.value.exit_code == 3
+    # bytes ckptool cannot read: torch unpickles them all the same, so unsafe
+    junk = ckptool.open(_pickled_weight(exported[0], tmp_path / "junk.pt2", b"not a zip"))
+    assert junk.unsafe_globals == ["torch.export.<a pickled record ckptool cannot read>"]
+    assert "weights_only=False" in junk.globals[0].reason
     assert not canary.exists()

@@ -22,8 +22,10 @@ import math
 from typing import Any
 
 from ckptool.dtypes import ITEMSIZE
-from ckptool.errors import CkptoolError, CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.errors import CkptoolError, CorruptCheckpointError
+from ckptool.read import pickles
 from ckptool.read.formats.base import RawRead
+from ckptool.read.formats.torch_legacy import read_bytes
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
 from ckptool.read.ziparchive import ZipArchive, ZipError
@@ -55,39 +57,77 @@ def read_archive(zf: Any, prefix: str, read_record: Any, read_zip: Any) -> RawRe
     fmt = read_record(zf, f"{prefix}archive_format").decode("ascii", "replace").strip()
     if fmt != "pt2":
         raise CorruptCheckpointError(f"archive_format says {fmt!r:.40}, not pt2", BROKEN)
-    storages: dict[str, StorageRef] = {}
-    pickled: list[str] = []  # records torch.export.load reads with torch.load
-    weights = _tensors(zf, members, prefix, "weights", "model_weights_config.json", storages,
-                       read_record, pickled)
-    constants = _tensors(zf, members, prefix, "constants", "model_constants_config.json",
-                         storages, read_record, pickled)
     seen = GlobalsSeen()
     warnings: list[str] = []
-    for name in pickled:  # unpickled with weights_only=False: read, or refused
-        problem = (f"{members[name].size} bytes, more than ckptool reads"
-                   if members[name].size > MAX_SAMPLE else None)
-        problem = problem or next(iter(_scan(read_record(zf, name), name, seen, read_zip)), None)
-        if problem is not None:
-            raise UnsupportedCheckpointError(
-                f"{name}: a pickled tensor torch.export.load unpickles with "
-                f"weights_only=False, which ckptool cannot read ({problem})",
-                "do not load this archive with torch unless you wrote it")
+    storages: dict[str, StorageRef] = {}
+    programs = sorted(n[len(prefix) + len("models/"):-len(".json")] for n in members
+                      if n.startswith(f"{prefix}models/") and n.endswith(".json"))
+    # torch.export.load loads every program; the first named "model" (or the
+    # first) gives the state dict, the others are listed apart
+    main = "model" if "model" in programs else (programs[0] if programs else "model")
+    roots: dict[str, Any] = {}
+    for program in [main, *(p for p in programs if p != main)]:
+        roots[program] = _program(zf, members, prefix, program, storages, read_record,
+                                  read_zip, seen, warnings)
+    weights, constants = roots.pop(main)
     extra: dict[str, Any] = {"constants": constants} if constants else {}
-    for name in sorted(members):
-        if name.startswith(f"{prefix}data/sample_inputs/") and name.endswith(".pt"):
-            if members[name].size > MAX_SAMPLE:
-                warnings.append(f"{name} is {members[name].size} bytes: not scanned "
-                                f"(ckptool reads sample inputs up to {MAX_SAMPLE >> 20} MiB)")
-                continue
-            warnings += _scan(read_record(zf, name), name, seen, read_zip)
+    for program, (more, more_constants) in roots.items():
+        extra[f"program {program}"] = {"weights": more, "constants": more_constants}
     meta: dict[str, Any] = {"archive_root": prefix.rstrip("/"), "archive_format": "pt2"}
     if f"{prefix}archive_version" in members:
         meta["version"] = read_record(zf, f"{prefix}archive_version").decode(
             "ascii", "replace").strip()
-    models = sorted(n[len(prefix) + len("models/"):] for n in members
-                    if n.startswith(f"{prefix}models/") and n.endswith(".json"))
-    meta["programs"] = models
+    meta["programs"] = [f"{p}.json" for p in programs]
     return RawRead(PT2, weights, storages, seen, meta, extra, warnings)
+
+
+def _program(zf: Any, members: dict[str, Any], prefix: str, program: str,
+             storages: dict[str, StorageRef], read_record: Any, read_zip: Any,
+             seen: GlobalsSeen, warnings: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One program's weights and constants, as torch.export.load reads them:
+    a legacy ``data/weights/<program>.pt`` (or ``data/constants/...``) wins
+    over the config; pickled tensors and objects, the sample inputs and the
+    legacy files are all unpickled by torch, so each is read and judged here
+    (``_judge``), or the archive is flagged."""
+    pickled: list[str] = []  # records torch.export.load reads with torch.load
+    found: list[dict[str, Any]] = []
+    for folder in ("weights", "constants"):
+        legacy = f"{prefix}data/{folder}/{program}.pt"
+        if legacy in members:
+            _judge(zf, members, legacy, read_record, read_zip, seen)
+            warnings.append(f"{legacy}: legacy {folder}, which torch.export.load prefers and "
+                            "loads with torch.load; read for the globals it names")
+            found.append({})
+            continue
+        found.append(_tensors(zf, members, prefix, folder, f"{program}_{folder}_config.json",
+                              storages, read_record, pickled))
+    for name in pickled:
+        _judge(zf, members, name, read_record, read_zip, seen)
+    sample = f"{prefix}data/sample_inputs/{program}.pt"
+    if sample in members:
+        _judge(zf, members, sample, read_record, read_zip, seen)
+    return found[0], found[1]
+
+
+UNREAD = "torch.export.<a pickled record ckptool cannot read>"
+
+
+def _judge(zf: Any, members: dict[str, Any], name: str, read_record: Any, read_zip: Any,
+           seen: GlobalsSeen) -> None:
+    """A record torch.export.load unpickles (with ``weights_only=False``, or
+    falling back to it when ``weights_only=True`` refuses): its globals are
+    the archive's, or, unread, it is unsafe."""
+    problem: str | None = None
+    if members[name].size > MAX_SAMPLE:
+        problem = f"{members[name].size} bytes, more than ckptool reads"
+    else:
+        problem = _read_pickled(read_record(zf, name), name, seen, read_zip)
+    if problem is not None:
+        outer = seen.part
+        seen.part = name
+        seen.flag(UNREAD, f"{name}: torch.export.load unpickles it (falling back to "
+                  f"weights_only=False), and ckptool cannot read it ({problem})")
+        seen.part = outer
 
 
 def _tensors(zf: Any, members: dict[str, Any], prefix: str, folder: str, config: str,
@@ -112,7 +152,11 @@ def _tensors(zf: Any, members: dict[str, Any], prefix: str, folder: str, config:
         record = f"{prefix}data/{folder}/{entry['path_name']}"
         if record not in members:
             raise CorruptCheckpointError(f"{record} is missing (named by {path})", BROKEN)
-        if entry.get("use_pickle"):
+        # torch.export.load unpickles these by their name's prefix alone
+        # (pickle.loads, the TorchScript pickler), whatever use_pickle says
+        by_prefix = folder == "constants" and entry["path_name"].startswith(
+            ("custom_obj_", "opaque_obj_"))
+        if entry.get("use_pickle") or by_prefix:
             out[fqn] = f"<a tensor torch.export pickled: {entry['path_name']} (read for the " \
                 "globals it names)>"
             pickled.append(record)
@@ -171,17 +215,32 @@ def _ints(items: Any) -> tuple[int, ...] | None:
     return tuple(out)
 
 
-def _scan(data: bytes, name: str, seen: GlobalsSeen, read_zip: Any) -> list[str]:
-    """The sample inputs' ``torch.save`` archive, read for the globals it names
-    (``torch.export.load`` unpickles it); its tensors are not listed."""
+def _read_pickled(data: bytes, name: str, seen: GlobalsSeen, read_zip: Any) -> str | None:
+    """Read a record torch.load would read: a torch.save archive, a legacy
+    torch file, an object pickle (``opaque_obj_``); its globals merged into
+    ``seen``. Returns why it could not be read, or None."""
     try:
         inner = ZipArchive(io.BytesIO(data), len(data))
-        names = list(inner.members)
-        if names and is_pt2(inner.members, names[0].split("/", 1)[0] + "/"):
-            return [f"{name} is itself a .pt2 archive, not the torch.save archive "
-                    "torch.export writes there: not read"]
-        raw = read_zip(inner)
+    except ZipError:
+        inner = None
+    try:
+        if inner is not None:
+            names = list(inner.members)
+            if names and is_pt2(inner.members, names[0].split("/", 1)[0] + "/"):
+                return "a .pt2 archive inside, not what torch.export writes there"
+            raw = read_zip(inner)
+        else:
+            try:
+                raw = read_bytes(data, f"{name}/")
+            except CkptoolError:
+                raw = None
+            if raw is None:  # an object pickle (opaque_obj_), read for what it names
+                inner_seen = GlobalsSeen()
+                with inner_seen.naming_unsafe():
+                    pickles.load(data, None, inner_seen)
+                seen.merge(inner_seen, name)
+                return None
     except (ZipError, CkptoolError) as exc:
-        return [f"{name} is not a readable torch.save archive ({exc}); not scanned"]
+        return str(exc)
     seen.merge(raw.seen, name)
-    return []
+    return None
