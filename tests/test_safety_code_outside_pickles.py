@@ -31,12 +31,9 @@ from tests.test_safety_corpus import CORPUS
 PT2 = Path(__file__).parent / "fixtures" / "safety_benign" / "exported.pt2"
 
 
-def _script_module(canary: Path, path: Path) -> Path:
+def _script_module(canary: Path, path: Path) -> str:
     """A scripted module whose __setstate__ opens a file with torch.from_file."""
-    source = f'''
-import torch
-from typing import Tuple
-
+    return f'''
 class Evil(torch.nn.Module):
     def __init__(self):
         super().__init__()
@@ -56,18 +53,12 @@ class Evil(torch.nn.Module):
 
 torch.jit.script(Evil()).save({str(path)!r})
 '''
-    module = path.with_suffix(".py")
-    module.write_text(source)  # TorchScript compiles from a file's source
-    subprocess.run([sys.executable, str(module)], check=True, timeout=120)
-    return path
 
 
-def _script_class(canary: Path, path: Path) -> Path:
+def _script_class(canary: Path, path: Path) -> str:
     """A script class held by a module, whose own __setstate__ runs on load,
-    through a helper method and a local name bound to the op."""
-    source = f'''
-import torch
-
+    through a helper method."""
+    return f'''
 @torch.jit.script
 class Holder:
     def __init__(self, t: torch.Tensor):
@@ -92,20 +83,28 @@ class Outer(torch.nn.Module):
 
 torch.jit.script(Outer()).save({str(path)!r})
 '''
-    module = path.with_suffix(".py")
-    module.write_text(source)
-    subprocess.run([sys.executable, str(module)], check=True, timeout=120)
-    return path
 
 
 SCRIPTS = {"module_setstate": _script_module, "script_class_setstate": _script_class}
 
 
+@pytest.fixture(scope="module")
+def scripted(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    """Each archive (and its canary), scripted by torch in one subprocess
+    (TorchScript compiles classes from a file's source)."""
+    work = tmp_path_factory.mktemp("scripted")
+    made = {name: (work / f"{name}.pt", work / f"{name}.CANARY") for name in SCRIPTS}
+    module = work / "make.py"
+    module.write_text("import torch\nfrom typing import Tuple\n" + "".join(
+        SCRIPTS[name](canary, path) for name, (path, canary) in made.items()))
+    subprocess.run([sys.executable, str(module)], check=True, timeout=180)
+    return made
+
+
 @pytest.mark.parametrize("name", sorted(SCRIPTS))
-def test_torchscript_setstate_is_judged(name: str, tmp_path: Path) -> None:
-    canary = tmp_path / "CANARY"
-    path = SCRIPTS[name](canary, tmp_path / "evil.pt")
-    assert not canary.exists()
+def test_torchscript_setstate_is_judged(name: str, tmp_path: Path,
+                                        scripted: dict[str, tuple[Path, Path]]) -> None:
+    path, canary = scripted[name]
     ckpt = ckptool.open(path)
     assert "torch.from_file" in ckpt.unsafe_globals
     glob = next(x for x in ckpt.globals if x.name == "torch.from_file")
@@ -113,10 +112,6 @@ def test_torchscript_setstate_is_judged(name: str, tmp_path: Path) -> None:
     out = tmp_path / "out.safetensors"
     assert main(["convert", str(path), str(out)]) == 3 and not out.exists()
     assert not canary.exists()
-    # the control: torch.jit.load runs it
-    subprocess.run([sys.executable, "-c", f"import torch; torch.jit.load({str(path)!r})"],
-                   check=True, timeout=120, capture_output=True)
-    assert canary.exists()
 
 
 def _edit_code(path: Path, dst: Path, old: str, new: str) -> Path:
@@ -138,8 +133,9 @@ def _edit_code(path: Path, dst: Path, old: str, new: str) -> Path:
     ("return None", "return None)", "<code ckptool cannot parse>"),
 ])
 def test_torchscript_code_edited_by_hand_is_still_judged(
-        tmp_path: Path, old: str, new: str, named: str) -> None:
-    path = _script_module(tmp_path / "CANARY", tmp_path / "evil.pt")
+        tmp_path: Path, old: str, new: str, named: str,
+        scripted: dict[str, tuple[Path, Path]]) -> None:
+    path = scripted["module_setstate"][0]
     edited = _edit_code(path, tmp_path / "edited.pt", old, new)
     unsafe = ckptool.open(edited).unsafe_globals
     assert named in unsafe
@@ -234,18 +230,45 @@ PT2_ATTACKS = {
 }
 
 
+@pytest.fixture(scope="module")
+def pt2_attacks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    made = {}
+    for name, make in PT2_ATTACKS.items():
+        work = tmp_path_factory.mktemp(name)
+        made[name] = (make(work / "CANARY", work), work / "CANARY")
+    return made
+
+
 @pytest.mark.parametrize("name", sorted(PT2_ATTACKS))
-def test_every_record_torch_export_unpickles_is_judged(name: str, tmp_path: Path) -> None:
-    canary = tmp_path / "CANARY"
-    path = PT2_ATTACKS[name](canary, tmp_path)
+def test_every_record_torch_export_unpickles_is_judged(
+        name: str, tmp_path: Path, pt2_attacks: dict[str, tuple[Path, Path]]) -> None:
+    path, canary = pt2_attacks[name]
     assert "os.system" in ckptool.open(path).unsafe_globals
     out = tmp_path / "out.safetensors"
     assert main(["convert", str(path), str(out)]) == 3 and not out.exists()
     assert not canary.exists()
-    subprocess.run([sys.executable, "-c", f"import torch\ntry:\n    torch.export.load("
-                    f"{str(path)!r})\nexcept Exception:\n    pass"],
-                   check=True, timeout=300, capture_output=True)
-    assert canary.exists(), "torch.export.load did not run it: not a live payload"
+
+
+CONTROL = """
+import sys, torch
+for kind, path in zip(sys.argv[1::2], sys.argv[2::2]):
+    try:
+        torch.jit.load(path) if kind == "jit" else torch.export.load(path)
+    except Exception:
+        pass  # many fail after they ran: only the canary counts
+"""
+
+
+def test_the_control_torch_runs_every_one(scripted: dict[str, tuple[Path, Path]],
+                                          pt2_attacks: dict[str, tuple[Path, Path]]) -> None:
+    """Every archive above runs its payload under torch's own loader (run
+    last: the canaries it makes would fail the tests above)."""
+    args = [a for path, _ in scripted.values() for a in ("jit", str(path))]
+    args += [a for path, _ in pt2_attacks.values() for a in ("pt2", str(path))]
+    subprocess.run([sys.executable, "-c", CONTROL, *args], check=True, timeout=300,
+                   capture_output=True)
+    ran = {name: canary.exists() for name, (_, canary) in {**scripted, **pt2_attacks}.items()}
+    assert all(ran.values()), ran
 
 
 def test_a_pt2_record_too_large_to_read_is_unsafe(tmp_path: Path,

@@ -154,6 +154,9 @@ ATTACKS: dict[str, Attack] = {
     "parameter_state_puts_setstate_on_the_tensor": A(_parameter_state, SINK),
     "dict_calls_keys_put_on_a_namespace": A(lambda c: pkl(call(g("builtins", "dict"), build(
         call(g("argparse", "Namespace")), dct((s("keys"), writer(c)))))), SINK),
+    "userdict_calls_keys_put_on_a_namespace": A(lambda c: pkl(call(
+        g("collections", "UserDict"), build(call(g("argparse", "Namespace")),
+                                            dct((s("keys"), writer(c)))))), SINK),
     "adam_calls_setdefault_put_on_its_defaults": A(lambda c: pkl(build(
         call(g("copyreg", "_reconstructor"), g("torch.optim.adam", "Adam"),
              g("builtins", "object"), b"N"),

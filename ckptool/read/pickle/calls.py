@@ -81,7 +81,7 @@ MODELS: dict[str, Model] = {
     "types.SimpleNamespace": _stores("stores attributes"),
     "copyreg._reconstructor": Model(
         "object.__new__(cls), or base.__new__(cls, state) and base.__init__(obj, state)",
-        {0: CREATE, 1: CALL, 2: STORE}, calls_with={1: None}),
+        {0: CREATE, 1: CALL, 2: READ}, calls_with={1: None}),
     "copyreg.__newobj__": Model("cls.__new__(cls, *args)", {0: CREATE, REST: STORE}),
     "copyreg.__newobj_ex__": Model("cls.__new__(cls, *args, **kwargs)",
                                    {0: CREATE, 1: STORE, 2: READ}),

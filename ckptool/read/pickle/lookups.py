@@ -82,18 +82,27 @@ class Lookups(Calls):
             self.reach(keys, (), f"{reader} reads {brief(arg)} through the keys an earlier "
                        "BUILD put on it")
 
+    def unmodelled_arg(self, arg: Any, callee: str) -> None:
+        """What a callee ckptool does not model may call: the callables in
+        ``arg``, and the methods an earlier BUILD put on the objects in it
+        (``LambdaLR(optimizer)`` calls ``group.setdefault``)."""
+        super().unmodelled_arg(arg, callee)
+        self._injected_methods(arg, f"given to {callee}, which may call")
+
     def _state_methods(self, cls: str, state: Any) -> None:
         """A class whose __setstate__ calls methods of the objects in its
         state (an optimizer's ``group.setdefault``): what BUILD put there runs."""
-        if not cls.startswith(READS_STATE):
-            return
-        for obj in calls.walk_values(state):
+        if cls.startswith(READS_STATE):
+            self._injected_methods(state, f"{cls}.__setstate__ may call")
+
+    def _injected_methods(self, value: Any, how: str) -> None:
+        for obj in calls.walk_values(value):
             held = self._injected.get(id(obj))
             if held is None or held[0] is not obj:
                 continue
-            for name in sorted(MAPPING_METHODS.intersection(held[1])):
-                self.reach(held[1][name], None, f"{cls}.__setstate__ calls {name} of "
-                           f"{brief(obj)}, which an earlier BUILD put on it")
+            for name in sorted(held[1]):
+                self.reach(held[1][name], None, f"{how} {name} of {brief(obj)}, which an "
+                           "earlier BUILD put on it")
 
     def build_calls(self, inst: Any, state: Any) -> bool:
         """BUILD: whether an injected ``__setstate__`` takes the state (then

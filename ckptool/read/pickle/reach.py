@@ -186,9 +186,14 @@ class Calls:
             elif role == calls.READ:
                 self.read_mapping(arg, name)
             else:
-                for value in self.callables_in(arg):
-                    self.reach(value, None, f"passed to {name}, which ckptool does not model "
-                               "calling it")
+                self.unmodelled_arg(arg, name)
+
+    def unmodelled_arg(self, arg: Any, callee: str) -> None:
+        """``arg`` given to a callee ckptool does not model: what in it is
+        callable may be called, with arguments ckptool cannot know."""
+        for value in self.callables_in(arg):
+            self.reach(value, None, f"passed to {callee}, which ckptool does not model "
+                       "calling it")
 
     def read_mapping(self, arg: Any, reader: str) -> None:
         """``reader`` reads ``arg`` key by key (``dict.update``): a ChainMap's
