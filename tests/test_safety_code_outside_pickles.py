@@ -235,7 +235,8 @@ def pt2_attacks(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
     made = {}
     for name, make in PT2_ATTACKS.items():
         work = tmp_path_factory.mktemp(name)
-        made[name] = (make(work / "CANARY", work), work / "CANARY")
+        # not named CANARY: test_malicious looks for those, which no read may make
+        made[name] = (make(work / "RAN", work), work / "RAN")
     return made
 
 
