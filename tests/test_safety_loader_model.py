@@ -112,6 +112,30 @@ def _parameter_state(c: Path) -> bytes:
     return pkl(build(param, s("state")))
 
 
+def _meta_tensor() -> bytes:
+    return call(g("torch._utils", "_rebuild_meta_tensor_no_storage"), g("torch", "float32"),
+                tup(i(2)), tup(i(1)), b"\x89")
+
+
+def _carrying(name: str, c: Path) -> bytes:
+    """A Namespace whose BUILD put ``writer`` under ``name``."""
+    return build(call(g("argparse", "Namespace")), dct((s(name), writer(c))))
+
+
+def _partial_kwds(c: Path) -> bytes:
+    # partial(Namespace, keys=writer)(): the object carries it without a BUILD of its own
+    bound = build(partial(g("argparse", "Namespace")),
+                  tup(g("argparse", "Namespace"), tup(), dct((s("keys"), writer(c))), b"N"))
+    return pkl(call(g("builtins", "dict"), call(bound)))
+
+
+def _generic_alias(c: Path) -> bytes:
+    # a typing alias is callable: calling it calls its __origin__
+    alias = build(g("typing", "_GenericAlias") + tup() + NEWOBJ,
+                  dct((s("__origin__"), writer(c)), (s("_inst"), b"\x88")))
+    return pkl(call(g("codecs", "StreamReaderWriter"), s("x"), alias, alias))
+
+
 ATTACKS: dict[str, Attack] = {
     # 1. an allowed callee calls one of its arguments
     "dict_reads_a_chainmap_factory": A(lambda c: pkl(chain_read(
@@ -163,6 +187,27 @@ ATTACKS: dict[str, Attack] = {
         dct((s("defaults"), build(call(g("argparse", "Namespace")),
                                   dct((s("setdefault"), writer(c))))),
             (s("state"), dct()), (s("param_groups"), lst())))), SINK),
+    # 3. constructors and __setstate__ methods call methods of what they are given
+    "uuid_calls_replace_of_its_argument": A(lambda c: pkl(call(
+        g("uuid", "UUID"), _carrying("replace", c))), SINK),
+    "randomstate_calls_squeeze_of_its_seed": A(lambda c: pkl(call(
+        g("numpy.random.mtrand", "RandomState"), _carrying("squeeze", c))), SINK),
+    "partial_keywords_carry_keys": A(_partial_kwds, SINK),
+    "module_setstate_reads_a_namespace": A(lambda c: pkl(build(
+        g("torch.nn.modules.linear", "Identity") + tup() + NEWOBJ, _carrying("keys", c))), SINK),
+    "optimizer_setstate_calls_its_own_attribute": A(lambda c: pkl(build(
+        g("torch.optim.sgd", "SGD") + tup() + NEWOBJ,
+        dct((s("_patch_step_function"), writer(c)), (s("defaults"), dct()),
+            (s("param_groups"), lst())))), SINK),
+    "rebuild_from_type_calls_as_subclass_of_its_result": A(lambda c: pkl(call(
+        g("torch._tensor", "_rebuild_from_type_v2"),
+        g("torch._utils", "_rebuild_parameter_with_state"), s("x"),
+        tup(_meta_tensor(), b"\x89", call(g("collections", "OrderedDict")),
+            dct((s("as_subclass"), writer(c)))), dct())), SINK),
+    "memmap_newobj_opens_a_file": A(lambda c: pkl(
+        g("numpy", "memmap") + tup(s(str(c)), s("uint8"), s("w+"), i(0), tup(i(4))) + NEWOBJ),
+        "numpy.memmap"),
+    "typing_alias_called_by_a_codec_wrapper": A(_generic_alias, "typing._GenericAlias"),
     # a method reached by getattr on a class ckptool knows as data
     "method_by_getattr_on_a_data_class": A(lambda c: pkl(call(
         call(g("builtins", "getattr"), g("pathlib", "Path"), s("write_text")),
@@ -280,3 +325,22 @@ def test_pickle_protocol_builders_are_what_pickle_writes() -> None:
     the corpus itself: a harmless object round-trips)."""
     assert pickle.loads(pkl(call(g("collections", "OrderedDict"),
                                  lst(tup(s("a"), i(1)))))) == {"a": 1}
+
+
+def test_a_walk_past_its_bounds_fails_closed(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """What a bounded walk does not reach could be anything: a factory after
+    a filler longer than ckptool follows is not taken for data."""
+    from ckptool.read.pickle import calls
+
+    monkeypatch.setattr(calls, "MAX_ITEMS", 50)
+    group = call(g("collections", "defaultdict"), writer(tmp_path / "CANARY"))
+    filler = MARK + i(0) * 200 + b"l"
+    path = tmp_path / "x.pkl"
+    path.write_bytes(pkl(build(
+        call(g("copyreg", "_reconstructor"), g("torch.optim.adam", "Adam"),
+             g("builtins", "object"), b"N"),
+        dct((s("param_groups"), lst(group)), (s("zzz"), filler)))))
+    unsafe = ckptool.open(path).unsafe_globals
+    assert "ckptool.<more than ckptool follows>" in unsafe
+    assert not (tmp_path / "CANARY").exists()

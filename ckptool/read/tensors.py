@@ -57,6 +57,10 @@ class StorageRef:
 
 @dataclass(slots=True)
 class TensorRecord:
+    # a tensor is a dict key by identity (an optimizer's state keyed by its
+    # parameters), as torch's tensors are
+    __hash__ = object.__hash__
+
     shape: tuple[int, ...]
     dtype: str
     stride: tuple[int, ...] | None
@@ -256,7 +260,11 @@ def _layout_name(layout: Any) -> str:
     return name_of(layout).removeprefix("torch.")
 
 
-def rebuild_sparse_tensor(layout: Any, data: Any) -> CompositeTensor:
+def rebuild_sparse_tensor(layout: Any, data: Any = (), *more: Any) -> CompositeTensor:
+    """``torch._utils._rebuild_sparse_tensor(layout, data)``; TorchScript's
+    pickler spells the same call with the parts as arguments of their own."""
+    if more:
+        data = (data, *more)
     names = {
         "sparse_coo": ("indices", "values", "size"),
         "sparse_csr": ("crow_indices", "col_indices", "values", "size"),

@@ -11,6 +11,7 @@ they are; keys are made from them by ``ckptool.keys`` (which escapes a
 
 from __future__ import annotations
 
+import contextvars
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -282,6 +283,25 @@ def _module_extra_tensors(mod: StandIn, path: str, listed: set[int]
     keyed under the module's key by dotted attribute path; each container
     walked once, tensors already listed skipped."""
     found: list[tuple[str, Any]] = []
+    active = _EXPANDING.get()
+    if id(mod) in active:  # a module its own attributes reach (m.refs = [m], a hook of m)
+        return found
+    token = _EXPANDING.set(active | {id(mod)})
+    try:
+        _extra_tensors(mod, path, listed, found)
+    finally:
+        _EXPANDING.reset(token)
+    return found
+
+
+# the modules whose extras are being walked, outermost first: a cycle back to
+# one of them stops there
+_EXPANDING: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "ckptool_expanding", default=frozenset())
+
+
+def _extra_tensors(mod: StandIn, path: str, listed: set[int],
+                   found: list[tuple[str, Any]]) -> None:
     walked: set[int] = set()
     for name, value in module_extras(mod):
         where = f"{path}/{escape(name)}" if path else escape(name)
@@ -298,7 +318,6 @@ def _module_extra_tensors(mod: StandIn, path: str, listed: set[int]
             if id(tensor) not in listed:
                 listed.add(id(tensor))
                 found.append((f"{where}/{key}" if key else where, tensor))
-    return found
 
 
 def _is_container(obj: Any) -> bool:

@@ -218,8 +218,14 @@ def _unsafe_in(data: bytes) -> list[str]:
 def _scan_pickle(data: bytes, seen: GlobalsSeen, part: str) -> None:
     """A pickle record and the pickles after its STOP, read (objects dropped)
     for the globals they name."""
+    def unplaced(pid: tuple[Any, ...]) -> StorageRef:
+        # tensors of a record torch does not load (traced_inputs.pkl): their
+        # storages are not looked for, only what the pickle names is
+        stype, key, location, numel = parse_storage_pid(pid, 5)
+        return StorageRef(f"{part}/{key}", stype.dtype, location, numel, None, pid)
+
     stream = io.BytesIO(data)
-    pickles.load(stream, pickles.ignore_persistent, seen, {}, read_bytes)
+    pickles.load(stream, unplaced, seen, {}, read_bytes)
     pickles.scan_rest(stream, len(data), seen, part, read_bytes)
 
 

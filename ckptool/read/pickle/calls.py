@@ -29,6 +29,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptool.read.pickle.torchscript import PURE_OPS
+from ckptool.read.values import StandIn
+
 STORE, CREATE, CALL, READ = "store", "create", "call", "read"
 REST = -1  # the position that stands for every position not listed
 
@@ -38,6 +41,7 @@ class Model:
     what: str  # what the real callee does, in a line
     positions: dict[int, str] = field(default_factory=dict)  # REST for the others
     any_args: bool = False  # harmless however it is called (a data constructor)
+    max_args: int | None = None  # more arguments than this is a use the model does not cover
     # CALL positions: which argument positions the call passes on (None: unknown)
     calls_with: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
 
@@ -77,6 +81,21 @@ MODELS: dict[str, Model] = {
     "functools.partial": _stores("stores a callable and its arguments; calling the "
                                  "partial calls the callable"),
     "argparse.Namespace": _stores("stores attributes"),
+    "builtins.type": Model("type(x): the type of x (three arguments would make a class)",
+                           {0: STORE}, any_args=True, max_args=1),
+    "logging.getLogger": _stores("the logger of that name (made if new)"),
+    **{name: _stores("a tuple of values by field name") for name in (
+        "os.stat_result", "posix.stat_result", "time.struct_time")},
+    **{f"{mod}.{n}": _stores("builds a callable object; calling it is judged as a call")
+       for mod in ("operator", "_operator") for n in ("itemgetter", "attrgetter",
+                                                     "methodcaller")},
+    **{f"{mod}.getitem": Model("obj[key]: its own __getitem__ (a defaultdict's factory runs "
+                               "for a missing key)", {0: READ, 1: STORE})
+       for mod in ("operator", "_operator")},
+    "torch.amp.grad_scaler._refresh_per_optimizer_state": _stores(
+        "a fresh dict of GradScaler's per-optimizer state"),
+    "torch.cuda.amp.grad_scaler._refresh_per_optimizer_state": _stores(
+        "a fresh dict of GradScaler's per-optimizer state"),
     "array.array": _stores("an array of numbers from its typecode and items"),
     "types.SimpleNamespace": _stores("stores attributes"),
     "copyreg._reconstructor": Model(
@@ -146,6 +165,11 @@ _STRUCTSEQ = _stores("a torch result (a tuple of tensors by field name)")
 _PYX = Model("cls.__new__(cls), then its state", {0: CREATE, REST: STORE})
 
 
+# classes whose __new__ acts on its arguments (NEWOBJ, copyreg.__newobj__
+# give it the file's): never made that way by what ckptool lets through
+NEW_ACTS = {"numpy.memmap": "memmap.__new__ opens, or creates, the file its arguments name"}
+
+
 def model_of(dotted: str) -> Model | None:
     found = MODELS.get(dotted)
     if found is None and dotted.startswith("numpy.random.") and \
@@ -156,26 +180,59 @@ def model_of(dotted: str) -> Model | None:
     return found
 
 
-# plain containers a call's arguments are looked through for callables; the
-# walk is bounded (a hostile file's arguments cost at most this much)
-MAX_DEPTH = 6
-MAX_ITEMS = 10_000
+# the values a call's arguments (or a BUILD's state) hold are looked through,
+# bounded; a walk that reaches its bounds yields TRUNCATED, and the caller
+# fails closed (what lies past the bounds could be anything)
+MAX_DEPTH = 32
+MAX_ITEMS = 1_000_000
+TRUNCATED = object()
 
 
-def walk_values(value: Any) -> Iterator[Any]:
-    """``value`` and what plain containers in it hold, depth and count bounded."""
+def walk_values(value: Any, into_objects: bool = False) -> Iterator[Any]:
+    """``value`` and what plain containers in it hold (and, ``into_objects``,
+    what the stand-ins in it were built from: arguments, state, items)."""
     todo: list[tuple[Any, int]] = [(value, 0)]
     seen: set[int] = set()
     count = 0
-    while todo and count < MAX_ITEMS:
+    while todo:
+        if count >= MAX_ITEMS:
+            yield TRUNCATED
+            return
         obj, depth = todo.pop()
         count += 1
         yield obj
-        if depth >= MAX_DEPTH or id(obj) in seen:
+        if id(obj) in seen:
             continue
-        if isinstance(obj, (tuple, list, set, frozenset)):
+        if isinstance(obj, (tuple, list, set, frozenset, dict)) or (
+                into_objects and isinstance(obj, StandIn)):
+            if depth >= MAX_DEPTH:
+                yield TRUNCATED
+                return
             seen.add(id(obj))
-            todo.extend((item, depth + 1) for item in obj)
-        elif isinstance(obj, dict):
-            seen.add(id(obj))
-            todo.extend((item, depth + 1) for pair in obj.items() for item in pair)
+            todo.extend((item, depth + 1) for item in _parts(obj))
+
+
+def _parts(obj: Any) -> list[Any]:
+    if isinstance(obj, dict):
+        return [item for pair in obj.items() for item in pair]
+    if isinstance(obj, StandIn):
+        return [*obj.args, *obj.kwargs.values(), obj.state, *obj.items,
+                *obj.dictitems, *obj.dictitems.values()]
+    return list(obj)
+
+
+# pure functions: calling one, with any arguments, computes on them and
+# touches nothing else (a stored activation, an init function, a math
+# function may be called by what loads it without harm)
+PURE_FAMILIES = ("torch.nn.functional.", "torch._C._nn.", "torch.nn.init.", "math.")
+PURE_IN = ("torch._C._VariableFunctionsClass.", "torch.", "torch._C._TensorBase.",
+           "torch.Tensor.")
+
+
+def pure(dotted: str) -> bool:
+    """Whether ``dotted`` names a pure function (``PURE_FAMILIES``, or one of
+    TorchScript's pure tensor ops under torch)."""
+    if dotted.startswith(PURE_FAMILIES) and "__" not in dotted:
+        return True
+    head, _, op = dotted.rpartition(".")
+    return f"{head}." in PURE_IN and op in PURE_OPS and not op.startswith("_")

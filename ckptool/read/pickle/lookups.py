@@ -24,63 +24,118 @@ from typing import Any
 
 from ckptool.read import constructors, values
 from ckptool.read.pickle import calls, policy
-from ckptool.read.pickle.reach import Calls, factories_in, made_by
+from ckptool.read.pickle.reach import PARTIAL, Calls, factories_in, made_by
+from ckptool.read.tensors import TensorRecord
 from ckptool.read.values import StandIn, brief
 
-# what CPython's unpickler looks up on an instance, and what the callees it
-# calls look up there: dict() and MutableMapping.update call ``keys()`` on
-# anything that has it; an optimizer's __setstate__ calls setdefault and get
-# on the dicts its state holds
+# what CPython's unpickler looks up on an instance
 LOOKED_UP = frozenset({"__setstate__", "append", "extend", "add"})
+# an optimizer's __setstate__ calls setdefault and get on the dicts its state holds
 MAPPING_METHODS = frozenset({"keys", "items", "values", "get", "setdefault", "update", "pop"})
-READS_STATE = ("torch.optim.",)  # classes whose __setstate__ calls methods of its state
+READS_STATE = ("torch.optim.",)
+# the methods torch's own __setstate__ methods call on self (looked up on the
+# instance, which the state they are given has just filled): every one in
+# torch 2.13 that calls any
+SETSTATE_CALLS_SELF = {
+    "torch.optim.": ("_patch_step_function",),
+    "torch.ao.nn.quantized.": ("set_weight_bias",),
+    "torch.ao.pruning.": ("_convert_mask", "_load_container_from_state"),
+    "torch.nn.parallel.distributed.DistributedDataParallel": (
+        "_build_debug_param_to_name_mapping", "_build_params_for_reducer", "_ddp_init_helper"),
+    "torch.Tensor": ("set_",), "torch._tensor.Tensor": ("set_",),
+    "torch.nn.parameter.Parameter": ("set_",),
+}
 MISSING = object()
-# calls whose result takes a state's items as attributes (torch._utils._set_obj_state)
+# calls whose result takes a state's items as attributes (torch._utils._set_obj_state),
+# and the methods torch then calls on that result, with which arguments
 STATE_SETTERS = {"torch._utils._rebuild_parameter_with_state": 3,
                  "torch._tensor._rebuild_from_type_v2": 3,
                  "torch._tensor._rebuild_from_type": 3}
+FROM_TYPE = ("torch._tensor._rebuild_from_type_v2", "torch._tensor._rebuild_from_type")
 
 
 class Lookups(Calls):
-    """The instance lookups of BUILD, APPEND(S) and ADDITEMS, and the opcodes."""
+    """The instance lookups of BUILD, APPEND(S) and ADDITEMS, and the opcodes.
 
-    _injected: dict[int, tuple[Any, dict[str, Any]]]
+    Every attribute a BUILD state (or a tensor rebuild's state) puts on an
+    object is kept (``inject``): CPython's unpickler looks four names up
+    there, and the code the unpickler calls may look up any other
+    (``uuid.UUID(hex)`` calls ``hex.replace``; ``dict(x)`` calls
+    ``x.keys()``), so an object that carries a callable is itself a way to
+    call it, wherever a callee may use it."""
+
+    _injected: dict[int, tuple[Any, list[dict[Any, Any]]]]
     stack: list[Any]
     pop_mark: Callable[[], list[Any]]
 
     def inject(self, inst: Any, state: Any) -> None:
-        """The names CPython looks up that a BUILD of ``state`` sets on ``inst``."""
+        """The attributes a BUILD of ``state`` sets on ``inst``."""
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
-        for part in parts:
-            if not isinstance(part, dict):
-                continue
-            for key in (LOOKED_UP | MAPPING_METHODS).intersection(
-                    k for k in part if isinstance(k, str)):
-                held = self._injected.setdefault(id(inst), (inst, {}))
-                held[1][key] = part[key]
+        dicts = [part for part in parts if isinstance(part, dict) and part]
+        if dicts:
+            held = self._injected.get(id(inst))
+            if held is None or held[0] is not inst:
+                held = self._injected[id(inst)] = (inst, [])
+            held[1].extend(dicts)
 
-    def injected(self, inst: Any, name: str) -> Any:
+    def attributes(self, inst: Any) -> dict[str, Any]:
+        """What BUILD put on ``inst``, the latest BUILD winning."""
         held = self._injected.get(id(inst))
         if held is None or held[0] is not inst:
-            return MISSING
-        return held[1].get(name, MISSING)
+            return {}
+        out: dict[str, Any] = {}
+        for part in held[1]:
+            out.update((k, v) for k, v in part.items() if isinstance(k, str))
+        return out
+
+    def attribute_of(self, obj: Any, name: Any) -> Any:
+        found = self.injected(obj, name) if isinstance(name, str) else MISSING
+        return None if found is MISSING else found
+
+    def injected(self, inst: Any, name: str) -> Any:
+        return self.attributes(inst).get(name, MISSING) if self._injected else MISSING
 
     def call(self, func: Any, args: Any) -> Any:
         """REDUCE, and what a tensor rebuild's state puts on the tensor."""
         result = super().call(func, args)
-        at = STATE_SETTERS.get(self.global_name(func) or "")
+        name = self.global_name(func) or ""
+        if self._injected:
+            # tensors that carry attributes, given to any call: torch's own
+            # Python code calls methods of the tensors it is given
+            # (Parameter(data) calls data.detach())
+            for value in calls.walk_values(args):
+                if isinstance(value, TensorRecord):
+                    self._injected_methods(value, f"{name} may call")
+        if name in FROM_TYPE and len(args) > 2 and isinstance(args[2], tuple):
+            # ret = func(*args) (ckptool's rebuild hands ret back as it is);
+            # then ret.as_subclass(new_type) and ret.__setstate__(state), looked
+            # up on ret, which func's own state may have set
+            inner = STATE_SETTERS.get(self.global_name(args[0]) or "")
+            if inner is not None and len(args[2]) > inner:
+                self.inject(result, args[2][inner])
+            for method, with_ in (("as_subclass", args[1:2]), ("__setstate__", args[3:4])):
+                found = self.injected(result, method)
+                if found is not MISSING:
+                    self.reach(found, tuple(with_), f"{name} calls {method} of what its "
+                               "function made, which its state put there")
+        at = STATE_SETTERS.get(name)
         if at is not None and len(args) > at:
             self.inject(result, args[at])
+        if isinstance(func, StandIn) and made_by(func) == PARTIAL:
+            # partial(cls, **kwds)(): what cls makes carries the keywords (a
+            # Namespace's attributes), as a BUILD would have put them; the
+            # keywords are partial.__new__'s, or its BUILD state's
+            state = func.state
+            kwds = state[2] if isinstance(state, tuple) and len(state) > 2 else None
+            self.inject(result, func.kwargs)
+            self.inject(result, kwds)
         return result
 
     def read_mapping(self, arg: Any, reader: str) -> None:
-        """A mapping read by ``dict.update``: its ``keys`` is looked up on the
-        instance and called, and a ChainMap's factories run."""
+        """A mapping read by ``dict.update``: its ``keys`` (or any method) is
+        looked up on the instance and called, and a ChainMap's factories run."""
         super().read_mapping(arg, reader)
-        keys = self.injected(arg, "keys")
-        if keys is not MISSING:
-            self.reach(keys, (), f"{reader} reads {brief(arg)} through the keys an earlier "
-                       "BUILD put on it")
+        self._own_methods(arg, f"{reader} reads {brief(arg)}, and may call")
 
     def unmodelled_arg(self, arg: Any, callee: str) -> None:
         """What a callee ckptool does not model may call: the callables in
@@ -89,20 +144,48 @@ class Lookups(Calls):
         super().unmodelled_arg(arg, callee)
         self._injected_methods(arg, f"given to {callee}, which may call")
 
-    def _state_methods(self, cls: str, state: Any) -> None:
-        """A class whose __setstate__ calls methods of the objects in its
-        state (an optimizer's ``group.setdefault``): what BUILD put there runs."""
+    def _given_state(self, cls: str, state: Any) -> None:
+        """What a class's own ``__setstate__`` (or its ``__dict__.update``)
+        may call in the state BUILD gives it: the state read as a mapping
+        (``keys()`` of an object, a ChainMap's factories), the factories of
+        the mappings in it (an optimizer's reads its param groups' keys), the
+        methods it calls on the objects in it (an optimizer's
+        ``group.setdefault``), and the state's own entries, which become the
+        instance's attributes, that torch's ``__setstate__`` calls as its
+        methods (``Optimizer`` calls ``self._patch_step_function()``)."""
+        how = f"the state BUILD gives {cls}, whose __setstate__ may read it"
+        parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
+        for part in parts:
+            self.read_mapping(part, f"{cls}.__setstate__")
+        for factory in factories_in(state):
+            self.reach(factory, None, f"the factory of a mapping in {how}")
         if cls.startswith(READS_STATE):
-            self._injected_methods(state, f"{cls}.__setstate__ may call")
+            self._injected_methods(state, f"{cls}.__setstate__ may call", MAPPING_METHODS)
+        self_calls = next((names for prefix, names in SETSTATE_CALLS_SELF.items()
+                           if cls.startswith(prefix)), ())
+        for part in parts:
+            for key, value in part.items() if isinstance(part, dict) else ():
+                if key in self_calls and self.runs_when_called(value):
+                    self.reach(value, None, f"{cls}.__setstate__ calls self.{key}(), which "
+                               "the state BUILD gives it sets")
 
-    def _injected_methods(self, value: Any, how: str) -> None:
-        for obj in calls.walk_values(value):
-            held = self._injected.get(id(obj))
-            if held is None or held[0] is not obj:
-                continue
-            for name in sorted(held[1]):
-                self.reach(held[1][name], None, f"{how} {name} of {brief(obj)}, which an "
-                           "earlier BUILD put on it")
+    def _injected_methods(self, value: Any, how: str,
+                          names: frozenset[str] | None = None) -> None:
+        if not self._injected:
+            return
+        for obj in calls.walk_values(value, into_objects=True):
+            if obj is calls.TRUNCATED:
+                self.reach(obj, None, how)
+            else:
+                self._own_methods(obj, how, names)
+
+    def _own_methods(self, obj: Any, how: str, names: frozenset[str] | None = None) -> None:
+        for name, found in sorted(self.attributes(obj).items()):
+            # a callable the file names, or a partial of one: an attribute
+            # that is an object (a dtype's time zone) is data to whoever reads it
+            if (names is None or name in names) and self.runs_when_called(found):
+                self.reach(found, None, f"{how} {name} of {brief(obj)}, which an earlier "
+                           "BUILD put on it")
 
     def build_calls(self, inst: Any, state: Any) -> bool:
         """BUILD: whether an injected ``__setstate__`` takes the state (then
@@ -159,10 +242,7 @@ class Lookups(Calls):
                       "file's state")
             # a class's own __setstate__ may read the state's mappings (an
             # optimizer's reads its param groups): their factories may run
-            for factory in factories_in(state):
-                self.reach(factory, None, f"the factory of a mapping in the state BUILD gives "
-                           f"{made_by(inst)}, whose __setstate__ may read it")
-            self._state_methods(made_by(inst), state)
+            self._given_state(made_by(inst), state)
         self.inject(inst, state)
         _BASE_BUILD(self)  # type: ignore[arg-type]
 

@@ -22,6 +22,7 @@ string evaluators and command runners (``typing.get_type_hints``,
 
 from __future__ import annotations
 
+import builtins
 import re
 import sys
 from dataclasses import dataclass
@@ -60,8 +61,7 @@ _UNSAFE_MODULES = (
     "nntplib", "socketserver", "wsgiref", "compileall", "py_compile", "zipapp",
     "_bootsubprocess", "commands", "httplib", "urllib2",
     # third-party loaders, evaluators and downloaders
-    "yaml", "IPython", "jinja2", "sympy", "mpmath", "networkx", "markupsafe", "filelock",
-    "typing_extensions", "keras", "tensorflow", "h5py", "fsspec",
+    "yaml", "IPython", "jinja2", "keras", "tensorflow", "h5py", "fsspec",
     "huggingface_hub", "transformers.dynamic_module_utils", "pandas.io", "aiohttp",
     "httpx", "paramiko",
     # torch parts that load, compile, run or fetch code and files
@@ -93,6 +93,10 @@ _SAFE_BUILTINS = frozenset({
     "list", "dict", "tuple", "object", "bool", "float", "str", "int",
     "Ellipsis", "NotImplemented",
 })
+
+# builtin exceptions and warnings: their constructors store their arguments
+_EXCEPTIONS = frozenset(n for n, v in vars(builtins).items()
+                        if isinstance(v, type) and issubclass(v, BaseException))
 
 # specific unsafe names outside the modules above
 _UNSAFE_NAMES = frozenset({
@@ -144,9 +148,36 @@ _KNOWN: dict[str, str] = {
     "numpy.memmap": DATA, "numpy._core._internal._convert_to_stringdtype_kwargs": DATA,
     "numpy.core._internal._convert_to_stringdtype_kwargs": DATA,
     "torch._C.Generator": TORCH, "torch.Generator": TORCH,
+    # a hook's handle (lazy modules keep one): weak references to dicts
+    "torch.utils.hooks.RemovableHandle": TORCH,
     **{f"torch.utils.data.dataset.{n}": TORCH for n in (
         "Dataset", "IterableDataset", "TensorDataset", "StackDataset", "ConcatDataset",
         "ChainDataset", "Subset")},
+    **{f"torch.utils.data.sampler.{n}": TORCH for n in (
+        "Sampler", "SequentialSampler", "RandomSampler", "SubsetRandomSampler",
+        "WeightedRandomSampler", "BatchSampler")},
+    "torch.utils.data.dataloader.DataLoader": TORCH,
+    "torch.utils.data.distributed.DistributedSampler": TORCH,
+    # data classes of the standard library that real code pickles: their
+    # constructors and __setstate__ store what they are given
+    **{f"ipaddress.{n}": DATA for n in (
+        "IPv4Address", "IPv6Address", "IPv4Network", "IPv6Network", "IPv4Interface",
+        "IPv6Interface")},
+    **{f"urllib.parse.{n}": DATA for n in (
+        "ParseResult", "SplitResult", "DefragResult", "ParseResultBytes", "SplitResultBytes",
+        "DefragResultBytes")},
+    "os.stat_result": DATA, "posix.stat_result": DATA, "time.struct_time": DATA,
+    "string.Template": DATA,
+    "_io.BytesIO": DATA, "_io.StringIO": DATA, "io.BytesIO": DATA, "io.StringIO": DATA,
+    "http.HTTPStatus": DATA, "http.HTTPMethod": DATA, "inspect._ParameterKind": DATA,
+    "signal.Signals": DATA, "socket.AddressFamily": DATA, "socket.SocketKind": DATA,
+    "logging.getLogger": DATA, "builtins.type": DATA,
+    "operator.itemgetter": DATA, "_operator.itemgetter": DATA,
+    "operator.attrgetter": DATA, "_operator.attrgetter": DATA,
+    "operator.methodcaller": DATA, "_operator.methodcaller": DATA,
+    "operator.getitem": DATA, "_operator.getitem": DATA,
+    "torch.amp.grad_scaler._refresh_per_optimizer_state": TORCH,
+    "torch.cuda.amp.grad_scaler._refresh_per_optimizer_state": TORCH,
 }
 
 # these name data types (their classes are kept inert); functions in them
@@ -154,7 +185,7 @@ _KNOWN: dict[str, str] = {
 _DATA_MODULES = (
     "collections", "argparse", "pathlib", "datetime", "decimal", "fractions",
     "uuid", "enum", "numbers", "re", "copyreg", "_codecs", "codecs",
-    "omegaconf", "typing", "dataclasses",
+    "omegaconf", "dataclasses",
 )
 _DATA_NAMES = frozenset({
     "pytorch_lightning.utilities.parsing.AttributeDict",
@@ -180,6 +211,11 @@ _TORCH_DATA_PREFIXES = (
     "torch.distributed._shard.sharded_tensor.api.ShardedTensor",
     "torch.distributed._shard.sharded_tensor.shard.Shard",
     "torch.distributed.remote_device._remote_device", "torch.distributed._shard.sharding_spec.",
+    # activation checkpointing's module wrapper and its enum
+    "torch.distributed.algorithms._checkpoint.checkpoint_wrapper.",
+    # DataParallel and DDP wrappers of a module pickled whole
+    "torch.nn.parallel.data_parallel.DataParallel",
+    "torch.nn.parallel.distributed.DistributedDataParallel",
     # what modules hold: activation functions (self.act = F.relu, never called
     # by loading: a call is judged by its use), the version string torch.__version__
     "torch.nn.functional.", "torch.torch_version.TorchVersion", "torch.nn.utils.",
@@ -203,6 +239,9 @@ _NUMPY_TYPES = frozenset({
     "ulong", "ulonglong", "unsignedinteger", "ushort", "void",
     "float_", "complex_", "string_", "unicode_", "bool8", "object0",
 })
+# numpy modules whose classes are arrays or values (chararray, Polynomial)
+_NUMPY_CLASS_MODULES = frozenset({"numpy.char", "numpy._core.defchararray",
+                                  "numpy.core.defchararray", "numpy.polynomial"})
 _NUMPY_NAMES = frozenset({
     f"{core}.{mod}.{name}"
     for core in ("numpy.core", "numpy._core")
@@ -213,6 +252,8 @@ _NUMPY_NAMES = frozenset({
     "numpy.ma.MaskedArray", "numpy.ma.core.MaskedArray", "numpy.ma.core._mareconstruct",
     "numpy.ma.core.MaskedConstant", "numpy.ma.core.mvoid", "numpy.rec.recarray",
     "numpy.rec.record", "numpy.matrixlib.defmatrix.matrix",
+    "numpy.char.chararray", "numpy._core.defchararray.chararray",
+    "numpy.core.defchararray.chararray",
     "numpy.random._pickle.__randomstate_ctor", "numpy.random._pickle.__generator_ctor",
     "numpy.random._pickle.__bit_generator_ctor", "numpy.random.__RandomState_ctor",
 })
@@ -237,7 +278,8 @@ def numpy_data(module: str, name: str) -> bool:
         return True
     if module == "numpy":
         return name in _NUMPY_TYPES
-    if module == "numpy.dtypes":
+    if module == "numpy.dtypes" or module in _NUMPY_CLASS_MODULES or module.startswith(
+            "numpy.polynomial."):
         return is_class_name(name)
     # RandomState, Generator, MT19937, SeedSequence and Cython's unpicklers
     return module.startswith("numpy.random.") and "." not in name and (
@@ -248,7 +290,7 @@ def numpy_data(module: str, name: str) -> bool:
 # ``_unpickle_block``, Cython's ``__pyx_unpickle_*``): pandas code run on the
 # file's arguments, which ckptool does not model; judged as pandas' classes
 # are, custom (docs/safety.md: pandas)
-_PANDAS_RECONSTRUCTOR = re.compile(r"(_new_|_unpickle|__pyx_unpickle_|_reconstruct)\w*")
+_PANDAS_RECONSTRUCTOR = re.compile(r"\w*(_new_|unpickle|_reconstruct)\w*")
 PANDAS_REASON = ("pandas' own unpickling code: loading imports pandas and runs it on the "
                  "file's arguments; ckptool does not model pandas")
 
@@ -278,7 +320,7 @@ def classify(module: str, name: str) -> Verdict:
         # class, anything.lower_name is a method or function reached by getattr
         return Verdict(UNSAFE, "attribute chain to a function")
     if module == "builtins":
-        if name in _SAFE_BUILTINS:
+        if name in _SAFE_BUILTINS or name in _EXCEPTIONS:
             return Verdict(DATA)
         return Verdict(UNSAFE, "builtin that can run code or reach the system")
     for mod in _UNSAFE_MODULES:

@@ -120,6 +120,10 @@ def judge(dotted: str, verdict: Verdict, uses: frozenset[str] | set[str],
                        f"{model.what} (modelled)")
     if CALLED in uses or REACHED in uses:
         how = why.get(CALLED) or why.get(REACHED) or "called at load time"
+        if calls.pure(dotted):
+            return Verdict(TORCH if dotted.startswith("torch") else DATA, "a pure function: "
+                           f"called ({how}), it computes on its arguments and touches nothing "
+                           "else")
         if verdict.category == UNSAFE:
             return Verdict(UNSAFE, f"{verdict.reason}; {how}")
         if verdict.reason == PANDAS_REASON:

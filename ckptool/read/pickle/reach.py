@@ -29,6 +29,11 @@ CHAINMAP = "collections.ChainMap"
 DEFAULTDICT = "collections.defaultdict"
 LOAD_FROM_BYTES = "torch.storage._load_from_bytes"
 MAX_REACH_DEPTH = 32  # partials of partials...: deeper is refused as unknown
+TOO_MUCH = "ckptool.<more than ckptool follows>"  # the name a bounded walk fails closed as
+# objects a modelled callee makes that call something when called themselves
+CALLABLE_OBJECTS = frozenset({PARTIAL, CHAINMAP, *(
+    f"{m}.{n}" for m in ("operator", "_operator")
+    for n in ("itemgetter", "attrgetter", "methodcaller"))})
 
 
 _RECONSTRUCTORS = ("copyreg._reconstructor", "copyreg.__newobj__", "copyreg.__newobj_ex__")
@@ -47,7 +52,8 @@ def made_by(obj: StandIn) -> str:
 
 def partial_parts(obj: StandIn) -> tuple[Any, tuple[Any, ...]]:
     """(target, bound arguments) of a ``functools.partial`` stand-in: its
-    BUILD state ``(func, args, kwds, dict)`` wins over ``partial(func, *args)``."""
+    BUILD state ``(func, args, kwds, dict)`` wins over ``partial(func, *args)``.
+    (Its keywords are looked through as any value is: ``callables_in``.)"""
     state = obj.state
     if isinstance(state, tuple) and state:
         bound = state[1] if len(state) > 1 and isinstance(state[1], tuple) else ()
@@ -75,8 +81,12 @@ def _chain_maps(obj: StandIn) -> list[Any]:
 def factories_read(value: Any, depth: int = 0) -> Iterator[Any]:
     """The defaultdict factories that reading ``value`` key by key calls: a
     ChainMap looks each key up in each of its maps in turn, so a map that
-    lacks it calls its ``__missing__``."""
-    if depth > calls.MAX_DEPTH or not (isinstance(value, StandIn) and made_by(value) == CHAINMAP):
+    lacks it calls its ``__missing__``. ``calls.TRUNCATED`` where ChainMaps
+    nest deeper than ckptool follows."""
+    if not (isinstance(value, StandIn) and made_by(value) == CHAINMAP):
+        return
+    if depth > calls.MAX_DEPTH:
+        yield calls.TRUNCATED
         return
     for m in _chain_maps(value):
         factory = _factory(m)
@@ -89,6 +99,9 @@ def factories_in(value: Any) -> Iterator[Any]:
     """The factories a reader of ``value`` could call: each defaultdict's
     (a lookup of a missing key) and each ChainMap's maps' (any lookup)."""
     for v in calls.walk_values(value):
+        if v is calls.TRUNCATED:
+            yield v
+            continue
         factory = _factory(v)
         if factory is not None:
             yield factory
@@ -149,15 +162,26 @@ class Calls:
 
     def getattr(self, func: Any, args: tuple[Any, ...]) -> Any:
         """``getattr(G, "name")`` on a global ``G``: the global ``G.name``
-        (how protocols 0-2 name a nested class or a method). On anything
-        else the lookup is the object's own code: unknown."""
-        owner = self.global_name(args[0]) if len(args) == 2 else None
+        (how protocols 0-2 name a nested class or a method). On an object made
+        from a class ``C`` (how pickle writes a bound method, a module's hook):
+        what BUILD put on it under that name, else ``C.name``, judged as that
+        global is. On anything else the lookup is the object's own code:
+        unknown."""
+        target = args[0] if len(args) == 2 else None
         attr = args[1] if len(args) == 2 else None
+        owner = self.global_name(target)
+        if owner is None and isinstance(target, StandIn) and not policy.function_like(
+                made_by(target)):  # an object of a class (a function's result is unknown)
+            owner = made_by(target)
+            found = self.attribute_of(target, attr)
+            if found is not None:
+                self._use(policy.GETATTR, policy.CALLED, "looks up an attribute of an object")
+                return found
         if owner is None or owner not in self._split or not (
                 isinstance(attr, str) and attr.isidentifier()):
             self._use(policy.GETATTR, policy.MISUSED,
-                      f"getattr({brief(args[0]) if args else ''}, ...) on a value that is not "
-                      "a global: what the lookup runs and returns is the object's own code")
+                      f"getattr({brief(target)}, ...) on a value that is neither a global nor "
+                      "an object of one: what the lookup runs and returns is its own code")
             return func(*args)
         self._use(policy.GETATTR, policy.CALLED, "looks up an attribute of a global")
         module, name = self._split[owner]
@@ -166,11 +190,21 @@ class Calls:
 
         return func(*args) if is_faithful() else found
 
+    def attribute_of(self, obj: Any, name: Any) -> Any:
+        """What an earlier BUILD put on ``obj`` under ``name``, or None."""
+        return None
+
     def apply_model(self, name: str, args: tuple[Any, ...]) -> None:
         """What the real ``name`` does with ``args``: the calls it makes."""
         model = calls.model_of(name)
         if name == LOAD_FROM_BYTES:
             return  # the unpickler reads the bytes as the file torch.load would read
+        if model is not None and model.max_args is not None and len(args) > model.max_args:
+            self._use(name, policy.MISUSED, f"called with {len(args)} arguments, a use ckptool "
+                      f"does not model ({model.what})")
+        if name.endswith("operator.getitem") and args and _factory(args[0]) is not None:
+            self.reach(_factory(args[0]), (), f"the factory of a defaultdict {name} reads "
+                       "(its __missing__)")
         for pos, arg in enumerate(args):
             role = model.role(pos) if model is not None else None
             if role == calls.STORE:
@@ -178,7 +212,8 @@ class Calls:
             if role == calls.CREATE:
                 created = self.global_name(arg)
                 if created is not None:
-                    self._use(created, policy.CREATED, f"made by {name}")
+                    new_args = args[pos + 1:] if name.startswith("copyreg.__newobj") else ()
+                    self.new_with(created, new_args, None, name)
             elif role == calls.CALL:
                 if name == "copyreg._reconstructor" and self.global_name(arg) == "builtins.object":
                     continue  # object.__new__(cls): nothing else runs
@@ -194,6 +229,16 @@ class Calls:
         for value in self.callables_in(arg):
             self.reach(value, None, f"passed to {callee}, which ckptool does not model "
                        "calling it")
+
+    def new_with(self, cls: str, args: Any, kwargs: Any, how: str) -> None:
+        """``cls.__new__(cls, *args, **kwargs)``: an object made; its
+        ``__new__`` given the file's arguments, where it acts on them, misused."""
+        self._use(cls, policy.CREATED, f"made by {how} (cls.__new__)")
+        if (args or kwargs) and cls in calls.NEW_ACTS:
+            self._use(cls, policy.MISUSED, f"{how} gives its __new__ the file's arguments: "
+                      f"{calls.NEW_ACTS[cls]}")
+        if kwargs:
+            self.read_mapping(kwargs, f"{cls}.__new__(**kwargs)")
 
     def read_mapping(self, arg: Any, reader: str) -> None:
         """``reader`` reads ``arg`` key by key (``dict.update``): a ChainMap's
@@ -214,14 +259,20 @@ class Calls:
             return None
         return tuple(args[i] for i in with_ if i < len(args))
 
+    def runs_when_called(self, value: Any) -> bool:
+        """Whether calling ``value`` calls a global: a global callable, or a
+        ``functools.partial``, or a ChainMap (whose reading calls factories)."""
+        if self.global_name(value) is not None:
+            return callable(value) or isinstance(value, type)
+        return isinstance(value, StandIn) and made_by(value) in CALLABLE_OBJECTS
+
     def callables_in(self, value: Any) -> Iterator[Any]:
         """The values in ``value`` that a call could run: globals that are
-        callables, ``functools.partial`` objects, defaultdict factories."""
-        for v in calls.walk_values(value):
-            if self.global_name(v) is not None:
-                if callable(v) or isinstance(v, type):
-                    yield v
-            elif isinstance(v, StandIn) and made_by(v) in (PARTIAL, CHAINMAP):
+        callables, ``functools.partial`` objects (and what they hold),
+        ChainMaps, defaultdict factories; looked for in what the objects in
+        ``value`` were built from too (a partial's keywords)."""
+        for v in calls.walk_values(value, into_objects=True):
+            if v is calls.TRUNCATED or self.runs_when_called(v):
                 yield v
             elif _factory(v) is not None:
                 yield _factory(v)
@@ -229,6 +280,11 @@ class Calls:
     def reach(self, value: Any, args: tuple[Any, ...] | None, how: str) -> None:
         """The real code calls ``value`` (``args``; None: arguments ckptool
         cannot know)."""
+        if value is calls.TRUNCATED:  # a walk stopped at its bounds: fail closed
+            self.seen.flag(TOO_MUCH, f"{how}: more values than ckptool follows (depth "
+                           f"{calls.MAX_DEPTH}, {calls.MAX_ITEMS} items); what lies past "
+                           "that could be called")
+            return
         if self._reach_depth >= MAX_REACH_DEPTH:
             self._use(PARTIAL, policy.MISUSED, "calls nest too deeply to follow")
             return

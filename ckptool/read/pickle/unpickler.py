@@ -108,7 +108,7 @@ class SafeUnpickler(observe.Observing, Lookups, pickle._Unpickler):
         # (module, name), and what BUILD put on instances: the call model's
         self._resolved: dict[int, tuple[Any, str]] = {}
         self._split: dict[str, tuple[str, str]] = {}
-        self._injected: dict[int, tuple[Any, dict[str, Any]]] = {}
+        self._injected: dict[int, tuple[Any, list[dict[Any, Any]]]] = {}
         self._dispatch = self.dispatch
         self._observer = None
         watch = observe.claim(persistent is not None or embedded is not None)
@@ -299,18 +299,18 @@ class SafeUnpickler(observe.Observing, Lookups, pickle._Unpickler):
         self.stack[-1] = self.call(self.stack[-1], args)
 
     def _load_newobj(self) -> None:
-        self._created(self.stack[-2])
+        self._created(self.stack[-2], self.stack[-1])
         _BASE_NEWOBJ(self)  # type: ignore[arg-type]
 
     def _load_newobj_ex(self) -> None:
-        self._created(self.stack[-3])
+        self._created(self.stack[-3], self.stack[-2], self.stack[-1])
         _BASE_NEWOBJ_EX(self)  # type: ignore[arg-type]
 
-    def _created(self, cls: Any) -> None:
-        """NEWOBJ: ``cls.__new__(cls, *args)``."""
+    def _created(self, cls: Any, args: Any = (), kwargs: Any = None) -> None:
+        """NEWOBJ: ``cls.__new__(cls, *args, **kwargs)``."""
         name = self.global_name(cls)
         if name is not None:
-            self._use(name, policy.CREATED, "made by NEWOBJ (cls.__new__)")
+            self.new_with(name, args, kwargs, "NEWOBJ")
 
     def _load_inst(self) -> None:
         module = self.readline()[:-1].decode("ascii")
