@@ -9,8 +9,8 @@ of its use (``ckptool.read.pickle.policy.judge`` then decides by use):
   ``argparse.Namespace``, numpy arrays, pathlib, omegaconf...);
 - ``unsafe``: members of the modules that run code or reach the system
   (``os``, ``subprocess``, ``builtins.eval``, ``torch.hub``...), and every
-  other name of a known world (the standard library, torch, numpy, the
-  packages torch ships with) that the tables do not list as data: what
+  other name of a known world (the standard library, torch, numpy) that
+  the tables do not list as data: what
   ckptool does not know there may act when called or made;
 - ``custom``: anything else (``mypkg.nets.ResNet``): loading imports it.
 

@@ -10,8 +10,8 @@ decides once the read has recorded its uses (``seen.use``, from
   network; or one ckptool does not model (its reason starts ``unknown:``),
   which fails closed;
 - ``custom``: classes from outside the known worlds (the standard library,
-  torch, numpy and the packages torch ships with): loading imports their
-  module and runs their code; ckptool only shows their state.
+  torch, numpy): loading imports their module and runs their code; ckptool
+  only shows their state. A function is judged by its use wherever it lives.
 
 The uses: ``CALLED`` by REDUCE, INST, OBJ or a modelled callee with known
 arguments (not recorded for modelled callees, which are judged by what
