@@ -65,6 +65,7 @@ class Lookups(Calls):
     call it, wherever a callee may use it."""
 
     _injected: dict[int, tuple[Any, list[dict[Any, Any]]]]
+    _tensors_carry = False  # whether any tensor record carries attributes
     stack: list[Any]
     pop_mark: Callable[[], list[Any]]
 
@@ -77,6 +78,8 @@ class Lookups(Calls):
             if held is None or held[0] is not inst:
                 held = self._injected[id(inst)] = (inst, [])
             held[1].extend(dicts)
+            if isinstance(inst, TensorRecord):
+                self._tensors_carry = True
 
     def attributes(self, inst: Any) -> dict[str, Any]:
         """What BUILD put on ``inst``, the latest BUILD winning."""
@@ -99,7 +102,7 @@ class Lookups(Calls):
         """REDUCE, and what a tensor rebuild's state puts on the tensor."""
         result = super().call(func, args)
         name = self.global_name(func) or ""
-        if self._injected:
+        if self._tensors_carry:
             # tensors that carry attributes, given to any call: torch's own
             # Python code calls methods of the tensors it is given
             # (Parameter(data) calls data.detach())
@@ -135,7 +138,8 @@ class Lookups(Calls):
         """A mapping read by ``dict.update``: its ``keys`` (or any method) is
         looked up on the instance and called, and a ChainMap's factories run."""
         super().read_mapping(arg, reader)
-        self._own_methods(arg, f"{reader} reads {brief(arg)}, and may call")
+        if self.attributes(arg):
+            self._own_methods(arg, f"{reader} reads {brief(arg)}, and may call")
 
     def unmodelled_arg(self, arg: Any, callee: str) -> None:
         """What a callee ckptool does not model may call: the callables in
@@ -157,8 +161,9 @@ class Lookups(Calls):
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
         for part in parts:
             self.read_mapping(part, f"{cls}.__setstate__")
-        for factory in factories_in(state):
-            self.reach(factory, None, f"the factory of a mapping in {how}")
+        if self.made_factories:  # (a full model's every state walked costs: only if any)
+            for factory in factories_in(state):
+                self.reach(factory, None, f"the factory of a mapping in {how}")
         if cls.startswith(READS_STATE):
             self._injected_methods(state, f"{cls}.__setstate__ may call", MAPPING_METHODS)
         self_calls = next((names for prefix, names in SETSTATE_CALLS_SELF.items()

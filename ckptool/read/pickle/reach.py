@@ -28,6 +28,7 @@ PARTIAL = "functools.partial"
 CHAINMAP = "collections.ChainMap"
 DEFAULTDICT = "collections.defaultdict"
 LOAD_FROM_BYTES = "torch.storage._load_from_bytes"
+FACTORY_HOLDERS = frozenset({DEFAULTDICT, CHAINMAP})
 MAX_REACH_DEPTH = 32  # partials of partials...: deeper is refused as unknown
 TOO_MUCH = "ckptool.<more than ckptool follows>"  # the name a bounded walk fails closed as
 # objects a modelled callee makes that call something when called themselves
@@ -115,6 +116,7 @@ class Calls:
     _resolved: dict[int, tuple[Any, str]]
     _split: dict[str, tuple[str, str]]
     _reach_depth: int = 0
+    made_factories = False  # whether the read made a defaultdict or a ChainMap yet
 
     def find_class(self, module: str, name: str) -> Any:  # the unpickler's
         raise NotImplementedError
@@ -133,6 +135,8 @@ class Calls:
         return found[1] if found is not None and found[0] is value else None
 
     def _use(self, dotted: str, use: str, why: str = "") -> None:
+        if dotted in FACTORY_HOLDERS:
+            self.made_factories = True
         known = self.seen.why.get(dotted)
         if known is not None and use in known:  # said once, where it first happened
             self.seen.use(dotted, use)
@@ -143,6 +147,8 @@ class Calls:
         """A call with known arguments: recorded, but for the callees the
         model holds, whose calls are judged by what they do with their
         arguments (recorded on those), not by being called."""
+        if name in FACTORY_HOLDERS:
+            self.made_factories = True
         if calls.model_of(name) is None:
             self._use(name, policy.CALLED, how)
 
