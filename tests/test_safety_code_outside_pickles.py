@@ -169,6 +169,19 @@ def _code(body: str) -> dict[str, bytes]:
     ("def f(x: Tensor) -> Tensor:\n  return ops.mylib.run(x)\n"
      "class M(Module):\n  def __setstate__(self: __torch__.M, s: Tensor) -> NoneType:\n"
      "    _0 = __torch__.f(s)\n    return None\n", ["torch.ops.mylib.run"]),
+    # a local name is judged by what it holds, never as the builtin or
+    # method it shadows: annotated, chained, named like an archive method
+    ("class M(Module):\n  def __setstate__(self: __torch__.M, s: Tensor) -> NoneType:\n"
+     "    min : Any = torch.from_file\n    _0 = min('x', True, 4)\n    return None\n",
+     ["torch.from_file"]),
+    ("class M(Module):\n  def __setstate__(self: __torch__.M, s: Tensor) -> NoneType:\n"
+     "    forward = _q = torch.from_file\n    _0 = forward('x', True, 4)\n    return None\n"
+     "  def forward(self: __torch__.M, x: Tensor) -> Tensor:\n    return x\n",
+     ["torch.from_file"]),
+    ("class M(Module):\n  def __setstate__(self: __torch__.M, s: Tensor) -> NoneType:\n"
+     "    m = ops.mylib\n    _0 = m.append(s)\n    return None\n", ["torch.ops.mylib.append"]),
+    ("class M(Module):\n  def __setstate__(self: __torch__.M, s: Tensor) -> NoneType:\n"
+     "    for f in s:\n      _0 = f(1)\n    return None\n", ["<a call through the local name f>"]),
     # code that is never run at load (forward) is not judged
     ("class M(Module):\n  def forward(self: __torch__.M, x: Tensor) -> Tensor:\n"
      "    return torch.from_file('x', True, 4)\n", []),

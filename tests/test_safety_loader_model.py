@@ -36,7 +36,21 @@ import pytest
 
 import ckptool
 from ckptool.cli import main
-from tests.test_malicious import build, by, call, dct, g, i, in_zip, legacy, lst, pkl, s, tup
+from tests.test_malicious import (
+    build,
+    by,
+    call,
+    dct,
+    g,
+    i,
+    in_zip,
+    legacy,
+    lst,
+    pkl,
+    s,
+    sg,
+    tup,
+)
 from tests.test_safety_corpus import flagged_or_refused
 
 MARK, APPENDS, ADDITEMS, EMPTY_DICT, NEWOBJ = b"(", b"e", b"\x90", b"}", b"\x81"
@@ -298,6 +312,12 @@ def test_the_verdict_names_the_call_and_where(tmp_path: Path) -> None:
     # a tensor rebuild ckptool does not implement is not trusted for its prefix
     (call(g("torch._utils", "_rebuild_device_tensor_from_cpu_tensor"), b"N", b"N", b"N",
           b"\x89"), False),
+    # a pure function is one name deep: a chain through what the module
+    # imports is judged as what it reaches
+    (call(g("torch.nn.functional", "gelu"), b"N"), True),
+    (call(sg("torch.nn.functional", "torch.serialization.os.getcwd")), False),
+    (call(call(g("builtins", "getattr"), call(g("builtins", "getattr"), g(
+        "torch.nn.functional", "torch"), s("serialization")), s("os"))), False),
     # a module whose import runs something, even only referenced
     (g("antigravity", "fly"), False),
     (g("unittest.__main__", "main"), False),

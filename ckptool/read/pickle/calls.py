@@ -223,16 +223,24 @@ def _parts(obj: Any) -> list[Any]:
 
 # pure functions: calling one, with any arguments, computes on them and
 # touches nothing else (a stored activation, an init function, a math
-# function may be called by what loads it without harm)
+# function may be called by what loads it without harm). Only a name defined
+# in one of these modules, one identifier deep: what they import (torch,
+# importlib, handle_torch_function) is reached by a longer chain, which is
+# judged as any other
 PURE_FAMILIES = ("torch.nn.functional.", "torch._C._nn.", "torch.nn.init.", "math.")
 PURE_IN = ("torch._C._VariableFunctionsClass.", "torch.", "torch._C._TensorBase.",
            "torch.Tensor.")
+_NOT_PURE = frozenset({"handle_torch_function", "has_torch_function",
+                       "has_torch_function_unary", "has_torch_function_variadic",
+                       "boolean_dispatch", "torch", "math", "warnings", "importlib", "np",
+                       "typing", "dataclasses"})
 
 
 def pure(dotted: str) -> bool:
-    """Whether ``dotted`` names a pure function (``PURE_FAMILIES``, or one of
-    TorchScript's pure tensor ops under torch)."""
-    if dotted.startswith(PURE_FAMILIES) and "__" not in dotted:
-        return True
-    head, _, op = dotted.rpartition(".")
-    return f"{head}." in PURE_IN and op in PURE_OPS and not op.startswith("_")
+    """Whether ``dotted`` names a pure function (one defined in a
+    ``PURE_FAMILIES`` module, or one of TorchScript's pure tensor ops under
+    torch)."""
+    head, _, name = dotted.rpartition(".")
+    if not name.isidentifier() or name.startswith("_") or name in _NOT_PURE:
+        return False
+    return f"{head}." in PURE_FAMILIES or (f"{head}." in PURE_IN and name in PURE_OPS)

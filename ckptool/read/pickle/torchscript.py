@@ -136,36 +136,69 @@ def _dotted(node: ast.expr) -> str | None:
     return None
 
 
-def _aliases(fn: ast.FunctionDef) -> dict[str, str]:
-    """Local names bound to a dotted callable (``_0 = __torch__.f``)."""
-    found: dict[str, str] = {}
+def _aliases(fn: ast.FunctionDef) -> dict[str, str | None]:
+    """Every local name of ``fn`` (its parameters, and every name any
+    statement binds: chained, annotated, augmented, loop and ``with``
+    targets): the dotted callable it is bound to (``_0 = __torch__.f``,
+    ``a = b = torch.from_file``), or None where it is bound to anything
+    else. A call through a local name is judged by what the name holds,
+    never as the builtin or method it shadows."""
+    found: dict[str, str | None] = {}
+    arguments = fn.args
+    for arg in [*arguments.posonlyargs, *arguments.args, *arguments.kwonlyargs,
+                *([arguments.vararg] if arguments.vararg else []),
+                *([arguments.kwarg] if arguments.kwarg else [])]:
+        found[arg.arg] = None
     for node in ast.walk(fn):
-        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(
-                node.targets[0], ast.Name):
-            target = _dotted(node.value) if isinstance(node.value, ast.Attribute) else None
-            if target is not None and target.split(".", 1)[0] in ("torch", "ops", "__torch__"):
-                found[node.targets[0].id] = target
+        value: ast.expr | None = None
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets, value = list(node.targets), node.value
+        elif isinstance(node, (ast.AnnAssign, ast.NamedExpr)):
+            targets, value = [node.target], node.value
+        dotted = _dotted(value) if isinstance(value, ast.Attribute) else None
+        if dotted is not None and dotted.split(".", 1)[0] not in ("torch", "ops", "__torch__"):
+            dotted = None
+        for target in targets:
+            if isinstance(target, ast.Name):
+                # bound twice to different things: unknown
+                known = found.get(target.id, dotted)
+                found[target.id] = dotted if known == dotted else None
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store) \
+                and node.id not in found:
+            found[node.id] = None  # a loop, with or augmented target, a tuple's part
     return found
 
 
-def _judge_call(prog: _Program, call: ast.Call, aliases: dict[str, str]) -> tuple[
+def _judge_call(prog: _Program, call: ast.Call, aliases: dict[str, str | None]) -> tuple[
         str | None, list[_Def]]:
     """(an op that is not pure, or None; the archive's definitions it runs)."""
     func = call.func
     if isinstance(func, ast.Name):
-        name = aliases.get(func.id, func.id)
+        if func.id in aliases:  # a local name: judged by what it was bound to
+            bound = aliases[func.id]
+            return (f"<a call through the local name {func.id}>", []) if bound is None \
+                else _judge_dotted(prog, bound)
+        name = func.id
         if "." not in name:
             if name in PURE_BUILTINS or name in PURE_OPS:
                 return None, []
             return (name, []) if name not in prog.methods else (None, prog.methods[name])
         return _judge_dotted(prog, name)
     dotted = _dotted(func)
-    if dotted is not None and dotted.split(".", 1)[0] in ("torch", "ops", "__torch__"):
+    root = dotted.split(".", 1)[0] if dotted is not None else None
+    if dotted is not None and root in ("torch", "ops", "__torch__") and root not in aliases:
         return _judge_dotted(prog, dotted)
+    if dotted is not None and root is not None and aliases.get(root) is not None:
+        # a local bound to a torch path (m = torch.ops.mylib; m.append(x))
+        return _judge_dotted(prog, f"{aliases[root]}{dotted[len(root):]}")
     if isinstance(func, ast.Attribute):  # a method of a value: self.m(), x.copy_()
         if func.attr in prog.methods:
             return None, prog.methods[func.attr]
-        if func.attr in PURE_OPS:
+        base = func.value
+        simple = (isinstance(base, ast.Name) and base.id in aliases) or isinstance(
+            base, (ast.Subscript, ast.Call)) or (dotted is not None and root == "self")
+        if func.attr in PURE_OPS and simple:
             return None, []
         return f"<value>.{func.attr}", []
     return "<a call ckptool cannot name>", []
