@@ -73,6 +73,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_hf_storage.py
 	$(BIN)/python bench/bench_distributed.py
 	$(BIN)/python bench/bench_verify.py
+	$(BIN)/python bench/bench_safety.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -48,6 +48,11 @@ class Model:
     def role(self, position: int) -> str | None:
         return self.positions.get(position, self.positions.get(REST))
 
+    @property
+    def stores_all(self) -> bool:
+        """Whether it only stores what it is given (most models: a quick path)."""
+        return self.positions == {REST: STORE}
+
 
 def _stores(what: str) -> Model:
     return Model(what, {REST: STORE}, any_args=True)

@@ -101,7 +101,7 @@ class Lookups(Calls):
     def call(self, func: Any, args: Any) -> Any:
         """REDUCE, and what a tensor rebuild's state puts on the tensor."""
         result = super().call(func, args)
-        name = self.global_name(func) or ""
+        name = self.called_name or ""
         if self._tensors_carry:
             # tensors that carry attributes, given to any call: torch's own
             # Python code calls methods of the tensors it is given

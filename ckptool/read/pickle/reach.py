@@ -117,6 +117,7 @@ class Calls:
     _split: dict[str, tuple[str, str]]
     _reach_depth: int = 0
     made_factories = False  # whether the read made a defaultdict or a ChainMap yet
+    called_name: str | None = None  # the global the last call called
 
     def find_class(self, module: str, name: str) -> Any:  # the unpickler's
         raise NotImplementedError
@@ -156,7 +157,7 @@ class Calls:
         """REDUCE (and INST, OBJ): ``func(*args)``, recorded and modelled."""
         if not isinstance(args, tuple):
             raise TypeError("the arguments of a call are not a tuple")
-        name = self.global_name(func)
+        name = self.called_name = self.global_name(func)
         if name == policy.GETATTR:
             return self.getattr(func, args)
         if name is not None:
@@ -205,6 +206,8 @@ class Calls:
         model = calls.model_of(name)
         if name == LOAD_FROM_BYTES:
             return  # the unpickler reads the bytes as the file torch.load would read
+        if model is not None and model.stores_all:
+            return
         if model is not None and model.max_args is not None and len(args) > model.max_args:
             self._use(name, policy.MISUSED, f"called with {len(args)} arguments, a use ckptool "
                       f"does not model ({model.what})")
