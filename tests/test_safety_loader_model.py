@@ -50,6 +50,7 @@ from tests.test_malicious import (
     s,
     sg,
     tup,
+    wait_for,
 )
 from tests.test_safety_corpus import flagged_or_refused
 
@@ -250,18 +251,9 @@ def ran(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return work / "canaries"
 
 
-def _wait(path: Path) -> bool:
-    import time
-
-    deadline = time.monotonic() + 5
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    return path.exists()
-
-
 @pytest.mark.parametrize("name", sorted(ATTACKS))
 def test_each_attack_runs_under_the_real_unpickler(name: str, ran: Path) -> None:
-    assert _wait(ran / name), f"{name} did not run under pickle.loads: not a live payload"
+    assert wait_for(ran / name), f"{name} did not run under pickle.loads: not a live payload"
 
 
 @pytest.mark.parametrize("container", ["raw", "torch_zip"])

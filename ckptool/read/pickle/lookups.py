@@ -211,24 +211,21 @@ class Lookups(Calls):
             self.reach(extend, (items,), f"APPENDS on {brief(target)} calls the extend an "
                        "earlier BUILD put on it")
             return True
-        append = self.injected(target, "append")
-        if append is MISSING:
-            return False
-        for item in items:
-            self.reach(append, (item,), f"APPENDS on {brief(target)} calls the append an "
-                       "earlier BUILD put on it")
-        return True
+        return self._each(target, "append", items, "APPENDS")
 
     def add_calls(self, target: Any, items: list[Any]) -> bool:
         """ADDITEMS: whether an injected ``add`` takes the items."""
-        if isinstance(target, (set, frozenset)):
-            return False
-        add = self.injected(target, "add")
-        if add is MISSING:
+        return not isinstance(target, (set, frozenset)) and self._each(
+            target, "add", items, "ADDITEMS")
+
+    def _each(self, target: Any, method: str, items: list[Any], opcode: str) -> bool:
+        """Whether ``method`` was put on ``target``; if so it takes each item."""
+        found = self.injected(target, method)
+        if found is MISSING:
             return False
         for item in items:
-            self.reach(add, (item,), f"ADDITEMS on {brief(target)} calls the add an earlier "
-                       "BUILD put on it")
+            self.reach(found, (item,), f"{opcode} on {brief(target)} calls the {method} an "
+                       "earlier BUILD put on it")
         return True
 
     # -- the opcodes (the unpickler's dispatch table names them) ----------
