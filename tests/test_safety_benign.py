@@ -77,3 +77,20 @@ def test_torchscript_classes_are_the_archives_own() -> None:
     ckpt = ckptool.open(BENIGN / "torchscript_module.pt")
     script = [g for g in ckpt.globals if g.name.startswith("__torch__.")]
     assert script and all(g.category == "torch" and "code/" in g.reason for g in script)
+
+
+FRAMEWORKS = Path(__file__).parent / "fixtures" / "frameworks"
+FOLDERS = sorted(p for p in FRAMEWORKS.iterdir() if p.is_dir() and p.name != "loader_choice")
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)
+def test_framework_folders_are_clean(folder: Path) -> None:
+    """What transformers, the Trainer, accelerate, PEFT, diffusers and
+    sentence-transformers wrote (tests/fixtures/frameworks/): no file of the
+    folder, the model or beside it, is flagged."""
+    from ckptool.write.flagged import flagged
+
+    targets = [folder / sub for sub in ("checkpoint-2", "unet", "unet_bin")
+               if (folder / sub).is_dir()] or [folder]
+    for target in targets:
+        assert flagged(ckptool.open(target)) == [], target
