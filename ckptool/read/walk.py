@@ -45,6 +45,10 @@ def key_text(key: Any) -> str:
         return key
     if isinstance(key, (int, float, bool)) or key is None:
         return str(key)
+    if isinstance(key, TensorRecord):  # an optimizer pickled whole keys its state by parameter
+        where = key.storage.key if key.storage is not None else "-"
+        return (f"<tensor {'x'.join(map(str, key.shape)) or 'scalar'} {key.dtype} in storage "
+                f"{where} at {key.storage_offset}>")
     return repr(key)
 
 

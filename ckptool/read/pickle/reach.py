@@ -195,7 +195,13 @@ class Calls:
         found = self.find_class(module, f"{name}.{attr}")
         from ckptool.read.resolve import is_faithful
 
-        return func(*args) if is_faithful() else found
+        if not is_faithful():
+            return found
+        # a rewrite's read keeps the call (to write it back as it is); what it
+        # makes is that global, for whatever is done with it next
+        kept = func(*args)
+        self._resolved[id(kept)] = (kept, f"{module}.{name}.{attr}")
+        return kept
 
     def attribute_of(self, obj: Any, name: Any) -> Any:
         """What an earlier BUILD put on ``obj`` under ``name``, or None."""
