@@ -113,3 +113,28 @@ def test_latest_naming_a_nested_tag_is_followed(tmp_path: Path) -> None:
         assert "os.system" in exc.message and exc.exit_code == 3
     assert not canary.exists()
     assert torch.__version__  # the DeepSpeed files are torch.save archives
+
+
+def test_a_ranks_metadata_beside_metadata_is_read(tmp_path: Path) -> None:
+    """dcp.load unpickles ``__0.metadata`` when ``.metadata`` fails it (here:
+    a storage_meta it cannot set load_id on): that file is the checkpoint's
+    too, and a payload in it is flagged; the control sees dcp.load run it."""
+    import pickle
+    import subprocess
+    import sys
+
+    folder = tmp_path / "dcp"
+    shutil.copytree(FIXTURES / "multifile" / "dcp_4ranks", folder)
+    meta = pickle.loads((folder / ".metadata").read_bytes())  # written by dcp.save here
+    meta.storage_meta = 1
+    (folder / ".metadata").write_bytes(pickle.dumps(meta))
+    canary = tmp_path / "RAN"
+    (folder / "__0.metadata").write_bytes(pkl(call(g("os", "system"), s(f"touch {canary}"))))
+    assert "os.system" in flagged(ckptool.open(folder))
+    _refused(folder, tmp_path)
+    assert not canary.exists()
+    subprocess.run([sys.executable, "-c", "import torch.distributed.checkpoint as dcp\ntry:\n"
+                    f"    dcp.load({{}}, checkpoint_id={str(folder)!r}, no_dist=True)\n"
+                    "except BaseException:\n    pass"],  # CheckpointException is one
+                   check=True, timeout=120, capture_output=True)
+    assert canary.exists(), "dcp.load did not read __0.metadata: not a live payload"

@@ -356,3 +356,52 @@ def test_a_walk_past_its_bounds_fails_closed(tmp_path: Path,
     unsafe = ckptool.open(path).unsafe_globals
     assert "ckptool.<more than ckptool follows>" in unsafe
     assert not (tmp_path / "CANARY").exists()
+
+
+REWRITTEN = """
+import pickle, sys
+class Unpickler(pickle.Unpickler):
+    def persistent_load(self, pid):
+        return None  # the storages: not what this is about
+try:
+    Unpickler(open(sys.argv[1], "rb")).load()
+except Exception:
+    pass
+"""
+
+
+def _reordered(c: Path) -> bytes:
+    """``dict(M)`` while M is bare, then a BUILD gives M a ``keys``: loaded as
+    written nothing runs; written back by a rewrite, M comes whole first."""
+    m = call(g("collections", "UserList")) + b"q\x01"  # BINPUT 1
+    late = b"h\x01" + dct((s("keys"), writer(c))) + b"b0"  # BINGET 1, BUILD, POP
+    return pkl(dct((s("m"), m), (s("d"), call(g("builtins", "dict"), b"h\x01"))) + late)
+
+
+def test_a_rewrite_is_judged_as_it_would_be_written(tmp_path: Path,
+                                                   torch_files: dict[str, Path]) -> None:
+    """fix writes each object whole where it is first reached: a call the
+    input made before the object got its attributes would come after them.
+    The input is clean; the pickle fix would write is judged before anything
+    is written, and refused (in place too: the input is left as it was)."""
+    from ckptool.read import dispatch
+    from ckptool.read.resolve import faithful
+    from ckptool.write import repickle
+
+    canary = tmp_path / "CANARY"
+    path = tmp_path / "reordered.pth"
+    path.write_bytes(in_zip(_reordered(canary), torch_files["zip"]))
+    assert ckptool.open(path).unsafe_globals == []
+    before = path.read_bytes()
+    out = tmp_path / "out.pth"
+    assert main(["fix", str(path), "--to", "cpu", "-o", str(out)]) == 3 and not out.exists()
+    assert main(["fix", str(path), "--to", "cpu", "--in-place"]) == 3
+    assert path.read_bytes() == before and not canary.exists()
+    # the control: what fix would have written runs the payload
+    with faithful():
+        raw = dispatch.read(str(path))
+    written = repickle.dumps(raw.root, lambda ref: tuple([*(ref.pid or ())]), judge=False)
+    (tmp_path / "w.pkl").write_bytes(written)
+    subprocess.run([sys.executable, "-c", REWRITTEN, str(tmp_path / "w.pkl")], check=True,
+                   timeout=60)
+    assert wait_for(canary), "the rewritten order did not run it: not a live payload"

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar
 
 from ckptool.errors import UnsupportedCheckpointError
-from ckptool.read import constructors, values
+from ckptool.read import constructors, pickles, values
+from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import CompositeTensor, StorageRef, StorageType, TensorRecord
 from ckptool.read.values import StandIn, TorchDtype
 
@@ -163,8 +164,42 @@ def _global_name(obj: Any) -> str:
     raise UnsupportedCheckpointError(f"cannot write back the global {values.brief(obj)}")
 
 
-def dumps(root: Any, persistent: PersistentId) -> bytes:
-    """The protocol-2 pickle of ``root``, storages written by ``persistent``."""
+def dumps(root: Any, persistent: PersistentId, judge: bool = True) -> bytes:
+    """The protocol-2 pickle of ``root``, storages written by ``persistent``;
+    judged before anything writes it (``judge_written``), unless ``judge``
+    is off (a test of the bytes alone)."""
     buf = io.BytesIO()
     Repickler(buf, persistent).dump(root)
-    return buf.getvalue()
+    data = buf.getvalue()
+    if judge:
+        judge_written(data)
+    return data
+
+
+def judge_written(data: bytes) -> None:
+    """A pickle ckptool is about to write is judged as any file ckptool reads.
+
+    Writing a tree back puts each object whole where it is first reached: a
+    call the input made before an object got its attributes (``dict(M)``,
+    then ``M.keys = f``) comes after them in the output, where it calls
+    them. The input's verdict does not vouch for the output's order; this
+    does. Raises (nothing written) where the output would run code."""
+    seen = GlobalsSeen()
+    seen.part = "the pickle to write"
+    with seen.naming_unsafe():
+        pickles.load(data, _anywhere, seen)
+    unsafe = seen.unsafe()
+    if unsafe:
+        raise UnsupportedCheckpointError(
+            f"the pickle ckptool would write names globals that run code when loaded "
+            f"({', '.join(unsafe[:4])}{' …' if len(unsafe) > 4 else ''}): nothing was written",
+            "the input's objects call what they carry in another order once written back: "
+            "keep only the weights (--extract) or drop the entries that carry them (--drop PATH)")
+
+
+def _anywhere(pid: tuple[Any, ...]) -> StorageRef:
+    """A storage of the pickle to write: where its bytes lie is the writer's
+    business; its dtype, for the tensors that view it."""
+    stype = next((p for p in pid if isinstance(p, StorageType)), None)
+    dtype = stype.dtype if stype is not None else "uint8"
+    return StorageRef("written", dtype, None, 1 << 62)

@@ -27,7 +27,7 @@ from typing import Any
 
 from ckptool import dtypes
 from ckptool.describe import plural
-from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.errors import CkptoolError, CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.keys import key_of, split_key
 from ckptool.model import Chunk, FileInfo
 from ckptool.read import dispatch, optim
@@ -59,6 +59,26 @@ class Unread:
         return f"<not read: {self.why}>"
 
 
+UNREAD_FALLBACK = "torch.distributed.checkpoint.<a rank's .metadata ckptool cannot read>"
+
+
+def _judge_fallback(directory: str, name: str, seen: GlobalsSeen, warnings: list[str]) -> None:
+    """A ``__<rank>.metadata`` beside ``.metadata``: dcp.load unpickles it
+    (``pickle.load``) when ``.metadata`` fails it or reads as nothing, so what
+    it names is the checkpoint's; unreadable, it is unsafe."""
+    outer = seen.part
+    try:
+        dcp_metadata.parse(directory, name, seen)
+    except CkptoolError as exc:
+        seen.part = name
+        seen.flag(UNREAD_FALLBACK, f"{name}: dcp.load unpickles it when it cannot use "
+                  f".metadata, and ckptool cannot read it ({exc.message})")
+    finally:
+        seen.part = outer
+    warnings.append(f"{name}: a rank's metadata beside .metadata; dcp.load reads it when "
+                    ".metadata fails, so it was read for the globals it names")
+
+
 def read(layout: Layout) -> MultiRead:
     seen = GlobalsSeen()
     metas = [dcp_metadata.parse(layout.directory, name, seen) for name in layout.metadata]
@@ -69,6 +89,8 @@ def read(layout: Layout) -> MultiRead:
             raise CorruptCheckpointError(
                 f"{name} holds {brief(md.other)}, not a torch.distributed.checkpoint "
                 "Metadata", BROKEN_HINT)
+    for name in layout.fallbacks:
+        _judge_fallback(layout.directory, name, seen, warnings)
     merged, others = _merge(list(zip(layout.metadata, metas, strict=True)), warnings, notes)
     sizes = _data_files(layout, merged)
     root: dict[str, Any] = {}

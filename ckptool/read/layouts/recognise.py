@@ -73,6 +73,9 @@ class Layout:
     index: str | None = None  # HF: the index's file name
     metadata: tuple[str, ...] = ()  # DCP: the .metadata files; PER_RANK: each rank's file
     extras: tuple[str, ...] = ()  # files read beside (Lightning's meta.pt)
+    # DCP: each rank's __<rank>.metadata beside .metadata, which dcp.load
+    # unpickles when it cannot use .metadata: judged, never trusted unread
+    fallbacks: tuple[str, ...] = ()
     wrapper: str | None = None  # "lightning" or "accelerate" (DCP)
     notes: tuple[str, ...] = ()  # what else the directory holds, said as warnings
     tag: str | None = None  # DEEPSPEED: the tag (the directory's name, or ``latest``'s)
@@ -256,8 +259,9 @@ def _dcp(path: str, files: list[str], metadata: list[str]) -> Layout:
                 f"directory's {name} is one",
                 "the directory is damaged, or was not written by torch.distributed.checkpoint")
     extras = ("meta.pt",) if "meta.pt" in files else ()
+    fallbacks = tuple(n for n in files if RANK_METADATA.match(n) and n not in metadata)
     return Layout(DCP, path, path, metadata=tuple(metadata), extras=extras,
-                  wrapper="lightning" if extras else None)
+                  wrapper="lightning" if extras else None, fallbacks=fallbacks)
 
 
 def _hf(path: str, indexes: list[str]) -> Layout:
