@@ -102,7 +102,8 @@ MODELS: dict[str, Model] = {
     "torch.cuda.amp.grad_scaler._refresh_per_optimizer_state": _stores(
         "a fresh dict of GradScaler's per-optimizer state"),
     "array.array": _stores("an array of numbers from its typecode and items"),
-    "types.SimpleNamespace": _stores("stores attributes"),
+    # Python 3.13 takes a mapping as its positional argument, read key by key
+    "types.SimpleNamespace": _reads_first("stores attributes (from a mapping it reads)"),
     "copyreg._reconstructor": Model(
         "object.__new__(cls), or base.__new__(cls, state) and base.__init__(obj, state)",
         {0: CREATE, 1: CALL, 2: READ}, calls_with={1: None}),
