@@ -144,6 +144,50 @@ def _partial_kwds(c: Path) -> bytes:
     return pkl(call(g("builtins", "dict"), call(bound)))
 
 
+HOOKS = tuple((s(h), dct()) for h in ("_backward_hooks", "_forward_hooks",
+                                       "_backward_pre_hooks", "_forward_pre_hooks"))
+
+
+def _module(module: str, cls: str, *attrs: tuple[bytes, bytes]) -> bytes:
+    """A torch module made as pickle makes one: NEWOBJ, then BUILD its dict."""
+    return build(g(module, cls) + tup() + NEWOBJ, dct(*HOOKS, *attrs))
+
+
+def _module_as_keys(c: Path) -> bytes:
+    # dict(ns) calls ns.keys(): a module, whose __call__ runs its forward
+    module = _module("torch.nn.modules.linear", "Identity", (s("forward"), writer(c)))
+    holder = build(call(g("argparse", "Namespace")), dct((s("keys"), module)))
+    return pkl(call(g("builtins", "dict"), holder))
+
+
+def _str_of_module(c: Path) -> bytes:
+    # str(module) is Module.__repr__, which calls self.extra_repr()
+    module = _module("torch.nn.modules.linear", "Identity", (s("extra_repr"), writer(c)),
+                     (s("_modules"), dct()))
+    return pkl(call(g("builtins", "str"), module))
+
+
+def _list_of_sequential(c: Path) -> bytes:
+    # list(seq) is Sequential.__iter__: iter(self._modules.values())
+    seq = _module("torch.nn.modules.container", "Sequential",
+                  (s("_modules"), _carrying("values", c)))
+    return pkl(call(g("builtins", "list"), seq))
+
+
+def _setitems_on_sequential(c: Path) -> bytes:
+    # SETITEMS is Sequential.__setitem__, which calls self._modules.keys()
+    seq = _module("torch.nn.modules.container", "Sequential",
+                  (s("_modules"), _carrying("keys", c)))
+    return pkl(seq + MARK + i(0) + s("x") + b"u")
+
+
+def _mesh_as_key(c: Path) -> bytes:
+    # a dict key is hashed: DeviceMesh.__hash__ calls self._hash_key()
+    mesh = build(g("torch.distributed.device_mesh", "DeviceMesh") + tup() + NEWOBJ,
+                 dct((s("_hash_key"), writer(c))))
+    return pkl(dct((mesh, i(1))))
+
+
 def _generic_alias(c: Path) -> bytes:
     # a typing alias is callable: calling it calls its __origin__
     alias = build(g("typing", "_GenericAlias") + tup() + NEWOBJ,
@@ -223,6 +267,14 @@ ATTACKS: dict[str, Attack] = {
         g("numpy", "memmap") + tup(s(str(c)), s("uint8"), s("w+"), i(0), tup(i(4))) + NEWOBJ),
         "numpy.memmap"),
     "typing_alias_called_by_a_codec_wrapper": A(_generic_alias, "typing._GenericAlias"),
+    # 4. the class's own code uses what BUILD put on its object: a module's
+    # __call__ its forward, __repr__ its extra_repr, a container's __iter__ and
+    # __setitem__ its _modules' methods, a mesh's __hash__ its _hash_key
+    "module_called_as_a_mapping_method": A(_module_as_keys, SINK),
+    "str_of_a_module_calls_extra_repr": A(_str_of_module, SINK),
+    "list_of_a_sequential_iterates_its_modules": A(_list_of_sequential, SINK),
+    "setitems_on_a_sequential": A(_setitems_on_sequential, SINK),
+    "a_mesh_hashed_as_a_dict_key": A(_mesh_as_key, SINK),
     # a method reached by getattr on a class ckptool knows as data
     "method_by_getattr_on_a_data_class": A(lambda c: pkl(call(
         call(g("builtins", "getattr"), g("pathlib", "Path"), s("write_text")),
@@ -388,7 +440,7 @@ def test_a_rewrite_is_judged_as_it_would_be_written(tmp_path: Path,
     from ckptool.read.resolve import faithful
     from ckptool.write import repickle
 
-    canary = tmp_path / "CANARY"
+    canary = tmp_path / "RAN"  # the control makes it: not named CANARY (test_malicious)
     path = tmp_path / "reordered.pth"
     path.write_bytes(in_zip(_reordered(canary), torch_files["zip"]))
     assert ckptool.open(path).unsafe_globals == []

@@ -102,6 +102,9 @@ MODELS: dict[str, Model] = {
     "torch.cuda.amp.grad_scaler._refresh_per_optimizer_state": _stores(
         "a fresh dict of GradScaler's per-optimizer state"),
     "array.array": _stores("an array of numbers from its typecode and items"),
+    # a quantization config: a namedtuple of observer factories, stored
+    **{f"torch.ao.quantization.qconfig.{n}": _stores("a namedtuple of observer factories")
+       for n in ("QConfig", "QConfigDynamic")},
     # Python 3.13 takes a mapping as its positional argument, read key by key
     "types.SimpleNamespace": _reads_first("stores attributes (from a mapping it reads)"),
     "copyreg._reconstructor": Model(
@@ -170,6 +173,13 @@ MODELS: dict[str, Model] = {
 _STRUCTSEQ = _stores("a torch result (a tuple of tensors by field name)")
 _PYX = Model("cls.__new__(cls), then its state", {0: CREATE, REST: STORE})
 
+
+# classes whose objects are callable and call what is on them: a module's
+# __call__ runs its forward (an instance attribute wins) and its hooks; an
+# observer factory calls its ``p``
+CALLABLE_CLASSES = ("torch.nn.modules.", "torch.ao.nn.", "torch.nn.parallel.",
+                    "torch.distributed.algorithms._checkpoint.",
+                    "torch.ao.quantization.observer._PartialWrapper")
 
 # classes whose __new__ acts on its arguments (NEWOBJ, copyreg.__newobj__
 # give it the file's): never made that way by what ckptool lets through

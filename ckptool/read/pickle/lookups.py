@@ -52,6 +52,8 @@ STATE_SETTERS = {"torch._utils._rebuild_parameter_with_state": 3,
                  "torch._tensor._rebuild_from_type_v2": 3,
                  "torch._tensor._rebuild_from_type": 3}
 FROM_TYPE = ("torch._tensor._rebuild_from_type_v2", "torch._tensor._rebuild_from_type")
+HASHING = frozenset({"builtins.set", "builtins.frozenset", "builtins.dict",
+                     "collections.OrderedDict", "collections.Counter", "collections.defaultdict"})
 
 
 class Lookups(Calls):
@@ -109,6 +111,11 @@ class Lookups(Calls):
             for value in calls.walk_values(args):
                 if isinstance(value, TensorRecord):
                     self._injected_methods(value, f"{name} may call")
+        if name in HASHING:  # each item (a pair's key) is hashed: its class's __hash__ runs
+            for arg in args:
+                for item in arg if isinstance(arg, (list, tuple)) else ():
+                    self.touch(item[0] if isinstance(item, tuple) and item else item,
+                               f"hashed by {name}")
         if name in FROM_TYPE and len(args) > 2 and isinstance(args[2], tuple):
             # ret = func(*args) (ckptool's rebuild hands ret back as it is);
             # then ret.as_subclass(new_type) and ret.__setstate__(state), looked
@@ -140,6 +147,10 @@ class Lookups(Calls):
         super().read_mapping(arg, reader)
         if self.attributes(arg):
             self._own_methods(arg, f"{reader} reads {brief(arg)}, and may call")
+
+    def touch(self, obj: Any, how: str) -> None:
+        if isinstance(obj, StandIn) and self._injected:
+            self._injected_methods(obj, f"{how}, whose class's code may call")
 
     def unmodelled_arg(self, arg: Any, callee: str) -> None:
         """What a callee ckptool does not model may call: the callables in
@@ -260,6 +271,7 @@ class Lookups(Calls):
         else ``extend``, then ``append``, looked up on the instance first."""
         if self.append_calls(target, items):
             return
+        self.touch(target, "APPENDS on it")
         if isinstance(target, list):
             target.extend(items)
             return
@@ -274,7 +286,9 @@ class Lookups(Calls):
         items = self.pop_mark()
         for item in items:
             values.check_key(item)
+            self.touch(item, "hashed as a set item")
         target = self.stack[-1]
+        self.touch(target, "ADDITEMS on it")
         if isinstance(target, set):
             target.update(items)
         elif not self.add_calls(target, items):

@@ -29,6 +29,8 @@ CHAINMAP = "collections.ChainMap"
 DEFAULTDICT = "collections.defaultdict"
 LOAD_FROM_BYTES = "torch.storage._load_from_bytes"
 FACTORY_HOLDERS = frozenset({DEFAULTDICT, CHAINMAP})
+# callees that keep what they are given and use none of it
+UNTOUCHED = frozenset({PARTIAL, "argparse.Namespace"})
 MAX_REACH_DEPTH = 32  # partials of partials...: deeper is refused as unknown
 TOO_MUCH = "ckptool.<more than ckptool follows>"  # the name a bounded walk fails closed as
 # objects a modelled callee makes that call something when called themselves
@@ -163,9 +165,17 @@ class Calls:
         if name is not None:
             self._called(name, "called by the pickle")
             self.apply_model(name, args)
+            if name not in UNTOUCHED:
+                for arg in args:
+                    self.touch(arg, f"given to {name}")
         elif isinstance(func, StandIn):
             self.reach(func, args, "called by the pickle")
         return func(*args)
+
+    def touch(self, obj: Any, how: str) -> None:
+        """Code of ``obj``'s class runs on it (its ``__repr__``, ``__iter__``,
+        ``__hash__``, ``__setitem__``; a modelled callee's use of it): what
+        that code may call on it is what a BUILD put there (lookups)."""
 
     def getattr(self, func: Any, args: tuple[Any, ...]) -> Any:
         """``getattr(G, "name")`` on a global ``G``: the global ``G.name``
@@ -279,7 +289,8 @@ class Calls:
         ``functools.partial``, or a ChainMap (whose reading calls factories)."""
         if self.global_name(value) is not None:
             return callable(value) or isinstance(value, type)
-        return isinstance(value, StandIn) and made_by(value) in CALLABLE_OBJECTS
+        return isinstance(value, StandIn) and (made_by(value) in CALLABLE_OBJECTS or made_by(
+            value).startswith(calls.CALLABLE_CLASSES))
 
     def callables_in(self, value: Any) -> Iterator[Any]:
         """The values in ``value`` that a call could run: globals that are

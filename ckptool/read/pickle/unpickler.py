@@ -270,26 +270,38 @@ class SafeUnpickler(observe.Observing, Lookups, pickle._Unpickler):
     def _load_dict(self) -> None:
         items = self.pop_mark()
         for key in items[::2]:
-            values.check_key(key)
+            self._key(key)
         self.append({items[i]: items[i + 1] for i in range(0, len(items), 2)})
 
     def _load_setitem(self) -> None:
         value = self.stack.pop()
         key = self.stack.pop()
-        values.check_key(key)
-        self.stack[-1][key] = value
+        self._key(key)
+        target = self.stack[-1]
+        if isinstance(target, StandIn):  # its class's __setitem__ runs
+            self.touch(target, "SETITEM on it")
+        target[key] = value
 
     def _load_setitems(self) -> None:
         items = self.pop_mark()
         target = self.stack[-1]
+        if isinstance(target, StandIn):
+            self.touch(target, "SETITEMS on it")
         for i in range(0, len(items), 2):
-            values.check_key(items[i])
+            self._key(items[i])
             target[items[i]] = items[i + 1]
+
+    def _key(self, key: Any) -> None:
+        """A dict key or set item, hashed: bounded (``check_key``), and an
+        object's class ``__hash__`` and ``__eq__`` run on it."""
+        values.check_key(key)
+        if isinstance(key, StandIn):
+            self.touch(key, "hashed as a dict key or set item")
 
     def _load_frozenset(self) -> None:
         items = self.pop_mark()
         for item in items:
-            values.check_key(item)
+            self._key(item)
         self.append(frozenset(items))
 
     # -- calls: what the pickle does with each global (ckptool.read.pickle) --
