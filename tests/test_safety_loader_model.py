@@ -188,6 +188,12 @@ def _mesh_as_key(c: Path) -> bytes:
     return pkl(dct((mesh, i(1))))
 
 
+def _sequential(c: Path) -> bytes:
+    """A Sequential whose __iter__ and __getitem__ call its _modules' values()."""
+    return _module("torch.nn.modules.container", "Sequential",
+                   (s("_modules"), _carrying("values", c)))
+
+
 def _generic_alias(c: Path) -> bytes:
     # a typing alias is callable: calling it calls its __origin__
     alias = build(g("typing", "_GenericAlias") + tup() + NEWOBJ,
@@ -275,6 +281,12 @@ ATTACKS: dict[str, Attack] = {
     "list_of_a_sequential_iterates_its_modules": A(_list_of_sequential, SINK),
     "setitems_on_a_sequential": A(_setitems_on_sequential, SINK),
     "a_mesh_hashed_as_a_dict_key": A(_mesh_as_key, SINK),
+    "a_sequential_as_a_handles_state": A(lambda c: pkl(build(
+        g("torch.utils.hooks", "RemovableHandle") + tup() + NEWOBJ, _sequential(c))), SINK),
+    "a_sequential_as_a_modules_state": A(lambda c: pkl(build(
+        g("torch.nn.modules.linear", "Identity") + tup() + NEWOBJ, _sequential(c))), SINK),
+    "a_sequential_given_to_a_structseqs_new": A(lambda c: pkl(
+        g("os", "stat_result") + tup(_sequential(c)) + NEWOBJ), SINK),
     # a method reached by getattr on a class ckptool knows as data
     "method_by_getattr_on_a_data_class": A(lambda c: pkl(call(
         call(g("builtins", "getattr"), g("pathlib", "Path"), s("write_text")),

@@ -169,6 +169,10 @@ class Lookups(Calls):
         instance's attributes, that torch's ``__setstate__`` calls as its
         methods (``Optimizer`` calls ``self._patch_step_function()``)."""
         how = f"the state BUILD gives {cls}, whose __setstate__ may read it"
+        # a state that is an object, or a tuple of objects (a class's own
+        # __setstate__ indexes, iterates or reads it): its class's code runs
+        for part in state if isinstance(state, tuple) else (state,):
+            self.touch(part, f"the state BUILD gives {cls}")
         parts = state if isinstance(state, tuple) and len(state) == 2 else (state,)
         for part in parts:
             self.read_mapping(part, f"{cls}.__setstate__")

@@ -264,6 +264,8 @@ class Calls:
                       f"{calls.NEW_ACTS[cls]}")
         if kwargs:
             self.read_mapping(kwargs, f"{cls}.__new__(**kwargs)")
+        for arg in args if isinstance(args, tuple) else ():
+            self.touch(arg, f"given to {cls}.__new__ by {how}")
 
     def read_mapping(self, arg: Any, reader: str) -> None:
         """``reader`` reads ``arg`` key by key (``dict.update``): a ChainMap's
