@@ -181,11 +181,14 @@ def _setitems_on_sequential(c: Path) -> bytes:
     return pkl(seq + MARK + i(0) + s("x") + b"u")
 
 
+def _mesh(c: Path) -> bytes:
+    return build(g("torch.distributed.device_mesh", "DeviceMesh") + tup() + NEWOBJ,
+                 dct((s("_hash_key"), writer(c))))
+
+
 def _mesh_as_key(c: Path) -> bytes:
     # a dict key is hashed: DeviceMesh.__hash__ calls self._hash_key()
-    mesh = build(g("torch.distributed.device_mesh", "DeviceMesh") + tup() + NEWOBJ,
-                 dct((s("_hash_key"), writer(c))))
-    return pkl(dct((mesh, i(1))))
+    return pkl(dct((_mesh(c), i(1))))
 
 
 def _sequential(c: Path) -> bytes:
@@ -281,6 +284,13 @@ ATTACKS: dict[str, Attack] = {
     "list_of_a_sequential_iterates_its_modules": A(_list_of_sequential, SINK),
     "setitems_on_a_sequential": A(_setitems_on_sequential, SINK),
     "a_mesh_hashed_as_a_dict_key": A(_mesh_as_key, SINK),
+    "a_tuple_key_holding_a_mesh": A(lambda c: pkl(dct((tup(_mesh(c)), i(1)))), SINK),
+    "str_of_a_list_of_modules": A(lambda c: pkl(call(g("builtins", "str"), lst(_module(
+        "torch.nn.modules.linear", "Identity", (s("extra_repr"), writer(c)),
+        (s("_modules"), dct()))))), SINK),
+    "rnn_setstate_indexes_its_weights": A(lambda c: pkl(build(
+        g("torch.nn.modules.rnn", "RNN") + tup() + NEWOBJ,
+        dct(*HOOKS, (s("_all_weights"), _sequential(c)), (s("proj_size"), i(0))))), SINK),
     "a_sequential_as_a_handles_state": A(lambda c: pkl(build(
         g("torch.utils.hooks", "RemovableHandle") + tup() + NEWOBJ, _sequential(c))), SINK),
     "a_sequential_as_a_modules_state": A(lambda c: pkl(build(

@@ -19,8 +19,8 @@ behaviour, which calls nothing from the file.
 from __future__ import annotations
 
 import pickle
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, cast
 
 from ckptool.read import constructors, values
 from ckptool.read.pickle import calls, policy
@@ -52,6 +52,7 @@ STATE_SETTERS = {"torch._utils._rebuild_parameter_with_state": 3,
                  "torch._tensor._rebuild_from_type_v2": 3,
                  "torch._tensor._rebuild_from_type": 3}
 FROM_TYPE = ("torch._tensor._rebuild_from_type_v2", "torch._tensor._rebuild_from_type")
+DEEP_TOUCH = frozenset({"builtins.str"})
 HASHING = frozenset({"builtins.set", "builtins.frozenset", "builtins.dict",
                      "collections.OrderedDict", "collections.Counter", "collections.defaultdict"})
 
@@ -114,8 +115,12 @@ class Lookups(Calls):
         if name in HASHING:  # each item (a pair's key) is hashed: its class's __hash__ runs
             for arg in args:
                 for item in arg if isinstance(arg, (list, tuple)) else ():
-                    self.touch(item[0] if isinstance(item, tuple) and item else item,
-                               f"hashed by {name}")
+                    pair = isinstance(item, (tuple, list)) and len(item) == 2 and name not in (
+                        "builtins.set", "builtins.frozenset")
+                    self.touch_hashed(item[0] if pair else item, f"hashed by {name}")
+        if name in DEEP_TOUCH:  # str() of a container is repr() of all it holds
+            for arg in args:
+                self._touch_inside(arg, f"given to {name}", into_dicts=True, deep=True)
         if name in FROM_TYPE and len(args) > 2 and isinstance(args[2], tuple):
             # ret = func(*args) (ckptool's rebuild hands ret back as it is);
             # then ret.as_subclass(new_type) and ret.__setstate__(state), looked
@@ -148,9 +153,64 @@ class Lookups(Calls):
         if self.attributes(arg):
             self._own_methods(arg, f"{reader} reads {brief(arg)}, and may call")
 
-    def touch(self, obj: Any, how: str) -> None:
-        if isinstance(obj, StandIn) and self._injected:
-            self._injected_methods(obj, f"{how}, whose class's code may call")
+    def touch(self, obj: Any, how: str, deep: bool = False) -> None:
+        """The class's code runs on ``obj``: it may call what BUILD put on it,
+        and on the objects it holds as attributes (directly, or in lists and
+        tuples: a Sequential's ``_modules``); ``deep`` (``str()``, which
+        recurses through everything) follows them all, dicts included."""
+        if not (isinstance(obj, StandIn) and self._injected):
+            return
+        how = f"{how}, whose class's code may call"
+        todo: list[tuple[Any, int]] = [(obj, 0)]
+        seen: set[int] = set()
+        while todo:
+            current, depth = todo.pop()
+            if id(current) in seen:
+                continue
+            seen.add(id(current))
+            if len(seen) > calls.MAX_ITEMS:
+                self.reach(calls.TRUNCATED, None, how)
+                return
+            attributes = self.attributes(current)
+            self._own_methods(current, how)
+            if depth >= 1 and not deep:
+                continue
+            for value in attributes.values():
+                held = [value] + (list(value) if isinstance(value, (list, tuple)) else []) + (
+                    list(value.values()) if deep and isinstance(value, dict) else [])
+                todo.extend((v, depth + 1) for v in held if isinstance(v, StandIn))
+
+    def touch_hashed(self, key: Any, how: str) -> None:
+        """A key hashed: a tuple's (or frozenset's) hash is its items'."""
+        if self._injected:
+            self._touch_inside(key, how, into_dicts=False)
+
+    def _touch_inside(self, value: Any, how: str, into_dicts: bool, deep: bool = False) -> None:
+        """Touch the objects in ``value`` and in the lists, tuples and sets
+        (and, ``into_dicts``, dicts) that hold them."""
+        if not self._injected:
+            return
+        kinds: tuple[type, ...] = (tuple, list, set, frozenset, dict) if into_dicts else (
+            tuple, list, set, frozenset)
+        todo: list[tuple[Any, int]] = [(value, 0)]
+        seen: set[int] = set()
+        count = 0
+        while todo:
+            obj, depth = todo.pop()
+            items: list[Any]
+            count += 1
+            if count > calls.MAX_ITEMS or depth > calls.MAX_DEPTH:
+                self.reach(calls.TRUNCATED, None, how)
+                return
+            if isinstance(obj, StandIn):
+                self.touch(obj, how, deep)
+            elif isinstance(obj, kinds) and id(obj) not in seen:
+                seen.add(id(obj))
+                if isinstance(obj, dict):
+                    items = [i for pair in obj.items() for i in pair]
+                else:
+                    items = list(cast("Iterable[Any]", obj))
+                todo.extend((item, depth + 1) for item in items)
 
     def unmodelled_arg(self, arg: Any, callee: str) -> None:
         """What a callee ckptool does not model may call: the callables in
@@ -181,6 +241,14 @@ class Lookups(Calls):
                 self.reach(factory, None, f"the factory of a mapping in {how}")
         if cls.startswith(READS_STATE):
             self._injected_methods(state, f"{cls}.__setstate__ may call", MAPPING_METHODS)
+        verdict = self.seen.verdicts.get(cls)
+        if verdict is not None and verdict.category == policy.TORCH:
+            # torch's __setstate__ and __setattr__ index, iterate and test
+            # membership in the containers the state sets (RNN's
+            # _all_weights[0][0], Module's `name in self._parameters`)
+            for part in parts:
+                for value in part.values() if isinstance(part, dict) else ():
+                    self._touch_inside(value, f"set on {cls} by BUILD", into_dicts=False)
         self_calls = next((names for prefix, names in SETSTATE_CALLS_SELF.items()
                            if cls.startswith(prefix)), ())
         for part in parts:
@@ -290,7 +358,7 @@ class Lookups(Calls):
         items = self.pop_mark()
         for item in items:
             values.check_key(item)
-            self.touch(item, "hashed as a set item")
+            self.touch_hashed(item, "hashed as a set item")
         target = self.stack[-1]
         self.touch(target, "ADDITEMS on it")
         if isinstance(target, set):

@@ -177,6 +177,9 @@ class Calls:
         ``__hash__``, ``__setitem__``; a modelled callee's use of it): what
         that code may call on it is what a BUILD put there (lookups)."""
 
+    def touch_hashed(self, key: Any, how: str) -> None:
+        """``key`` is hashed (lookups)."""
+
     def getattr(self, func: Any, args: tuple[Any, ...]) -> Any:
         """``getattr(G, "name")`` on a global ``G``: the global ``G.name``
         (how protocols 0-2 name a nested class or a method). On an object made

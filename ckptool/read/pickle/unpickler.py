@@ -295,8 +295,8 @@ class SafeUnpickler(observe.Observing, Lookups, pickle._Unpickler):
         """A dict key or set item, hashed: bounded (``check_key``), and an
         object's class ``__hash__`` and ``__eq__`` run on it."""
         values.check_key(key)
-        if isinstance(key, StandIn):
-            self.touch(key, "hashed as a dict key or set item")
+        if isinstance(key, (StandIn, tuple, frozenset)):  # a tuple hashes its items
+            self.touch_hashed(key, "hashed as a dict key or set item")
 
     def _load_frozenset(self) -> None:
         items = self.pop_mark()
