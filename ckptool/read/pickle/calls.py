@@ -48,10 +48,11 @@ class Model:
     def role(self, position: int) -> str | None:
         return self.positions.get(position, self.positions.get(REST))
 
-    @property
-    def stores_all(self) -> bool:
-        """Whether it only stores what it is given (most models: a quick path)."""
-        return self.positions == {REST: STORE}
+    # whether it only stores what it is given (most models: a quick path)
+    stores_all: bool = field(init=False, default=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "stores_all", self.positions == {REST: STORE})
 
 
 def _stores(what: str) -> Model:

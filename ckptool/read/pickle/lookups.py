@@ -53,6 +53,8 @@ STATE_SETTERS = {"torch._utils._rebuild_parameter_with_state": 3,
                  "torch._tensor._rebuild_from_type": 3}
 FROM_TYPE = ("torch._tensor._rebuild_from_type_v2", "torch._tensor._rebuild_from_type")
 DEEP_TOUCH = frozenset({"builtins.str"})
+_HOLDERS = (StandIn, tuple, list, set, frozenset, dict)
+_SEQUENCES = (StandIn, tuple, list, set, frozenset)
 HASHING = frozenset({"builtins.set", "builtins.frozenset", "builtins.dict",
                      "collections.OrderedDict", "collections.Counter", "collections.defaultdict"})
 
@@ -188,7 +190,10 @@ class Lookups(Calls):
     def _touch_inside(self, value: Any, how: str, into_dicts: bool, deep: bool = False) -> None:
         """Touch the objects in ``value`` and in the lists, tuples and sets
         (and, ``into_dicts``, dicts) that hold them."""
-        if not self._injected:
+        if not self._injected or not isinstance(value, _HOLDERS):  # (a number, a string)
+            return
+        if isinstance(value, StandIn):
+            self.touch(value, how, deep)
             return
         kinds: tuple[type, ...] = (tuple, list, set, frozenset, dict) if into_dicts else (
             tuple, list, set, frozenset)
@@ -248,7 +253,8 @@ class Lookups(Calls):
             # _all_weights[0][0], Module's `name in self._parameters`)
             for part in parts:
                 for value in part.values() if isinstance(part, dict) else ():
-                    self._touch_inside(value, f"set on {cls} by BUILD", into_dicts=False)
+                    if isinstance(value, _SEQUENCES):  # (a dict's items are not touched)
+                        self._touch_inside(value, f"set on {cls} by BUILD", into_dicts=False)
         self_calls = next((names for prefix, names in SETSTATE_CALLS_SELF.items()
                            if cls.startswith(prefix)), ())
         for part in parts:

@@ -167,7 +167,8 @@ class Calls:
             self.apply_model(name, args)
             if name not in UNTOUCHED:
                 for arg in args:
-                    self.touch(arg, f"given to {name}")
+                    if isinstance(arg, StandIn):  # (the only kind touch acts on)
+                        self.touch(arg, f"given to {name}")
         elif isinstance(func, StandIn):
             self.reach(func, args, "called by the pickle")
         return func(*args)
