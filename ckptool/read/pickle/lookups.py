@@ -28,8 +28,6 @@ from ckptool.read.pickle.reach import PARTIAL, Calls, factories_in, made_by
 from ckptool.read.tensors import TensorRecord
 from ckptool.read.values import StandIn, brief
 
-# what CPython's unpickler looks up on an instance
-LOOKED_UP = frozenset({"__setstate__", "append", "extend", "add"})
 # an optimizer's __setstate__ calls setdefault and get on the dicts its state holds
 MAPPING_METHODS = frozenset({"keys", "items", "values", "get", "setdefault", "update", "pop"})
 READS_STATE = ("torch.optim.",)
