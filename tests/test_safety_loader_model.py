@@ -479,3 +479,17 @@ def test_a_rewrite_is_judged_as_it_would_be_written(tmp_path: Path,
     subprocess.run([sys.executable, "-c", REWRITTEN, str(tmp_path / "w.pkl")], check=True,
                    timeout=60)
     assert wait_for(canary), "the rewritten order did not run it: not a live payload"
+
+
+def test_a_nested_files_globals_say_where_they_are(tmp_path: Path) -> None:
+    """What a torch file carried as bytes names is said to be there, whether
+    loading calls it (os.system) or only stores it (math.cos)."""
+    nested = legacy(pkl(dct((s("f"), g("math", "cos")), (s("x"), call(g("os", "system"),
+                                                                       s("true"))))))
+    path = tmp_path / "nested.pkl"
+    path.write_bytes(pkl(call(g("numpy.random._pickle", "__randomstate_ctor"), by(nested),
+                              g("torch.storage", "_load_from_bytes"))))
+    globs = {x.name: x for x in ckptool.open(path).globals}
+    assert globs["os.system"].category == "unsafe" and globs["math.cos"].category == "data"
+    for name in ("os.system", "math.cos"):
+        assert any("embedded torch file" in w for w in globs[name].where), globs[name].where

@@ -135,10 +135,11 @@ def _hashed(items: Any) -> list[Any]:
     return items
 
 
-def _of_standin(name: str, items: Any) -> Any:
+def _of_standin(name: str, *args: Any) -> Any:
     """What a container built from an object ckptool did not build (a stand-in:
     what it iterates to is its own code's) becomes: a stand-in of the call."""
-    return standin_class(f"builtins.{name}()", "data")(items)
+    qualname = name if "." in name else f"builtins.{name}"
+    return standin_class(f"{qualname}()", "data")(*args)
 
 
 def safe_set(items: Any = ()) -> Any:
@@ -176,13 +177,13 @@ def _pairs(args: tuple[Any, ...]) -> tuple[Any, ...]:
 
 def safe_dict(*args: Any, **kwargs: Any) -> Any:
     if args and isinstance(args[0], StandIn):  # a mapping ckptool did not build
-        return standin_class("builtins.dict()", "data")(*args)
+        return _of_standin("dict", *args)
     return dict(*_pairs(args), **kwargs)
 
 
 def ordered_dict(*args: Any, **kwargs: Any) -> Any:
     if args and isinstance(args[0], StandIn):
-        return standin_class("collections.OrderedDict()", "data")(*args)
+        return _of_standin("collections.OrderedDict", *args)
     return OrderedDict(*_pairs(args), **kwargs)
 
 

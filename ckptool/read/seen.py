@@ -57,13 +57,13 @@ class GlobalsSeen:
             self.counts[name] += count
             self.verdicts.setdefault(name, other.verdicts[name])
             self.uses.setdefault(name, set()).update(other.uses.get(name, ()))
+            where = self.where.setdefault(name, [])
+            if part not in where:
+                where.append(part)
         for name, whys in other.why.items():
             mine = self.why.setdefault(name, {})
             for use, why in whys.items():
                 mine.setdefault(use, f"{why}, in {part}")
-            where = self.where.setdefault(name, [])
-            if part not in where:
-                where.append(part)
 
     def final(self) -> dict[str, policy.Verdict]:
         """Each global's verdict once its uses are known (``policy.judge``)."""

@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptool.describe import shape_text
 from ckptool.keys import escape, join_key
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
 from ckptool.read.values import StandIn
@@ -47,8 +48,8 @@ def key_text(key: Any) -> str:
         return str(key)
     if isinstance(key, TensorRecord):  # an optimizer pickled whole keys its state by parameter
         where = key.storage.key if key.storage is not None else "-"
-        return (f"<tensor {'x'.join(map(str, key.shape)) or 'scalar'} {key.dtype} in storage "
-                f"{where} at {key.storage_offset}>")
+        return f"<tensor {shape_text(key.shape)} {key.dtype} in storage {where} at " \
+            f"{key.storage_offset}>"
     return repr(key)
 
 
