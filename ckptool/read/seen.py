@@ -38,10 +38,16 @@ class GlobalsSeen:
         if self.part not in where:
             where.append(self.part)
 
-    def flag(self, dotted: str, reason: str) -> None:
+    def flag(self, dotted: str, reason: str, part: str | None = None) -> None:
         """Something ckptool cannot read, so cannot vouch for, named as a
-        global that is unsafe whatever loading does with it (fail closed)."""
-        self.add(dotted, policy.Verdict(policy.UNSAFE, reason))
+        global that is unsafe whatever loading does with it (fail closed),
+        said to be in ``part`` (else the pickle being read)."""
+        outer = self.part
+        self.part = part or outer
+        try:
+            self.add(dotted, policy.Verdict(policy.UNSAFE, reason))
+        finally:
+            self.part = outer
         self.uses.setdefault(dotted, set()).add(policy.FLAGGED)
 
     def use(self, dotted: str, use: str, why: str = "", where: str = "") -> None:

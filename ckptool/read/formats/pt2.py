@@ -123,11 +123,8 @@ def _judge(zf: Any, members: dict[str, Any], name: str, read_record: Any, read_z
     else:
         problem = _read_pickled(read_record(zf, name), name, seen, read_zip)
     if problem is not None:
-        outer = seen.part
-        seen.part = name
         seen.flag(UNREAD, f"{name}: torch.export.load unpickles it (falling back to "
-                  f"weights_only=False), and ckptool cannot read it ({problem})")
-        seen.part = outer
+                  f"weights_only=False), and ckptool cannot read it ({problem})", name)
 
 
 def _tensors(zf: Any, members: dict[str, Any], prefix: str, folder: str, config: str,

@@ -235,11 +235,8 @@ def _judge_code(zf: Any, prefix: str, names: list[str], seen: GlobalsSeen) -> No
     its ``__torch__`` classes are the archive's own, compiled from that code."""
     code = {n: _read_record(zf, n) for n in names
             if n.startswith(f"{prefix}code/") and n.endswith(".py")}
-    outer = seen.part
     for finding in torchscript.judge(code):
-        seen.part = finding.record
-        seen.flag(finding.op, finding.reason)
-    seen.part = outer
+        seen.flag(finding.op, finding.reason, finding.record)
     for name, verdict in list(seen.verdicts.items()):
         if name.startswith("__torch__.") and verdict.category == policy.CUSTOM:
             seen.verdicts[name] = policy.Verdict(policy.TORCH, SCRIPT_CLASS)

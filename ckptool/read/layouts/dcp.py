@@ -70,11 +70,10 @@ def _judge_fallback(directory: str, name: str, seen: GlobalsSeen, warnings: list
     try:
         dcp_metadata.parse(directory, name, seen)
     except CkptoolError as exc:
-        seen.part = name
         seen.flag(UNREAD_FALLBACK, f"{name}: dcp.load unpickles it when it cannot use "
-                  f".metadata, and ckptool cannot read it ({exc.message})")
+                  f".metadata, and ckptool cannot read it ({exc.message})", name)
     finally:
-        seen.part = outer
+        seen.part = outer  # (parse names the pickle it reads)
     warnings.append(f"{name}: a rank's metadata beside .metadata; dcp.load reads it when "
                     ".metadata fails, so it was read for the globals it names")
 
@@ -278,12 +277,10 @@ def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,
         # dcp.load undoes the transforms (stream.zstd) and unpickles the
         # value with weights_only=False; ckptool cannot read it, so it
         # cannot vouch for it: failing closed, the value counts as unsafe
-        how, outer = ", ".join(item.transforms), seen.part
-        seen.part = f"{item.file}: {fqn}"
+        how = ", ".join(item.transforms)
         seen.flag(UNREAD_VALUE, f"a value stored through {how}, which ckptool does not "
                   "undo: dcp.load unpickles it with weights_only=False, and what it runs is "
-                  "unknown")
-        seen.part = outer
+                  "unknown", f"{item.file}: {fqn}")
         return Unread(f"stored through {how}; not read, so not vouched for")
     path = os.path.join(layout.directory, item.file)
     shown = f"{item.file} (item {fqn})"

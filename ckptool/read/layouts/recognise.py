@@ -215,8 +215,7 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
     if any(MODEL_FILE.match(n) or OPTIM_FILE.match(n) for n in files):
         return Layout(DEEPSPEED, path, path,
                       tag=os.path.basename(os.path.normpath(os.path.abspath(path)))), ""
-    tags = [d for d in dirs if any(MODEL_FILE.match(n) or OPTIM_FILE.match(n)
-                                   for n in listing(os.path.join(path, d)))]
+    tags = [d for d in dirs if is_deepspeed_tag(os.path.join(path, d))]
     tag = _latest(path) if LATEST in files else None
     if tag is not None and "/" in tag and is_deepspeed_tag(os.path.join(path, tag)):
         tags.append(tag)  # a nested tag (resume/global_step9), as DeepSpeed joins it
