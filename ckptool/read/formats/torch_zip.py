@@ -24,7 +24,7 @@ from ckptool.read import pickles
 from ckptool.read.formats import pt2
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.formats.torch_legacy import read_bytes
-from ckptool.read.pickle import policy, torchscript
+from ckptool.read.pickle import policy
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef
 from ckptool.read.ziparchive import ChecksumMismatch, Member, ZipArchive, ZipError
@@ -233,6 +233,8 @@ def _judge_code(zf: Any, prefix: str, names: list[str], seen: GlobalsSeen) -> No
     """A TorchScript archive's code: what its ``__setstate__`` methods call
     when torch.jit.load runs them (``ckptool.read.pickle.torchscript``); and
     its ``__torch__`` classes are the archive's own, compiled from that code."""
+    from ckptool.read.pickle import torchscript  # (ast: only for TorchScript archives)
+
     code = {n: _read_record(zf, n) for n in names
             if n.startswith(f"{prefix}code/") and n.endswith(".py")}
     for finding in torchscript.judge(code):

@@ -29,8 +29,37 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.read.pickle.torchscript import PURE_OPS
 from ckptool.read.values import StandIn
+
+# tensor ops that compute on their arguments and touch nothing else (aten's,
+# as TorchScript spells them: torch.X or ops.aten.X)
+PURE_OPS = frozenset([
+    "abs", "absolute", "acos", "add", "add_", "addmm", "all", "allclose", "amax", "amin", "any",
+    "arange", "argmax", "argmin", "asin", "atan", "atan2", "baddbmm", "bitwise_and",
+    "bitwise_not", "bitwise_or", "bmm", "broadcast_tensors", "cat", "ceil", "chunk", "clamp",
+    "clamp_", "clamp_max", "clamp_min", "clone", "contiguous", "copy_", "cos", "cosh",
+    "cumprod", "cumsum", "detach", "detach_", "device", "diag", "dim", "div", "div_", "dropout",
+    "dtype", "einsum", "empty", "empty_like", "eq", "equal", "erf", "exp", "expand",
+    "expand_as", "eye", "fill_", "flatten", "flip", "floor", "floor_divide", "fmod", "format",
+    "full", "full_like", "gather", "ge", "gelu", "gt", "hardtanh", "index", "index_put_",
+    "index_select", "is_floating_point", "is_nonzero", "isnan", "item", "layer_norm", "le",
+    "len", "linear", "linspace", "log", "log_softmax", "logical_and", "logical_not",
+    "logical_or", "lt", "masked_fill", "masked_fill_", "matmul", "max", "maximum", "mean",
+    "min", "minimum", "mm", "mul", "mul_", "narrow", "ne", "neg", "nonzero", "norm", "numel",
+    "ones", "ones_like", "permute", "pow", "prod", "rand", "rand_like", "randn", "randn_like",
+    "relu", "relu_", "remainder", "repeat", "reshape", "round", "rsqrt", "scalar_tensor",
+    "select", "sigmoid", "sign", "sin", "size", "slice", "softmax", "sort", "split", "sqrt",
+    "squeeze", "stack", "std", "sub", "sub_", "sum", "t", "tanh", "tensor", "tensor_split",
+    "to", "topk", "transpose", "tril", "triu", "unbind", "unsqueeze", "var", "view", "view_as",
+    "where", "zero_", "zeros", "zeros_like", "quantize_per_tensor", "quantize_per_channel",
+    "dequantize", "_empty_affine_quantized", "_empty_per_channel_affine_quantized", "q_scale",
+    "q_zero_point", "q_per_channel_scales", "q_per_channel_zero_points", "q_per_channel_axis",
+    "int_repr", "qscheme", "__and__", "__or__", "__not__", "__is__", "__isnot__",
+    "__contains__", "__getitem__", "__setitem__", "__derive_index", "__range_length",
+    "__interpolate", "_set_item", "append", "extend", "insert", "pop", "keys", "values",
+    "items", "get", "setdefault", "update", "clear", "copy", "list", "dict", "str", "int",
+    "float", "bool", "warn",
+])
 
 STORE, CREATE, CALL, READ = "store", "create", "call", "read"
 REST = -1  # the position that stands for every position not listed
