@@ -73,6 +73,8 @@ class Model:
     max_args: int | None = None  # more arguments than this is a use the model does not cover
     # CALL positions: which argument positions the call passes on (None: unknown)
     calls_with: dict[int, tuple[int, ...] | None] = field(default_factory=dict)
+    # CALL positions called with the items of another argument (func(*args))
+    spreads: dict[int, int] = field(default_factory=dict)
 
     def role(self, position: int) -> str | None:
         return self.positions.get(position, self.positions.get(REST))
@@ -184,10 +186,10 @@ MODELS: dict[str, Model] = {
         "Tensor._make_wrapper_subclass(cls, ...)", {0: CREATE, REST: STORE}),
     "torch._tensor._rebuild_from_type_v2": Model(
         "func(*args), then as_subclass(new_type) and its __setstate__(state)",
-        {0: CALL, 1: CREATE, 2: STORE, 3: STORE}, calls_with={0: None}),
+        {0: CALL, 1: CREATE, 2: STORE, 3: STORE}, spreads={0: 2}),
     "torch._tensor._rebuild_from_type": Model(
         "func(*args), then as_subclass(new_type)",
-        {0: CALL, 1: CREATE, 2: STORE, 3: STORE}, calls_with={0: None}),
+        {0: CALL, 1: CREATE, 2: STORE, 3: STORE}, spreads={0: 2}),
     "torch.nested._internal.nested_tensor._rebuild_njt": _stores(
         "a jagged nested tensor from its parts"),
     # TorchScript's pickler tags lists with these: each returns its argument

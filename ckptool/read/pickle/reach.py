@@ -246,7 +246,7 @@ class Calls:
             elif role == calls.CALL:
                 if name == "copyreg._reconstructor" and self.global_name(arg) == "builtins.object":
                     continue  # object.__new__(cls): nothing else runs
-                self.reach(arg, self._call_args(name, model, pos, args), f"called by {name}")
+                self.reach(arg, self._call_args(model, pos, args), f"called by {name}")
             elif role == calls.READ:
                 self.read_mapping(arg, name)
             else:
@@ -279,12 +279,14 @@ class Calls:
                        "through a ChainMap (its __missing__)")
 
     @staticmethod
-    def _call_args(name: str, model: calls.Model | None, pos: int,
+    def _call_args(model: calls.Model | None, pos: int,
                    args: tuple[Any, ...]) -> tuple[Any, ...] | None:
         if model is None:
             return None
-        if name.startswith("torch._tensor._rebuild_from_type"):
-            return args[2] if len(args) > 2 and isinstance(args[2], tuple) else None
+        spread = model.spreads.get(pos)
+        if spread is not None:  # func(*args[spread])
+            items = args[spread] if spread < len(args) else None
+            return items if isinstance(items, tuple) else None
         with_ = model.calls_with.get(pos)
         if with_ is None:
             return None
