@@ -477,12 +477,12 @@ def test_cli_json_schema(capsys: pytest.CaptureFixture[str]) -> None:
     # every documented field, and nothing undocumented
     assert set(data) == {"schema_version", "path", "format", "target", "load", "devices",
                          "main_state_dict", "keys", "findings", "fix_command", "fix_output",
-                         "fix_refused", "remaining", "exit_code", "framework"}
+                         "fix_refused", "remaining", "exit_code", "framework", "adapter", "notes"}
     assert set(data["target"]) == {"description", "source", "device_count", "cuda_available",
                                    "cuda_visible_devices", "note", "gpus"}
     assert set(data["keys"]) == {"against", "rewrite", "expected", "matched_as_saved",
                                  "matched", "missing", "unexpected", "mismatched",
-                                 "tied_missing"}
+                                 "tied_missing", "renamed_at_load"}
     assert data["fix_output"] == f"{SAMPLES}/dataparallel_cuda2.fixed.pth"
     assert data["remaining"] == []
 

@@ -9,16 +9,25 @@ the lot, for the CLI's text and JSON and for the browser's findings pane.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 
-from ckptool.check import findings, loadcheck, manyfiles, zerofix
-from ckptool.check.findings import ERROR, WARNING, Finding
+from ckptool.check import adapters, findings, loadable, loadcheck, manyfiles, zerofix
+from ckptool.check.adapters import AdapterMatch
+from ckptool.check.findings import ERROR, INFO, WARNING, Finding
 from ckptool.check.fixcommand import plan_command
 from ckptool.check.gpus.machine import Machine, probe
 from ckptool.check.loadcheck import TagLoad
+from ckptool.check.loadnames import LoadNames, from_table
 from ckptool.check.modelspec import ModelKeys, saved_settings
-from ckptool.check.reconcile import KeyReport, MaybeShape, ShapeHint, explain_shapes, reconcile
+from ckptool.check.reconcile import (
+    KeyReport,
+    Load,
+    MaybeShape,
+    ShapeHint,
+    explain_shapes,
+    reconcile,
+)
 from ckptool.describe import shell_word
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 from ckptool.model import Checkpoint
@@ -41,6 +50,11 @@ class Diagnosis:
     fix_output: str | None = None  # the file fix_command writes
     fix_refused: str | None = None  # why no command could be planned
     fix_options: FixOptions | None = None  # what fix_command asks for
+    # what the model's library renames as it loads the keys (one line), and how
+    load_note: str | None = None
+    load_names: LoadNames | None = None
+    adapter: AdapterMatch | None = None  # a PEFT adapter against the model it adapts
+    notes: list[Finding] = field(default_factory=list)  # INFO: said, no problem, not counted
 
     @property
     def exit_code(self) -> int:
@@ -97,6 +111,7 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
         opts.salvage = opts.salvage or (bool(flagged(ckpt)) and ckpt.main_state_dict is not None)
     result.findings += findings.content_findings(ckpt)
     result.findings += findings.companion_findings(ckpt)
+    result.findings += loadable.loader_findings(ckpt)  # the folder's own loader finds it?
     # DCP: the keys carry the entry they were saved under ("model."), which
     # is how they are loaded (dcp.load({"model": sd})): compared without it
     entry = manyfiles.entry_prefix(ckpt)
@@ -111,21 +126,16 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
         def shapes(of: Sequence[str]) -> dict[str, MaybeShape]:
             return {n[len(entry):]: tensors[n].shape if n in tensors else None for n in of}
 
-        result.keys = reconcile(shapes(names), model.shapes, model.tied)
-        rewrite = result.keys.rewrite
-        # a tie the files record (an index's, a safetensors header's) is no
-        # stored weight: a model without that name (as the keys are renamed to
-        # fit it) loads the file all the same; load_state_dict leaves it out alike
-        kept = tuple(n for n in names if consolidate is not None or n not in ckpt.aliases
-                     or rewrite.apply(n[len(entry):]) in model.shapes)
-        if kept != tuple(names):
-            result.keys = reconcile(shapes(kept), model.shapes, model.tied, rewrite)
-        result.shape_hints = explain_shapes(result.keys.mismatched, model.arguments,
-                                            saved_settings(ckpt.root))
-        result.findings += findings.key_findings(ckpt, result.keys, result.shape_hints, model,
-                                                 opts, name)
+        if ckpt.framework is not None and ckpt.framework.kind == "peft":
+            result.adapter = adapters.match(shapes(names), model.shapes)
+            result.findings += _adapter_findings(ckpt, result.adapter, model)
+        else:
+            _compare_keys(result, ckpt, model, names, shapes, consolidate is not None, opts,
+                          name)
     elif ckpt.main_state_dict is not None:
         result.findings += findings.prefix_findings(ckpt, opts, name, entry)
+    result.notes = [f for f in result.findings if f.severity == INFO]
+    result.findings = [f for f in result.findings if f.severity != INFO]
     if opts.salvage:  # every fix of a flagged file salvages, or fix refuses it
         result.findings = [replace(f, fix=f"{f.fix} --salvage") if f.fix and f.fix.startswith(
             "ckptool fix ") and "--salvage" not in f.fix else f for f in result.findings]
@@ -134,6 +144,35 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
         result.fix_options = None if opts == FixOptions() else opts
         result.findings = zerofix.pointed(result.findings, consolidate, result.fix_command)
         return result
+    return _planned(result, ckpt, opts)
+
+
+def _compare_keys(result: Diagnosis, ckpt: Checkpoint, model: ModelKeys, names: Sequence[str],
+                  shapes: Callable[[Sequence[str]], dict[str, MaybeShape]], consolidated: bool,
+                  opts: FixOptions, name: str) -> None:
+    """The state dict's keys against the model's, as findings on ``result``."""
+    entry = manyfiles.entry_prefix(ckpt)
+    result.keys, result.load_names = _compare(ckpt, shapes(names), model)
+    load = _load(result.load_names, model)
+    rewrite = result.keys.rewrite
+    # a tie the files record (an index's, a safetensors header's) is no
+    # stored weight: a model without that name (as the keys are renamed to
+    # fit it) loads the file all the same; load_state_dict leaves it out alike
+    kept = tuple(n for n in names if consolidated or n not in ckpt.aliases
+                 or _fits(rewrite.apply(n[len(entry):]), model, load))
+    if kept != tuple(names):
+        result.keys = reconcile(shapes(kept), model.shapes, model.tied, rewrite, load)
+    if result.load_names is not None:
+        result.load_note = result.load_names.describe(result.load_names.loaded(
+            [rewrite.apply(n) for n in shapes(kept)], model.shapes))
+    result.shape_hints = explain_shapes(result.keys.mismatched, model.arguments,
+                                        saved_settings(ckpt.root))
+    result.findings += findings.key_findings(ckpt, result.keys, result.shape_hints, model,
+                                             opts, name)
+
+
+def _planned(result: Diagnosis, ckpt: Checkpoint, opts: FixOptions) -> Diagnosis:
+    """``result`` with the one fix command for its findings, or why none."""
     command = plan_command(ckpt, opts)
     if command.refused is not None:
         result.fix_refused = command.refused
@@ -144,6 +183,50 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
         result.fix_command, result.fix_output, result.fix_options = (
             command.line, command.output, opts)
     return result
+
+
+def _adapter_findings(ckpt: Checkpoint, match: AdapterMatch, model: ModelKeys) -> list[Finding]:
+    """A PEFT adapter that does not fit the model it is given: each module
+    it targets that the model lacks or shapes differently."""
+    if match.fits:
+        return []
+    what = "; ".join(match.problems[:3]) + (
+        f" (and {len(match.problems) - 3} more)" if len(match.problems) > 3 else "")
+    if not match.problems:
+        what = "it holds no adapter weights ckptool recognises"
+    return [Finding("adapter-mismatch", ERROR,
+                    f"this PEFT adapter does not fit {model.source}: {what}", None,
+                    "PeftModel.from_pretrained(base, path)  # needs the base it was trained on",
+                    tuple(p.partition(":")[0] for p in match.problems))]
+
+
+def _compare(ckpt: Checkpoint, shapes: dict[str, MaybeShape],
+             model: ModelKeys) -> tuple[KeyReport, LoadNames | None]:
+    """The keys against the model's, named as its library loads them: its
+    own renames (a transformers model), else, for a folder transformers
+    wrote, ckptool's table of them where they fit the model better."""
+    if model.load_names is not None:
+        own = model.load_names
+        return reconcile(shapes, model.shapes, model.tied, load=_load(own, model)), own
+    plain = reconcile(shapes, model.shapes, model.tied)
+    fw = ckpt.framework
+    names = from_table(fw.model_type) if fw is not None and fw.kind in (
+        "transformers", "trainer", "accelerate") else None
+    if names is None or plain.clean:
+        return plain, None
+    loaded = reconcile(shapes, model.shapes, model.tied, load=_load(names, model))
+    return (loaded, names) if len(loaded.matched) > len(plain.matched) else (plain, None)
+
+
+def _load(names: LoadNames | None, model: ModelKeys) -> Load | None:
+    if names is None:
+        return None
+    return lambda shapes: names.shapes(shapes, model.shapes)
+
+
+def _fits(name: str, model: ModelKeys, load: Load | None) -> bool:
+    return name in model.shapes or (load is not None and any(
+        n in model.shapes for n in load({name: None})))
 
 
 def describe_keys(d: Diagnosis) -> str | None:

@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 from ckptool import dtypes
 from ckptool.check import manyfiles
+from ckptool.check.adapters import AdapterMatch
 from ckptool.check.diagnosis import diagnose
 from ckptool.check.findings import Finding, some_keys
 from ckptool.check.gpus.machine import assumed
+from ckptool.check.loadnames import Loaded, LoadNames
 from ckptool.check.modelspec import module_keys
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.read.companions import why_no_weights
@@ -81,15 +83,27 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
     # each the same tensor as the name stored
     aliases = {a[len(entry):]: k[len(entry):] for a, k in ckpt.aliases.items()}
     names = {**{n: n for n in tensors}, **{a: k for a, k in aliases.items() if k in tensors}}
+    gathered: dict[str, Loaded] = {}  # names the model's library makes of several keys
+    load_names = None
     if model is not None:
         keys = module_keys(model)
         report = diagnose(ckpt, assumed(0), keys)
+        if report.adapter is not None:
+            names = _adapter_names(path, type(model).__name__, report.adapter, names, report)
+            model = None  # named: nothing else to fit
+    if model is not None:
         assert report.keys is not None
         found = [f for f in report.findings if f.code in KEY_CODES]
         rewrite = report.keys.rewrite
         # a tied name the model does not have is no weight of its own: left out
-        names = {rewrite.apply(n): stored for n, stored in names.items()
-                 if n not in aliases or rewrite.apply(n) in keys.shapes}
+        load_names = report.load_names
+        if load_names is not None:  # named as the model's library loads them
+            names, gathered = _as_loaded(load_names, {rewrite.apply(n): stored for n, stored
+                                                      in names.items()}, keys.shapes,
+                                         {rewrite.apply(a) for a in aliases})
+        else:
+            names = {rewrite.apply(n): stored for n, stored in names.items()
+                     if n not in aliases or rewrite.apply(n) in keys.shapes}
         for missing, twin in report.keys.tied_missing.items():
             if twin in names:
                 names[missing] = names[twin]  # the model ties them: the same tensor
@@ -107,26 +121,76 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
     out: dict[str, torch.Tensor] = {}
     made: dict[str, torch.Tensor] = {}
     tree: Any = None  # sparse, nested, quantized: the file built once, each taken from it
+
+    def value_of(stored: str) -> torch.Tensor:
+        nonlocal tree
+        if stored not in made:
+            t = tensors[stored]
+            if t.layout == "strided" and not t.parts:
+                value = values.values(t)
+            else:
+                if ckpt.is_multifile:
+                    raise UnsupportedCheckpointError(
+                        f"{t.key} is a {t.layout} tensor in {t.file or 'a shard'}: "
+                        "ckptool builds those from single files", "name the file")
+                if tree is None:
+                    tree = Builder(ckpt, "cpu", mmap=True).build(ckpt.root)
+                value = pick(tree, t.key)
+            value = place.tensor(value, t.location or "cpu")
+            if cast is not None and value.is_floating_point():
+                value = value.to(cast)
+            made[stored] = value
+        return made[stored]
+
     with TensorValues(ckpt) as values:
         for name, stored in names.items():
-            if stored not in made:
-                t = tensors[stored]
-                if t.layout == "strided" and not t.parts:
-                    value = values.values(t)
-                else:
-                    if ckpt.is_multifile:
-                        raise UnsupportedCheckpointError(
-                            f"{t.key} is a {t.layout} tensor in {t.file or 'a shard'}: "
-                            "ckptool builds those from single files", "name the file")
-                    if tree is None:
-                        tree = Builder(ckpt, "cpu", mmap=True).build(ckpt.root)
-                    value = pick(tree, t.key)
-                value = place.tensor(value, t.location or "cpu")
-                if cast is not None and value.is_floating_point():
-                    value = value.to(cast)
-                made[stored] = value
-            out[name] = made[stored]
+            out[name] = value_of(stored)
+        for target, group in gathered.items():
+            parts: dict[str, list[torch.Tensor]] = {}
+            for source, pattern in zip(group.sources, group.patterns, strict=True):
+                parts.setdefault(pattern, []).append(value_of(source))
+            assert load_names is not None
+            out.update(load_names.make(group.converter, target, parts))
+            for source in group.sources:  # each part is used once
+                made.pop(source, None)
     return out
+
+
+def _adapter_names(path: str, model: str, match: AdapterMatch, names: dict[str, str],
+                   report: Any) -> dict[str, str]:
+    """A PEFT adapter's keys as the PEFT-wrapped ``model`` names them (its
+    adapter's name inserted, as ``set_peft_model_state_dict`` does); an
+    adapter against a model no adapter wraps is refused with the loader."""
+    found = [f for f in report.findings if f.code == "adapter-mismatch"]
+    if found:
+        raise StateDictMismatch(f"{path} does not fit {model}: {found[0].message}",
+                                "an adapter loads into the base model it was trained on",
+                                found)
+    if match.wrapped is None:
+        raise UsageError(
+            f"{path} is a PEFT adapter: {model} is the model it adapts, which has no place "
+            "for the adapter's weights",
+            "load it with PeftModel.from_pretrained(model, path), or pass the model "
+            "get_peft_model returns (load its result with strict=False: an adapter holds "
+            "no base weights)")
+    return {match.names.get(n, n): stored for n, stored in names.items()}
+
+
+def _as_loaded(load_names: LoadNames, names: dict[str, str], expected: dict[str, Any],
+               aliases: set[str]) -> tuple[dict[str, str], dict[str, Loaded]]:
+    """``names`` (name: stored key) as the model's library loads them: the
+    renamed ones, and those it makes of several keys (their sources given
+    as stored keys). A tied name (of ``aliases``) the model lacks is left out."""
+    plain: dict[str, str] = {}
+    gathered: dict[str, Loaded] = {}
+    for name, entry in load_names.loaded(names, expected).items():
+        if entry.converter is None:
+            if entry.sources[0] not in aliases or name in expected:
+                plain[name] = names[entry.sources[0]]
+        else:
+            gathered[name] = Loaded(name, [names[s] for s in entry.sources], entry.converter,
+                                    entry.patterns, entry.also)
+    return plain, gathered
 
 
 def _what_fits(path: str, model: str, names: dict[str, str], tensors: dict[str, Any],

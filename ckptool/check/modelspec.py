@@ -21,6 +21,8 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
+from ckptool.check.loadnames import LoadNames
+from ckptool.check.loadnames.live import transformers_names
 from ckptool.errors import CkptoolError, UsageError
 
 
@@ -34,6 +36,13 @@ class ModelKeys:
     arguments: dict[str, Any] = field(default_factory=dict)  # constructor arguments as called
     name: str = ""  # the class (or factory) name
     given: dict[str, Any] = field(default_factory=dict)  # the arguments --model-arg gave
+    # how the model's library renames a checkpoint's keys as it loads them
+    # (transformers 5's conversion mapping); None: it loads them as named
+    load_names: LoadNames | None = None
+    # the class that ties its shared names again as it loads (transformers'
+    # from_pretrained calls the model's tie_weights()); None: only its
+    # constructor ties them, and a strict load_state_dict wants every name
+    ties_on_load: str | None = None
 
 
 class ModelError(CkptoolError):
@@ -153,7 +162,9 @@ def module_keys(model: Any, source: str | None = None) -> ModelKeys:
         shapes[key] = tuple(value.shape)
         groups.setdefault(id(value), []).append(key)
     name = type(model).__name__
-    return ModelKeys(source or f"model {name}", shapes, _ties(groups.values()), name=name)
+    return ModelKeys(source or f"model {name}", shapes, _ties(groups.values()), name=name,
+                     load_names=transformers_names(model),
+                     ties_on_load=name if callable(getattr(model, "tie_weights", None)) else None)
 
 
 def _ties(groups: Any) -> dict[str, tuple[str, ...]]:

@@ -12,7 +12,7 @@ counts shown are the counts the fixed file will have. Pure: no torch.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,6 +20,9 @@ from ckptool.read.prefixes import common_prefix, leading_wrappers
 
 Shape = tuple[int, ...]
 MaybeShape = Shape | None  # None: an extra-state entry, not a tensor
+# the names a library loads file keys under, with their shapes (None: a
+# tensor it gathers from several keys, whose shape it makes)
+Load = Callable[[dict[str, MaybeShape]], dict[str, MaybeShape]]
 
 
 @dataclass(frozen=True)
@@ -73,9 +76,13 @@ def _candidates(keys: Iterable[str]) -> list[str]:
     return list(dict.fromkeys(out))
 
 
-def infer_rewrite(names: list[str], expected: dict[str, MaybeShape]) -> Rewrite:
+def infer_rewrite(names: list[str], expected: dict[str, MaybeShape],
+                  load: Load | None = None) -> Rewrite:
     """The strip/add pair under which the most names match ``expected``;
-    among equals, the smallest change."""
+    among equals, the smallest change. ``load``: the library renames the
+    keys when it loads them, after the rewrite."""
+    if load is not None:
+        return _infer_loaded(names, expected, load)
     # a name matches under (strip, add) when it, stripped, is an expected
     # key with ``add`` taken off: set intersections keep 100k keys fast
     wanted = {add: {k[len(add):] for k in expected if k.startswith(add)}
@@ -90,14 +97,35 @@ def infer_rewrite(names: list[str], expected: dict[str, MaybeShape]) -> Rewrite:
     return best
 
 
+def _infer_loaded(names: list[str], expected: dict[str, MaybeShape], load: Load) -> Rewrite:
+    """``infer_rewrite`` where the library renames at load: each candidate
+    rewritten, then loaded; the rewrite that changes nothing first."""
+    def score(rewrite: Rewrite) -> int:
+        return sum(1 for n in load(dict.fromkeys(map(rewrite.apply, names))) if n in expected)
+
+    best, best_score = Rewrite(), score(Rewrite())
+    if best_score == len(expected):
+        return best
+    adds = _candidates(expected)
+    for strip in _candidates(names):
+        for add in adds:
+            rewrite = Rewrite(strip, add)
+            if not rewrite.empty and (found := score(rewrite)) > best_score:
+                best, best_score = rewrite, found
+    return best
+
+
 def reconcile(shapes: dict[str, MaybeShape], expected: dict[str, MaybeShape],
               tied: dict[str, tuple[str, ...]] | None = None,
-              rewrite: Rewrite | None = None) -> KeyReport:
+              rewrite: Rewrite | None = None, load: Load | None = None) -> KeyReport:
     """Compare file keys (with their shapes) with the expected ones. ``tied``
-    maps each key to the keys sharing its tensor in the model."""
+    maps each key to the keys sharing its tensor in the model; ``load``
+    names the keys as the library loads them (after the rewrite)."""
     if rewrite is None:
-        rewrite = infer_rewrite(list(shapes), expected)
+        rewrite = infer_rewrite(list(shapes), expected, load)
     renamed = {rewrite.apply(k): v for k, v in shapes.items()}
+    if load is not None:
+        renamed = load(renamed)
     matched, missing, mismatched = [], [], []
     for key, shape in expected.items():
         if key not in renamed:
@@ -112,7 +140,8 @@ def reconcile(shapes: dict[str, MaybeShape], expected: dict[str, MaybeShape],
         twin = next((t for t in (tied or {}).get(k, ()) if t in renamed), None)
         if twin is not None:
             tied_missing[k] = twin
-    before = sum(1 for k in shapes if k in expected)
+    before = sum(1 for k in (load(dict(shapes)) if load is not None else shapes)
+                 if k in expected)
     return KeyReport(rewrite, matched, missing, unexpected, mismatched, before, tied_missing)
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import click
 
-from ckptool.check import manyfiles
+from ckptool.check import adapters, manyfiles
 from ckptool.check.diagnosis import Diagnosis
 from ckptool.check.gpus.machine import describe_machine
 from ckptool.cli.common import (
@@ -94,10 +94,17 @@ def diagnose_dict(d: Diagnosis) -> dict[str, Any]:
             "mismatched": [{"key": k, "file": list(a), "model": list(b)}
                            for k, a, b in keys.mismatched],
             "tied_missing": keys.tied_missing,
+            "renamed_at_load": None if d.load_names is None else {
+                "library": d.load_names.library, "origin": d.load_names.origin,
+                "note": d.load_note},
         },
+        "adapter": None if d.adapter is None else adapters.as_dict(d.adapter),
         "findings": [{"code": f.code, "severity": f.severity, "message": f.message,
                       "fix": f.fix, "snippet": f.snippet, "keys": list(f.keys)}
                      for f in d.findings],
+        # facts said that are no problem (severity info): never counted
+        "notes": [{"code": f.code, "severity": f.severity, "message": f.message,
+                   "snippet": f.snippet, "keys": list(f.keys)} for f in d.notes],
         "fix_command": d.fix_command,
         "fix_output": d.fix_output,
         "fix_refused": d.fix_refused,
