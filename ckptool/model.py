@@ -131,6 +131,8 @@ class Framework:
     adapter: dict[str, Any] = field(default_factory=dict)  # PEFT: type, r, targets, base model
     companions: tuple[Companion, ...] = ()
     components: tuple[str, ...] = ()  # diffusers: the pipeline's model folders
+    # PEFT: every adapter of the folder (name, peft_type, path, r), "default" first
+    adapters: tuple[dict[str, Any], ...] = ()
 
     def as_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, "directory": self.directory,
@@ -138,6 +140,7 @@ class Framework:
                 "model_type": self.model_type, "tie_word_embeddings": self.tie_word_embeddings,
                 "own_prefix": self.own_prefix, "evidence": self.evidence,
                 "adapter": self.adapter, "components": list(self.components),
+                "adapters": [dict(a) for a in self.adapters],
                 "companions": [{"path": c.path, "role": c.role, "size": c.size,
                                 "format": c.format, "unsafe": list(c.unsafe),
                                 "custom": list(c.custom), "error": c.error,

@@ -80,7 +80,12 @@ def test_torchscript_classes_are_the_archives_own() -> None:
 
 
 FRAMEWORKS = Path(__file__).parent / "fixtures" / "frameworks"
-FOLDERS = sorted(p for p in FRAMEWORKS.iterdir() if p.is_dir() and p.name != "loader_choice")
+# (ecosystem/: one folder per model; peft_only_named/ holds two adapters, named one by one)
+FOLDERS = sorted([p for p in FRAMEWORKS.iterdir() if p.is_dir()
+                  and p.name not in ("loader_choice", "ecosystem")]
+                 + [p for p in (FRAMEWORKS / "ecosystem").iterdir() if p.is_dir()
+                    and p.name != "peft_only_named"]
+                 + [FRAMEWORKS / "ecosystem" / "peft_only_named" / n for n in ("alpha", "beta")])
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=lambda p: p.name)

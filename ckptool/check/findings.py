@@ -10,9 +10,8 @@ also sets the options that do it on the ``FixOptions`` it is given, so that
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from ckptool.check import loadcheck, manyfiles
+from ckptool.check import loadcheck, manyfiles, notes
+from ckptool.check.finding import ERROR, INFO, WARNING, Finding
 from ckptool.check.fixcommand import stem
 from ckptool.check.gpus.machine import Machine, describe_machine, fits, pick
 from ckptool.check.loadcheck import TagLoad
@@ -28,17 +27,7 @@ from ckptool.read.prefixes import common_prefix, describe_wrapper, split_wrapper
 from ckptool.write.fix.flags import flags as command_flags
 from ckptool.write.fix.plan import FixOptions
 
-ERROR, WARNING = "error", "warning"  # error: loading fails; warning: not as wanted
-
-
-@dataclass(frozen=True)
-class Finding:
-    code: str  # stable: device-unavailable, key-prefix, wrapped-state-dict...
-    severity: str  # error (loading fails) or warning (loads, but not as wanted)
-    message: str
-    fix: str | None = None  # a runnable ckptool command, or a code change
-    snippet: str | None = None  # the same fix as Python, where there is one
-    keys: tuple[str, ...] = ()  # the keys concerned, for missing/unexpected/mismatch
+__all__ = ["ERROR", "INFO", "WARNING", "Finding"]  # (defined in ckptool.check.finding)
 
 
 def format_findings(ckpt: Checkpoint, name: str) -> list[Finding]:
@@ -235,7 +224,10 @@ def prefix_findings(ckpt: Checkpoint, opts: FixOptions, name: str,
     fw = ckpt.framework
     own = fw is not None and bool(fw.own_prefix) and rest == fw.own_prefix
     out = []
-    if wrapper:
+    kept = notes.saved_wrapper(fw, wrapper)  # one the folder's framework loads back
+    if kept is not None:
+        out.append(kept)
+    elif wrapper:
         if rest:
             opts.strip_prefixes = (*opts.strip_prefixes, wrapper)
             flags = f"--strip-prefix {wrapper}"
@@ -315,16 +307,8 @@ def key_findings(ckpt: Checkpoint, report: KeyReport, hints: list[ShapeHint], mo
             f"{len(missing)} of {plural(total, 'key')} of {model.source} "
             f"{'is' if len(missing) == 1 else 'are'} not in {_it(ckpt)}: "
             f"{some_keys(missing)}{why_missing(missing)}", None, None, tuple(missing)))
-    if tied:
-        pairs = ", ".join(f"{k} (tied to {v})" for k, v in list(tied.items())[:3])
-        out.append(Finding(
-            "tied-keys", WARNING,
-            f"{plural(len(tied), 'missing key')} "
-            f"{'is a tied weight' if len(tied) == 1 else 'are tied weights'} whose twin "
-            f"{_it(ckpt)} has: {pairs}; "
-            "strict loading still wants them",
-            None, "model.load_state_dict(sd, strict=False)  # the tie fills them",
-            tuple(tied)))
+    if tied:  # (an INFO finding where the model ties them again as it loads)
+        out.append(notes.tied(_it(ckpt), tied, model))
     if report.unexpected:
         out.append(Finding(
             "unexpected-keys", ERROR,

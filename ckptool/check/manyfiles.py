@@ -27,7 +27,7 @@ consolidated by ``convert`` first, as a DeepSpeed one always is.
 
 from __future__ import annotations
 
-from ckptool.describe import plural
+from ckptool.describe import plural, shell_word
 from ckptool.model import Checkpoint
 from ckptool.read.layouts.hf_storage import HF_STORAGE
 from ckptool.read.layouts.per_rank import PER_RANK
@@ -53,6 +53,13 @@ def loader(ckpt: Checkpoint) -> str:
 
 def no_problems(ckpt: Checkpoint) -> str:
     """What diagnose says when it finds nothing."""
+    fw = ckpt.framework
+    if fw is not None and fw.kind == "peft":  # names without the adapter's: PEFT's loaders
+        return ("no problems found: PeftModel.from_pretrained(base_model, "
+                f"{shell_word(fw.directory)}) loads this adapter, and "
+                "set_peft_model_state_dict(peft_model, sd) takes its state dict; a plain "
+                "load_state_dict does not (its names lack the adapter's name and the base "
+                "model's weights)")
     if ckpt.is_multifile:
         return (f"no problems found: {loader(ckpt)} and load_state_dict will take this "
                 "checkpoint")

@@ -7,7 +7,7 @@ covers every file a framework would ``torch.load`` when resuming.
 ``framework_of`` is called by ``ckptool.read.reader`` once the model is
 read: for a directory, with its companions; for a file the frameworks name
 (``model.safetensors``, ``pytorch_model.bin``, ``adapter_model.safetensors``,
-a shard), with its folder's config only.
+a shard), with its folder's config (or accelerate's ``random_states_0.pkl``) only.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import replace
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
 from ckptool.read import dispatch, optim, prefixes
-from ckptool.read.layouts import framework, journal, loaders, recognise
+from ckptool.read.layouts import framework, journal, loaders, nested, recognise
 from ckptool.read.layouts import names as names_mod
 from ckptool.read.layouts.names import SHARD_NAME
 from ckptool.read.pickle import policy
@@ -41,10 +41,10 @@ def framework_of(path: str, layout: recognise.Layout | None,
                 and not SHARD_NAME.search(name):
             return None
         directory = os.path.dirname(path) or "."
-        names = [n for n in ("config.json", "adapter_config.json") if
-                 os.path.isfile(os.path.join(directory, n))]
+        names = [n for n in ("config.json", "adapter_config.json", "random_states_0.pkl") if
+                 os.path.isfile(os.path.join(directory, n))]  # (accelerate's: its names)
         facts = framework.folder_facts(directory, names, []) if names else None
-        return _with_names(facts, ckpt) if facts else None
+        return _with_names(_with_adapters(facts), ckpt) if facts else None
     try:
         with os.scandir(path) as it:
             entries = sorted((e.name, e.is_dir(), e.is_file()) for e in it)
@@ -68,7 +68,15 @@ def framework_of(path: str, layout: recognise.Layout | None,
                           f"{len(found)} other file{'s' if len(found) != 1 else ''} ({here})")
     if facts.kind == "sentence-transformers":
         found += _modules(path)
-    return _with_names(replace(facts, companions=tuple(found)), ckpt)
+    return _with_names(_with_adapters(replace(facts, companions=tuple(found))), ckpt)
+
+
+def _with_adapters(facts: Framework) -> Framework:
+    """A PEFT folder's facts with every adapter in it (named ones in subfolders)."""
+    if facts.kind != "peft":
+        return facts
+    return replace(facts, adapters=tuple(a.as_dict() for a in
+                                         nested.peft_adapters(facts.directory)))
 
 
 def _modules(directory: str) -> list[Companion]:

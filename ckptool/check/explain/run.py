@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ckptool.check import notes
 from ckptool.check.diagnosis import Diagnosis, diagnose
 from ckptool.check.explain import patterns as p
 from ckptool.check.explain.findings import (
@@ -111,6 +112,9 @@ def with_checkpoint(exp: Explanation, ckpt: Checkpoint, model: ModelKeys | None 
         model = model_from_error(error, ckpt)
     d = diagnose(ckpt, machine or target(exp), model)
     exp.diagnosis, exp.against = d, model.source if model else None
+    if d.keys is not None:  # a wrapper the folder's framework saves (and loads back)
+        said = notes.loaded_back(ckpt.framework, d.keys.rewrite.strip, d.keys.rewrite.add)
+        exp.notes += [said] if said is not None else []
     found = {f.code: f for f in d.findings}
     own, used = [], set()
     saved = None

@@ -19,7 +19,9 @@ content, and a clear error for anything else.
   shards (``shard-00001-model-00001-of-00001.safetensors``): joined;
 - a directory holding exactly one checkpoint file (by its first bytes), or
   one model beside a framework's other files (``ckptool.read.layouts.framework``).
-  A diffusers pipeline's root is refused with its components named.
+  A diffusers pipeline's root is refused with its components named, a
+  Hugging Face cache repository with its snapshot, a folder of PEFT
+  adapters in subfolders with each (``nested``).
 
 Nothing here reads more than an index's JSON and a few bytes of each file,
 and nothing here imports a format reader beyond their ``sniff`` functions.
@@ -33,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckptool.read.layouts import framework, journal, loaders, mixed
+from ckptool.read.layouts import framework, journal, loaders, mixed, nested
 from ckptool.read.layouts.names import (
     ACCELERATE_DIRS,
     DATA_FILE,
@@ -329,6 +331,7 @@ def _lone_file(path: str, files: list[str], dirs: list[str], notes: tuple[str, .
             f"{path} is {facts.description}, whose models are read one at a time: "
             f"{_names([d + '/' for d in models])}",
             f"name the one to read: ckptool inspect {shell_word(os.path.join(path, models[0]))}")
+    nested.refuse(path, dirs)  # a Hub cache's repository, PEFT adapters in subfolders
     if not files and not dirs:
         raise NotACheckpointError(f"{path} is an empty directory",
                                   "point ckptool at a checkpoint file or a checkpoint directory")
