@@ -23,12 +23,14 @@ from ckptool.describe import (
     own_prefix_text,
     parameters_text,
     plural,
+    shell_word,
     tensor_shape,
 )
 from ckptool.describe import shown as shown_text
 from ckptool.keys import pieces
-from ckptool.model import NO_LOCATION, Checkpoint, Companion, TensorInfo
+from ckptool.model import NO_LOCATION, Checkpoint, Companion, Framework, TensorInfo
 from ckptool.read import optim
+from ckptool.read.layouts import contents
 
 
 def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:
@@ -56,6 +58,8 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
         grid.add_row("folder", framework_line(fw))
         if fw.adapter:
             grid.add_row("adapter", adapter_line(fw.adapter))
+        for i, line in enumerate(adapters_lines(fw)):
+            grid.add_row("adapters" if i == 0 else "", line)
     grid.add_row("tensors", f"{len(ckpt.tensors):,} in {plural(len(ckpt.storages), 'storage')} · "
                  f"{human_bytes(ckpt.total_bytes)}")
     sd = ckpt.main_state_dict
@@ -111,6 +115,11 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     if fw is not None:
         for i, c in enumerate(fw.companions):
             grid.add_row("beside" if i == 0 else "", companion_text(c))
+        for i, sub in enumerate(contents.subfolders(fw.directory)):
+            grid.add_row("folders" if i == 0 else "", subfolder_text(sub))
+        for i, line in enumerate(contents.code_lines(contents.remote_code(fw.directory))):
+            grid.add_row(Text("code", style="yellow") if i == 0 else "",
+                         Text(line, style="yellow"))
     for warning in ckpt.warnings:
         grid.add_row(Text("warning", style="yellow"), Text(warning, style="yellow"))
     for note in ckpt.metadata.get("notes", ()):
@@ -121,6 +130,18 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
 
 
 FILES_SHOWN = 6
+
+
+def adapters_lines(fw: Framework) -> list[str]:
+    """Every adapter of a PEFT folder holding more than one, and how each loads."""
+    if len(fw.adapters) < 2:
+        return []
+    lines = [" · ".join([a["name"], a["peft_type"] + (f" r {a['r']}" if a.get("r") else ""),
+                         a["path"]]) for a in fw.adapters]
+    other = next(a["name"] for a in fw.adapters if a["name"] != "default")
+    folder = shell_word(fw.directory)
+    return [*lines, f"PeftModel.from_pretrained(base, {folder}) loads default; each other "
+            f"one: peft_model.load_adapter({folder}/{other}, adapter_name={other!r})"]
 
 
 def adapter_line(adapter: dict[str, Any]) -> str:
@@ -160,6 +181,12 @@ def companion_text(c: Companion) -> Text:
                     f"{' …' if len(c.custom) > 3 else ''} (loading imports and runs them)",
                     style="yellow")
     return text
+
+
+def subfolder_text(sub: contents.Subfolder) -> str:
+    """A folder inside the framework folder: its files, their size, what it is."""
+    count = f"{'more than ' if sub.more else ''}{plural(len(sub.files), 'file')}"
+    return f"{sub.name}/ · {count} · {human_bytes(sub.size)} · {sub.role}"
 
 
 def many_files_format(ckpt: Checkpoint) -> str:

@@ -55,15 +55,30 @@ ROLES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"^adapter_config\.json$", "adapter config (PEFT)"),
         (r"^(tokenizer(_config)?\.json|special_tokens_map\.json|vocab\.(txt|json)"
          r"|merges\.txt|tokenizer\.model|added_tokens\.json|spiece\.model"
-         r"|chat_template\.(jinja|json))$", "tokenizer"),
-        (r"^preprocessor_config\.json$", "preprocessor config"),
+         r"|sentencepiece\.bpe\.model|(source|target)\.spm|bpe\.codes)$", "tokenizer"),
+        (r"^chat_template\.(jinja|json)$", "chat template"),
+        (r"^(video_)?preprocessor_config\.json$", "preprocessor config"),
+        (r"^processor_config\.json$", "processor config"),
+        (r"^(tf_model\.h5|flax_model\.msgpack|rust_model\.ot)$",
+         "the model for another framework (TensorFlow, Flax, Rust)"),
+        (r"^.+\.onnx(_data)?$", "ONNX model"),
+        (r"^(modeling|configuration|tokenization|processing|image_processing"
+         r"|feature_extraction|video_processing)_\w+\.py$",
+         "custom code (trust_remote_code=True runs it)"),
         (r"^model_index\.json$", "pipeline index (diffusers)"),
         (r"^(modules|sentence_bert_config|config_sentence_transformers)\.json$",
          "sentence-transformers config"),
         (r"^(README\.md|\.gitattributes|LICENSE(\.txt)?)$", "model card or repository file"),
         (r"^(zero_to_fp32|zero_to_torch)\.py$", "DeepSpeed recovery script"),
         (r"^latest$", "DeepSpeed tag pointer"),
+        (r"^\w+\.py$", "Python file (ckptool never runs it)"),
     ))
+# the roles above that are what resuming training reads, not the model
+TRAINING_STATE = frozenset({
+    "optimizer state", "LR scheduler state", "RNG state (Trainer)", "RNG state (accelerate)",
+    "training arguments (Trainer)", "trainer state (JSON)", "gradient scaler state",
+    "sampler state (accelerate)", "data loader state (accelerate)",
+    "registered object (accelerate)", "DeepSpeed recovery script", "DeepSpeed tag pointer"})
 # what each framework loads as the model, in the order it looks
 MODEL_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors",
                "pytorch_model.bin", "diffusion_pytorch_model.safetensors",
@@ -198,8 +213,29 @@ def _model_facts(config: Any) -> tuple[str | None, str | None, bool | None]:
     model_class = model_class[:200] if isinstance(model_class, str) else None
     if model_class is None and model_type is None:
         return None, None, None
-    tied = config.get("tie_word_embeddings")  # absent: the config class's default, unknown here
-    return model_class, model_type, tied if isinstance(tied, bool) else None
+    return model_class, model_type, _ties_head(config, model_class)
+
+
+# classes with an output embedding (a language-model head) that a config can tie
+LM_HEAD = re.compile(r"(ForCausalLM|LMHeadModel|WithLMHead(Model)?|ForConditionalGeneration"
+                     r"|ForMaskedLM|ForPreTraining|ForSeq2SeqLM|ForSpeechSeq2Seq)$")
+
+
+def _ties_head(config: dict[str, Any], model_class: str | None) -> bool | None:
+    """Whether the model ties its output embedding to its input embedding:
+    None for a class with no such head (``RobertaModel``, a classifier) or
+    none named. ``tie_word_embeddings`` as the config says, or, where it
+    does not, as the transformers that wrote it meant: 4.x leaves out a
+    value equal to ``PretrainedConfig``'s default, True (a T5's, a BERT's
+    config.json); 5.x writes it wherever the model has one."""
+    if model_class is None or not LM_HEAD.search(model_class):
+        return None
+    tied = config.get("tie_word_embeddings")
+    if isinstance(tied, bool):
+        return tied
+    version = config.get("transformers_version")
+    major = re.match(r"^(\d+)\.", version) if isinstance(version, str) else None
+    return True if major is not None and int(major.group(1)) < 5 else None
 
 
 def _adapter_facts(adapter: dict[str, Any]) -> dict[str, Any]:

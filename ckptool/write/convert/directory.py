@@ -13,7 +13,6 @@ DCP is written by torch's own writer (``ckptool.write.convert.dcpwriter``).
 
 from __future__ import annotations
 
-import shutil
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
@@ -24,6 +23,7 @@ from ckptool.read.reader import open_checkpoint
 from ckptool.write import shards
 from ckptool.write.convert.dcpwriter import check_values, write_dcp
 from ckptool.write.convert.files import write_safetensors, write_torch
+from ckptool.write.convert.folder import Extra, write_extras
 from ckptool.write.convert.job import Job, hf_files, hf_index
 from ckptool.write.convert.plan import Written
 from ckptool.write.outdir import AtomicDirectory
@@ -52,12 +52,12 @@ def convert(job: Job, *, force: bool = False, progress: Progress | None = None,
 def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *,
                     force: bool = False, fsync: bool = False, progress: Progress | None = None,
                     planned: list[shards.Shard] | None = None,
-                    extras: Sequence[tuple[str, str]] = (),
+                    extras: Sequence[Extra] = (),
                     stem: str | None = None,
                     streams: Streams | None = None) -> tuple[list[str], int]:
     """Write ``written`` (of ``source``) as directory ``dst`` of ``kind``, in
     the ``planned`` shards (hf, hf-bin; the index named for ``stem``), with
-    the files ``extras`` ((path, name in dst)) copied as they are; returns
+    the files ``extras`` beside them (``folder``: a framework's); returns
     its files and their bytes."""
     total = sum(written.nbytes(n) for n in written.tensors)
     with AtomicDirectory(dst, force, fsync, source=source.directory or source.path) as outdir, \
@@ -71,13 +71,7 @@ def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *
             assert planned is not None
             files = _write_hf(written, kind, tensors, outdir, planned, _Overall(progress, total),
                               stem, streams)
-        for path, name in extras:
-            with open(path, "rb") as f, \
-                    outdir.file(name) as out:
-                shutil.copyfileobj(f, out.file)
-                out.file.flush()
-                out.commit()
-            files.append(name)
+        files += write_extras(extras, outdir)
         back = check_whole(outdir.path, written, kind)
         check_values(back, crcs)
         outdir.commit()

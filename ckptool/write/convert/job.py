@@ -1,15 +1,15 @@
 """What one ``convert`` will write, decided before a byte is: the output's
 kind, the tensors and names (``convert_plan``), the files (one, or a
-directory's shards and its index, and the config files a framework's loader
-reads beside them), and the report. The same job is written by one process
-(``ckptool.write.convert.run``) or by many (``ckptool.write.distributed``):
-both lay out the same files from it, so they write the same bytes.
+directory's shards and its index, and the files of the framework folder it
+was read from written beside them: ``folder``), and the report. The same
+job is written by one process (``ckptool.write.convert.run``) or by many
+(``ckptool.write.distributed``): both lay out the same files from it, so
+they write the same bytes.
 """
 
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,7 +21,9 @@ from ckptool.read.layouts import deepspeed
 from ckptool.read.layouts.dcp import DCP
 from ckptool.read.reader import open_checkpoint, with_state_dict
 from ckptool.write import shards
+from ckptool.write.convert import loadable
 from ckptool.write.convert import plan as convert_plan
+from ckptool.write.convert.folder import Extra, adapters_note, modules_note, plan_folder
 from ckptool.write.convert.plan import TORCH, WHOLE, Written
 from ckptool.write.fix.plan import REWRITABLE
 from ckptool.write.flagged import refuse_flagged
@@ -32,11 +34,6 @@ TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt", ".tar")
 DIRECTORY_FORMATS = ("hf", "hf-bin", "dcp")
 FORMATS = {"hf": "hf-safetensors", "hf-bin": "hf-bin", "dcp": "dcp",
            "safetensors": "safetensors", "torch": "torch-zip"}
-# a framework's own name for its weights, and the files its loader reads beside them
-STEMS = {"diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
-# (not sentence-transformers' modules.json: it names module folders convert does not write)
-CONFIG_ROLES = ("model config", "generation config", "adapter config (PEFT)", "tokenizer",
-                "preprocessor config")
 
 
 @dataclass
@@ -51,7 +48,7 @@ class Job:
     meta: dict[str, str] = field(default_factory=dict)  # one safetensors file's __metadata__
     shards: list[shards.Shard] = field(default_factory=list)  # hf, hf-bin
     stem: str | None = None  # a framework's name for its weights (hf, hf-bin)
-    extras: list[tuple[str, str]] = field(default_factory=list)  # (path, name in dst) copied
+    extras: list[Extra] = field(default_factory=list)  # the framework's files, beside
 
     @property
     def is_directory(self) -> bool:
@@ -114,6 +111,9 @@ def prepare(src: str, dst: str, *, fmt: str | None = None, max_shard_size: int |
     job = Job(source, dst, kind, written, ConvertResult.of(source, dst, FORMATS[kind], written))
     if kind == "safetensors":
         job.meta = _st_metadata(written)
+    lost = modules_note(source, "one file") or adapters_note(source, "one file")
+    if lost is not None:
+        job.result.notes.append(lost)
     return job
 
 
@@ -132,28 +132,16 @@ def _directory_job(source: Checkpoint, dst: str, kind: str, max_shard_size: int 
         job.result.notes.append(f"DCP cannot share storage: each tied name is written as its "
                                 f"own copy ({pairs})")
     if kind == "dcp":
+        lost = modules_note(source, "a DCP checkpoint") or adapters_note(
+            source, "a DCP checkpoint")
+        job.result.notes += [lost] if lost is not None else []
         return job
-    job.stem, job.extras = framework_files(source)
-    if job.extras:
-        job.result.notes.append(
-            f"copied {', '.join(n for _, n in job.extras)} from "
-            f"{source.framework.directory if source.framework else '?'}, so that the "
-            "framework's from_pretrained finds the model")
-    job.shards = shards.plan(written, kind, max_shard_size or shards.DEFAULT_MAX, job.stem)
+    beside = plan_folder(source, dtype)  # the framework's files, and what is not copied
+    job.stem, job.extras = beside.stem, beside.extras
+    job.result.notes += beside.notes
+    job.shards = loadable.plan_shards(written, kind, max_shard_size, job.stem)
+    job.result.notes += loadable.loader_notes(source, dst, kind, job.shards, job.stem)
     return job
-
-
-def framework_files(source: Checkpoint) -> tuple[str | None, list[tuple[str, str]]]:
-    """How a framework folder's model is written as a directory that its
-    ``from_pretrained`` loads: the weights' file stem (diffusers'
-    ``diffusion_pytorch_model``, PEFT's ``adapter_model``; None: as
-    transformers), and its config files to copy, as (path, name)."""
-    fw = source.framework
-    if fw is None:
-        return None, []
-    configs = [(os.path.join(fw.directory, c.path), c.path) for c in fw.companions
-               if c.role in CONFIG_ROLES]
-    return STEMS.get(fw.kind), configs
 
 
 def hf_files(written: Written, kind: str, planned: list[shards.Shard]) -> list[

@@ -158,10 +158,11 @@ def _commit(plan: Plan, staging: Staging, tensors: TensorSource, durable: bool,
     if plan.index is not None:
         write_small(staging.file(plan.index[0]), plan.index[1], durable)
         names.append(plan.index[0])
-    for path, name in job.extras:
-        with open(path, "rb") as f:
-            write_small(staging.file(name), f.read(), durable)
-        names.append(name)
+    for extra in job.extras:  # a framework's files (a module's folder made first)
+        staging.file(extra.name).parent.mkdir(parents=True, exist_ok=True)
+        with extra.open() as f:
+            write_small(staging.file(extra.name), f.read(), durable)
+        names.append(extra.name)
     if job.is_directory:
         back = check_whole(str(staging.path), job.written, job.kind)
         result.bytes_written = back.file_size

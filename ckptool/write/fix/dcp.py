@@ -35,6 +35,7 @@ from ckptool.model import Checkpoint
 from ckptool.read.prefixes import common_prefix, wrapper_prefix
 from ckptool.write.convert import plan as convert_plan
 from ckptool.write.convert.directory import write_directory
+from ckptool.write.convert.folder import Extra
 from ckptool.write.convert.plan import WHOLE, Written
 from ckptool.write.fix.plan import CASTABLE, FixOptions, Plan, check_consistent, key_function
 from ckptool.write.results import FixResult
@@ -72,7 +73,7 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, force: bool = Fals
     assert source.directory is not None
     # Lightning's meta.pt, copied as it is: never by a salvage, which writes
     # no byte of an input's pickles
-    extras = [] if opts.salvage else [(os.path.join(source.directory, f.path), f.path)
+    extras = [] if opts.salvage else [Extra(f.path, os.path.join(source.directory, f.path))
                                       for f in source.files if f.role == "extra"]
     if opts.changes_keys():
         _rename(source, written, opts, plan)

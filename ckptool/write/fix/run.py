@@ -52,6 +52,7 @@ from ckptool.write.bytecheck import ByteChecker
 from ckptool.write.commit import AtomicOutput, shared_file
 from ckptool.write.failures import naming
 from ckptool.write.fastcrc import Observe
+from ckptool.write.fix import folder as fix_folder
 from ckptool.write.fix import inplace
 from ckptool.write.fix.plan import (
     FixOptions,
@@ -61,7 +62,7 @@ from ckptool.write.fix.plan import (
     new_pid,
     refuse_unsafe,
 )
-from ckptool.write.fix.targets import check_suffix, check_target
+from ckptool.write.fix.targets import CHECKPOINT_SUFFIXES, check_suffix, check_target
 from ckptool.write.flagged import prove_clean, refuse_flagged
 from ckptool.write.formats import safetensors, torch_legacy, torch_zip
 from ckptool.write.layout import checked_cast
@@ -69,11 +70,6 @@ from ckptool.write.results import FixResult
 from ckptool.write.streamhash import StreamHash, Streams
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-
-
-# what checkpoint files end with: ".fixed" goes before all of them (x.pth.tar)
-CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".safetensors", ".pkl",
-                       ".pickle", ".model", ".weights")
 
 
 def _name_and_suffixes(src: str) -> tuple[str, str]:
@@ -153,6 +149,10 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     given = src
     if layout is not None and layout.file is not None:
         src = layout.file  # a directory holding one checkpoint file is that file
+    folder = None if in_place or pending is not None else fix_folder.wanted(given, output)
+    if folder is not None:  # the fixed file, with its framework's configs beside it
+        return fix_folder.fix(given, src, layout, opts, folder, fix_file=fix, force=force,
+                              dry_run=dry_run, progress=progress, fsync=fsync, streams=streams)
     if in_place and pending is None and not dry_run:
         # a fix of its directory that a crash cut short is settled first (and said):
         # its journal would otherwise undo this change, or redo its own over it

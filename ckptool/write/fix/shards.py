@@ -52,7 +52,7 @@ from ckptool.write import interrupt, shards
 from ckptool.write.commit import AtomicOutput, shared_file
 from ckptool.write.convert import plan as convert_plan
 from ckptool.write.convert.directory import write_directory
-from ckptool.write.convert.job import framework_files
+from ckptool.write.convert.folder import plan_folder
 from ckptool.write.convert.plan import TORCH, Written
 from ckptool.write.failures import naming
 from ckptool.write.fix.flags import flags
@@ -116,10 +116,11 @@ def fix(source: Checkpoint, opts: FixOptions, output: str, *, fix_file: FixFile,
         result.verified_storages = len(written.tensors)
         return result
     planned = shards.same_files(written, kind, file_of)
-    stem, configs = framework_files(source)  # the framework's index name, its config files
+    beside = plan_folder(source, opts.dtype)  # the framework's index name, files, notes
+    plan.notes += beside.notes
     _, result.bytes_written = write_directory(source, written, kind, output, force=force,
                                               fsync=fsync, progress=progress, planned=planned,
-                                              extras=configs, stem=stem)
+                                              extras=beside.extras, stem=beside.stem)
     result.output = output
     result.verified_storages = len(written.tensors)
     return result

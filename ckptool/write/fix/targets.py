@@ -11,6 +11,10 @@ from pathlib import Path
 from ckptool.errors import UsageError
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 
+# what checkpoint files end with: ".fixed" goes before all of them (x.pth.tar)
+CHECKPOINT_SUFFIXES = (".pth", ".pt", ".bin", ".ckpt", ".tar", ".safetensors", ".pkl",
+                       ".pickle", ".model", ".weights")
+
 
 def check_target(src: str, target: str, force: bool) -> None:
     """The output path must not be the input, nor a file to keep."""
