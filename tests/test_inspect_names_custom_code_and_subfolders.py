@@ -125,3 +125,11 @@ def test_subfolders_say_what_they_are(tmp_path: Path) -> None:
     assert found["onnx"] == ("ONNX export", 1, 4)
     assert found["logs"] == ("folder", 1, 4)
     assert found["base"][0] == "holds checkpoint files of its own"
+
+
+def test_the_json_names_the_code_and_the_folders(capsys: pytest.CaptureFixture[str]) -> None:
+    data = json.loads(inspect(str(REMOTE), "--json", capsys=capsys))
+    code = {(c["auto"], c["file"], c["present"]) for c in data["remote_code"]}
+    assert ("AutoModelForCausalLM", "modeling_tiny.py", True) in code
+    assert ("AutoConfig", "configuration_tiny.py", True) in code
+    assert [(s["name"], s["role"]) for s in data["subfolders"]] == [("onnx", "ONNX export")]

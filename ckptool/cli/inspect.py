@@ -16,6 +16,7 @@ from ckptool.cli.common import SCHEMA_VERSION, console, one_shot, write_json
 from ckptool.cli.inputs import InputPath
 from ckptool.keys import Filter
 from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo, TensorInfo
+from ckptool.read.layouts import contents
 
 
 @click.command()
@@ -140,6 +141,23 @@ def inspect_dict(ckpt: Checkpoint, pattern: str | None = None,
         "metadata": ckpt.metadata,
         "warnings": ckpt.warnings,
         "framework": ckpt.framework.as_dict() if ckpt.framework is not None else None,
+        **_folder_contents(ckpt),
         **({"directory": ckpt.directory, "files": [file_dict(f) for f in ckpt.files]}
            if ckpt.is_multifile else {}),
+    }
+
+
+def _folder_contents(ckpt: Checkpoint) -> dict[str, Any]:
+    """A framework folder's subfolders and the custom code its configs name
+    (the text report's ``folders`` and ``code`` rows)."""
+    fw = ckpt.framework
+    if fw is None:
+        return {"subfolders": [], "remote_code": []}
+    return {
+        "subfolders": [{"name": s.name, "role": s.role, "files": len(s.files), "size": s.size,
+                        "checkpoints": list(s.checkpoints)}
+                       for s in contents.subfolders(fw.directory)],
+        "remote_code": [{"config": c.config, "auto": c.auto, "reference": c.reference,
+                         "file": c.file, "repo": c.repo, "present": c.present}
+                        for c in contents.remote_code(fw.directory)],
     }
