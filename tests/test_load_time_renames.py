@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 import ckptool
 from ckptool.check.diagnosis import diagnose
 from ckptool.check.gpus.machine import Machine
+from ckptool.check.loading import StateDictMismatch, StateDictMismatchWarning
 from ckptool.check.loadnames import from_table, rules
 from ckptool.check.modelspec import module_keys
 from ckptool.cli import main
@@ -124,3 +125,43 @@ def test_experts_are_gathered_in_numeric_order() -> None:
     keys = [f"m.experts.{i}.w1.weight" for i in (10, 2, 1)]
     assert sorted(keys, key=rules.natural) == [
         "m.experts.1.w1.weight", "m.experts.2.w1.weight", "m.experts.10.w1.weight"]
+
+
+def _mixtral_copy(tmp_path: Path, change: str) -> Path:
+    """The real Mixtral folder with its experts damaged: one expert of layer 0
+    left out, one matrix transposed, or every w3 left out."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    out = tmp_path / change
+    shutil.copytree(ECOSYSTEM / "mixtral", out)
+    sd = load_file(str(out / "model.safetensors"))
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    if change == "missing_expert":
+        sd = {k: v for k, v in sd.items() if not k.startswith(f"{prefix}.3.")}
+    elif change == "transposed":
+        sd[f"{prefix}.1.w1.weight"] = sd[f"{prefix}.1.w1.weight"].t().contiguous()
+    else:
+        sd = {k: v for k, v in sd.items() if not k.endswith(".w3.weight")}
+    save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@pytest.mark.parametrize("change", ["missing_expert", "transposed", "no_w3"])
+def test_gathered_experts_are_checked_as_the_library_builds_them(tmp_path: Path,
+                                                                 change: str) -> None:
+    folder = _mixtral_copy(tmp_path, change)
+    net = framework_nets.mixtral()
+    d = diagnose(ckptool.open(str(folder)), CPU, module_keys(net))
+    assert d.exit_code == 1
+    assert {f.code for f in d.findings} & {"shape-mismatch", "missing-keys"}
+    gate_up = "model.layers.0.mlp.experts.gate_up_proj"
+    assert d.keys is not None
+    assert gate_up in d.keys.missing or gate_up in {k for k, _, _ in d.keys.mismatched}
+    with pytest.raises(StateDictMismatch):
+        ckptool.load_state_dict(folder, model=net)
+    with pytest.warns(StateDictMismatchWarning):
+        sd = ckptool.load_state_dict(folder, model=net, strict=False)
+    assert gate_up not in sd  # never a tensor of the wrong shape
+    net.load_state_dict(sd, strict=False)

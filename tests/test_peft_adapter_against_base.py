@@ -12,6 +12,7 @@ classes' keys and shapes (``framework_nets``).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import framework_nets
@@ -118,3 +119,43 @@ def test_a_peft_wrapped_model_is_recognised() -> None:
     d = diagnose(ckptool.open(str(ECOSYSTEM / "peft_ia3")), CPU, module_keys(wrapped))
     assert d.findings == [] and d.adapter is not None
     assert d.adapter.wrapped == "default" and d.adapter.fits
+
+
+# -- every PEFT kind (ecosystem/peft_kinds/, written by make_peft_kinds.py) ------
+
+KINDS_JSON = json.loads((ECOSYSTEM.parent / "expected_peft_kinds.json").read_text())
+KINDS = sorted(k for k in KINDS_JSON if k != "versions")
+
+
+def _wide() -> dict[str, list[int]]:
+    """base_llama with hidden size 32 instead of 16 (and each width derived from it)."""
+    return {k: [n * 2 if n in (16, 32, 8) else n for n in v]
+            for k, v in framework_nets.recorded("base_llama").items()}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_peft_kind_fits_its_base(kind: str) -> None:
+    d = diagnose(ckptool.open(str(ECOSYSTEM / "peft_kinds" / kind)), CPU,
+                 module_keys(framework_nets.base_llama()))
+    assert d.findings == [] and d.adapter is not None and d.adapter.fits, d.adapter
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_peft_kind_against_a_wider_base_is_named(kind: str) -> None:
+    d = diagnose(ckptool.open(str(ECOSYSTEM / "peft_kinds" / kind)), CPU,
+                 module_keys(framework_nets.module_of(_wide())))
+    assert [f.code for f in d.findings] == ["adapter-mismatch"], kind
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_each_peft_kind_gets_the_wrapped_models_names(kind: str) -> None:
+    wrapped = KINDS_JSON[kind]["wrapped_state_dict"]
+    folder = ECOSYSTEM / "peft_kinds" / kind
+    stored = load_file(str(folder / "adapter_model.safetensors"))
+    sd = ckptool.load_state_dict(folder, model=framework_nets.module_of(wrapped))
+    assert len(sd) == len(stored)
+    for name, tensor in sd.items():
+        assert list(tensor.shape) == wrapped[name], name
+        assert name not in framework_nets.recorded("base_llama")  # never a base weight
+    assert sorted(t.sum().item() for t in sd.values()) == \
+        sorted(t.sum().item() for t in stored.values())

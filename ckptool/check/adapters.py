@@ -22,18 +22,25 @@ from dataclasses import dataclass, field
 from ckptool.check.reconcile import MaybeShape
 
 STORED_PREFIX = "base_model.model."
-# the parts PEFT adds to a module: (part, what its shape must agree with:
-# "out" the module weight's dim 0, "in" its dim 1; "" nothing checked)
+# the parts PEFT adds to a module, and what the part's shape must agree
+# with: "out" the module weight's dim 0, "in" its dim 1, "same" its whole
+# shape; "" nothing checked here (LoKr's factors are checked together)
 PARTS = {
-    "lora_A": "in", "lora_B": "out", "lora_embedding_A": "", "lora_embedding_B": "",
-    "lora_magnitude_vector": "out", "ia3_l": "", "hada_w1_a": "", "hada_w1_b": "",
-    "hada_w2_a": "", "hada_w2_b": "", "hada_t1": "", "hada_t2": "", "lokr_w1": "",
-    "lokr_w1_a": "", "lokr_w1_b": "", "lokr_w2": "", "lokr_w2_a": "", "lokr_w2_b": "",
-    "lokr_t2": "", "oft_r": "", "oft_s": "", "boft_R": "", "boft_s": "", "vera_lambda_b": "out",
-    "vera_lambda_d": "", "fourierft_spectrum": "", "ln_tuning_layers": "",
+    "lora_A": "in", "lora_B": "out", "lora_E": "", "lora_embedding_A": "",
+    "lora_embedding_B": "", "lora_magnitude_vector": "out", "ia3_l": "",
+    "hada_w1_a": "out", "hada_w1_b": "in", "hada_w2_a": "out", "hada_w2_b": "in",
+    "hada_t1": "", "hada_t2": "", "lokr_w1": "", "lokr_w1_a": "", "lokr_w1_b": "",
+    "lokr_w2": "", "lokr_w2_a": "", "lokr_w2_b": "", "lokr_t2": "", "oft_r": "", "oft_R": "",
+    "oft_s": "", "boft_R": "", "boft_s": "", "vera_lambda_b": "out", "vera_lambda_d": "",
+    "fourierft_spectrum": "", "ln_tuning_layers": "same", "trainable_tokens_delta": "in",
+    "base_layer": "same",
 }
-NAMED = re.compile(r"\.(" + "|".join(PARTS) + r")\.([^.]+)(?=\.|$)")
-WRAPPED_SAVED = re.compile(r"\.modules_to_save\.([^.]+)\.")
+# keys of an adapter that name no module of the base: VeRA's shared
+# projections (base_model.vera_A), prompt learning's virtual tokens
+SHARED = re.compile(r"^(base_model\.vera_[AB]|prompt_embeddings)$")
+NAMED = re.compile(r"\.(" + "|".join(p for p in PARTS if p != "base_layer")
+                   + r")\.([^.]+)(?=\.|$)")
+WRAPPED_SAVED = re.compile(r"\.modules_to_save\.([^.]+)\.|^prompt_encoder\.([^.]+)\.")
 
 
 @dataclass
@@ -43,12 +50,13 @@ class AdapterMatch:
     modules: list[str] = field(default_factory=list)  # base modules the adapter changes
     saved: list[str] = field(default_factory=list)  # modules_to_save: whole modules replaced
     problems: list[str] = field(default_factory=list)  # one line each
+    shared: list[str] = field(default_factory=list)  # keys of no module (prompt tokens, VeRA's)
     wrapped: str | None = None  # the adapter name, where the model is PEFT-wrapped
     names: dict[str, str] = field(default_factory=dict)  # file key -> model key (wrapped)
 
     @property
     def fits(self) -> bool:
-        return not self.problems and bool(self.modules or self.saved)
+        return not self.problems and bool(self.modules or self.saved or self.shared)
 
 
 def adapter_name(expected: Mapping[str, MaybeShape]) -> str | None:
@@ -65,44 +73,149 @@ def adapter_name(expected: Mapping[str, MaybeShape]) -> str | None:
     return "default" if "default" in found else max(found, key=lambda n: found[n])
 
 
-def match(shapes: Mapping[str, MaybeShape], expected: Mapping[str, MaybeShape]) -> AdapterMatch:
-    """Each key of an adapter file (``shapes``) against a model's keys."""
+def match(shapes: Mapping[str, MaybeShape], expected: Mapping[str, MaybeShape],
+          peft_type: str | None = None) -> AdapterMatch:
+    """Each key of an adapter file (``shapes``) against a model's keys
+    (``peft_type``: adapter_config.json's)."""
     wrapped = adapter_name(expected)
     out = AdapterMatch(wrapped=wrapped)
     base = {_unwrapped(k, wrapped): v for k, v in expected.items()} if wrapped else dict(expected)
+    modules = {k.rpartition(".")[0] for k in base}
     for key, shape in shapes.items():
         name = key.removeprefix(STORED_PREFIX)
         part = next((p for p in name.split(".") if p in PARTS), None)
+        if part is None and SHARED.match(key):
+            out.shared.append(key)
+            problem = _prompt(shape, base, peft_type) if key == "prompt_embeddings" else None
+            if problem is not None:
+                out.problems.append(problem)
+                continue
+            _name_wrapped(out, key, expected)
+            continue
         if part is None:  # a whole module saved (modules_to_save), or a trainable token
             _saved(out, key, name, shape, base, expected, wrapped)
             continue
         module = name[:name.index(f".{part}")] if f".{part}" in name else ""
-        weight = base.get(f"{module}.weight") if module else None
-        if module and f"{module}.weight" not in base:
-            out.problems.append(f"{key}: the model has no module {module} "
-                                f"(no {module}.weight)")
+        module = module.removesuffix(".token_adapter")
+        if module and module not in modules and not any(m.startswith(module + ".")
+                                                        for m in modules):
+            out.problems.append(f"{key}: the model has no module {module}")
             continue
         if module not in out.modules:
             out.modules.append(module)
-        check = PARTS[part]
-        if part == "ia3_l" and shape is not None and len(shape) == 2:
-            # (out, 1) scales the module's output; (1, in) its input (feed-forward)
-            check = "in" if shape[0] == 1 and shape[1] != 1 else "out"
-        if check and shape is not None and weight is not None and len(weight) >= 2:
-            dim = 0 if check == "out" else 1
-            if len(shape) < 2 and check == "out":
-                got = shape[0] if shape else None
-            else:
-                got = shape[dim] if len(shape) > dim else None
-            if got is not None and got != weight[dim]:
-                side = "out_features" if check == "out" else "in_features"
-                out.problems.append(f"{key}: {part} has {got} where {module} has "
-                                    f"{side} {weight[dim]} ({_shape(shape)} against the "
-                                    f"module's {_shape(weight)})")
-                continue
-        if wrapped:
-            out.names[key] = _wrapped_part(STORED_PREFIX + name, part, wrapped)
+        problem = _part_shape(key, part, module, shape, base.get(f"{module}.weight"))
+        if problem is not None:
+            out.problems.append(problem)
+            continue
+        _name_wrapped(out, key, expected)
+    out.problems += _lokr(shapes, base)
     return out
+
+
+def _part_shape(key: str, part: str, module: str, shape: MaybeShape,
+                weight: MaybeShape) -> str | None:
+    """Why ``part`` (of ``shape``) does not fit ``module``'s ``weight``; None if it does."""
+    check = PARTS[part]
+    if part == "ia3_l" and shape is not None and len(shape) == 2:
+        # (out, 1) scales the module's output; (1, in) its input (feed-forward)
+        check = "in" if shape[0] == 1 and shape[1] != 1 else "out"
+    if not check or shape is None or weight is None:
+        if part in ("lora_embedding_A", "lora_embedding_B") and shape is not None \
+                and weight is not None and len(shape) == 2 and len(weight) == 2:
+            # A: (r, num_embeddings), B: (embedding_dim, r) of an Embedding's (num, dim)
+            got, want = (shape[1], weight[0]) if part.endswith("A") else (shape[0], weight[1])
+            if got != want:
+                return (f"{key}: {part} has {got} where {module} has "
+                        f"{'num_embeddings' if part.endswith('A') else 'embedding_dim'} {want}")
+        if part == "oft_R" and shape is not None and weight is not None and len(shape) == 2 \
+                and len(weight) >= 2:
+            # (blocks, b(b-1)/2): the blocks' skew-symmetric halves tile the in-features
+            size = round((1 + (1 + 8 * shape[1]) ** 0.5) / 2)
+            if size * (size - 1) // 2 == shape[1] and shape[0] * size != weight[1]:
+                return (f"{key}: oft_R's {shape[0]} blocks of {size} cover "
+                        f"{shape[0] * size} where {module} has in_features {weight[1]}")
+        if part == "boft_R" and shape is not None and weight is not None and len(shape) == 4 \
+                and len(weight) >= 2 and shape[1] * shape[3] != weight[1]:
+            # (factors, blocks, block size, block size): the blocks tile the in-features
+            return (f"{key}: boft_R's {shape[1]} blocks of {shape[3]} cover "
+                    f"{shape[1] * shape[3]} where {module} has in_features {weight[1]}")
+        return None
+    if check == "same":
+        return None if shape == weight else (
+            f"{key}: {_shape(shape)} where the model's {module}.weight is {_shape(weight)}")
+    if len(weight) < 2:
+        return None
+    dim = 0 if check == "out" else 1
+    got = shape[0] if len(shape) == 1 and check == "out" else \
+        shape[dim] if len(shape) > dim else None
+    if got is None or got == weight[dim]:
+        return None
+    side = "out_features" if check == "out" else "in_features"
+    return (f"{key}: {part} has {got} where {module} has {side} {weight[dim]} "
+            f"({_shape(shape)} against the module's {_shape(weight)})")
+
+
+EMBEDDING = re.compile(r"(^|\.)(embed_tokens|wte|word_embeddings|embed_in|tok_embeddings|shared)"
+                       r"\.weight$")
+
+
+def _prompt(shape: MaybeShape, base: Mapping[str, MaybeShape],
+            peft_type: str | None) -> str | None:
+    """Prompt learning's virtual tokens against the model's input embedding:
+    each token has the embedding's width (prefix tuning: a multiple of it,
+    a key and a value per layer)."""
+    width = next((w[1] for k, w in base.items() if EMBEDDING.search(k) and w is not None
+                  and len(w) == 2), None)
+    if shape is None or len(shape) != 2 or width is None or shape[1] == width:
+        return None
+    if peft_type == "PREFIX_TUNING" and shape[1] % width == 0:
+        return None
+    return (f"prompt_embeddings: {shape[0]} virtual tokens of width {shape[1]} where the "
+            f"model's input embedding has width {width}")
+
+
+def _lokr(shapes: Mapping[str, MaybeShape], base: Mapping[str, MaybeShape]) -> list[str]:
+    """LoKr's factors against their module: the Kronecker product of w1
+    (or w1_a @ w1_b) and w2 (or w2_a @ w2_b) has the module weight's shape."""
+    factors: dict[str, dict[str, tuple[int, ...]]] = {}
+    for key, shape in shapes.items():
+        m = re.match(r"(?:base_model\.model\.)?(.*)\.(lokr_w[12](?:_[ab])?)$", key)
+        if m is not None and shape is not None and len(shape) == 2:
+            factors.setdefault(m.group(1), {})[m.group(2)] = shape
+    out = []
+    for module, f in factors.items():
+        weight = base.get(f"{module}.weight")
+        sides = [f.get(w) or ((f[f"{w}_a"][0], f[f"{w}_b"][1]) if f"{w}_a" in f and f"{w}_b" in f
+                              else None) for w in ("lokr_w1", "lokr_w2")]
+        if weight is None or len(weight) != 2 or sides[0] is None or sides[1] is None:
+            continue
+        made = (sides[0][0] * sides[1][0], sides[0][1] * sides[1][1])
+        if made != weight:
+            out.append(f"{module}: LoKr's factors make {_shape(made)} where the module's "
+                       f"weight is {_shape(weight)}")
+    return out
+
+
+def _name_wrapped(out: AdapterMatch, key: str, expected: Mapping[str, MaybeShape]) -> None:
+    """``key`` as the PEFT-wrapped model names it: the adapter's name put
+    after the part (``lora_A.default.weight``, ``ia3_l.default``, DoRA's
+    ``lora_magnitude_vector.default.weight``), where the model has it."""
+    adapter = out.wrapped
+    if adapter is None:
+        return
+    if key == "prompt_embeddings":
+        out.names[key] = f"prompt_encoder.{adapter}.embedding.weight"
+        return
+    parts = key.split(".")
+    tries = [key] + [".".join([*parts[:i], adapter, *parts[i:]])
+                     for i in range(len(parts), 0, -1)]
+    for name in tries:
+        for candidate in (name, f"{name}.weight"):
+            if candidate in expected:
+                out.names[key] = candidate
+                return
+    out.problems.append(f"{key}: the PEFT-wrapped model has no place for it "
+                        f"(adapter {adapter!r})")
 
 
 def _saved(out: AdapterMatch, key: str, name: str, shape: MaybeShape,
@@ -134,13 +247,6 @@ def _unwrapped(key: str, adapter: str) -> str:
     return re.sub(rf"\.({'|'.join(PARTS)})\.{re.escape(adapter)}(?=\.|$)", r".\1", key)
 
 
-def _wrapped_part(key: str, part: str, adapter: str) -> str:
-    """``...q_proj.lora_A.weight`` as PEFT names it in the wrapped model:
-    ``...q_proj.lora_A.<adapter>.weight`` (``ia3_l`` -> ``ia3_l.<adapter>``)."""
-    head, sep, tail = key.partition(f".{part}")
-    return f"{head}.{part}.{adapter}{tail}" if sep else key
-
-
 def _shape(shape: tuple[int, ...]) -> str:
     return "x".join(map(str, shape)) or "scalar"
 
@@ -154,7 +260,11 @@ def describe(match: AdapterMatch, path: str) -> str:
                      f"adapted ({', '.join(leaves[:6])})")
     if match.saved:
         parts.append(f"saved whole: {', '.join(match.saved[:4])}")
+    if match.shared:
+        parts.append(f"besides: {', '.join(match.shared[:3])}")
     what = "; ".join(parts) or "no adapter weights"
+    if not match.fits:
+        return f"{what}; it does not fit (see below)"
     if match.wrapped is not None:
         return (f"{what}; the model is PEFT-wrapped (adapter {match.wrapped!r}): "
                 "ckptool.load_state_dict(path, model=...) names the keys as it does "

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field, replace
 from ckptool.check import adapters, findings, loadable, loadcheck, manyfiles, zerofix
 from ckptool.check.adapters import AdapterMatch
 from ckptool.check.findings import ERROR, INFO, WARNING, Finding
-from ckptool.check.fixcommand import plan_command
+from ckptool.check.fixcommand import framework_folder, plan_command
 from ckptool.check.gpus.machine import Machine, probe
 from ckptool.check.loadcheck import TagLoad
 from ckptool.check.loadnames import LoadNames, from_table
@@ -96,7 +96,8 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
     tags = loadcheck.plan_tags(ckpt, machine)
     result = Diagnosis(ckpt, machine, tags, [], model)
     opts = FixOptions()
-    name = shell_word(ckpt.path)
+    # (a framework folder's model is fixed as a folder: its loader reads it by name)
+    name = shell_word(framework_folder(ckpt) or ckpt.path)
     result.findings += findings.format_findings(ckpt, name)
     consolidate = zerofix.plan(ckpt)  # DeepSpeed: convert first; fix then works on that file
     if consolidate is not None:
@@ -127,7 +128,8 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
             return {n[len(entry):]: tensors[n].shape if n in tensors else None for n in of}
 
         if ckpt.framework is not None and ckpt.framework.kind == "peft":
-            result.adapter = adapters.match(shapes(names), model.shapes)
+            result.adapter = adapters.match(shapes(names), model.shapes,
+                                            ckpt.framework.adapter.get("peft_type"))
             result.findings += _adapter_findings(ckpt, result.adapter, model)
         else:
             _compare_keys(result, ckpt, model, names, shapes, consolidate is not None, opts,

@@ -38,6 +38,9 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
 
     if ckpt.is_multifile:  # HF shards: a new directory beside it; DCP: refused
         return _directory_command(ckpt, opts)
+    folder = framework_folder(ckpt)
+    if folder is not None:  # its loader reads the model by name: a fixed folder
+        return _folder_command(folder, opts)
 
     output = fresh_output(ckpt.path)  # one new file: never one fix would refuse to replace
     try:
@@ -60,6 +63,34 @@ def _directory_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     except CkptoolError as exc:
         return Command(refused=f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
     return Command(fix_command_line(ckpt.path, opts, output), output)
+
+
+def framework_folder(ckpt: Checkpoint) -> str | None:
+    """The framework folder whose loader reads ``ckpt`` by its name
+    (``model.safetensors`` of a transformers folder): a fixed file beside it
+    is never read, so the fix writes a folder."""
+    from ckptool.read.layouts import framework
+
+    fw = ckpt.framework
+    if fw is None or fw.kind not in framework.LOADS_BY_NAME:
+        return None
+    if os.path.dirname(os.path.abspath(ckpt.path)) != os.path.abspath(fw.directory):
+        return None
+    if os.path.basename(ckpt.path) not in framework.MODEL_FILES:
+        return None
+    return fw.directory.rstrip("/") or "."
+
+
+def _folder_command(folder: str, opts: FixOptions) -> Command:
+    """``fix``'s dry run of a framework folder into a fresh folder beside it."""
+    from ckptool.write.fix.run import fix, fresh_output
+
+    output = fresh_output(folder) + "/"
+    try:
+        fix(folder, opts, output, dry_run=True)
+    except CkptoolError as exc:
+        return Command(refused=f"{exc.message} ({exc.hint})" if exc.hint else exc.message)
+    return Command(fix_command_line(folder, opts, output), output)
 
 
 def fix_command_line(path: str, opts: FixOptions, output: str) -> str:

@@ -116,7 +116,12 @@ def load_state_dict(path: str | os.PathLike[str], model: Any = None, *,
                 "see `ckptool diagnose` for the whole report, or pass strict=False",
                 found)
         if not strict:
-            names = _what_fits(path, type(model).__name__, names, tensors, keys.shapes, bad)
+            fits = {n: g for n, g in gathered.items() if load_names is not None
+                    and load_names.made_shapes(g, {k: tensors[k].shape for k in g.sources})
+                    .get(n, ()) == keys.shapes.get(n)}
+            names = _what_fits(path, type(model).__name__, names, tensors, keys.shapes, bad,
+                               [n for n in gathered if n not in fits])
+            gathered = fits
     place = Placement(map_location)
     out: dict[str, torch.Tensor] = {}
     made: dict[str, torch.Tensor] = {}
@@ -195,13 +200,14 @@ def _as_loaded(load_names: LoadNames, names: dict[str, str], expected: dict[str,
 
 def _what_fits(path: str, model: str, names: dict[str, str], tensors: dict[str, Any],
                shapes: dict[str, tuple[int, ...] | None],
-               findings: list[Finding]) -> dict[str, str]:
+               findings: list[Finding], unmade: list[str]) -> dict[str, str]:
     """The names ``load_state_dict(strict=False)`` takes: the model's, each
-    with the model's shape. What is left out is said in a
-    ``StateDictMismatchWarning``."""
+    with the model's shape. What is left out (with ``unmade``: tensors the
+    model's library gathers from several keys that these keys do not make
+    in the model's shape) is said in a ``StateDictMismatchWarning``."""
     kept: dict[str, str] = {}
     unexpected: list[str] = []
-    mismatched: list[str] = []
+    mismatched: list[str] = list(unmade)
     for name, stored in names.items():
         if name not in shapes:
             unexpected.append(name)

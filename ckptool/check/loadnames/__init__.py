@@ -85,16 +85,34 @@ class LoadNames:
         return name
 
     def shapes(self, shapes: Mapping[str, Any], expected: Mapping[str, Any]) -> dict[str, Any]:
-        """The names the model is loaded under, each with its file key's
-        shape; None for a tensor gathered from several keys (the library
-        makes its shape)."""
+        """The names the model is loaded under, each with its shape: a file
+        key's, or that of the tensor the library gathers from several keys,
+        made as it makes it (on the meta device: no bytes). A gathered tensor
+        the library cannot make of these keys (an expert's matrix missing
+        from a pair) is left out: the model's name is then missing."""
         out: dict[str, Any] = {}
         for entry in self.loaded(shapes, expected).values():
             if entry.converter is None:
                 out[entry.name] = shapes[entry.sources[0]]
+            elif all(shapes[k] is not None for k in entry.sources):
+                out.update(self.made_shapes(entry, shapes))
             else:
                 out.update(dict.fromkeys((entry.name, *entry.also)))
         return out
+
+    def made_shapes(self, entry: Loaded, shapes: Mapping[str, Any]) -> dict[str, Any]:
+        """The shapes of what the library makes of ``entry``'s keys; empty
+        where it cannot make them."""
+        import torch
+
+        parts: dict[str, list[torch.Tensor]] = {}
+        for key, pattern in zip(entry.sources, entry.patterns, strict=True):
+            parts.setdefault(pattern, []).append(torch.empty(shapes[key], device="meta"))
+        try:
+            made = self.make(entry.converter, entry.name, parts)
+        except (RuntimeError, ValueError, IndexError, TypeError, KeyError, AssertionError):
+            return {}  # the library fails the same way: the name stays empty
+        return {name: tuple(t.shape) for name, t in made.items()}
 
     def renamed(self, loaded: Mapping[str, Loaded]) -> list[str]:
         """The file keys the library loads under another name."""

@@ -79,6 +79,9 @@ def merge(rule: Rule, gathered: dict[str, list[torch.Tensor]]) -> torch.Tensor:
     import torch
 
     parts = [gathered[s] for s in rule.sources if s in gathered]
+    if len(parts) != len(rule.sources):  # transformers' Concatenate fails on a missing part
+        raise ValueError(f"{rule.targets[0]} needs {', '.join(rule.sources)}: "
+                         f"{len(parts)} of {len(rule.sources)} found")
     made: list[torch.Tensor] = [torch.stack(p, 0) if "stack" in rule.ops else p[0]
                                 for p in parts]
     if "cat1" in rule.ops:

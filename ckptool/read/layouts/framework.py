@@ -83,6 +83,8 @@ TRAINING_STATE = frozenset({
 MODEL_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetensors",
                "pytorch_model.bin", "diffusion_pytorch_model.safetensors",
                "diffusion_pytorch_model.bin", "pytorch_model.pt")
+# frameworks whose loader reads the model by its file name from the folder
+LOADS_BY_NAME = ("transformers", "trainer", "peft", "diffusers", "sentence-transformers")
 # accelerate numbers a second prepared model model_1.safetensors, pytorch_model_1.bin
 OTHER_MODEL = re.compile(r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$")
 
