@@ -165,3 +165,24 @@ def test_gathered_experts_are_checked_as_the_library_builds_them(tmp_path: Path,
         sd = ckptool.load_state_dict(folder, model=net, strict=False)
     assert gate_up not in sd  # never a tensor of the wrong shape
     net.load_state_dict(sd, strict=False)
+
+
+def test_a_split_makes_one_tensor_per_target() -> None:
+    """Dinov2's fused weights_in, split on axis 0 into gate_proj and up_proj."""
+    names = from_table("dinov2")
+    assert names is not None
+    key = "dinov2.encoder.layer.0.mlp.weights_in.weight"
+    loaded = names.loaded([key], {})
+    (entry,) = loaded.values()
+    assert entry.name == "dinov2.encoder.layer.0.mlp.gate_proj.weight"
+    assert entry.also == ("dinov2.encoder.layer.0.mlp.up_proj.weight",)
+    fused = torch.arange(12.0).reshape(6, 2)
+    made = names.make(entry.converter, entry.name, {entry.patterns[0]: [fused]})
+    assert torch.equal(made[entry.name], fused[:3]) and torch.equal(made[entry.also[0]], fused[3:])
+    assert names.shapes({key: (6, 2)}, {}) == {entry.name: (3, 2), entry.also[0]: (3, 2)}
+
+
+def test_a_multimodal_base_class_folder_has_its_own_renames() -> None:
+    names = from_table("llava", "LlavaModel")
+    assert names is not None
+    assert names.rename("language_model.model.norm.weight")[0] == "language_model.norm.weight"

@@ -123,9 +123,9 @@ def _part_shape(key: str, part: str, module: str, shape: MaybeShape,
         if part in ("lora_embedding_A", "lora_embedding_B") and shape is not None \
                 and weight is not None and len(shape) == 2 and len(weight) == 2:
             # A: (r, num_embeddings), B: (embedding_dim, r) of an Embedding's (num, dim)
-            got, want = (shape[1], weight[0]) if part.endswith("A") else (shape[0], weight[1])
-            if got != want:
-                return (f"{key}: {part} has {got} where {module} has "
+            have, want = (shape[1], weight[0]) if part.endswith("A") else (shape[0], weight[1])
+            if have != want:
+                return (f"{key}: {part} has {have} where {module} has "
                         f"{'num_embeddings' if part.endswith('A') else 'embedding_dim'} {want}")
         if part == "oft_R" and shape is not None and weight is not None and len(shape) == 2 \
                 and len(weight) >= 2:

@@ -166,7 +166,7 @@ def _compare_keys(result: Diagnosis, ckpt: Checkpoint, model: ModelKeys, names: 
         result.keys = reconcile(shapes(kept), model.shapes, model.tied, rewrite, load)
     if result.load_names is not None:
         result.load_note = result.load_names.describe(result.load_names.loaded(
-            [rewrite.apply(n) for n in shapes(kept)], model.shapes))
+            [rewrite.apply(n) for n in shapes(kept)], model.shapes), rewrite.empty)
     result.shape_hints = explain_shapes(result.keys.mismatched, model.arguments,
                                         saved_settings(ckpt.root))
     result.findings += findings.key_findings(ckpt, result.keys, result.shape_hints, model,
@@ -212,7 +212,7 @@ def _compare(ckpt: Checkpoint, shapes: dict[str, MaybeShape],
         return reconcile(shapes, model.shapes, model.tied, load=_load(own, model)), own
     plain = reconcile(shapes, model.shapes, model.tied)
     fw = ckpt.framework
-    names = from_table(fw.model_type) if fw is not None and fw.kind in (
+    names = from_table(fw.model_type, fw.model_class) if fw is not None and fw.kind in (
         "transformers", "trainer", "accelerate") else None
     if names is None or plain.clean:
         return plain, None

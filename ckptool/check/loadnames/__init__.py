@@ -118,8 +118,9 @@ class LoadNames:
         """The file keys the library loads under another name."""
         return [k for entry in loaded.values() for k in entry.sources if k != entry.name]
 
-    def describe(self, loaded: Mapping[str, Loaded]) -> str | None:
-        """One line: what the library renames at load, or None for nothing."""
+    def describe(self, loaded: Mapping[str, Loaded], settled: bool = True) -> str | None:
+        """One line: what the library renames at load, or None for nothing
+        (``settled``: no other rewrite is needed)."""
         moved = self.renamed(loaded)
         if not moved:
             return None
@@ -130,14 +131,15 @@ class LoadNames:
         example = next(k for e in loaded.values() for k in e.sources if k != e.name)
         into = next(e.name for e in loaded.values() if example in e.sources)
         return (f"{len(moved)} key{'s' if len(moved) != 1 else ''} are renamed as {self.library}"
-                f" loads them ({self.origin}){what}: e.g. {example} -> {into}; the folder is "
-                "right as it is")
+                f" loads them ({self.origin}){what}: e.g. {example} -> {into}"
+                + ("; the folder is right as it is" if settled else
+                   " (after the rewrite below)"))
 
 
-def from_table(model_type: str | None) -> LoadNames | None:
+def from_table(model_type: str | None, model_class: str | None = None) -> LoadNames | None:
     """ckptool's table of one transformers version's renames for a config's
-    ``model_type``; None for a family it lists no renames for."""
-    found = table.rules_for(model_type)
+    ``model_type`` (and architecture); None for a family it lists no renames for."""
+    found = table.rules_for(model_type, model_class)
     if found is None:
         return None
     family, ruleset = found
@@ -147,7 +149,11 @@ def from_table(model_type: str | None) -> LoadNames | None:
 
     def make(converter: Any, name: str,
              gathered: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {name: rules.merge(converter, gathered)}
+        return rules.make(converter, name, gathered)
+
+    def fills(converter: Any, name: str) -> tuple[str, ...]:
+        first, *others = converter.targets
+        return tuple(name.replace(first, o, 1) for o in others if first in name)
 
     return LoadNames(table.VERSION, f"ckptool's table of {table.VERSION}'s renames, "
-                     f"family {family}", rename, make)
+                     f"family {family}", rename, make, fills=fills)

@@ -8,7 +8,9 @@ is found in it; the first match is replaced by the first target pattern.
 A *renaming* only renames; a *converter* also says how the tensors of the
 keys it gathers become the one the model holds (``stack``: the experts'
 matrices, one per expert, stacked on a new first axis; ``cat1``: the
-stacks of each source pattern, joined on axis 1, as ``gate_up_proj``).
+stacks of each source pattern, joined on axis 1, as ``gate_up_proj``;
+``chunk0``: one tensor split on axis 0 into as many as there are targets,
+as Dinov2's fused ``weights_in`` into ``gate_proj`` and ``up_proj``).
 
 Every renaming applies in turn, then at most one converter: the order
 ``rename_source_key`` follows.
@@ -24,7 +26,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
-OPS = ("stack", "cat1")
+OPS = ("stack", "cat1", "chunk0")
 
 
 @dataclass(frozen=True)
@@ -71,6 +73,19 @@ def rename(key: str, rules: Sequence[Rule]) -> tuple[str, Rule | None, str | Non
             if pattern is not None:
                 return renamed, rule, pattern
     return key, None, None
+
+
+def make(rule: Rule, name: str, gathered: dict[str, list[torch.Tensor]]
+         ) -> dict[str, torch.Tensor]:
+    """What ``rule`` makes of the tensors gathered for ``name`` (its first
+    target's name): one tensor, or (``chunk0``) one per target."""
+    if "chunk0" in rule.ops:
+        (pieces,) = gathered.values()
+        if len(pieces) != 1 or pieces[0].shape[0] % len(rule.targets):
+            raise ValueError(f"{name}: cannot split into {len(rule.targets)}")
+        names = [name.replace(rule.targets[0], t, 1) for t in rule.targets]
+        return dict(zip(names, pieces[0].chunk(len(rule.targets), 0), strict=True))
+    return {name: merge(rule, gathered)}
 
 
 def merge(rule: Rule, gathered: dict[str, list[torch.Tensor]]) -> torch.Tensor:

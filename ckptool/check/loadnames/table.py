@@ -31,6 +31,57 @@ FAMILIES: dict[str, tuple[Rule, ...]] = {
         Rule(("^vision_tower",), ("model.vision_tower",)),
         Rule(("^multi_modal_projector",), ("model.multi_modal_projector",)),
     ),
+    "llava_next": (
+        Rule(("^language_model.lm_head",), ("lm_head",)),
+        Rule(("^language_model",), ("model.language_model",)),
+        Rule(("^vision_tower",), ("model.vision_tower",)),
+        Rule(("^multi_modal_projector",), ("model.multi_modal_projector",)),
+        Rule(("^image_newline",), ("model.image_newline",)),
+    ),
+    "minimax_m2": (
+        Rule((".block_sparse_moe.",), (".mlp.",)),
+        Rule((".experts.*.w1.weight", ".experts.*.w3.weight"), (".experts.gate_up_proj",),
+             ("stack", "cat1")),
+        Rule((".experts.*.w2.weight",), (".experts.down_proj",), ("stack",)),
+        Rule((".block_sparse_moe.e_score_correction_bias",), (".mlp.e_score_correction_bias",)),
+    ),
+    "ernie4_5_moe": (
+        Rule(("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
+             ("mlp.experts.gate_up_proj",), ("stack", "cat1")),
+        Rule(("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",), ("stack",)),
+        Rule(("mlp.moe_statics.e_score_correction_bias",),
+             ("mlp.gate.moe_statics.e_score_correction_bias",)),
+    ),
+    "exaone_moe": (
+        Rule(("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
+             ("mlp.experts.gate_up_proj",), ("stack", "cat1")),
+        Rule(("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",), ("stack",)),
+        Rule(("mlp.e_score_correction_bias",), ("mlp.gate.e_score_correction_bias",)),
+    ),
+    "dinov2": (
+        Rule(("attention.attention.query",), ("attention.q_proj",)),
+        Rule(("attention.attention.key",), ("attention.k_proj",)),
+        Rule(("attention.attention.value",), ("attention.v_proj",)),
+        Rule(("attention.output.dense",), ("attention.o_proj",)),
+        Rule(("mlp.weights_in.weight",), ("mlp.gate_proj.weight", "mlp.up_proj.weight"),
+             ("chunk0",)),
+        Rule(("mlp.weights_in.bias",), ("mlp.gate_proj.bias", "mlp.up_proj.bias"), ("chunk0",)),
+        Rule(("mlp.weights_out",), ("mlp.down_proj",)),
+    ),
+    "beit": (
+        Rule((r"encoder\.layer\.",), ("layers.",)),
+        Rule(("attention.query",), ("q_proj",)),
+        Rule(("attention.key",), ("k_proj",)),
+        Rule(("attention.value",), ("v_proj",)),
+        Rule(("attention.output.dense",), ("attention.o_proj",)),
+        Rule(("intermediate.dense",), ("mlp.fc1",)),
+        Rule(("output.dense",), ("mlp.fc2",)),
+        Rule(("encoder.relative_position_bias",), ("shared_position_bias",)),
+        Rule(("attention.attention.relative_position_bias.relative_position_bias_table",),
+             ("relative_position_bias.relative_position_bias_table",)),
+    ),
+    # a folder written by a multimodal base class (LlavaModel, PaliGemmaModel...)
+    "LlavaModel": (Rule(("^language_model.model",), ("language_model",)),),
     "vit": (
         Rule((r"encoder\.layer\.",), ("layers.",)),
         Rule(("attention.query",), ("q_proj",)),
@@ -61,15 +112,28 @@ MODEL_TYPES = {
     **dict.fromkeys((
         "llava", "aria", "paligemma", "aya_vision", "got_ocr2", "gemma3", "internvl",
         "vipllava", "mistral3"), "llava"),
+    **dict.fromkeys(("llava_next", "llava_next_video", "llava_onevision"), "llava_next"),
+    "minimax_m2": "minimax_m2", "ernie4_5_moe": "ernie4_5_moe", "exaone_moe": "exaone_moe",
+    "dinov2": "dinov2", "beit": "beit",
     **dict.fromkeys((
         "vit", "deit", "ijepa", "vit_mae", "vit_msn", "vivit",
         "audio-spectrogram-transformer"), "vit"),
 }
 
 
-def rules_for(model_type: str | None) -> tuple[str, tuple[Rule, ...]] | None:
-    """(family, its rules then the legacy ones) for a config's model_type."""
-    family = MODEL_TYPES.get(model_type or "")
+# config.json's architectures[0] -> family, where transformers keys the
+# renames by the class (a multimodal base class has its own)
+CLASSES = dict.fromkeys((
+    "LlavaModel", "AriaModel", "PaliGemmaModel", "AyaVisionModel", "GotOcr2Model",
+    "Gemma3Model", "InternVLModel", "VipLlavaModel", "Mistral3Model", "LlavaNextModel",
+    "LlavaNextVideoModel", "LlavaOnevisionModel"), "LlavaModel")
+
+
+def rules_for(model_type: str | None,
+              model_class: str | None = None) -> tuple[str, tuple[Rule, ...]] | None:
+    """(family, its rules then the legacy ones) for a config's model_type
+    and architecture."""
+    family = CLASSES.get(model_class or "") or MODEL_TYPES.get(model_type or "")
     if family is None:
         return None
     return family, FAMILIES[family] + LEGACY
