@@ -186,3 +186,13 @@ def test_a_multimodal_base_class_folder_has_its_own_renames() -> None:
     names = from_table("llava", "LlavaModel")
     assert names is not None
     assert names.rename("language_model.model.norm.weight")[0] == "language_model.norm.weight"
+
+
+def test_the_browsers_findings_pane_says_it_too() -> None:
+    from ckptool.tui.findings import findings
+
+    d = diagnose(ckptool.open(str(ECOSYSTEM / "mixtral")), CPU,
+                 module_keys(framework_nets.mixtral()))
+    text = findings(d).plain
+    assert "at load" in text and "transformers 5.25.0 renames the keys" in text
+    assert "strict=False" not in text and "ckptool fix" not in text

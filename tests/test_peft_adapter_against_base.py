@@ -159,3 +159,12 @@ def test_each_peft_kind_gets_the_wrapped_models_names(kind: str) -> None:
         assert name not in framework_nets.recorded("base_llama")  # never a base weight
     assert sorted(t.sum().item() for t in sd.values()) == \
         sorted(t.sum().item() for t in stored.values())
+
+
+def test_the_browsers_findings_pane_says_peft_loads_it() -> None:
+    from ckptool.tui.findings import findings
+
+    d = diagnose(ckptool.open(str(ECOSYSTEM / "peft_ia3")), CPU,
+                 module_keys(framework_nets.base_llama()))
+    text = findings(d).plain
+    assert "adapter" in text and "PeftModel.from_pretrained" in text

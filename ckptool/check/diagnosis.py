@@ -241,3 +241,33 @@ def describe_keys(d: Diagnosis) -> str | None:
         line += f" · {len(k.matched) + len(k.mismatched)} after the rewrite"
     return line + (f" · {len(k.missing)} missing · {len(k.unexpected)} unexpected · "
                    f"{len(k.mismatched)} shape")
+
+
+def library_rows(d: Diagnosis) -> list[tuple[str, str]]:
+    """What the model's library does with the keys, as (label, line) rows:
+    the names it renames at load, an adapter against its base."""
+    rows = []
+    if d.load_note is not None:
+        rows.append(("at load", d.load_note))
+    if d.adapter is not None and d.model is not None:
+        fw = d.checkpoint.framework
+        folder = fw.directory if fw is not None else d.checkpoint.path
+        rows.append(("adapter", f"against {d.model.source}: "
+                                f"{adapters.describe(d.adapter, folder)}"))
+    return rows
+
+
+def no_problems(d: Diagnosis) -> str:
+    """What diagnose says when it finds nothing, as the model's library loads it."""
+    if d.adapter is not None:
+        return ("no problems found: the adapter fits the model; PEFT loads it "
+                "(PeftModel.from_pretrained), not a plain load_state_dict")
+    if d.load_note is not None and d.load_names is not None:
+        return (f"no problems found: {d.load_names.library} renames the keys as it loads "
+                "them (from_pretrained); a plain load_state_dict does not: "
+                "ckptool.load_state_dict(path, model=...) gives them renamed")
+    if any(n.code == "tied-keys" for n in d.notes):
+        return ("no problems found: from_pretrained loads it and ties the names above again; "
+                "a strict load_state_dict wants them too: ckptool.load_state_dict(path, "
+                "model=model) gives them")
+    return manyfiles.no_problems(d.checkpoint)

@@ -14,8 +14,15 @@ from rich.padding import Padding
 from rich.table import Table
 from rich.text import Text
 
-from ckptool.check import adapters, manyfiles
-from ckptool.check.diagnosis import ERROR, WARNING, Diagnosis, describe_keys
+from ckptool.check import manyfiles
+from ckptool.check.diagnosis import (
+    ERROR,
+    WARNING,
+    Diagnosis,
+    describe_keys,
+    library_rows,
+    no_problems,
+)
 from ckptool.check.finding import INFO
 from ckptool.check.findings import Finding
 from ckptool.check.gpus.machine import describe_target
@@ -56,18 +63,15 @@ def render_diagnose(console: Console, d: Diagnosis) -> None:
     keys = describe_keys(d)
     if keys is not None:
         grid.add_row("keys", keys)
-    if d.load_note is not None:
-        grid.add_row("at load", d.load_note)
-    if d.adapter is not None and d.model is not None:
-        grid.add_row("adapter", f"against {d.model.source}: "
-                     f"{adapters.describe(d.adapter, _folder(d))}")
+    for label, line in library_rows(d):
+        grid.add_row(label, line)
     console.print(grid)
     _devices(console, d)
     console.print()
     for note in d.notes:  # what is no problem, said before what is
         render_finding(console, note)
     if not d.findings:
-        console.print(Text(_no_problems(d), style="green"))
+        console.print(Text(no_problems(d), style="green"))
         return
     for f in d.findings:
         render_finding(console, f)
@@ -120,23 +124,3 @@ def _devices(console: Console, d: Diagnosis) -> None:
         table.add_row(t.location, str(t.tensors), human_bytes(t.nbytes), lands)
     console.print()
     console.print(table)
-
-
-def _no_problems(d: Diagnosis) -> str:
-    if d.adapter is not None:
-        return ("no problems found: the adapter fits the model; PEFT loads it "
-                "(PeftModel.from_pretrained), not a plain load_state_dict")
-    if d.load_note is not None and d.load_names is not None:
-        return (f"no problems found: {d.load_names.library} renames the keys as it loads "
-                "them (from_pretrained); a plain load_state_dict does not: "
-                "ckptool.load_state_dict(path, model=...) gives them renamed")
-    if any(n.code == "tied-keys" for n in d.notes):
-        return ("no problems found: from_pretrained loads it and ties the names above again; "
-                "a strict load_state_dict wants them too: ckptool.load_state_dict(path, "
-                "model=model) gives them")
-    return manyfiles.no_problems(d.checkpoint)
-
-
-def _folder(d: Diagnosis) -> str:
-    fw = d.checkpoint.framework
-    return fw.directory if fw is not None else d.checkpoint.path

@@ -13,7 +13,7 @@ from __future__ import annotations
 from rich.text import Text
 
 from ckptool.check import manyfiles
-from ckptool.check.diagnosis import ERROR, Diagnosis, describe_keys
+from ckptool.check.diagnosis import ERROR, Diagnosis, describe_keys, library_rows, no_problems
 from ckptool.check.gpus.machine import describe_target
 from ckptool.check.loadcheck import describe_landing
 from ckptool.describe import human_bytes, shown
@@ -30,10 +30,18 @@ def findings(diag: Diagnosis | None, error: str | None = None) -> Text:
         text.append("diagnosing…", style="italic")
         return text
     _keys(text, diag)
+    for label, line in library_rows(diag):
+        text.append(f"{label} ", style="bold")
+        text.append(shown(line) + "\n\n")
+    for note in diag.notes:  # no problem: said before what is
+        text.append(f"i {note.code}", style="bold blue")
+        text.append(f"  {shown(note.message)}\n")
+        if note.snippet:
+            text.append("  try: ", style="bold")
+            text.append(shown(note.snippet) + "\n", style="cyan")
     if not diag.findings:
         text.append("✓ no findings: ", style="bold green")
-        said = manyfiles.no_problems(diag.checkpoint)
-        text.append(said.removeprefix("no problems found: ") + "\n")
+        text.append(no_problems(diag).removeprefix("no problems found: ") + "\n")
     for f in diag.findings:
         mark, style = ("✗", "bold red") if f.severity == ERROR else ("!", "bold yellow")
         text.append(f"{mark} {f.code}", style=style)
