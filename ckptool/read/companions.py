@@ -151,6 +151,8 @@ def _companion(directory: str, name: str, read: str | None = None) -> Companion 
     except OSError:
         return None
     role = framework.role_of(name) or (loaders.role(name, read) if read else None)
+    if role in framework.NOT_PICKLES:  # another runtime's file: nothing unpickles it
+        return Companion(name, role, size)
     if not PICKLE_NAMES.search(name) and not (role is None and recognise.is_checkpoint_file(full)):
         return Companion(name, role, size) if role else None
     if size == 0:

@@ -36,6 +36,13 @@ PICKLE_NAME = re.compile(r"\.(pt|pth|pkl|pickle|ckpt)$")
 _REFERENCE = re.compile(r"^(?:(?P<repo>[\w.-]+/[\w.-]+)--)?(?P<module>[\w.]+)\.(?P<cls>\w+)$")
 
 
+# transformers' generate() imports custom_generate/generate.py of a model
+# folder loaded with trust_remote_code=True, and calls it in its place
+CUSTOM_GENERATE = ("custom generate code: from_pretrained(..., trust_remote_code=True) "
+                   "imports custom_generate/generate.py and generate() runs it "
+                   "(ckptool never does)")
+
+
 @dataclass(frozen=True)
 class RemoteCode:
     """One class an ``auto_map`` names."""
@@ -169,6 +176,8 @@ def subfolders(directory: str, dirs: list[str] | None = None) -> list[Subfolder]
             role = "ONNX export"
         elif name == "additional_chat_templates":
             role = "chat templates"
+        elif name == "custom_generate" and "generate.py" in files:
+            role = CUSTOM_GENERATE
         else:
             role = "folder"
         out.append(Subfolder(name, role, files, size, found, name in modules, training, more,

@@ -37,6 +37,10 @@ from ckptool.read.layouts import loaders
 
 MAX_JSON_BYTES = 4 << 20  # config files are a few kB; a tokenizer.json is never read here
 
+# the files other runtimes load beside the model, which no framework unpickles
+# (optimum-intel's openvino_model.bin is raw weights): read by no one here
+OPENVINO = "OpenVINO export (optimum-intel; raw weights, never unpickled)"
+NOT_PICKLES = (OPENVINO,)
 # files the frameworks write beside a model, and what each holds
 ROLES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
     (re.compile(pattern), role) for pattern, role in (
@@ -71,6 +75,7 @@ ROLES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"^(README\.md|\.gitattributes|LICENSE(\.txt)?)$", "model card or repository file"),
         (r"^(zero_to_fp32|zero_to_torch)\.py$", "DeepSpeed recovery script"),
         (r"^latest$", "DeepSpeed tag pointer"),
+        (r"^openvino_[\w.-]*\.(xml|bin)$", OPENVINO),
         (r"^\w+\.py$", "Python file (ckptool never runs it)"),
     ))
 # the roles above that are what resuming training reads, not the model

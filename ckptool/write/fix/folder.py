@@ -53,8 +53,11 @@ def fix(given: str, src: str, layout: Layout | None, opts: FixOptions, output: s
         progress: Progress | None = None, fsync: bool = False,
         streams: Streams | None = None) -> FixResult:
     """Fix ``src`` (the model file of ``given``, a folder or that file) into
-    the folder ``output``, its configs beside it."""
-    name = os.path.basename(src)
+    the folder ``output``, its configs beside it. A variant read because the
+    folder holds nothing else (``model.fp16.safetensors``) is written under
+    the plain name, which the loader reads without ``variant=`` (and which
+    no longer says a dtype ``--dtype`` may have changed)."""
+    name = plain_name(os.path.basename(src))
     check_apart(Path(given), Path(output))
     if dry_run:
         if os.path.lexists(output) and not force:
@@ -80,6 +83,15 @@ def fix(given: str, src: str, layout: Layout | None, opts: FixOptions, output: s
     return _said(result, output, name, beside.notes, "wrote")
 
 
+def plain_name(name: str) -> str:
+    """A framework's variant file name without its variant
+    (``model.fp16.safetensors`` -> ``model.safetensors``); other names as they are."""
+    parsed = loaders.parse(name)
+    if parsed is None or parsed.kind != loaders.FILE or not parsed.variant:
+        return name
+    return name.replace(f".{parsed.variant}.", ".", 1)
+
+
 def _settle(result: FixResult, given: str, layout: Layout | None, opts: FixOptions) -> None:
     """The source as its folder says (every file beside the model: what is
     copied, and what a writer refuses to write from)."""
@@ -93,6 +105,13 @@ def _said(result: FixResult, output: str, name: str, notes: list[str],
           verb: str) -> FixResult:
     result.target = output
     parsed = loaders.parse(name)
+    fw = result.source.framework
     loader = f", the file {loaders.LOADER[parsed.family]} loads" if parsed else ""
-    result.plan.notes += [f"{output} is a folder: {verb} {name}{loader}", *notes]
+    if fw is not None and fw.kind == "accelerate":  # no config: from_pretrained has nothing
+        loader = (": the model alone (accelerate's load_state reads the training state "
+                  "beside it too, which is not copied)")
+    read = os.path.basename(result.source.path)
+    was = f" (the folder's {read}, under the name read without variant=)" \
+        if read != name and plain_name(read) == name else ""
+    result.plan.notes += [f"{output} is a folder: {verb} {name}{was}{loader}", *notes]
     return result
