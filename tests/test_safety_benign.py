@@ -84,7 +84,8 @@ FRAMEWORKS = Path(__file__).parent / "fixtures" / "frameworks"
 FOLDERS = sorted([p for p in FRAMEWORKS.iterdir() if p.is_dir()
                   and p.name not in ("loader_choice", "ecosystem")]
                  + [p for p in (FRAMEWORKS / "ecosystem").iterdir() if p.is_dir()
-                    and p.name != "peft_only_named"]
+                    and p.name not in ("peft_only_named", "peft_kinds")]
+                 + list((FRAMEWORKS / "ecosystem" / "peft_kinds").iterdir())
                  + [FRAMEWORKS / "ecosystem" / "peft_only_named" / n for n in ("alpha", "beta")])
 
 

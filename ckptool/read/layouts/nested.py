@@ -12,6 +12,10 @@ what they are: a Hugging Face cache repository, and PEFT's named adapters.
   it (``beta/adapter_config.json``...); without a ``default`` adapter the top
   holds none (``alpha/``, ``beta/``), and ``PeftModel.from_pretrained`` of
   the folder fails: ``peft_adapters`` lists them, ``refuse`` names them.
+- sentence-transformers keeps each module in a folder ``modules.json``
+  names (``1_Dense/``); an older model, or a Router's, keeps its transformer
+  there too (``0_Transformer/``, ``query_0_Transformer/``):
+  ``st_module_paths`` lists them.
 
 Only names and small JSON files are read.
 """
@@ -123,3 +127,20 @@ def _ref_main(repo: str) -> str | None:
     except (OSError, UnicodeDecodeError):
         return None
     return commit if commit and "/" not in commit and not commit.startswith(".") else None
+
+
+def st_module_paths(path: str) -> list[str]:
+    """The module folders a sentence-transformers ``modules.json`` names
+    (``0_Transformer``; a Router's ``query_0_Transformer``...)."""
+    listed = framework.json_file(path, "modules.json")
+    out = []
+    for module in listed if isinstance(listed, list) else []:
+        sub = module.get("path") if isinstance(module, dict) else None
+        if isinstance(sub, str) and sub and "/" not in sub and not sub.startswith("."):
+            out.append(sub)
+    router = framework.json_file(path, "router_config.json")  # a Router's routes
+    routes = router.get("types") if isinstance(router, dict) else None
+    out += [p for p in routes if isinstance(p, str) and "/" not in p
+            and not p.startswith(".")] if isinstance(routes, dict) else []
+    # the transformers first: what a user most likely wants to read
+    return sorted(dict.fromkeys(out), key=lambda p: "Transformer" not in p)

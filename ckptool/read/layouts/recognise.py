@@ -325,7 +325,7 @@ def _lone_file(path: str, files: list[str], dirs: list[str], notes: tuple[str, .
     facts = framework.folder_facts(path, files, dirs)
     parts = () if facts is None else facts.components \
         if facts.kind != "sentence-transformers" \
-        else tuple(d for d in _st_module_paths(path) if d in dirs)
+        else tuple(d for d in nested.st_module_paths(path) if d in dirs)
     models = [d for d in parts if any(
         is_checkpoint_file(os.path.join(path, d, n)) or INDEX_NAME.search(n)
         for n in sorted(listing(os.path.join(path, d)))[:MAX_SNIFFED])] if facts else []
@@ -347,23 +347,6 @@ def _lone_file(path: str, files: list[str], dirs: list[str], notes: tuple[str, .
         f"{path} is a directory with no checkpoint in it: it holds {what}",
         "ckptool reads a checkpoint file, a directory of Hugging Face shards with their "
         "*.index.json, or a torch.distributed.checkpoint directory (.metadata + *.distcp)")
-
-
-def _st_module_paths(path: str) -> list[str]:
-    """The module folders a sentence-transformers ``modules.json`` names
-    (``0_Transformer``; a Router's ``query_0_Transformer``...)."""
-    listed = framework.json_file(path, "modules.json")
-    out = []
-    for module in listed if isinstance(listed, list) else []:
-        sub = module.get("path") if isinstance(module, dict) else None
-        if isinstance(sub, str) and sub and "/" not in sub and not sub.startswith("."):
-            out.append(sub)
-    router = framework.json_file(path, "router_config.json")  # a Router's routes
-    routes = router.get("types") if isinstance(router, dict) else None
-    out += [p for p in routes if isinstance(p, str) and "/" not in p
-            and not p.startswith(".")] if isinstance(routes, dict) else []
-    # the transformers first: what a user most likely wants to read
-    return sorted(dict.fromkeys(out), key=lambda p: "Transformer" not in p)
 
 
 def _rank_files(path: str, found: list[str]) -> Layout | None:
