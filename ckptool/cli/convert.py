@@ -90,7 +90,7 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         if workers is not None or launch is not None:
             raise UsageError("--manifest is not written by a conversion on many processes yet",
                              "write it after: ckptool verify OUT --write-manifest FILE")
-        check_destination(manifest, output)
+        check_destination(manifest, output, path)
     if dry_run:
         from ckptool.cli.convert_dist import show_plan
 

@@ -78,7 +78,7 @@ def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: 
     if manifest is not None and not dry_run:
         from ckptool.check.verify.outmanifest import check_destination
 
-        check_destination(manifest, path if in_place else output)
+        check_destination(manifest, path if in_place else output, path)
     # a Ctrl-C says whether PATH was changed in place (exit 130 either way)
     with interrupt.reported(path if in_place and not dry_run else None):
         streams: dict[str, Any] | None = {} if manifest is not None else None

@@ -23,8 +23,10 @@ from ckptool.check.verify.manifest import write_manifest
 from ckptool.errors import UsageError
 
 
-def check_destination(dest: str, output: str | None) -> None:
-    """A ``UsageError`` where ``dest`` cannot take the manifest of ``output``."""
+def check_destination(dest: str, output: str | None, source: str | None = None) -> None:
+    """A ``UsageError`` where ``dest`` cannot take the manifest of ``output``:
+    among other things where it is ``source`` (the input), one of its files
+    or inside it (by any name: a link, a hard link), which it would replace."""
     folder = os.path.dirname(os.path.abspath(dest))
     if not os.path.isdir(folder):
         raise UsageError(f"--manifest {dest}: the folder {folder} does not exist",
@@ -34,6 +36,27 @@ def check_destination(dest: str, output: str | None) -> None:
     if output is not None and same_file(dest, output):
         raise UsageError(f"--manifest {dest} is the output itself",
                          "write the manifest to another path")
+    if source is not None and _of_input(dest, source):
+        raise UsageError(f"--manifest {dest} is the input {source} or one of its files: "
+                         "writing the manifest would replace it",
+                         "write the manifest to another path")
+
+
+def _of_input(dest: str, source: str) -> bool:
+    """Whether ``dest`` is ``source``, a file inside it, or another name of one."""
+    if same_file(dest, source):
+        return True
+    if not os.path.isdir(source):
+        return False
+    real, inside = os.path.realpath(dest), os.path.realpath(source)
+    if real.startswith(inside + os.sep):
+        return True
+    if not os.path.exists(dest):
+        return False
+    for root, _dirs, files in os.walk(source):
+        if any(same_file(dest, os.path.join(root, f)) for f in files):
+            return True
+    return False
 
 
 class Streamed:

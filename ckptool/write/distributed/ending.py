@@ -111,6 +111,7 @@ def _hint(err: CkptoolError, coord: Coordinator) -> str:
     hint = err.hint
     if not coord.staged or err.exit_code == EXIT_INTERRUPTED:
         return hint
-    hint = re.sub(r"(;\s*)?(this is a bug in ckptool; )?nothing was "
-                  r"(left half-written|written|committed)", "", hint).strip("; ")
+    said = r"(this is a bug in ckptool; )?nothing was (left half-written|written|committed)"
+    # ("write elsewhere (nothing was left half-written)": the brackets go with it)
+    hint = re.sub(rf"\s*\({said}\)|(;\s*)?{said}", "", hint).strip("; ")
     return f"{hint}; {RESUME}" if hint else RESUME
