@@ -24,6 +24,7 @@ import re
 from ckptool.check.verify import dcpcheck, hfcache, hfindex, layouts
 from ckptool.check.verify.files import (
     NO_CHECKSUM,
+    SAFETENSORS,
     ZIP,
     Run,
     check_file,
@@ -34,6 +35,7 @@ from ckptool.check.verify.files import (
 )
 from ckptool.check.verify.problems import (
     CRC,
+    HEADER,
     MISMATCH,
     MISSING_FILE,
     TRUNCATED,
@@ -45,7 +47,7 @@ from ckptool.check.verify.problems import (
 )
 from ckptool.check.verify.zipcheck import CrcPool, Failure, failure_text
 from ckptool.describe import plural
-from ckptool.errors import CorruptCheckpointError, InputError
+from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckptool.model import Checkpoint
 from ckptool.read import dispatch
 from ckptool.read.layouts.names import MAX_SNIFFED, is_checkpoint_file, listing
@@ -121,9 +123,18 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
     if kind == FILE:
         one = layouts.one_file(path, layout)
         assert one.file is not None
-        dispatch.check(one.file)  # missing, empty, not a checkpoint: exit 3
         run = Run(os.path.dirname(one.file), pool)
         name = os.path.basename(one.file)
+        try:
+            dispatch.check(one.file)  # missing, empty, not a checkpoint: exit 3
+        except NotACheckpointError:
+            if not one.file.endswith(".safetensors") or os.path.getsize(one.file) < 8:
+                raise
+            # named as safetensors, with bytes of no format: its header is damaged
+            check_file(run, name)
+            run.formats[name] = SAFETENSORS
+            run.add(Problem(HEADER, _safetensors_damage(one.file), name))
+            return run, layout, None, None
         check_file(run, name)
         ckpt = _refused(run, path, _open(path), name)
         _companions(run, ckpt, path)
@@ -155,6 +166,20 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
     ckpt = _refused(run, path, read)
     _companions(run, ckpt, path if kind == HF else None)
     return run, layout, ckpt, tensors
+
+
+def _safetensors_damage(path: str) -> str:
+    """What is wrong with a file named as safetensors whose first bytes are
+    no format: its header's 8-byte length, or the header's first byte."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    length = int.from_bytes(head[:8], "little")
+    if length + 8 > size:
+        return (f"damaged safetensors header: its 8-byte length says {length:,} bytes of "
+                f"header, and the file holds {size:,} in all")
+    return (f"damaged safetensors header: it starts with {head[8:9]!r}, where a header is "
+            "JSON that starts with b'{'")
 
 
 def _open(path: str) -> Checkpoint | InputError:
