@@ -12,28 +12,17 @@ import json
 import re
 from pathlib import Path
 
-import torch
+import tied_nets
 from torch import nn
 
 ECOSYSTEM = Path(__file__).resolve().parent / "fixtures" / "frameworks" / "ecosystem"
 EXPECTED = ECOSYSTEM.parent / "expected_ecosystem.json"
 
 
-def module_of(shapes: dict[str, list[int] | tuple[int, ...]]) -> nn.Module:
+def module_of(shapes: dict[str, list[int]] | dict[str, tuple[int, ...]]) -> nn.Module:
     """An ``nn.Module`` whose ``state_dict()`` has these keys and shapes
-    (zero-filled parameters in nested modules)."""
-    root = nn.Module()
-    for key, shape in shapes.items():
-        *path, leaf = key.split(".")
-        node = root
-        for part in path:
-            child = node._modules.get(part)
-            if child is None:
-                child = nn.Module()
-                node.add_module(part, child)
-            node = child
-        node.register_parameter(leaf, nn.Parameter(torch.zeros(tuple(shape))))
-    return root
+    (zero-filled parameters in nested modules, none tied)."""
+    return tied_nets.module(dict(shapes), [], nn.Module)
 
 
 def recorded(name: str) -> dict[str, list[int]]:

@@ -130,7 +130,7 @@ def diagnose(ckpt: Checkpoint, machine: Machine | None = None,
         if ckpt.framework is not None and ckpt.framework.kind == "peft":
             result.adapter = adapters.match(shapes(names), model.shapes,
                                             ckpt.framework.adapter.get("peft_type"))
-            result.findings += _adapter_findings(ckpt, result.adapter, model)
+            result.findings += _adapter_findings(result.adapter, model)
         else:
             _compare_keys(result, ckpt, model, names, shapes, consolidate is not None, opts,
                           name)
@@ -187,7 +187,7 @@ def _planned(result: Diagnosis, ckpt: Checkpoint, opts: FixOptions) -> Diagnosis
     return result
 
 
-def _adapter_findings(ckpt: Checkpoint, match: AdapterMatch, model: ModelKeys) -> list[Finding]:
+def _adapter_findings(match: AdapterMatch, model: ModelKeys) -> list[Finding]:
     """A PEFT adapter that does not fit the model it is given: each module
     it targets that the model lacks or shapes differently."""
     if match.fits:

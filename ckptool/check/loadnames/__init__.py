@@ -54,14 +54,16 @@ class LoadNames:
     make: Maker
     base_prefix: str | None = None  # the library adds or strips it to fit the model
     fills: Callable[[Any, str], tuple[str, ...]] = lambda _c, _n: ()
+    _memo: dict[str, tuple[str, Any, str | None]] = field(default_factory=dict, repr=False)
+    _orders: dict[str, list[tuple[int, str, int]]] = field(default_factory=dict, repr=False)
 
     def loaded(self, keys: Iterable[str], expected: Mapping[str, Any]) -> dict[str, Loaded]:
         """Each name the model is loaded under, from ``keys``: the file's
         keys in the loader's order, each renamed, then (transformers'
         fall-back) kept as it is where only the original name is the model's."""
         out: dict[str, Loaded] = {}
-        for key in sorted(keys, key=rules.natural):
-            name, converter, pattern = self.rename(key)
+        for key in sorted(keys, key=self._order):
+            name, converter, pattern = self._renamed(key)
             name = self._fit_prefix(name, expected)
             if name not in expected and key in expected:
                 name, converter, pattern = key, None, None
@@ -73,6 +75,20 @@ class LoadNames:
             entry.sources.append(key)
             entry.patterns.append(pattern)
         return out
+
+    def _renamed(self, key: str) -> tuple[str, Any, str | None]:
+        """``rename(key)``, once per key: a comparison asks again for each
+        rewrite it tries."""
+        found = self._memo.get(key)
+        if found is None:
+            found = self._memo[key] = self.rename(key)
+        return found
+
+    def _order(self, key: str) -> list[tuple[int, str, int]]:
+        found = self._orders.get(key)
+        if found is None:
+            found = self._orders[key] = rules.natural(key)
+        return found
 
     def _fit_prefix(self, name: str, expected: Mapping[str, Any]) -> str:
         prefix = self.base_prefix

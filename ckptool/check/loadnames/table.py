@@ -13,50 +13,60 @@ from ckptool.check.loadnames.rules import Rule
 
 VERSION = "transformers 5.25.0"
 
+# the families transformers builds others on (conversion_mapping.py copies
+# their lists and adds to them)
+MIXTRAL = (
+    Rule((".block_sparse_moe.",), (".mlp.",)),
+    Rule((".experts.*.w1.weight", ".experts.*.w3.weight"), (".experts.gate_up_proj",),
+         ("stack", "cat1")),
+    Rule((".experts.*.w2.weight",), (".experts.down_proj",), ("stack",)),
+)
+QWEN2_MOE = (
+    Rule(("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
+         ("mlp.experts.gate_up_proj",), ("stack", "cat1")),
+    Rule(("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",), ("stack",)),
+)
+LLAVA = (
+    Rule(("^language_model.lm_head",), ("lm_head",)),
+    Rule(("^language_model",), ("model.language_model",)),
+    Rule(("^vision_tower",), ("model.vision_tower",)),
+    Rule(("^multi_modal_projector",), ("model.multi_modal_projector",)),
+)
+VIT = (
+    Rule((r"encoder\.layer\.",), ("layers.",)),
+    Rule(("attention.query",), ("q_proj",)),
+    Rule(("attention.key",), ("k_proj",)),
+    Rule(("attention.value",), ("v_proj",)),
+    Rule(("attention.output.dense",), ("attention.o_proj",)),
+    Rule(("intermediate.dense",), ("mlp.fc1",)),
+    Rule(("output.dense",), ("mlp.fc2",)),
+)
 FAMILIES: dict[str, tuple[Rule, ...]] = {
-    "mixtral": (
-        Rule((".block_sparse_moe.",), (".mlp.",)),
-        Rule((".experts.*.w1.weight", ".experts.*.w3.weight"), (".experts.gate_up_proj",),
-             ("stack", "cat1")),
-        Rule((".experts.*.w2.weight",), (".experts.down_proj",), ("stack",)),
-    ),
-    "qwen2_moe": (
-        Rule(("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
-             ("mlp.experts.gate_up_proj",), ("stack", "cat1")),
-        Rule(("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",), ("stack",)),
-    ),
-    "llava": (
-        Rule(("^language_model.lm_head",), ("lm_head",)),
-        Rule(("^language_model",), ("model.language_model",)),
-        Rule(("^vision_tower",), ("model.vision_tower",)),
-        Rule(("^multi_modal_projector",), ("model.multi_modal_projector",)),
-    ),
-    "llava_next": (
-        Rule(("^language_model.lm_head",), ("lm_head",)),
-        Rule(("^language_model",), ("model.language_model",)),
-        Rule(("^vision_tower",), ("model.vision_tower",)),
-        Rule(("^multi_modal_projector",), ("model.multi_modal_projector",)),
-        Rule(("^image_newline",), ("model.image_newline",)),
-    ),
+    "mixtral": MIXTRAL,
     "minimax_m2": (
-        Rule((".block_sparse_moe.",), (".mlp.",)),
-        Rule((".experts.*.w1.weight", ".experts.*.w3.weight"), (".experts.gate_up_proj",),
-             ("stack", "cat1")),
-        Rule((".experts.*.w2.weight",), (".experts.down_proj",), ("stack",)),
+        *MIXTRAL,
         Rule((".block_sparse_moe.e_score_correction_bias",), (".mlp.e_score_correction_bias",)),
     ),
+    "qwen2_moe": QWEN2_MOE,
     "ernie4_5_moe": (
-        Rule(("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
-             ("mlp.experts.gate_up_proj",), ("stack", "cat1")),
-        Rule(("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",), ("stack",)),
+        *QWEN2_MOE,
         Rule(("mlp.moe_statics.e_score_correction_bias",),
              ("mlp.gate.moe_statics.e_score_correction_bias",)),
     ),
     "exaone_moe": (
-        Rule(("mlp.experts.*.gate_proj.weight", "mlp.experts.*.up_proj.weight"),
-             ("mlp.experts.gate_up_proj",), ("stack", "cat1")),
-        Rule(("mlp.experts.*.down_proj.weight",), ("mlp.experts.down_proj",), ("stack",)),
+        *QWEN2_MOE,
         Rule(("mlp.e_score_correction_bias",), ("mlp.gate.e_score_correction_bias",)),
+    ),
+    "llava": LLAVA,
+    "llava_next": (*LLAVA, Rule(("^image_newline",), ("model.image_newline",))),
+    # a folder written by a multimodal base class (LlavaModel, PaliGemmaModel...)
+    "LlavaModel": (Rule(("^language_model.model",), ("language_model",)),),
+    "vit": VIT,
+    "beit": (
+        *VIT,
+        Rule(("encoder.relative_position_bias",), ("shared_position_bias",)),
+        Rule(("attention.attention.relative_position_bias.relative_position_bias_table",),
+             ("relative_position_bias.relative_position_bias_table",)),
     ),
     "dinov2": (
         Rule(("attention.attention.query",), ("attention.q_proj",)),
@@ -67,29 +77,6 @@ FAMILIES: dict[str, tuple[Rule, ...]] = {
              ("chunk0",)),
         Rule(("mlp.weights_in.bias",), ("mlp.gate_proj.bias", "mlp.up_proj.bias"), ("chunk0",)),
         Rule(("mlp.weights_out",), ("mlp.down_proj",)),
-    ),
-    "beit": (
-        Rule((r"encoder\.layer\.",), ("layers.",)),
-        Rule(("attention.query",), ("q_proj",)),
-        Rule(("attention.key",), ("k_proj",)),
-        Rule(("attention.value",), ("v_proj",)),
-        Rule(("attention.output.dense",), ("attention.o_proj",)),
-        Rule(("intermediate.dense",), ("mlp.fc1",)),
-        Rule(("output.dense",), ("mlp.fc2",)),
-        Rule(("encoder.relative_position_bias",), ("shared_position_bias",)),
-        Rule(("attention.attention.relative_position_bias.relative_position_bias_table",),
-             ("relative_position_bias.relative_position_bias_table",)),
-    ),
-    # a folder written by a multimodal base class (LlavaModel, PaliGemmaModel...)
-    "LlavaModel": (Rule(("^language_model.model",), ("language_model",)),),
-    "vit": (
-        Rule((r"encoder\.layer\.",), ("layers.",)),
-        Rule(("attention.query",), ("q_proj",)),
-        Rule(("attention.key",), ("k_proj",)),
-        Rule(("attention.value",), ("v_proj",)),
-        Rule(("attention.output.dense",), ("attention.o_proj",)),
-        Rule(("intermediate.dense",), ("mlp.fc1",)),
-        Rule(("output.dense",), ("mlp.fc2",)),
     ),
 }
 # applied to every model, after its family's
