@@ -101,3 +101,15 @@ def test_an_accelerate_folder_fixed_as_a_folder_says_what_load_state_needs(
                  f"{tmp_path / 'out'}/"]) == 0
     said = " ".join(capsys.readouterr().out.split())
     assert "load_state" in said and "from_pretrained loads" not in said
+
+
+def test_a_pickle_named_as_an_openvino_export_is_still_read(tmp_path: Path) -> None:
+    folder = tmp_path / "ov"
+    shutil.copytree(HERE / "llama_tied", folder)
+    # a protocol-2 pickle that calls os.system('true') when loaded
+    (folder / "openvino_model.bin").write_bytes(
+        b"\x80\x02cposix\nsystem\n(X\x04\x00\x00\x00truetR.")
+    ckpt = ckptool.open(str(folder))
+    assert ckpt.framework is not None
+    companion = {c.path: c for c in ckpt.framework.companions}["openvino_model.bin"]
+    assert companion.unsafe

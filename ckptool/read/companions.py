@@ -151,7 +151,9 @@ def _companion(directory: str, name: str, read: str | None = None) -> Companion 
     except OSError:
         return None
     role = framework.role_of(name) or (loaders.role(name, read) if read else None)
-    if role in framework.NOT_PICKLES:  # another runtime's file: nothing unpickles it
+    if role in framework.NOT_PICKLES and not _pickle_or_zip(full):
+        # another runtime's raw bytes: nothing unpickles them (a pickle so
+        # named is read as any other)
         return Companion(name, role, size)
     if not PICKLE_NAMES.search(name) and not (role is None and recognise.is_checkpoint_file(full)):
         return Companion(name, role, size) if role else None
@@ -176,6 +178,17 @@ def _companion(directory: str, name: str, read: str | None = None) -> Companion 
     detail = optim.summary(states[0]) if states else None
     return Companion(name, role or "another checkpoint file (not the model read)", size,
                      raw.format, unsafe, custom, detail=detail)
+
+
+def _pickle_or_zip(path: str) -> bool:
+    """Whether ``path`` starts as a pickle (a protocol opcode) or a zip does:
+    what torch.load would read, whatever the file is named."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(2)
+    except OSError:
+        return True  # unreadable: read as any other, which says why
+    return head[:1] == b"\x80" or head == b"PK"
 
 
 def _with_names(facts: Framework, ckpt: Checkpoint) -> Framework:
