@@ -12,7 +12,7 @@ whose process is gone (the pid in the name says whose it was).
 
 ``--force`` over an existing directory: the old one is renamed aside, the
 new one into place, then the old one removed; a crash between the renames
-leaves the old one under ``.NAME.ckptool-<pid>-<random>.old`` (never removed
+leaves the old one under ``.NAME.ckptool-<pid>-<random>.<random>.old`` (never removed
 by ckptool: it is the user's data). Durable
 (``fsync``, or when it replaces something): every file is fsynced, then
 the temporary directory and, after the rename, the parent.
@@ -20,6 +20,7 @@ the temporary directory and, after the rename, the parent.
 
 from __future__ import annotations
 
+import errno
 import os
 import re
 import secrets
@@ -93,7 +94,7 @@ class AtomicDirectory:
         assert self.temp is not None
         if self.durable:
             fsync_directory(self.temp)
-        replace_directory(self.temp, self.target, on_renamed=self._renamed)
+        replace_directory(self.temp, self.target, self.force, on_renamed=self._renamed)
         if self.durable:
             fsync_directory(self.target.parent)
 
@@ -109,20 +110,42 @@ class AtomicDirectory:
             raise output_error(self.target, exc) from exc
 
 
-def replace_directory(temp: Path, target: Path,
+def replace_directory(temp: Path, target: Path, force: bool,
                       on_renamed: Callable[[], None] | None = None) -> None:
-    """Rename directory ``temp`` to ``target``; a ``target`` already there is
-    renamed aside first (``<temp>.old``, without ``.partial``) and removed
-    once the new one is in place."""
+    """Rename directory ``temp`` to ``target``. Without ``force`` a
+    ``target`` that appeared meanwhile is an error, never replaced; with it,
+    a ``target`` there is renamed aside first (``<temp>.<random>.old``,
+    without ``.partial``) and removed once the new one is in place, if it is
+    still a checkpoint directory (or an empty one): one that came to hold
+    other files meanwhile is refused, its files kept."""
     old = None
-    if target.exists():
-        old = temp.with_name(temp.name.removesuffix(".partial") + ".old")
+    if target.exists() or target.is_symlink():
+        if not force:
+            raise appeared(target)
+        if not target.is_dir() or target.is_symlink():
+            raise UsageError(f"{target} exists and is not a directory",
+                             "remove it, or name another output")
+        check_replaceable(target)
+        old = temp.with_name(f"{temp.name.removesuffix('.partial')}.{secrets.token_hex(4)}.old")
         os.rename(target, old)
-    os.rename(temp, target)
+    try:
+        os.rename(temp, target)
+    except OSError as exc:
+        if old is None and exc.errno in (errno.EEXIST, errno.ENOTEMPTY, errno.ENOTDIR):
+            raise appeared(target) from exc  # in the instant since the check
+        if old is not None:
+            os.rename(old, target)  # the old one back: nothing lost
+        raise
     if on_renamed is not None:
         on_renamed()
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
+
+
+def appeared(target: Path) -> UsageError:
+    """The error of an output that another program made while ckptool wrote it."""
+    return UsageError(f"{target} appeared while ckptool was writing it",
+                      "nothing was overwritten; pass --force to replace it")
 
 
 def check_apart(source: Path, target: Path) -> None:

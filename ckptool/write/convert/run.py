@@ -39,6 +39,7 @@ from collections.abc import Callable
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.convert.files import write_safetensors, write_torch
 from ckptool.write.convert.job import Job, output_format, prepare
+from ckptool.write.outlock import OutputLock
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
 from ckptool.write.streamhash import Streams
@@ -69,6 +70,12 @@ def write(job: Job, *, force: bool = False, progress: Progress | None = None,
           fsync: bool = False, streams: Streams | None = None) -> ConvertResult:
     """Write a planned conversion in this one process (``streams``: each
     file's hashes taken as it is written, for ``--manifest``)."""
+    with OutputLock(job.dst):  # one writer of OUT, on one process or many
+        return _write(job, force, progress, fsync, streams)
+
+
+def _write(job: Job, force: bool, progress: Progress | None, fsync: bool,
+           streams: Streams | None) -> ConvertResult:
     if job.is_directory:
         from ckptool.write.convert import directory as convert_dir
 

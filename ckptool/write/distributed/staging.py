@@ -21,7 +21,7 @@ what ``--force`` allows as ``AtomicDirectory`` does.
 from __future__ import annotations
 
 import contextlib
-import fcntl
+import errno
 import json
 import os
 import secrets
@@ -33,11 +33,13 @@ from typing import Any
 from ckptool.errors import InputError, UsageError
 from ckptool.write.failures import naming, output_error
 from ckptool.write.outdir import (
+    appeared,
     check_apart,
     check_replaceable,
     fsync_directory,
     replace_directory,
 )
+from ckptool.write.outlock import OutputLock, lock_path
 
 Check = tuple[int, int, int]  # (offset, size, CRC)
 
@@ -53,9 +55,8 @@ class Staging:
         self.force = force
         self.path = self.target.parent / f".{self.target.name}.ckptool-dist.partial"
         self.meta = self.path / ".ckptool"
-        self._lock: int | None = None
-        self._lock_path = self.path
-        self._done = False
+        self.aside = self.path.with_name(self.path.name.removesuffix(".partial") + ".manifest")
+        self._lock = OutputLock(self.target)
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -65,6 +66,8 @@ class Staging:
     def check_target(self, source: str) -> None:
         """The output may be written: not the input, not there unless --force."""
         check_apart(Path(source), self.target)
+        for own in (self.path, self.aside, lock_path(self.target)):  # what a run removes
+            check_apart(Path(source), own)
         if (self.target.exists() or self.target.is_symlink()) and not self.force:
             raise UsageError(f"{self.target} already exists",
                              "pass --force to replace it, or name another output")
@@ -82,37 +85,22 @@ class Staging:
 
     def lock(self) -> None:
         """Rank 0, for the whole run: one conversion at a time into this
-        output (another one's rank 0 would remove this one's staging)."""
-        lock = self.target.parent / f".{self.target.name}.ckptool-dist.lock"
-        with naming(self.target):
-            try:
-                self._lock = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            except OSError as exc:
-                raise output_error(self.target, exc) from exc
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
-            os.close(self._lock)
-            self._lock = None
-            raise UsageError(f"another convert is writing {self.target} (it holds {lock})",
-                             "wait for it to end, or name another output") from exc
-        self._lock_path = lock
+        output, distributed or not (another one's rank 0 would remove this
+        one's staging; a plain one would commit over it)."""
+        self._lock.acquire()
 
     def unlock(self) -> None:
-        if self._lock is not None:
-            if self._done:
-                with contextlib.suppress(OSError):
-                    os.unlink(self._lock_path)
-            os.close(self._lock)
-            self._lock = None
+        self._lock.release()
 
     def prepare(self, fingerprint: str) -> tuple[str, bool]:
         """Rank 0: the directory ready for this plan; returns (the token the
         other ranks must find, whether an earlier run's work is kept)."""
         with naming(self.target):
+            self._take_back_aside()
             kept = self._plan() == fingerprint
             if not kept and self.path.exists():
-                shutil.rmtree(self.path)
+                self._check_ours()
+                self._remove()
             try:
                 self.meta.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
@@ -121,6 +109,45 @@ class Staging:
             write_small(self.meta / "plan", fingerprint.encode())
             write_small(self.meta / "token", token.encode())
         return token, kept
+
+    def _take_back_aside(self) -> None:
+        """An earlier run's rank 0 stopped while committing a directory,
+        with ``.ckptool/`` set aside: back into the staging directory if it
+        is still there (killed before the output was renamed into place: the
+        files are whole, and a re-run keeps them), else removed (the output
+        was committed)."""
+        if not self.aside.is_dir() or self.aside.is_symlink():
+            return
+        if not _only_ours(self.aside):
+            raise UsageError(f"{self.aside} holds files ckptool did not write",
+                             "move it away, then run again")
+        if self.path.is_dir() and not self.meta.exists():
+            os.rename(self.aside, self.meta)
+        else:
+            shutil.rmtree(self.aside)
+
+    def _remove(self) -> None:
+        """The staging directory removed, ``.ckptool/`` last: stopped
+        half-way, what is left is still recognisably ckptool's."""
+        for entry in os.scandir(self.path):
+            if entry.name == ".ckptool":
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+        shutil.rmtree(self.path)
+
+    def _check_ours(self) -> None:
+        """The staging directory is removed only if a run of ckptool made
+        it (it holds ``.ckptool/``, or nothing)."""
+        if self.path.is_symlink() or not self.path.is_dir():
+            raise UsageError(f"{self.path} is in the way of the staging directory",
+                             "move it away, then run again")
+        if self.meta.is_dir() or not os.listdir(self.path):
+            return
+        raise UsageError(f"{self.path} holds files ckptool did not write",
+                         "move it away, then run again")
 
     def _plan(self) -> str | None:
         try:
@@ -156,25 +183,50 @@ class Staging:
     # -- the end -------------------------------------------------------------
 
     def commit(self, name: str | None, durable: bool) -> None:
-        """Rank 0, once every file is written and checked: the output into place."""
+        """Rank 0, once every file is written and checked: the output into
+        place. Without --force an OUT that appeared meanwhile is an error,
+        never replaced (``replace_directory``, ``_place``)."""
         if durable:
             fsync_directory(self.path)
         if not self.is_directory:
             assert name is not None
-            os.replace(self.path / name, self.target)
-            shutil.rmtree(self.path, ignore_errors=True)
+            self._place(self.path / name)
+            with contextlib.suppress(OSError):
+                self._remove()
         else:  # the manifests stay beside it until the output is in place
-            aside = self.path.with_name(self.path.name.removesuffix(".partial") + ".manifest")
-            os.rename(self.meta, aside)
+            os.rename(self.meta, self.aside)
             try:
-                replace_directory(self.path, self.target)
-            except OSError:
-                os.rename(aside, self.meta)  # still resumable
+                replace_directory(self.path, self.target, self.force)
+            except BaseException:
+                os.rename(self.aside, self.meta)  # still resumable
                 raise
-            shutil.rmtree(aside, ignore_errors=True)
-        self._done = True
+            shutil.rmtree(self.aside, ignore_errors=True)
         if durable:
             fsync_directory(self.target.parent)
+
+    def _place(self, file: Path) -> None:
+        """The one output file to OUT: over it with --force; else linked
+        there, which fails on a file that appeared meanwhile (where the
+        filesystem has no hard links: checked, then renamed)."""
+        if self.force:
+            if self.target.is_dir() and not self.target.is_symlink():
+                raise UsageError(f"{self.target} appeared as a directory while ckptool was "
+                                 "writing it", "nothing was overwritten; remove it, or name "
+                                 "another output")
+            os.replace(file, self.target)
+            return
+        try:
+            os.link(file, self.target, follow_symlinks=False)
+        except FileExistsError as exc:
+            raise appeared(self.target) from exc
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EMLINK):
+                raise
+            if self.target.exists() or self.target.is_symlink():
+                raise appeared(self.target) from exc
+            os.rename(file, self.target)
+            return
+        os.unlink(file)
 
 
 class Manifest:
@@ -205,6 +257,13 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
             continue
         if isinstance(entry, dict) and {"file", "unit", "checks"} <= entry.keys():
             yield entry
+
+
+def _only_ours(meta: Path) -> bool:
+    """Whether a set-aside ``.ckptool/`` holds only what ckptool writes there."""
+    return all(name in ("plan", "token", ".plan.tmp", ".token.tmp")
+               or (name.startswith(("done-", "dcp-")) and name.endswith((".jsonl", ".json")))
+               for name in os.listdir(meta))
 
 
 def write_small(path: Path, data: bytes, durable: bool = False) -> None:

@@ -1,0 +1,90 @@
+"""One writer at a time of an output path, whichever way it writes.
+
+A conversion into OUT, on one process or many (``convert``, ``fix -o``,
+``convert`` under torchrun), holds an exclusive ``flock`` on
+``.OUT.ckptool.lock`` beside it from before it checks OUT until it has
+committed or given up; another one refused the lock says who holds it. So
+a plain convert and a distributed one never both believe they wrote OUT.
+
+The lock file is removed by its holder on release, success or failure. A
+process that opened the file just before it was removed would lock a file
+no longer there: after taking the lock, the holder checks that the path
+still names the file it locked, and tries again if not. ``kill -9`` leaves
+the file behind, unlocked: the next writer takes it and removes it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from pathlib import Path
+from types import TracebackType
+
+from ckptool.errors import UsageError
+from ckptool.write.failures import naming, output_error
+
+
+def lock_path(target: str | os.PathLike[str]) -> Path:
+    """The lock file of output ``target``."""
+    path = Path(os.fspath(target).rstrip("/") or os.fspath(target))
+    return path.parent / f".{path.name}.ckptool.lock"
+
+
+class OutputLock:
+    """``with OutputLock(target):`` this process alone writes ``target``;
+    a ``UsageError`` if another holds it. Where the output's directory does
+    not exist nothing is locked (the writer says why it cannot write)."""
+
+    def __init__(self, target: str | os.PathLike[str]) -> None:
+        self.target = os.fspath(target)
+        self.path = lock_path(target)
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        if not self.path.parent.is_dir():
+            return
+        for _ in range(100):  # another holder removing the file each time: give up
+            with naming(self.target):
+                try:
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                except OSError as exc:
+                    raise output_error(self.target, exc) from exc
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                raise UsageError(f"another ckptool is writing {self.target} (it holds "
+                                 f"{self.path})", "wait for it to end, or name another "
+                                 "output") from exc
+            if _same_file(fd, self.path):
+                self._fd = fd
+                return
+            os.close(fd)  # locked a file its holder has just removed
+        raise UsageError(f"cannot lock {self.target}: {self.path} keeps being replaced",
+                         "wait for the other writers to end, then run again")
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.path)  # while still held: a waiter re-checks the path
+        os.close(self._fd)
+        self._fd = None
+
+    def __enter__(self) -> OutputLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.release()
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        now = os.stat(path)
+    except FileNotFoundError:
+        return False
+    mine = os.fstat(fd)
+    return (now.st_dev, now.st_ino) == (mine.st_dev, mine.st_ino)
