@@ -145,3 +145,15 @@ def on_thread_ranks(n: int, work: Any, catch: tuple[type[BaseException], ...]) -
     for t in threads:
         t.join(60)
     return out
+
+
+def disk_full_lines(err: str, path: object, hint: str) -> bool:
+    """Whether ``err`` is the full-disk error of writing ``path`` (with the
+    filesystem's figures: what the output needs where known, what is free)
+    and ``hint``."""
+    import re
+
+    lines = err.splitlines()
+    said = (rf"ckptool: error: cannot write {re.escape(str(path))}: no space left on "
+            r"device \((needs [\d.]+ k?[MGT]?B, )?[\d.]+ k?[MGT]?B free on /\S*\)")
+    return len(lines) == 2 and re.fullmatch(said, lines[0]) is not None and lines[1] == hint

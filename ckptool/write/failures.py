@@ -2,6 +2,11 @@
 why, and what to do (``cannot write /x/out.safetensors: no space left on
 device`` / ``free space on that filesystem, or write elsewhere``).
 
+A full disk (or quota) says how much the filesystem has left and, where
+the writer said so (``needing``), how much the output needs: ``cannot write
+/x/out.safetensors: no space left on device (needs 1.2 GB, 310.4 MB free on
+/x)``.
+
 ``naming(target, *paths)`` turns an ``OSError`` that is the output's into an
 ``OutputError`` naming ``target``: one whose errno only a write raises (disk
 full, quota, file too large, read-only filesystem), or one that names
@@ -14,9 +19,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 from collections.abc import Iterator
+from contextvars import ContextVar
 
+from ckptool.describe import human_bytes
 from ckptool.errors import OutputError
+
+# what the output being written needs, in bytes, where its writer said
+NEEDED: ContextVar[int | None] = ContextVar("ckptool_output_needs", default=None)
 
 # errnos only a write raises: whatever the OSError names, the output failed
 _WRITES = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
@@ -40,8 +51,37 @@ def output_error(target: str | os.PathLike[str], exc: OSError,
     hint = _HINTS.get(exc.errno or 0, "check the output's path and its filesystem")
     if clean:
         hint += f" ({_CLEAN})"
-    return OutputError(f"cannot write {os.fspath(target)}: {reason[:1].lower()}{reason[1:]}",
-                       hint)
+    message = f"cannot write {os.fspath(target)}: {reason[:1].lower()}{reason[1:]}"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        message += _space(os.fspath(target))
+    return OutputError(message, hint)
+
+
+@contextlib.contextmanager
+def needing(nbytes: int) -> Iterator[None]:
+    """Inside this block, the output being written needs ``nbytes``."""
+    token = NEEDED.set(nbytes)
+    try:
+        yield
+    finally:
+        NEEDED.reset(token)
+
+
+def _space(target: str) -> str:
+    """`` (needs X, Y free on MOUNT)`` for the filesystem ``target`` is on."""
+    where = os.path.dirname(os.path.abspath(target))
+    while not os.path.isdir(where) and os.path.dirname(where) != where:
+        where = os.path.dirname(where)
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return ""
+    mount = where
+    while not os.path.ismount(mount):
+        mount = os.path.dirname(mount)
+    needed = NEEDED.get()
+    needs = f"needs {human_bytes(needed)}, " if needed else ""
+    return f" ({needs}{human_bytes(free)} free on {mount})"
 
 
 def is_output_error(exc: OSError, paths: tuple[str | os.PathLike[str], ...]) -> bool:

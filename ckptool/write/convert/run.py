@@ -39,6 +39,7 @@ from collections.abc import Callable
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.convert.files import write_safetensors, write_torch
 from ckptool.write.convert.job import Job, output_format, prepare
+from ckptool.write.failures import needing
 from ckptool.write.outlock import OutputLock
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
@@ -70,7 +71,8 @@ def write(job: Job, *, force: bool = False, progress: Progress | None = None,
           fsync: bool = False, streams: Streams | None = None) -> ConvertResult:
     """Write a planned conversion in this one process (``streams``: each
     file's hashes taken as it is written, for ``--manifest``)."""
-    with OutputLock(job.dst):  # one writer of OUT, on one process or many
+    needs = sum(job.written.nbytes(n) for n in job.written.tensors)
+    with OutputLock(job.dst), needing(needs):  # one writer of OUT, on one process or many
         return _write(job, force, progress, fsync, streams)
 
 

@@ -34,6 +34,7 @@ from ckptool.write.distributed.coordinate import STORE_ERRORS, Coordinator, Fail
 from ckptool.write.distributed.ending import Say
 from ckptool.write.distributed.plan import Plan, make
 from ckptool.write.distributed.staging import Staging, write_small
+from ckptool.write.failures import NEEDED
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
 
@@ -57,6 +58,7 @@ def convert(world: Any, src: str, dst: str, *, say: Say, force: bool = False,
     coord.start()
     start = time.monotonic()
     stack = contextlib.ExitStack()  # what rank 0 holds until the end (the lock)
+    needs = NEEDED.set(None)  # the plan's bytes, once planned: a full disk says them
     try:
         return _convert(world, coord, stack, src, dst, force, progress, fsync, options, start)
     except BaseException as exc:
@@ -70,6 +72,7 @@ def convert(world: Any, src: str, dst: str, *, say: Say, force: bool = False,
             raise
         raise ending.leave(coord, err, say) from exc
     finally:
+        NEEDED.reset(needs)
         coord.close()
         stack.close()
 
@@ -80,6 +83,7 @@ def _convert(world: Any, coord: Coordinator, stack: contextlib.ExitStack[Any], s
     rank = coord.rank
     job = prepare(src, dst, **options)
     plan = make(job, coord.size)
+    NEEDED.set(plan.total)
     staging = Staging(dst, job.is_directory, force)
     if rank == 0:
         staging.check_target(job.source.directory or job.source.path)
