@@ -108,15 +108,17 @@ def _ranks_line(report: dict[str, Any]) -> str:
     nodes = len({r["node"] for r in per_rank})
     busy = [r["bytes_written"] + r["bytes_kept"] for r in per_rank if r["tensors"]]
     slowest = max(per_rank, key=lambda r: r["seconds"])
-    least, most = (min(busy), max(busy)) if busy else (0, 0)
-    each = f"{human_bytes(most)} each" if least == most else \
-        f"{human_bytes(least)} to {human_bytes(most)} each"
-    line = (f"{plural(report['ranks'], 'process', 'processes')} on "
-            f"{plural(nodes, 'machine')}, {each}")
-    if len(busy) < len(per_rank):
-        line += f" ({len(per_rank) - len(busy)} with no tensor)"
-    line += f"; the slowest, rank {slowest['rank']}, took {slowest['seconds']:.1f} s"
+    least, most = (human_bytes(min(busy)), human_bytes(max(busy))) if busy else ("0 B", "0 B")
+    line = f"{plural(report['ranks'], 'process', 'processes')} on {plural(nodes, 'machine')}"
+    if len(per_rank) == 1:
+        line += f", {most}; took {slowest['seconds']:.1f} s"
+    else:
+        line += f", {most} each" if least == most else f", {least} to {most} each"
+        if len(busy) < len(per_rank):
+            line += f" ({len(per_rank) - len(busy)} with no tensor)"
+        line += f"; the slowest, rank {slowest['rank']}, took {slowest['seconds']:.1f} s"
     kept = sum(r["bytes_kept"] for r in per_rank)
     if report["resumed"]:
-        line += f"; {human_bytes(kept)} kept from an earlier run, verified again"
+        line += (f"; {human_bytes(kept)} kept from an earlier run, verified again" if kept
+                 else "; an earlier run resumed, none of its bytes kept")
     return line
