@@ -5,9 +5,10 @@ The structure and CRC checks (``ckptool.check.verify.structure``), then, as
 asked: the checkpoint against a manifest written before (``--manifest``),
 every tensor's values (``--values``), and a new manifest written once
 nothing is wrong (``--write-manifest``). Exit 0 when whole, 1 when a
-problem was found, 3 when the input cannot be read at all. Under torchrun
-or srun, or with ``--workers N``, every process checks its share of the
-bytes and rank 0 reports (``_spread``, ``ckptool.check.verify.spread``).
+problem was found, 2 on a usage error, 3 when the input cannot be read at
+all. Under torchrun or srun, or with ``--workers N``, every process checks
+its share of the bytes and rank 0 reports (``_spread``,
+``ckptool.check.verify.spread``).
 
 ``verify_dict`` is the ``--json`` schema.
 """
@@ -47,15 +48,17 @@ from ckptool.errors import EXIT_FINDINGS, EXIT_OK
               "processes it was started in.")
 @click.option("--json", "as_json", is_flag=True, help="Print the JSON report on stdout.")
 @click.option("--quiet", "-q", is_flag=True,
-              help="Print nothing: the exit code says it (0 whole, 1 problems, 3 unreadable).")
+              help="Print nothing: the exit code says it (0 whole, 1 problems, 2 usage, "
+                   "3 unreadable).")
 def verify(path: str, read_values: bool, against: str | None, write_to: str | None,
            jobs: int | None, workers: int | None, as_json: bool, quiet: bool) -> int:
     """Check that a checkpoint is whole: every file its layout names, with
     the size it implies; chunks and shards that cover every tensor once;
     zip records against their CRC-32; pickles and headers that parse; a
     Hugging Face cache's blobs against their names. Exits 0 when whole, 1
-    when a problem was found, 3 when it cannot be read. Under torchrun or
-    srun, or with --workers N, on many processes."""
+    when a problem was found, 2 on a usage error (a bad option, a --manifest
+    that is no ckptool manifest), 3 when it cannot be read. Under torchrun
+    or srun, or with --workers N, on many processes."""
     from ckptool.check.verify.structure import check, default_jobs
     from ckptool.write.distributed import world
 
@@ -156,7 +159,8 @@ def _against(report: Report, manifest_path: str, jobs: int) -> None:
 
     ckpt = report.checkpoint
     if ckpt is not None:
-        report.problems += manifest.check_manifest(ckpt, manifest_path, jobs)
+        report.problems += manifest.check_manifest(ckpt, manifest_path, jobs,
+                                                   notes=report.notes)
     else:  # what can be said of files that do not open together
         root = report.path if os.path.isdir(report.path) else os.path.dirname(report.path)
         report.problems += manifest.check_files(root or ".", manifest_path, jobs)

@@ -32,8 +32,14 @@ def summary(report: Report) -> str:
 
 
 def problem_line(p: Problem) -> str:
-    """``FILE: TENSOR: message``, without what the problem does not name."""
-    return ": ".join(part for part in (p.file, p.tensor, p.message) if part)
+    """``FILE: TENSOR: message``, without what the problem does not name. A
+    key that starts with its file's name (a DeepSpeed file's own entries:
+    ``<zero_pp_rank_0_mp_rank_00_optim_states.pt>/optimizer_state_dict/...``)
+    is shown without it: the line names the file once."""
+    tensor = p.tensor
+    if tensor and p.file:
+        tensor = tensor.removeprefix(f"<{p.file.rsplit('/', 1)[-1]}>/")
+    return ": ".join(part for part in (p.file, tensor, p.message) if part)
 
 
 def render_verify(console: Console, report: Report) -> None:

@@ -161,12 +161,30 @@ def read_problem(run: Run, name: str, exc: InputError) -> Problem | None:
     if isinstance(exc, UnsupportedCheckpointError) or not isinstance(
             exc, (CorruptCheckpointError, NotACheckpointError)):
         return Problem(UNREADABLE, message, name)
+    if isinstance(exc, NotACheckpointError) and name.endswith(".safetensors") and \
+            os.path.isfile(run.path(name)) and os.path.getsize(run.path(name)) >= 8:
+        # named as safetensors, with bytes of no format: its header is damaged
+        return Problem(HEADER, safetensors_damage(run.path(name)), name)
     kind = classify(message, HEADER if fmt == SAFETENSORS or isinstance(
         exc, NotACheckpointError) else PICKLE)
     if fmt == ZIP and name not in run.crc_zero and (
             kind == CRC or "zip archive is truncated or corrupt" in message):
         return None  # the directory check or the CRC pool says it, naming the record
     return Problem(kind, message, name)
+
+
+def safetensors_damage(path: str) -> str:
+    """What is wrong with a file named as safetensors whose first bytes are
+    no format: its header's 8-byte length, or the header's first byte."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(9)
+    length = int.from_bytes(head[:8], "little")
+    if length + 8 > size:
+        return (f"damaged safetensors header: its 8-byte length says {length:,} bytes of "
+                f"header, and the file holds {size:,} in all")
+    return (f"damaged safetensors header: it starts with {head[8:9]!r}, where a header is "
+            "JSON that starts with b'{'")
 
 
 def local(message: str, path: str, name: str) -> str:

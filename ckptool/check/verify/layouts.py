@@ -13,20 +13,31 @@ from __future__ import annotations
 import os
 import re
 
-from ckptool.check.verify.problems import HEADER, MISMATCH, MISSING_FILE, Problem, classify
+from ckptool.check.verify.problems import (
+    EXTRA_FILE,
+    HEADER,
+    MISMATCH,
+    MISSING_FILE,
+    WARNING,
+    Problem,
+    classify,
+)
 from ckptool.errors import CorruptCheckpointError, InputError
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.layouts import recognise
+from ckptool.read.layouts import framework, recognise
 from ckptool.read.layouts.names import (
     DATA_FILE,
     DEEPSPEED_FILE,
     INDEX_NAME,
     MAX_SNIFFED,
     METADATA,
+    PREFERRED_INDEXES,
     RANK_METADATA,
     RANK_NAME,
+    index_json,
     is_checkpoint_file,
     listing,
+    shown,
 )
 from ckptool.read.layouts.recognise import (
     DCP,
@@ -66,9 +77,9 @@ def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
         return _damaged(path, exc)
     except InputError:
         if os.path.isdir(path):
-            gap = _rank_gap(path)
-            if gap is not None:
-                return gap
+            found = _rank_gap(path) or _index_lacking_shards(path)
+            if found is not None:
+                return found
         raise
 
 
@@ -79,16 +90,21 @@ def _damaged(path: str, exc: CorruptCheckpointError) -> tuple[Layout, list[Probl
         return Layout(DCP, path, path, metadata=tuple(metadata)), []
     message = exc.message.removeprefix(f"{path}: ")
     named: str | None = None  # the index the message names
-    if any(DATA_FILE.match(n) for n in files):
-        problem = Problem(MISSING_FILE, message, METADATA)
+    data = [n for n in files if DATA_FILE.match(n)]
+    if data:  # (the reader's message names the directory: the problem names the file)
+        problem = Problem(MISSING_FILE, f"the file is missing: the directory holds "
+                          f"torch.distributed.checkpoint data files ({shown(data)}) and "
+                          "nothing says what is in them (`cp src/* dst/` skips dot files; "
+                          "DCP writes .metadata last)", METADATA)
     else:
         named = next((n for n in files if n in message and INDEX_NAME.search(n)), None)
         message = message.replace(os.path.join(path, ""), "")
         if named is not None:
             message = message.removeprefix(f"{named} ").removeprefix("is ")
         problem = Problem(HEADER if named else classify(message, MISMATCH), message, named)
-    return Layout(ALONE, path, path, index=named,
-                  metadata=tuple(_checkpoint_files(path, files))), [problem]
+    # every data file, whatever its first bytes say: a damaged one is checked too
+    return Layout(ALONE, path, path, index=named, metadata=tuple(dict.fromkeys(
+        data + _checkpoint_files(path, files)))), [problem]
 
 
 def _ranks_left(path: str) -> tuple[Layout, list[Problem]] | None:
@@ -126,6 +142,32 @@ def _unfinished_saves(path: str) -> list[Problem]:
                                "to say what is in them (a save killed before its end?)",
                                f"{name}/{METADATA}"))
     return out
+
+
+def _index_lacking_shards(path: str) -> tuple[Layout, list[Problem]] | None:
+    """A directory refused as holding two checkpoints, one of them a shard
+    index that names shards which are not there (a shard renamed to
+    ``.bak``, moved, deleted): the index's checkpoint, read through the
+    index, which says which shards are missing; the checkpoint files it
+    does not name are warnings (the missing shard under another name?)."""
+    files = sorted(n for n in listing(path) if os.path.isfile(os.path.join(path, n)))
+    indexes = {n: data for n in files if INDEX_NAME.search(n)
+               and (data := index_json(os.path.join(path, n))) is not None}
+    chosen = next((n for n in PREFERRED_INDEXES if n in indexes),
+                  next(iter(indexes)) if len(indexes) == 1 else None)
+    if chosen is None:
+        return None
+    weight_map = indexes[chosen]["weight_map"]
+    assert isinstance(weight_map, dict)
+    shards = {v for v in weight_map.values() if isinstance(v, str)}
+    if all(os.path.lexists(os.path.join(path, s)) for s in shards):
+        return None  # whole: two checkpoints indeed
+    named = shards | set(indexes)
+    strays = [Problem(EXTRA_FILE, f"a checkpoint file that {chosen} does not name (a "
+                      "missing shard, renamed?)", n, severity=WARNING)
+              for n in _checkpoint_files(path, [n for n in files if n not in named])
+              if framework.role_of(n) is None]
+    return Layout(HF, os.path.join(path, chosen), path, index=chosen), strays
 
 
 def _checkpoint_files(path: str, files: list[str]) -> list[str]:
@@ -210,6 +252,9 @@ def format_of(layout: Layout | None, sniffed: str | None) -> str | None:
     if layout.kind == ALONE and layout.metadata and all(
             RANK_NAME.match(n) for n in layout.metadata):
         return FORMATS[PER_RANK]
+    if layout.kind == ALONE and layout.metadata and all(
+            DATA_FILE.match(n) for n in layout.metadata):
+        return FORMATS[DCP]  # its .metadata missing
     return FORMATS.get(layout.kind)
 
 

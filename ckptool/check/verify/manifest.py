@@ -53,6 +53,7 @@ from ckptool.check.verify.filehash import (
     same_file,
 )
 from ckptool.check.verify.manifestfiles import checkpoint_files, file_problems
+from ckptool.check.verify.manifestnames import pair_names
 from ckptool.check.verify.problems import Problem
 from ckptool.errors import CkptoolError, InputError, UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint, TensorInfo
@@ -318,13 +319,25 @@ def check_files(root: str, manifest_path: str, jobs: int,
 
 
 def check_manifest(ckpt: Checkpoint, manifest_path: str, jobs: int,
-                   every_tensor: bool = False) -> list[Problem]:
+                   every_tensor: bool = False, notes: list[str] | None = None) -> list[Problem]:
     """Every difference between ``ckpt`` and the manifest at ``manifest_path``:
     files first, then tensors. A tensor's values are digested where a file
     they depend on changed (a file whose sha256 matches holds the same
-    values), or all of them (``every_tensor``)."""
+    values), or all of them (``every_tensor``). A manifest of another
+    layout has its tensor names paired with ``ckpt``'s as ``diff`` pairs
+    them (``manifestnames``; said in ``notes``)."""
     manifest = read_manifest(manifest_path)
     recorded: dict[str, dict[str, Any]] = manifest["tensors"]
+    paired = pair_names((t.key for t in ckpt.tensors), recorded) \
+        if manifest["layout"] != ckpt.format else {}
+    if paired:  # the manifest's entries under this checkpoint's names
+        here = {then: now for now, then in paired.items()}
+        recorded = {here.get(k, k): entry for k, entry in recorded.items()}
+        now, then = next(iter(paired.items()))
+        more = f" (and {len(paired) - 1} more)" if len(paired) > 1 else ""
+        if notes is not None:
+            notes.append(f"the manifest's tensor names paired with this checkpoint's, as diff "
+                         f"pairs them: {then} as {now}{more}")
     root = root_of(ckpt)
     problems = checkpoint_files(manifest, ckpt.format, root, manifest_path, jobs,
                                 files_of(ckpt))
@@ -344,5 +357,7 @@ def check_manifest(ckpt: Checkpoint, manifest_path: str, jobs: int,
             continue
         tensor_problems.append(Problem("manifest-tensor", message, tensor=key))
     held = holders(ckpt, root)
-    return problems + [replace(p, file=_file_of(held.get(p.tensor or "", set()), changed))
+    return problems + [replace(p, file=_file_of(held.get(p.tensor or "", set()), changed),
+                               message=p.message + (f"; the manifest names it {paired[p.tensor]}"
+                                                    if p.tensor in paired else ""))
                        for p in tensor_problems]

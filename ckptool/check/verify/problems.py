@@ -81,10 +81,14 @@ class Report:
 
 
 # words in a reader's message that say what kind of damage it found
+# ("a pickle frame ends inside an opcode" is a byte changed inside a whole
+# frame, not a file cut short: a frame cut short "claims N bytes, but only M follow")
 _CLUES = (
-    (TRUNCATED, ("truncated", "cut short", "ends before", "ends inside", "ends at byte",
-                 "past the end")),
-    (MISSING_FILE, ("is missing", "are missing", " lacks the shards", "no such file")),
+    (TRUNCATED, ("truncated", "cut short", "ends before", "ends inside storage",
+                 "ends inside the bytes", "ends at byte", "past the end", "bytes, but only",
+                 "ran out of input", "unpack requires a buffer")),
+    (MISSING_FILE, ("is missing", "are missing", " lacks the shards", "no such file",
+                    "holds no *")),
     (EXTRA_FILE, ("states of rank(s)",)),
     (CRC, ("checksum",)),
     (OVERLAP, ("both hold", "overlaps")),

@@ -21,7 +21,7 @@ from __future__ import annotations
 import os
 import re
 
-from ckptool.check.verify import dcpcheck, hfcache, hfindex, layouts
+from ckptool.check.verify import dcpcheck, distcpalone, hfcache, hfindex, layouts
 from ckptool.check.verify.files import (
     NO_CHECKSUM,
     SAFETENSORS,
@@ -31,6 +31,7 @@ from ckptool.check.verify.files import (
     local,
     read_alone,
     read_problem,
+    safetensors_damage,
     stat_file,
 )
 from ckptool.check.verify.problems import (
@@ -50,12 +51,13 @@ from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckptool.model import Checkpoint
 from ckptool.read import dispatch
-from ckptool.read.layouts.names import MAX_SNIFFED, is_checkpoint_file, listing
+from ckptool.read.layouts.names import DATA_FILE, MAX_SNIFFED, is_checkpoint_file, listing
 from ckptool.read.layouts.recognise import DCP, FILE, HF, Layout
 from ckptool.read.reader import open_checkpoint
 
 SHOWN = 3  # tensors named in a damaged record's problem
-FILE_NAME = re.compile(r"[\w.-]+\.(pt|pth|bin|ckpt|safetensors|distcp|json)\b")
+# a file's name in a reader's message (never a pattern's tail: ``*_model_states.pt``)
+FILE_NAME = re.compile(r"(?<![\w.*-])[\w.-]+\.(pt|pth|bin|ckpt|safetensors|distcp|json)\b")
 
 
 def default_jobs() -> int:
@@ -133,7 +135,7 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
             # named as safetensors, with bytes of no format: its header is damaged
             check_file(run, name)
             run.formats[name] = SAFETENSORS
-            run.add(Problem(HEADER, _safetensors_damage(one.file), name))
+            run.add(Problem(HEADER, safetensors_damage(one.file), name))
             return run, layout, None, None
         check_file(run, name)
         ckpt = _refused(run, path, _open(path), name)
@@ -149,7 +151,7 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
         check_file(run, layout.index)
         present = hfindex.check_shards(run, layout.index)
         hfindex.extra_shards(run, layout.index)
-        read = _open(path)
+        read = _open(layout.path)  # the directory, or its index where the directory is refused
         if isinstance(read, InputError):
             hfindex.cross_check(run, layout.index, present)
     elif kind == DCP:
@@ -158,7 +160,11 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
     else:
         if layout.index is not None:  # a damaged index: the files beside it, alone
             stat_file(run, layout.index)
-        names = [n for n in layouts.layout_files(layout) if check_file(run, n)]
+        names = layouts.layout_files(layout)
+        data = [n for n in names if kind == layouts.ALONE and DATA_FILE.match(n)]
+        for name in data:  # DCP's data files without their .metadata: archive by archive
+            distcpalone.check(run, name)
+        names = [n for n in names if n not in data and check_file(run, n)]
         read = _open(path) if kind != layouts.ALONE else None
         if not isinstance(read, Checkpoint):
             for name in names:
@@ -166,20 +172,6 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
     ckpt = _refused(run, path, read)
     _companions(run, ckpt, path if kind == HF else None)
     return run, layout, ckpt, tensors
-
-
-def _safetensors_damage(path: str) -> str:
-    """What is wrong with a file named as safetensors whose first bytes are
-    no format: its header's 8-byte length, or the header's first byte."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
-        head = f.read(9)
-    length = int.from_bytes(head[:8], "little")
-    if length + 8 > size:
-        return (f"damaged safetensors header: its 8-byte length says {length:,} bytes of "
-                f"header, and the file holds {size:,} in all")
-    return (f"damaged safetensors header: it starts with {head[8:9]!r}, where a header is "
-            "JSON that starts with b'{'")
 
 
 def _open(path: str) -> Checkpoint | InputError:
@@ -214,8 +206,11 @@ def _refused(run: Run, path: str, read: Checkpoint | InputError | None,
     if named is None:  # a file it names that is not there
         found = FILE_NAME.search(message)
         named = found.group(0) if found else None
-    if named is not None:
+    if named is not None:  # named once, as the problem's file
         message = message.removeprefix(f"{named}: ")
+        if run.directory:  # "...: DIR has no NAME", of the file the problem names
+            message = re.sub(rf":? {re.escape(run.directory)} has no {re.escape(named)}", "",
+                             message)
     run.add(Problem(kind, message, named))
     return None
 
@@ -285,7 +280,9 @@ def _name_failures(run: Run, ckpt: Checkpoint | None, failures: list[Failure]) -
             run.add(Problem(kind, text, f.file, keys[0]))
             continue
         more = f" and {plural(len(keys) - SHOWN, 'other')}" if len(keys) > SHOWN else ""
-        held = f" (it holds {', '.join(keys[:SHOWN])}{more})" if keys else ""
+        own = f"<{os.path.basename(f.file)}>/"  # a DeepSpeed file's own entries: the file is named
+        shown = [k.removeprefix(own) for k in keys[:SHOWN]]
+        held = f" (it holds {', '.join(shown)}{more})" if keys else ""
         run.add(Problem(kind, text + held, f.file))
 
 
