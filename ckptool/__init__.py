@@ -6,7 +6,8 @@ importing torch, click, rich or textual. ``ckptool.diagnose``,
 ``ckptool.fix``, ``ckptool.convert``, ``ckptool.diff_checkpoints``,
 ``ckptool.load`` (a safe ``torch.load``) and ``ckptool.load_state_dict`` (the
 weights a model takes) are loaded on first use, so that reading stays as
-light as it is.
+light as it is; ``open`` and the data model are too, so that what needs
+neither (``ckptool --version``, ``import ckptool.errors``) loads no layer.
 
 The package is in layers, and imports run one way, from each layer to the
 ones before it (``tests/test_layers.py`` checks every import, and that no
@@ -21,11 +22,20 @@ two modules import each other round a loop):
    starts the browser).
 """
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import CkptoolError
-from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read.reader import open_checkpoint as open
+
+if TYPE_CHECKING:
+    from ckptool.model import (
+        Checkpoint,
+        Entry,
+        GlobalInfo,
+        StateDictInfo,
+        StorageInfo,
+        TensorInfo,
+    )
+    from ckptool.read.reader import open_checkpoint as open
 
 __version__ = "0.1.0"
 __all__ = [
@@ -34,7 +44,12 @@ __all__ = [
     "fix", "load", "load_state_dict", "open",
 ]
 
+# loaded on first use, even ``open`` and the data model: ``ckptool --version``
+# and every ``import ckptool.x`` run this file, and need neither
 _LAZY = {
+    "open": ("ckptool.read.reader", "open_checkpoint"),
+    **{name: ("ckptool.model", name) for name in (
+        "Checkpoint", "Entry", "GlobalInfo", "StateDictInfo", "StorageInfo", "TensorInfo")},
     "diagnose": ("ckptool.check.diagnosis", "diagnose"),
     "fix": ("ckptool.write.fix.run", "fix"),
     "FixOptions": ("ckptool.write.fix.plan", "FixOptions"),

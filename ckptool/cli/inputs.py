@@ -15,10 +15,8 @@ Permissions are left to the reader too: an unreadable file is a bad input
 from __future__ import annotations
 
 import os
-import shutil
 import stat
 import sys
-import tempfile
 from typing import IO, Any
 
 import click
@@ -79,6 +77,9 @@ class InputPath(click.ParamType):
 
 
 def _spool(path: str, ctx: click.Context | None) -> str:
+    import shutil
+    import tempfile  # (here: only a stream is copied, no other run pays for them)
+
     folder = tempfile.mkdtemp(prefix="ckptool-input-")
     if ctx is not None:  # the outermost context closes however the command ends
         ctx.find_root().call_on_close(lambda: _forget(folder))
@@ -96,6 +97,8 @@ def _spool(path: str, ctx: click.Context | None) -> str:
 
 
 def _forget(folder: str) -> None:
+    import shutil
+
     # the name stays in _SPOOLED: the error that ended the command is
     # reported after this, and names the input as given
     shutil.rmtree(folder, ignore_errors=True)

@@ -7,7 +7,7 @@ so the schema is one function that tests and the docs describe.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -15,8 +15,9 @@ from ckptool.cli import json_lines
 from ckptool.cli.common import SCHEMA_VERSION, console, one_shot, write_json
 from ckptool.cli.inputs import InputPath
 from ckptool.keys import Filter
-from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo, TensorInfo
-from ckptool.read.layouts import contents
+
+if TYPE_CHECKING:
+    from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo, TensorInfo
 
 
 @click.command()
@@ -153,6 +154,8 @@ def _folder_contents(ckpt: Checkpoint) -> dict[str, Any]:
     fw = ckpt.framework
     if fw is None:
         return {"subfolders": [], "remote_code": []}
+    from ckptool.read.layouts import contents  # (a framework folder's only)
+
     return {
         "subfolders": [{"name": s.name, "role": s.role, "files": len(s.files), "size": s.size,
                         "checkpoints": list(s.checkpoints)}

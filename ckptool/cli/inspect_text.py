@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
 from rich.table import Table
@@ -30,7 +30,9 @@ from ckptool.describe import shown as shown_text
 from ckptool.keys import pieces
 from ckptool.model import NO_LOCATION, Checkpoint, Companion, Framework, TensorInfo
 from ckptool.read import optim
-from ckptool.read.layouts import contents
+
+if TYPE_CHECKING:
+    from ckptool.read.layouts import contents
 
 
 def _tally_line(tally: dict[str, int], counts: dict[str, int] | None = None) -> str:
@@ -113,6 +115,8 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
         grid.add_row("classes", Text(f"{names} (torch imports these to load the file{runs})",
                                      style="yellow"))
     if fw is not None:
+        from ckptool.read.layouts import contents  # (a framework folder's only)
+
         for i, c in enumerate(fw.companions):
             grid.add_row("beside" if i == 0 else "", companion_text(c))
         for i, sub in enumerate(contents.subfolders(fw.directory)):

@@ -8,7 +8,8 @@ a ``hint:`` line and the error's exit code; usage errors exit 2; Ctrl-C
 ``CkptoolNote`` warning (it finished a fix a crash cut short) is a
 ``ckptool: note: ...`` line on stderr. A Ctrl-C says what the command
 left, even once it is done (``entry``). Commands are imported when they
-run (``LazyGroup``), so ``ckptool inspect`` never imports ``diff``'s code.
+run (``LazyGroup``), so ``ckptool inspect`` never imports ``diff``'s code,
+and ``--version`` and ``--help`` import none.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import importlib
 import os
 import signal
 import sys
-import traceback
 import warnings
 from collections.abc import Callable
 from types import FrameType
@@ -37,24 +37,59 @@ from ckptool.errors import (
     Interrupted,
 )
 
-# command name -> the module whose ``command`` it is
-COMMANDS = {name: f"ckptool.cli.{name}" for name in (
-    "browse", "convert", "devices", "diagnose", "diff", "explain", "fix", "inspect", "verify")}
+# command name -> the first sentence of its help, which ``ckptool --help``
+# lists without importing the command (``ckptool.cli.NAME``'s ``command``);
+# tests/test_cli_imports_lazily.py holds each to the command's own help
+COMMANDS = {
+    "browse": "Browse a checkpoint in the terminal: module tree, tensors, devices, storage "
+              "sharing, statistics, findings, and fixes with a preview.",
+    "convert": "Convert PATH (a file, a Hugging Face directory, a DCP or DeepSpeed directory) "
+               "into OUT: one file (safetensors or torch, from OUT's extension) or a "
+               "directory (--format).",
+    "devices": "Show the CUDA GPUs torch would see here (CUDA_VISIBLE_DEVICES and a SLURM "
+               "job's GPUs mapped to cuda:N) and, given CKPT, which device to load it onto "
+               "and how.",
+    "diagnose": "Say why a checkpoint will not load here (or into a model) and print the one "
+                "`ckptool fix` command that repairs it.",
+    "diff": "Compare two checkpoints: names only in A or B, shape, dtype, location and value "
+            "changes.",
+    "explain": "Say what an error message from loading a checkpoint or placing a model on "
+               "GPUs means and what to do; with --checkpoint, print the one `ckptool fix` "
+               "command that repairs the file.",
+    "fix": "Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries.",
+    "inspect": "Show what is in a checkpoint: tensors, devices, entries, unsafe globals.",
+    "verify": "Check that a checkpoint is whole: every file its layout names, with the size "
+              "it implies; chunks and shards that cover every tensor once; zip records "
+              "against their CRC-32; pickles and headers that parse; a Hugging Face cache's "
+              "blobs against their names.",
+}
 
 
 class LazyGroup(click.Group):
     """A group whose commands are imported on first use (click's documented
-    pattern for lazily loaded subcommands)."""
+    pattern for lazily loaded subcommands); its ``--help`` lists them from
+    ``COMMANDS``, as click would from each command, importing none."""
 
     def list_commands(self, ctx: click.Context) -> list[str]:
         return sorted(COMMANDS)
 
     def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
-        module = COMMANDS.get(cmd_name)
-        if module is None:
+        if cmd_name not in COMMANDS:
             return None
-        command: click.Command = importlib.import_module(module).command
+        command: click.Command = importlib.import_module(f"ckptool.cli.{cmd_name}").command
         return command
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # click.Group.format_commands, each short help made by click from the
+        # sentence above (a bare command holding it) instead of the real command
+        from gettext import gettext
+
+        names = self.list_commands(ctx)
+        limit = formatter.width - 6 - max(map(len, names))
+        with formatter.section(gettext("Commands")):
+            formatter.write_dl([
+                (name, click.Command(name, help=COMMANDS[name]).get_short_help_str(limit))
+                for name in names])
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -92,15 +127,15 @@ def main(argv: list[str] | None = None, *,
 def _say_notes() -> None:
     """What the core says as a ``CkptoolNote`` (it finished a fix a crash cut
     short) is one line on stderr, every time, whatever the command prints."""
-    from ckptool.cli.inputs import unspool
-    from ckptool.describe import shown
-
     warnings.simplefilter("always", CkptoolNote)
     others = warnings.showwarning
 
     def show(message: Warning | str, category: type[Warning], filename: str, lineno: int,
              file: TextIO | None = None, line: str | None = None) -> None:
         if issubclass(category, CkptoolNote):
+            from ckptool.cli.inputs import unspool  # (not before a note: --version needs
+            from ckptool.describe import shown  # neither, and describe needs the model)
+
             click.echo(f"ckptool: note: {shown(unspool(str(message)))}", err=True)
         else:
             others(message, category, filename, lineno, file, line)
@@ -115,7 +150,7 @@ def _run(argv: list[str] | None) -> int:
         result: Any = cli.main(args=argv, prog_name="ckptool", standalone_mode=False)
     except CkptoolError as exc:
         if show_tb:
-            traceback.print_exc()
+            _print_traceback()
         return _fail(exc.message, exc.hint, exc.exit_code)
     except click.exceptions.Exit as exc:
         return int(exc.exit_code)
@@ -128,11 +163,17 @@ def _run(argv: list[str] | None) -> int:
         return _interrupted(cause if isinstance(cause, Interrupted) else None)
     except OSError as exc:  # the system refused a read or write (disk full...)
         if show_tb:
-            traceback.print_exc()
+            _print_traceback()
         where = f"{exc.filename}: " if exc.filename else ""
         return _fail(f"{where}{exc.strerror or exc}", "check that the path is readable (and, "
                      "for a write, free space): nothing was left half-written", EXIT_BAD_INPUT)
     return result if isinstance(result, int) else 0
+
+
+def _print_traceback() -> None:
+    import traceback  # only for --traceback: no command start pays for it
+
+    traceback.print_exc()
 
 
 def _interrupted(said: Interrupted | None) -> int:
