@@ -1,7 +1,9 @@
 """The CLI imports only what the command it runs uses: ``import
 ckptool.cli.main``, ``ckptool --version`` and ``ckptool --help`` load no
 command, no read layer, no data model and no rich, and ``--help`` still
-lists every command with the short help click would make from it.
+lists every command with the short help click would make from it;
+``inspect --json`` of one file loads none of the readers of checkpoints of
+many files (a folder's layout loads its own reader alone), no torch and no rich.
 
 (How fast that makes a run is measured by ``bench/bench_startup.py``.)
 """
@@ -99,3 +101,55 @@ def test_help_lists_commands_as_click_would_from_the_commands(width: int) -> Non
     lazy = section(cli.format_commands)
     assert lazy == section(lambda ctx, f: click.Group.format_commands(cli, ctx, f))
     assert lazy.startswith("Commands:\n") and lazy.count("\n") == len(COMMANDS) + 1
+
+
+SAMPLES = ROOT / "samples"
+# what the read of one file loads of ``ckptool.read.layouts``: the package,
+# what tells a folder from a file (``recognise``, ``names``), what tells a
+# framework's file by its name (``framework``, ``loaders``: ``companions``),
+# and what a Ctrl-C says (``dirlock``); a safetensors file with
+# ``__metadata__`` also what tells one of torch's HuggingFaceStorageWriter
+# shards (``hf_storage``, and ``base`` under it)
+ONE_FILE = {"ckptool.read.layouts", *(f"ckptool.read.layouts.{name}" for name in (
+    "recognise", "names", "framework", "loaders", "dirlock"))}
+STORAGE_WRITER = {"ckptool.read.layouts.hf_storage", "ckptool.read.layouts.base"}
+# the reader of each layout of many files, and what only it uses
+READERS = {
+    "dcp": {"dcp", "dcp_metadata", "embedded"},
+    "deepspeed": {"deepspeed", "deepspeed_files", "zero"},
+    "hf_sharded": {"hf_sharded"},
+    "per_rank": {"per_rank", "shards"},
+}
+
+
+def inspect_json_loads(path: Path) -> list[str]:
+    return loaded_after("from ckptool.cli import main\n"
+                        "with contextlib.redirect_stdout(io.StringIO()):\n"
+                        f"    assert main(['inspect', '--json', {str(path)!r}]) == 0")
+
+
+def layouts(loaded: list[str]) -> set[str]:
+    return {m for m in loaded if m.startswith("ckptool.read.layouts")}
+
+
+@pytest.mark.parametrize("name", ["finetuned_v2.pth", "legacy_compiled_ddp.pth",
+                                  "tinynet_script.pt", "whole_model_cuda1.pth",
+                                  "lightning.ckpt", "tinynet.safetensors"])
+def test_inspect_json_of_one_file_loads_no_reader_of_many_files(name: str) -> None:
+    loaded = inspect_json_loads(SAMPLES / name)
+    allowed = ONE_FILE | (STORAGE_WRITER if name.endswith(".safetensors") else set())
+    assert layouts(loaded) <= allowed
+    assert [m for m in loaded if m.split(".")[0] in VIEWS] == []  # no torch, no rich
+    assert not [m for m in loaded if m.startswith(("ckptool.check", "ckptool.tui"))]
+
+
+@pytest.mark.parametrize(("name", "reader"), [("dcp_tinynet", "dcp"),
+                                              ("deepspeed_zero3", "deepspeed")])
+def test_inspect_json_of_a_folder_loads_its_own_layout_s_reader_alone(name: str,
+                                                                      reader: str) -> None:
+    found = layouts(inspect_json_loads(SAMPLES / name))
+    others = {f"ckptool.read.layouts.{m}" for r, ms in READERS.items() if r != reader
+              for m in ms}
+    assert {f"ckptool.read.layouts.{m}" for m in READERS[reader]} <= found
+    assert found & others == set()
+    assert "ckptool.read.layouts.hf_storage" not in found

@@ -19,7 +19,7 @@ from dataclasses import replace
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
 from ckptool.read import dispatch, optim, prefixes
-from ckptool.read.layouts import framework, journal, loaders, nested, recognise
+from ckptool.read.layouts import framework, loaders, recognise  # (journal, nested: a folder's)
 from ckptool.read.layouts import names as names_mod
 from ckptool.read.layouts.names import SHARD_NAME
 from ckptool.read.pickle import policy
@@ -45,6 +45,8 @@ def framework_of(path: str, layout: recognise.Layout | None,
                  os.path.isfile(os.path.join(directory, n))]  # (accelerate's: its names)
         facts = framework.folder_facts(directory, names, []) if names else None
         return _with_names(_with_adapters(facts), ckpt) if facts else None
+    from ckptool.read.layouts import journal
+
     try:
         with os.scandir(path) as it:
             entries = sorted((e.name, e.is_dir(), e.is_file()) for e in it)
@@ -75,6 +77,8 @@ def _with_adapters(facts: Framework) -> Framework:
     """A PEFT folder's facts with every adapter in it (named ones in subfolders)."""
     if facts.kind != "peft":
         return facts
+    from ckptool.read.layouts import nested
+
     return replace(facts, adapters=tuple(a.as_dict() for a in
                                          nested.peft_adapters(facts.directory)))
 

@@ -19,22 +19,24 @@ import gc
 import os
 from collections.abc import Callable, Iterator, Sequence
 from operator import attrgetter
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ckptool.describe import plural
 from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import companions, dispatch, observe, optim, params, prefixes, ties
+from ckptool.read import companions, dispatch, observe, optim, params, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.layouts import dcp, deepspeed, hf_sharded, hf_storage, per_rank, recognise
-from ckptool.read.layouts.base import MultiRead, list_ties, tied_records
+from ckptool.read.layouts import recognise
 from ckptool.read.pickle import policy
 from ckptool.read.pickle.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
 from ckptool.read.values import StandIn
 from ckptool.read.walk import Candidate, walk
+
+if TYPE_CHECKING:
+    from ckptool.read.layouts.base import MultiRead
 
 TENSORS = (TensorRecord, StorageRef, CompositeTensor)
 # names under which checkpoints keep their weights, most telling first
@@ -101,13 +103,19 @@ def _open(given: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> 
         ckpt = assemble(path, raw)
         ckpt.aliases = aliases
         notes = list(layout.notes) if layout is not None else []  # what else its folder holds
+        # the layouts of many files are imported only for a file that may be
+        # one of theirs: a plain file's read loads none of them
         if any(t.subclass for t in ckpt.tensors):
+            from ckptool.read.layouts import per_rank
+
             shard = per_rank.one_rank(path, ckpt.root)
             notes += [shard] if shard else []
-        if ckpt.format == SAFETENSORS and hf_storage.SHARDING_INFO in (
-                ckpt.metadata.get("metadata") or {}):
-            piece = hf_storage.one_piece(path, ckpt.metadata)
-            notes += [piece] if piece else []
+        if ckpt.format == SAFETENSORS and ckpt.metadata.get("metadata"):
+            from ckptool.read.layouts import hf_storage
+
+            if hf_storage.SHARDING_INFO in ckpt.metadata["metadata"]:
+                piece = hf_storage.one_piece(path, ckpt.metadata)
+                notes += [piece] if piece else []
         if notes:
             ckpt.metadata["notes"] = [*ckpt.metadata.get("notes", ()), *notes]
     ckpt.framework = companions.framework_of(given, layout, ckpt)
@@ -122,7 +130,13 @@ def _recorded_ties(raw: RawRead) -> tuple[RawRead, dict[str, str]]:
     faithful read of the file stays the file."""
     if raw.format != SAFETENSORS or not isinstance(raw.root, dict):
         return raw, {}
+    from ckptool.read import ties
+
     aliases, _ = ties.recorded_aliases(raw.metadata.get("metadata") or {}, set(raw.root))
+    if not aliases:
+        return raw, {}
+    from ckptool.read.layouts.base import tied_records
+
     added = tied_records(raw.root, aliases)
     if not added:
         return raw, {}
@@ -142,22 +156,27 @@ def _partial_tensors(on_tensors: Callable[[list[TensorInfo]], None]) -> observe.
 
 
 def read_layout(layout: recognise.Layout) -> MultiRead:
-    """The files of a checkpoint of many files, read and merged."""
+    """The files of a checkpoint of many files, read and merged (each
+    layout's reader imported only for its own)."""
     with dispatch.explained(layout.path):
         if layout.kind == recognise.HF:
-            return hf_sharded.read(layout)
-        if layout.kind == recognise.DEEPSPEED:
-            return deepspeed.read(layout)
-        if layout.kind == recognise.PER_RANK:
-            return per_rank.read(layout)
-        if layout.kind == recognise.HF_STORAGE:
-            return hf_storage.read(layout)
-        return dcp.read(layout)
+            from ckptool.read.layouts.hf_sharded import read
+        elif layout.kind == recognise.DEEPSPEED:
+            from ckptool.read.layouts.deepspeed import read
+        elif layout.kind == recognise.PER_RANK:
+            from ckptool.read.layouts.per_rank import read
+        elif layout.kind == recognise.HF_STORAGE:
+            from ckptool.read.layouts.hf_storage import read
+        else:
+            from ckptool.read.layouts.dcp import read
+        return read(layout)
 
 
 def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     """The Checkpoint of a checkpoint of many files: assembled as one file's,
     then each tensor and storage told where it lives."""
+    from ckptool.read.layouts.base import list_ties
+
     list_ties(multi)  # a tied name is a tensor of its own, sharing the stored one's storage
     ckpt = assemble(path, multi.raw, file_size=sum(f.size for f in multi.files))
     ckpt.directory, ckpt.files = multi.directory, multi.files

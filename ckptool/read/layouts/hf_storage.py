@@ -24,7 +24,6 @@ from ckptool.errors import CorruptCheckpointError
 from ckptool.model import Chunk, FileInfo
 from ckptool.read import dispatch
 from ckptool.read.formats.base import RawRead
-from ckptool.read.layouts import dcp_metadata
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
 from ckptool.read.layouts.recognise import HF_STORAGE_SHARD, Layout
 from ckptool.read.seen import GlobalsSeen
@@ -35,6 +34,10 @@ SHARDING_INFO = "DCP_SHARDING_INFO"
 
 
 def read(layout: Layout) -> MultiRead:
+    # (here, not at the top: a single safetensors file's read imports this
+    # module for SHARDING_INFO alone)
+    from ckptool.read.layouts import dcp_metadata
+
     names = list(layout.metadata)
     seen = GlobalsSeen()
     pieces: dict[str, list[tuple[str, int | None, TensorRecord, tuple[int, ...]]]] = {}

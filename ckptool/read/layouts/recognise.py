@@ -35,7 +35,7 @@ from dataclasses import dataclass, replace
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
-from ckptool.read.layouts import framework, journal, loaders, mixed, nested
+from ckptool.read.layouts import framework, loaders  # (journal, mixed, nested: a folder's)
 from ckptool.read.layouts.names import (
     ACCELERATE_DIRS,
     DATA_FILE,
@@ -102,6 +102,8 @@ def recognise(path: str) -> Layout | None:
 
 
 def _directory(path: str) -> Layout:
+    from ckptool.read.layouts import journal, mixed
+
     try:
         with os.scandir(path) as it:
             entries = sorted((e.name, e.is_dir(), e.is_file()) for e in it)
@@ -285,6 +287,8 @@ def _lone_file(path: str, files: list[str], dirs: list[str], notes: tuple[str, .
     """The one checkpoint file of ``path``: the one there is, or the one a
     framework's loader reads (``choice``, where a config describes the
     model), or one model beside a framework's other files."""
+    from ckptool.read.layouts import nested
+
     data = [n for n in files if DATA_FILE.match(n)]
     if data:  # `cp src/* dst/` leaves .metadata behind; DCP writes it last
         raise CorruptCheckpointError(
