@@ -141,7 +141,7 @@ def test_a_failed_conversion_leaves_no_threads(tmp_path: Path,
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(copy, "copy_pieces", full)
-    monkeypatch.setattr(copy.Copier, "_kernel_copy", full)
+    monkeypatch.setattr(copy.Copier, "_pwrite", full)
     before = {t.name for t in threading.enumerate()}
     for _ in range(3):
         with pytest.raises(OutputError, match="no space left on device"):

@@ -1,5 +1,6 @@
 """fastcrc: zip's CRC-32 of file ranges through mmap windows, libdeflate or
-zlib; and ByteChecker's batches, which use it."""
+zlib (``ckptool verify`` reads with it; ByteChecker's tests are in
+test_bytecheck.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import ctypes
 import itertools
 import os
 import random
-import threading
 import zlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,7 +15,6 @@ from pathlib import Path
 import pytest
 
 from ckptool.write import fastcrc
-from ckptool.write.bytecheck import ByteChecker
 
 
 @pytest.fixture(params=["libdeflate", "zlib"])
@@ -80,34 +79,6 @@ def test_a_library_that_answers_wrongly_is_not_used(monkeypatch: pytest.MonkeyPa
         fastcrc._libdeflate.cache_clear()
 
 
-def test_checker_batches_report_the_ranges_that_differ(data_file: tuple[bytes, int]) -> None:
-    data, fd = data_file
-    checker = ByteChecker(fd)
-    good = [(f"g{i}", i * 1000, 1000, zlib.crc32(data[i * 1000:(i + 1) * 1000]))
-            for i in range(0, 50, 2)]
-    bad = ("bad", 5000, 1000, zlib.crc32(data[5000:6000]) ^ 1)
-    checker.check_many([*reversed(good), bad])  # any order: the checker sorts them
-    checker.check_many([])
-    checker.check("tail", len(data) - 4, 4, zlib.crc32(b"tail"))
-    assert checker.finish() == ["bad"]
-    assert checker.checked == len(good) + 2
-
-
-def test_checker_starts_writeback_only_for_durable_outputs(tmp_path: Path) -> None:
-    path = tmp_path / "f.bin"
-    path.write_bytes(b"x" * 8192)
-    fd = os.open(path, os.O_RDWR)
-    try:
-        quick, durable = ByteChecker(fd), ByteChecker(fd, durable=True)
-        assert quick._writeback is None
-        assert durable._writeback is not None or not hasattr(os, "sync_file_range")
-        for checker in (quick, durable):
-            checker.check("all", 0, 8192, zlib.crc32(b"x" * 8192))
-            assert checker.finish() == []
-    finally:
-        os.close(fd)
-
-
 def test_an_empty_range_at_a_page_aligned_end_needs_no_mapping(tmp_path: Path) -> None:
     path = tmp_path / "page.bin"
     path.write_bytes(b"z" * 8192)
@@ -118,49 +89,3 @@ def test_an_empty_range_at_a_page_aligned_end_needs_no_mapping(tmp_path: Path) -
             zlib.crc32(b"z" * 8192), 0]
     finally:
         os.close(fd)
-
-
-def test_any_error_fails_its_batch_and_the_checker_goes_on(
-        data_file: tuple[bytes, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool.write import bytecheck
-
-    data, fd = data_file
-    real = bytecheck.crc_file_ranges
-    calls: list[int] = []
-
-    def once_broken(fd: int, ranges: list[tuple[int, int]], observe: object = None
-                    ) -> list[int]:
-        calls.append(len(ranges))
-        if len(calls) == 1:
-            raise ValueError("mmap offset is greater than file size")
-        return real(fd, ranges)
-
-    monkeypatch.setattr(bytecheck, "crc_file_ranges", once_broken)
-    checker = ByteChecker(fd)
-    checker.check("first", 0, 10, zlib.crc32(data[:10]))
-    checker.check("second", 10, 10, zlib.crc32(data[10:20]) ^ 1)  # still checked
-    assert checker.finish() == ["first", "second"]
-    assert checker.problem == "ValueError: mmap offset is greater than file size"
-
-
-def test_cancel_drops_what_is_queued(data_file: tuple[bytes, int],
-                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    from ckptool.write import bytecheck
-
-    _, fd = data_file
-    gate = threading.Event()
-    read: list[int] = []
-    real = bytecheck.crc_file_ranges
-
-    def waiting(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
-        gate.wait(5)
-        read.append(len(ranges))
-        return real(fd, ranges)
-
-    monkeypatch.setattr(bytecheck, "crc_file_ranges", waiting)
-    checker = ByteChecker(fd)
-    for i in range(20):
-        checker.check(f"r{i}", i * 100, 100, 0)
-    threading.Timer(0.2, gate.set).start()
-    checker.cancel()
-    assert len(read) <= 1  # at most the batch it had started on

@@ -363,7 +363,7 @@ def test_disk_full_is_one_clean_error_and_leaves_nothing(
     if where == "writer":
         monkeypatch.setattr(fix, "_finish_zip", full)
     else:  # the storage copy runs on its own thread: its error reaches the CLI
-        monkeypatch.setattr(copy.Copier, "_kernel_copy", full)
+        monkeypatch.setattr(copy.Copier, "_pwrite", full)
         monkeypatch.setattr(copy, "copy_pieces", full)
     assert main(["fix", str(src), "--to", "cpu"]) == 3
     captured = capsys.readouterr()

@@ -657,21 +657,22 @@ def test_verification_failure(small: tuple[Path, Path], temp_mode: str,
 
 def test_a_corrupted_write_is_caught_by_verification(
         small: tuple[Path, Path], temp_mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The real verifier (no stand-in): a byte flipped in the copied tensor data."""
-    from ckptool.write import copy
+    """The real verifier (no stand-in): a byte flipped in the tensor data the
+    copy reads is written, and caught by the CRC taken from what is written."""
+    from ckptool.write import mapcopy
 
     src, outdir = small
     digest = sha256(src)
     out = outdir / "o.pth"
-    real_copy = copy.Copier._kernel_copy
+    real_pieces = mapcopy.pieces
 
-    def flipping(self: copy.Copier, fd: int, src_at: int, size: int, dst_at: int) -> int:
-        n = real_copy(self, fd, src_at, size, dst_at)
-        byte = os.pread(self.out_fd, 1, dst_at + n // 2)
-        os.pwrite(self.out_fd, bytes([byte[0] ^ 0xFF]), dst_at + n // 2)
-        return n
+    def flipping(fd: int, offset: int, size: int) -> Iterator[mapcopy.Piece]:
+        for buffer, start, n in real_pieces(fd, offset, size):
+            piece = bytearray(buffer[start:start + n])
+            piece[n // 2] ^= 0xFF
+            yield piece, 0, n
 
-    monkeypatch.setattr(copy.Copier, "_kernel_copy", flipping)
+    monkeypatch.setattr(mapcopy, "pieces", flipping)
     with pytest.raises(CorruptCheckpointError, match="does not match"):
         fix.fix(str(src), FixOptions(strip_module=True), str(out))
     assert_left_nothing(outdir, src, digest)

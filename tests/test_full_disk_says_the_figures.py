@@ -29,7 +29,6 @@ def full_disk(monkeypatch: pytest.MonkeyPatch) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
     monkeypatch.setattr(copy, "copy_pieces", full)
-    monkeypatch.setattr(copy.Copier, "_kernel_copy", full)
     monkeypatch.setattr(copy.Copier, "_pwrite", full)
 
 

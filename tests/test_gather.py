@@ -58,21 +58,26 @@ def test_copies_every_piece_and_reports_each_once_in_order(
     pieces = scattered(len(data), count, count, max_size, max_gap)
     seen: list[tuple[int, int | None]] = []
     gather.copy_pieces(src, dst, pieces, lambda i, crc: seen.append((i, crc)))
-    assert seen == [(i, None) for i in range(len(pieces))]
+    assert seen == [(i, zlib.crc32(data[s:s + n])) for i, (s, n, _) in enumerate(pieces)]
     assert path.read_bytes()[100:] == expected(data, pieces)
 
 
-def test_crcs_of_the_pieces_asked_for(files: tuple[bytes, int, int, Path],
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
-    """Taken from the read-ahead buffers, pieces longer than a buffer too."""
-    data, src, dst, _ = files
+def test_every_pieces_crc_comes_from_the_buffer_written(
+        files: tuple[bytes, int, int, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRC is taken from the read-ahead buffer, pieces longer than a
+    buffer too, and the bytes shown as written are those of the file."""
+    data, src, dst, path = files
     monkeypatch.setattr(gather, "BUFFER", 64 << 10)
     pieces = scattered(len(data), 40, 5, 200_000, 300)
-    wanted = frozenset(range(0, len(pieces), 2))
-    seen: dict[int, int | None] = {}
-    gather.copy_pieces(src, dst, pieces, seen.__setitem__, wanted)
-    for i, (s, n, _) in enumerate(pieces):
-        assert seen[i] == (zlib.crc32(data[s:s + n]) if i in wanted else None)
+    seen: dict[int, int] = {}
+    shown: list[tuple[int, bytes]] = []
+    gather.copy_pieces(src, dst, pieces, seen.__setitem__,
+                       lambda at, view: shown.append((at, view.tobytes())))
+    assert seen == {i: zlib.crc32(data[s:s + n]) for i, (s, n, _) in enumerate(pieces)}
+    out = path.read_bytes()
+    assert [at for at, _ in shown] == sorted(at for at, _ in shown)
+    assert all(out[at:at + len(b)] == b for at, b in shown)
+    assert sum(len(b) for _, b in shown) == sum(n for _, n, _ in pieces)
 
 
 def test_more_tiny_pieces_than_one_write_takes(files: tuple[bytes, int, int, Path]) -> None:

@@ -140,7 +140,7 @@ def test_a_full_disk_under_one_file(where: str, tmp_path: Path,
     if where == "writer":
         monkeypatch.setattr(fix, "_finish_zip", full)
     else:  # the storage copy runs on its own thread: its error reaches the CLI
-        monkeypatch.setattr(copy.Copier, "_kernel_copy", full)
+        monkeypatch.setattr(copy.Copier, "_pwrite", full)
         monkeypatch.setattr(copy, "copy_pieces", full)
     src = model(tmp_path / "m.pth")
     out = tmp_path / "fixed.pth"

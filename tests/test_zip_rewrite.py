@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import shutil
 import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -129,30 +130,34 @@ def test_a_zip_rewritten_by_python_without_descriptors_or_alignment(tmp_path: Pa
 
 def test_damage_between_copied_records_is_caught(tmp_path: Path,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
-    """The local headers copied inside a span are re-read too, not only the data."""
+    """The local headers copied inside a span are checked too, not only the
+    data: a byte of the second record's local header that the copy reads
+    otherwise than the layout did is written, and caught."""
+    from ckptool.write import mapcopy
+
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     training_file(src)
-    real = copy.Copier._kernel_copy
     real_layout = torch_zip.lay_out_storages
-    second: list[int] = []
+    real_pieces = mapcopy.pieces
+    second: list[int] = []  # the input offset of a byte of that header
 
     def laid_out(*args: Any) -> torch_zip.Storages:
         storages = real_layout(*args)
-        second.append(storages.pieces[1].header + 31)
+        span = next(s for s in storages.segments if isinstance(s, Span))
+        second.append(storages.pieces[1].header + 31 - (span.at - span.src))
         return storages
 
-    def damaging(self: copy.Copier, fd: int, src_at: int, size: int, dst_at: int) -> int:
-        n = real(self, fd, src_at, size, dst_at)
-        # a byte of the second record's local header, once it is copied (and
-        # before this chunk's ranges go to the checker)
-        at = second[-1]
-        if dst_at <= at < dst_at + n:
-            byte = os.pread(self.out_fd, 1, at)
-            os.pwrite(self.out_fd, bytes([byte[0] ^ 0xFF]), at)
-        return n
+    def damaged(fd: int, offset: int, size: int) -> Iterator[mapcopy.Piece]:
+        pos = offset
+        for buffer, start, n in real_pieces(fd, offset, size):
+            piece = bytearray(buffer[start:start + n])
+            if pos <= second[-1] < pos + n:
+                piece[second[-1] - pos] ^= 0xFF
+            yield piece, 0, n
+            pos += n
 
     monkeypatch.setattr(torch_zip, "lay_out_storages", laid_out)
-    monkeypatch.setattr(copy.Copier, "_kernel_copy", damaging)
+    monkeypatch.setattr(mapcopy, "pieces", damaged)
     with pytest.raises(CorruptCheckpointError, match="header"):
         fix.fix(str(src), FixOptions(strip_module=True), str(out))
     assert not out.exists()
@@ -243,60 +248,44 @@ def test_refused_input_after_the_copy_started_leaves_nothing(tmp_path: Path) -> 
     assert os.listdir(tmp_path) == ["in.pth"]
 
 
-def test_damage_after_the_storages_is_caught(tmp_path: Path,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """The pickle, the small records and the directory are re-read too: a
-    byte that reaches the disk wrong in ``byteorder`` fails the run."""
-    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
-    training_file(src, big=False)
-    real = copy.Copier._pwrite
-
-    def flipping(self: copy.Copier, data: bytes, at: int) -> None:
-        # the records after the storages: the CRC saw "little", the disk gets "big!!!"
-        real(self, data.replace(b"little", b"big!!!"), at)
-
-    monkeypatch.setattr(copy.Copier, "_pwrite", flipping)
-    with pytest.raises(CorruptCheckpointError, match="records after the storages"):
-        fix.fix(str(src), FixOptions(strip_module=True), str(out))
-    assert os.listdir(tmp_path) == ["m.pth"]
-
-
 def test_a_refusal_stops_the_copy_without_reading_the_rest(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Refused after the early copy started: nothing more is written or re-read
-    than what was copied when the refusal came."""
-    from ckptool.write import bytecheck
+    """Refused after the early copy started: nothing more is written or
+    checked than what was copied when the refusal came (and the pieces the
+    checker had taken ahead of the writer)."""
+    from ckptool.write import bytecheck, mapcopy
 
     src, out = tmp_path / "m.pth", tmp_path / "o.pth"
     gen = torch.Generator().manual_seed(0)
     torch.save({"state_dict": {f"module.w{i}": torch.randn(64 * 1024, generator=gen)
                                for i in range(40)}}, src)
-    monkeypatch.setattr(copy, "SPAN_CHUNK", 256 << 10)
-    copied: list[int] = []
-    real_copy = copy.Copier._kernel_copy
+    monkeypatch.setattr(mapcopy, "PIECE", 256 << 10)
+    written: list[int] = []
+    real_write = copy.Copier._pwrite
 
-    def slow(self: copy.Copier, fd: int, src_at: int, size: int, dst_at: int) -> int:
+    def slow(self: copy.Copier, data: bytes | memoryview, at: int) -> None:
         import time
 
         time.sleep(0.02)  # the read and the refusal come while the copy is at work
-        n = real_copy(self, fd, src_at, size, dst_at)
-        copied.append(n)
-        return n
+        real_write(self, data, at)
+        written.append(len(data))
 
-    monkeypatch.setattr(copy.Copier, "_kernel_copy", slow)
-    read: list[int] = []
-    real_crc = bytecheck.crc_file_ranges
+    monkeypatch.setattr(copy.Copier, "_pwrite", slow)
+    taken: list[int] = []
+    real_take = bytecheck.ByteChecker.take
 
-    def counting(fd: int, ranges: list[tuple[int, int]]) -> list[int]:
-        read.append(sum(n for _, n in ranges))
-        return real_crc(fd, ranges)
+    def counting(self: bytecheck.ByteChecker, at: int, buffer: Any, start: int, size: int,
+                 ranges: bytecheck.Ranges) -> Any:
+        taken.append(size)
+        return real_take(self, at, buffer, start, size, ranges)
 
-    monkeypatch.setattr(bytecheck, "crc_file_ranges", counting)
+    monkeypatch.setattr(bytecheck.ByteChecker, "take", counting)
     monkeypatch.setattr(fix, "refuse_unsafe", _refuse)
     with pytest.raises(UnsupportedCheckpointError, match="refused"):
         fix.fix(str(src), FixOptions(strip_module=True), str(out))
-    assert sum(copied) < os.path.getsize(src) // 2  # the copy was stopped early...
-    assert sum(read) <= sum(copied) + 4096  # ...and nothing unwritten was re-read
+    assert sum(written) < os.path.getsize(src) // 2  # the copy was stopped early...
+    # ...and nothing unwritten was checked, but the pieces taken ahead
+    assert sum(taken) <= sum(written) + (copy.AHEAD + 1) * (256 << 10)
     assert os.listdir(tmp_path) == ["m.pth"]
 
 
@@ -337,6 +326,7 @@ def test_records_with_zip64_descriptors_still_copy_as_one_run(tmp_path: Path) ->
             with ByteChecker(out) as checker:
                 copy.write(out, checker, storages.segments)
                 assert checker.finish() == []
+                assert checker.checked == 2 * len(blobs) - 1  # each record, each header
             for piece, blob in zip(storages.pieces, blobs, strict=True):
                 assert os.pread(out, piece.size, piece.data) == blob
         finally:
@@ -370,3 +360,29 @@ def test_a_tensor_with_python_attributes_is_written_back(tmp_path: Path) -> None
     fix.fix(str(src), FixOptions(strip_module=True), str(out))
     got = torch.load(out)  # weights_only: the attribute is plain data
     assert torch.equal(got["t"], t) and got["t"].tag == 7
+
+
+def test_an_input_written_while_it_is_copied_is_refused(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy checks and writes the input's bytes from a mapping of it: a
+    write to the input while it is copied (the same bytes, even) refuses
+    the output, which would otherwise hold bytes of two versions."""
+    from ckptool.write import mapcopy
+
+    src, out = tmp_path / "m.pth", tmp_path / "o.pth"
+    training_file(src)
+    real_pieces = mapcopy.pieces
+
+    def rewritten(fd: int, offset: int, size: int) -> Iterator[mapcopy.Piece]:
+        for i, piece in enumerate(real_pieces(fd, offset, size)):
+            yield piece
+            if i == 0:  # a writer rewrites a byte of the input, unchanged
+                with open(src, "r+b") as f:
+                    byte = os.pread(f.fileno(), 1, offset)
+                    os.pwrite(f.fileno(), byte, offset)
+
+    monkeypatch.setattr(mapcopy, "PIECE", 4096)
+    monkeypatch.setattr(mapcopy, "pieces", rewritten)
+    with pytest.raises(CorruptCheckpointError, match="changed while"):
+        fix.fix(str(src), FixOptions(strip_module=True), str(out))
+    assert os.listdir(tmp_path) == ["m.pth"]

@@ -9,10 +9,12 @@ each a module the driver (``fix/run.py``, ``convert/run.py``) calls in turn:
    memory, ranges of the input, bytes made on the way), by output format in
    ``formats/`` (``torch_zip``, ``torch_legacy``, ``safetensors``), with
    ``repickle`` (the pickle written back) and ``zipwriter`` (zip records);
-4. copy: ``copy`` (writes any layout: kernel copies, read-ahead copies
-   through ``gather``, made bytes);
-5. verify: ``verify`` (the output read back and compared with the plan;
-   every byte re-read by ``bytecheck`` with ``fastcrc`` while it is copied);
+4. copy: ``copy`` (writes any layout: ranges of the input through a
+   mapping, ``mapcopy``, or read ahead, ``gather``; made bytes), every byte
+   read once and written once;
+5. verify: ``verify`` (every byte CRC-checked as it is written, by
+   ``bytecheck``, from the bytes written; the output's records read back and
+   compared with the plan);
 6. commit: ``commit`` (a temporary file, renamed into place only once
    verified; durable where it replaces a file).
 

@@ -1,7 +1,9 @@
 """Zip's CRC-32 of file ranges, as fast as this machine allows.
 
-``fix`` and ``convert`` re-read every byte they write and check its CRC, so
-on a multi-gigabyte file the checksum is a large share of their time.
+``fix`` and ``convert`` check the CRC of every byte they write (from the
+bytes written: ``crc_buffer``), and ``verify`` of every byte of a file
+(``crc_file_ranges``), so on a multi-gigabyte file the checksum is a large
+share of their time.
 zlib's ``crc32`` runs at about 3.6 GB/s; libdeflate's (carry-less multiply
 instructions) at about 9 GB/s on the same machine, and gives the same
 values. libdeflate is used through ctypes where the system has it (Debian
@@ -120,9 +122,10 @@ def _crc_long(fd: int, offset: int, size: int, observe: Observe | None = None) -
     return crc
 
 
-def crc_buffer(buf: bytearray, start: int, end: int, crc: int = 0) -> int:
-    """CRC-32 of ``buf[start:end]`` continued from ``crc`` (libdeflate where
-    present; both release the GIL on large buffers)."""
+def crc_buffer(buf: bytearray | mmap.mmap, start: int, end: int, crc: int = 0) -> int:
+    """CRC-32 of ``buf[start:end]`` (a writable buffer: a mapping made with
+    ``ACCESS_COPY`` is, and reading it copies nothing) continued from ``crc``
+    (libdeflate where present; both release the GIL on large buffers)."""
     with memoryview(buf) as view:
         return _crc(view, buf, start, end, crc)
 

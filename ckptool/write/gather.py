@@ -10,6 +10,9 @@ buffer and writing it out costs two memory copies instead of one, but the
 read needs no lock on the output, so a second thread can read the next
 buffer while this one writes: 0.45 to 0.47 s for the same 2 GB. Buffers are
 few and small (4 x 2 MiB), so memory stays flat whatever the file size.
+
+Every piece's CRC is taken from the buffer, the bytes then written: the
+copy is checked as it is written, and nothing is read back.
 """
 
 from __future__ import annotations
@@ -27,8 +30,10 @@ BUFFERS = 4
 FAR = 64 << 10  # source ranges further apart than this are read separately
 MAX_PARTS = 512  # below IOV_MAX (1024 on Linux): what one pwritev takes
 
-# called with a piece's index once it is written, and its CRC where asked for
-Done = Callable[[int, int | None], None]
+# called with a piece's index once it is written, and the CRC of its bytes
+Done = Callable[[int, int], None]
+# shown each run of bytes as it is written: (destination offset, the bytes)
+Wrote = Callable[[int, memoryview], None]
 
 
 @dataclass
@@ -40,12 +45,12 @@ class _Batch:
 
 
 def copy_pieces(src_fd: int, dst_fd: int, pieces: list[tuple[int, int, int]],
-                done: Done | None = None, crcs: frozenset[int] = frozenset()) -> None:
+                done: Done | None = None, wrote: Wrote | None = None) -> None:
     """Copy each (source offset, size, destination offset) piece; destination
     offsets ascending. ``done(i, crc)`` follows piece ``i``'s last byte out,
-    with the CRC-32 of its bytes when ``i`` is in ``crcs`` (computed on the
-    read-ahead thread, from the buffer), else None.
-    Raises EOFError when the source ends early."""
+    with the CRC-32 of its bytes (computed on the read-ahead thread, from the
+    buffer written); ``wrote`` is shown the bytes of each write, in order,
+    before the buffer is reused. Raises EOFError when the source ends early."""
     batches = list(_batches(pieces))
     running: dict[int, int] = {}  # piece index -> CRC so far
     if not batches:
@@ -67,9 +72,8 @@ def copy_pieces(src_fd: int, dst_fd: int, pieces: list[tuple[int, int, int]],
                 if got < size:
                     raise EOFError(f"the input ends {size - got} bytes early")
                 for s, n, _, index, _ in batch.parts:
-                    if index in crcs:
-                        at = s - batch.src_start
-                        running[index] = crc_buffer(buf, at, at + n, running.get(index, 0))
+                    at = s - batch.src_start
+                    running[index] = crc_buffer(buf, at, at + n, running.get(index, 0))
                 full.put((batch, buf))
             full.put(None)
         except BaseException as exc:  # handed to the writing thread
@@ -83,11 +87,16 @@ def copy_pieces(src_fd: int, dst_fd: int, pieces: list[tuple[int, int, int]],
                 raise item
             batch, buf = item
             _write(dst_fd, batch, buf)
+            if wrote is not None:
+                with memoryview(buf) as view:
+                    for s, n, at, *_ in batch.parts:
+                        wrote(at, view[s - batch.src_start:s - batch.src_start + n])
             free.put(buf)
-            if done is not None:
-                for *_, index, last in batch.parts:
-                    if last:
-                        done(index, running.pop(index, 0) if index in crcs else None)
+            for *_, index, last in batch.parts:
+                if last:
+                    crc = running.pop(index, 0)
+                    if done is not None:
+                        done(index, crc)
     finally:
         stop.set()
         free.put(bytearray(0))  # wakes a reader waiting for a buffer

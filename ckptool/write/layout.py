@@ -10,11 +10,11 @@ output, before a byte is written:
   precedes it).
 
 Each output format lays its files out this way (``ckptool.write.formats``),
-``ckptool.write.copy`` writes any layout, and every segment is re-read and
-checked against the CRC it was written with (``ckptool.write.verify``).
-A ``Span`` may carry the CRCs its ranges must have, known from the input
-(a zip record's directory entry: the copy then also checks the input);
-without them, its CRC is taken from the bytes as they are copied.
+``ckptool.write.copy`` writes any layout, checking every byte as it writes
+it (``ckptool.write.bytecheck``). A ``Span`` may carry the CRCs its ranges
+must have, known from the input (a zip record's directory entry: the bytes
+written are checked against them); without them, its CRC is taken from the
+bytes as they are copied.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The sha256 of an output file, and of each tensor's bytes in it, taken
-from the bytes the writer re-reads to check their CRC (``ByteChecker``):
-a manifest of the output without reading it a second time.
+from the bytes as they are written (``ByteChecker`` shows them, on its own
+thread): a manifest of the output without reading it again.
 
-The checker hands its ranges over in file order (``copy.Copier`` keeps
-it: the checks of earlier segments go before a span's); a range that comes
+The checker is shown the bytes in file order (``copy.Copier`` writes a
+layout's segments in order); a range that comes
 early all the same is kept aside until the bytes before it have come (up to
 ``KEEP`` bytes; beyond that, or with a gap or an overlap, the hash is given
 up and the caller reads the file instead). ``result(size)`` is the file's

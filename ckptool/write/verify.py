@@ -3,9 +3,10 @@ takes its name, and any difference is an error that leaves nothing behind.
 
 Two kinds of check, both on the output as written:
 
-- bytes: every range the copy wrote is re-read by a ``ByteChecker`` (on its
-  own thread, while the copy goes on) and must have the CRC it was written
-  with (``check_bytes`` collects the verdict);
+- bytes: every range the copy writes is checked as it is written, its CRC
+  taken from the very bytes handed to the write, against the CRC the input
+  gives it (``ckptool.write.copy``; ``check_bytes`` collects the verdict of
+  its ``ByteChecker``): every byte is read once and written once;
 - structure: the output is read as a checkpoint again, and every tensor
   must be the one the plan wants (key, shape, stride, offset, dtype,
   device, storage: ``check_tensors``), and its own index (a zip directory,
@@ -37,12 +38,11 @@ _BUG = "nothing was written; report this as a bug"
 
 
 def check_bytes(checker: ByteChecker) -> None:
-    """Wait for the checker; any range whose bytes differ is an error."""
+    """The checker's verdict; any range whose bytes differ is an error."""
     failed = checker.finish()
     if failed:
-        why = f" (it could not be read back: {checker.problem})" if checker.problem else ""
         raise CorruptCheckpointError(
-            f"the output's {failed[0]} does not match what was written{why}",
+            f"the output's {failed[0]} does not match what was written",
             "the input may be damaged (a record that fails its own checksum), or the "
             "disk is; nothing was written")
 
@@ -50,8 +50,8 @@ def check_bytes(checker: ByteChecker) -> None:
 def check_storages(path: str, plan: Plan, placed: Placed) -> int:
     """Read the written file back; compare it with the plan. Returns storages checked.
 
-    Metadata through a fresh read of ``path``; the bytes were read back and
-    CRC-checked as they were written (``ByteChecker``), and here the file's own
+    Metadata through a fresh read of ``path``; the bytes were CRC-checked as
+    they were written (``ByteChecker``), and here the file's own
     records must point at exactly those bytes."""
     try:
         written = open_checkpoint(path)
@@ -104,7 +104,7 @@ def _fields(t: TensorInfo) -> tuple[Any, ...]:
 
 def check_directory(path: str, records: list[Written]) -> None:
     """The written zip's own directory and local headers must list exactly
-    the planned records, at the offsets whose bytes were re-read."""
+    the planned records, at the offsets whose bytes were checked."""
     try:
         with open(path, "rb") as f:
             archive = ZipArchive(f, os.fstat(f.fileno()).st_size)
@@ -126,8 +126,8 @@ def check_offsets(path: str, expect: dict[str, tuple[tuple[int, ...], str]],
                   starts: dict[str, int], by_key: bool = False) -> None:
     """A written state dict (``convert``'s output): names, shapes and dtypes
     from a fresh read of ``path`` (``by_key``: every tensor of a nested tree,
-    by key); each tensor's bytes were re-read and CRC-checked as they were
-    written, and here the file must point at them."""
+    by key); each tensor's bytes were CRC-checked as they were written, and
+    here the file must point at them."""
     written = open_checkpoint(path)
     got = {t.key: t for t in written.tensors} if by_key else \
         written.state_dict() or {t.key: t for t in written.tensors}

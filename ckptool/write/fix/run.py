@@ -6,10 +6,11 @@
 2. plan: ``make_plan`` applies the options to the object tree;
 3. lay out: the output format's module (``ckptool.write.formats``) says
    where each byte of the output comes from;
-4. copy: ``ckptool.write.copy`` writes the layout;
-5. verify: every byte written is re-read and CRC-checked, and the output is
-   read back as a checkpoint and compared with the plan
-   (``ckptool.write.verify``);
+4. copy: ``ckptool.write.copy`` writes the layout, every byte read once
+   and written once;
+5. verify: every byte is CRC-checked as it is written, from the bytes
+   written (nothing is read back), and the output's records are read back
+   and compared with the plan (``ckptool.write.verify``);
 6. commit: the temporary file takes the output's name
    (``ckptool.write.commit``).
 
@@ -116,7 +117,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     a directory fixed in place) the change is written beside ``src`` (to
     ``pending.temp``) and verified, and the journal step that makes it is
     appended to ``pending.steps``, not made. ``streams``: the hashes of a
-    rewritten file, taken from the bytes re-read (``write.streamhash``)."""
+    rewritten file, taken from the bytes as they are written (``write.streamhash``)."""
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
     layout = recognise.recognise(src)
@@ -252,7 +253,7 @@ def _copy_storages(archive: ZipArchive, storages: torch_zip.Storages, out: Atomi
                    progress: Progress | None, stack: contextlib.ExitStack,
                    streams: Streams | None = None) -> _ZipJob:
     """Step 4 for the storage records, laid out: start copying them (with
-    ``streams``, hashing the file and each storage as they are re-read)."""
+    ``streams``, hashing the file and each storage as they are written)."""
     observe = _stream(streams, out, {p.key: (p.data, p.size) for p in storages.pieces}, -1)
     checker = ByteChecker(out.file.fileno(), out.durable, observe)
     copier = copy.Copier(out.file.fileno(), checker, progress).start()

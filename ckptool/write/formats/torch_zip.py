@@ -105,7 +105,7 @@ def lay_out_storages(fd: int, archive: ZipArchive, members: dict[str, Member],
         last, last_src = first, src
         for key, member, src, gap in rest:
             # the bytes between two records (a descriptor, then the next local
-            # header) are copied as they are, and re-read like the rest
+            # header) are copied as they are, and checked like the rest
             checks.append((f"storage {key}'s local header", last_src + last.size + delta,
                            len(gap), zlib.crc32(gap)))
             last = Piece(key, member.name, member.header_offset + delta, src + delta,
