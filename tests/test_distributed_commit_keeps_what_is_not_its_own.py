@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -169,10 +170,10 @@ def test_a_plain_convert_waits_for_no_one_and_takes_the_distributed_lock(
     staging = Staging(str(out), False)
     staging.lock()  # a distributed convert's rank 0, mid-run
     try:
-        with pytest.raises(UsageError, match="another ckptool is writing"):
-            convert_one(str(big_pt), str(out))
+        refused = _elsewhere(lambda: convert_one(str(big_pt), str(out)))
     finally:
         staging.unlock()
+    assert refused is not None and "another ckptool is writing" in refused.message
     assert not out.exists()
     with OutputLock(out):  # a plain convert, mid-run
         results = on_ranks(2, big_pt, out)
@@ -216,4 +217,35 @@ def test_what_a_run_removes_is_never_the_input(big_pt: Path, tmp_path: Path,
     results = on_ranks(2, path, out)
     assert isinstance(results[0], UsageError), results[0]
     assert path.read_bytes() == before
+    assert not out.exists()
+
+
+def _elsewhere(work: Any) -> UsageError | None:
+    """``work()`` on another thread (as another process would: a lock is
+    taken again by the thread that holds it): the UsageError it raised."""
+    caught: list[UsageError] = []
+
+    def run() -> None:
+        try:
+            work()
+        except UsageError as exc:
+            caught.append(exc)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(60)
+    return caught[0] if caught else None
+
+
+@pytest.mark.parametrize("args", [{"fmt": "hf"}, {}], ids=["convert-folder", "fix-file"])
+def test_a_second_writer_of_an_output_is_refused(big_pt: Path, tmp_path: Path,
+                                                 args: dict[str, Any]) -> None:
+    from ckptool.write.fix.plan import FixOptions
+    from ckptool.write.fix.run import fix
+
+    out = tmp_path / ("shards" if args else "out.pt")
+    with OutputLock(out):  # a convert into it, mid-run
+        refused = _elsewhere(lambda: convert_one(str(big_pt), str(out), **args) if args
+                             else fix(str(big_pt), FixOptions(to="cpu"), str(out)))
+    assert refused is not None and "another ckptool is writing" in refused.message
     assert not out.exists()

@@ -33,6 +33,7 @@ from ckptool.errors import InputError, UsageError
 from ckptool.read.layouts.journal import alive
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.failures import is_output_error, naming, output_error
+from ckptool.write.outlock import OutputLock
 
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.ckptool-(?P<pid>\d+)-[0-9a-f]+\.partial$")
 
@@ -49,10 +50,16 @@ class AtomicDirectory:
         self.durable = fsync
         self.temp: Path | None = None
         self._committed = False
+        self._lock = OutputLock(self.target)
 
     def __enter__(self) -> AtomicDirectory:
-        with naming(self.target):  # a name too long for the filesystem...
-            return self._stage()
+        self._lock.acquire()  # one writer of the target (``outlock``)
+        try:
+            with naming(self.target):  # a name too long for the filesystem...
+                return self._stage()
+        except BaseException:
+            self._lock.release()
+            raise
 
     def _stage(self) -> AtomicDirectory:
         parent = self.target.parent
@@ -103,6 +110,7 @@ class AtomicDirectory:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
+        self._lock.release()
         if not self._committed and self.temp is not None:
             shutil.rmtree(self.temp, ignore_errors=True)
         mine = (self.target, *([self.temp] if self.temp is not None else []))

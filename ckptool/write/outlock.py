@@ -6,6 +6,9 @@ A conversion into OUT, on one process or many (``convert``, ``fix -o``,
 committed or given up; another one refused the lock says who holds it. So
 a plain convert and a distributed one never both believe they wrote OUT.
 
+Taken again by the thread that holds it (a conversion whose directory
+writer locks too), it is held once more, not refused.
+
 The lock file is removed by its holder on release, success or failure. A
 process that opened the file just before it was removed would lock a file
 no longer there: after taking the lock, the holder checks that the path
@@ -18,11 +21,15 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 from pathlib import Path
 from types import TracebackType
 
 from ckptool.errors import UsageError
 from ckptool.write.failures import naming, output_error
+
+_HELD: dict[tuple[int, str], int] = {}  # (thread, lock file) -> times taken
+_HELD_LOCK = threading.Lock()
 
 
 def lock_path(target: str | os.PathLike[str]) -> Path:
@@ -40,10 +47,22 @@ class OutputLock:
         self.target = os.fspath(target)
         self.path = lock_path(target)
         self._fd: int | None = None
+        self._again = False  # this thread held it already
 
     def acquire(self) -> None:
         if not self.path.parent.is_dir():
             return
+        key = (threading.get_ident(), os.path.abspath(self.path))
+        with _HELD_LOCK:
+            if key in _HELD:
+                _HELD[key] += 1
+                self._again = True
+                return
+        self._take()
+        with _HELD_LOCK:
+            _HELD[key] = 1
+
+    def _take(self) -> None:
         for _ in range(100):  # another holder removing the file each time: give up
             with naming(self.target):
                 try:
@@ -65,8 +84,16 @@ class OutputLock:
                          "wait for the other writers to end, then run again")
 
     def release(self) -> None:
+        key = (threading.get_ident(), os.path.abspath(self.path))
+        if self._again:
+            with _HELD_LOCK:
+                _HELD[key] -= 1
+            self._again = False
+            return
         if self._fd is None:
             return
+        with _HELD_LOCK:
+            _HELD.pop(key, None)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)  # while still held: a waiter re-checks the path
         os.close(self._fd)

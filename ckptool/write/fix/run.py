@@ -51,7 +51,7 @@ from ckptool.read.ziparchive import ZipArchive, ZipError
 from ckptool.write import copy, interrupt, repickle, verify
 from ckptool.write.bytecheck import ByteChecker
 from ckptool.write.commit import AtomicOutput, shared_file
-from ckptool.write.failures import naming
+from ckptool.write.failures import naming, needing
 from ckptool.write.fastcrc import Observe
 from ckptool.write.fix import folder as fix_folder
 from ckptool.write.fix import inplace
@@ -67,6 +67,7 @@ from ckptool.write.fix.targets import CHECKPOINT_SUFFIXES, check_suffix, check_t
 from ckptool.write.flagged import prove_clean, refuse_flagged
 from ckptool.write.formats import safetensors, torch_legacy, torch_zip
 from ckptool.write.layout import checked_cast
+from ckptool.write.outlock import OutputLock
 from ckptool.write.results import FixResult
 from ckptool.write.streamhash import StreamHash, Streams
 
@@ -171,6 +172,9 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         change = stack.enter_context(interrupt.changing(src)) if alone else None
         early = None
         if not (dry_run or in_place):
+            stack.enter_context(OutputLock(target))  # one writer of OUT, convert's too
+            if identity is not None:  # what a full disk says the output needs
+                stack.enter_context(needing(identity[2]))
             early = _start_zip_early(src, target, opts, force, fsync, progress, stack, identity,
                                      streams)
         # 1. read (a started copy's own open file, when there is one: one version)
