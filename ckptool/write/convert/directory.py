@@ -4,8 +4,8 @@ directory (``dcp``), from any checkpoint ckptool reads.
 
 The directory is written beside the target and renamed into place when it
 is complete and verified (``ckptool.write.outdir``). Each shard is written
-as ``convert`` writes one file (every byte re-read, names, shapes and dtypes
-read back), the index last; then the whole directory is read back as a
+as ``convert`` writes one file (every byte CRC-checked as it is written,
+names, shapes and dtypes read back), the index last; then the whole directory is read back as a
 checkpoint and must hold what was planned.
 
 DCP is written by torch's own writer (``ckptool.write.convert.dcpwriter``).

@@ -119,7 +119,7 @@ def write_safetensors(written: Written, meta: dict[str, str], tensors: TensorSou
                       streams: Streams | None = None) -> int:
     """One safetensors file of ``written``'s tensors (aliases and entries go
     into ``meta``, the caller's to say); returns its size. With ``streams``,
-    its sha256 and its tensors' digests are taken from the bytes re-read."""
+    its sha256 and its tensors' digests are taken from the bytes written."""
     return _write(lay_out_safetensors(written, meta, tensors.segments), output, progress,
                   streams)
 

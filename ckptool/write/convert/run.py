@@ -27,9 +27,10 @@ written is ``ckptool.write.convert.plan``'s to decide, where each tensor's
 bytes come from ``ckptool.write.sources``'s (a DCP tensor is made whole from
 its chunks, one tensor at a time).
 
-Every output streams tensor bytes into a temporary file, re-reads every
-byte it wrote (CRC), reads the file back to check names, shapes and dtypes,
-then renames it into place.
+Every output streams tensor bytes into a temporary file, each byte read
+once and written once with its CRC checked from the bytes written
+(``ckptool.write.copy``), reads the file's records back to check names,
+shapes and dtypes, then renames it into place.
 """
 
 from __future__ import annotations
