@@ -19,7 +19,28 @@ if TYPE_CHECKING:
     from ckptool.write.convert.run import ConvertResult
 
 
-@click.command()
+class _Command(click.Command):
+    """convert's command: run by every process of a launch, whose usage
+    errors rank 0 alone says (the others exit 2 without a word)."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as exc:
+            _quiet_rank(None, exc)
+            raise
+
+
+def _quiet_rank(err: UsageError | None, cause: BaseException) -> None:
+    """Exit 2 without a word when rank 0 says the usage error ``err`` (None:
+    one of the command line): this process is another rank of a launch."""
+    from ckptool.write.distributed import world
+
+    if world.quiet_rank(err):
+        raise click.exceptions.Exit(EXIT_USAGE) from cause
+
+
+@click.command(cls=_Command)
 @click.argument("path", type=InputPath())
 @click.argument("output", metavar="OUT", type=click.Path(path_type=str))
 @click.option("--format", "fmt", type=click.Choice(["hf", "hf-bin", "dcp"]),
@@ -60,36 +81,19 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
     one file (safetensors or torch, from OUT's extension) or a directory
     (--format). Under torchrun or srun, or with --workers N, on many processes."""
     from ckptool.write.convert.run import convert as run_convert
-    from ckptool.write.distributed import world
-    from ckptool.write.fix import plan as planning
-    from ckptool.write.shards import parse_size
 
-    options: dict[str, Any] = {
-        "fmt": fmt, "max_shard_size": parse_size(max_shard) if max_shard is not None else None,
-        "dtype": planning.DTYPE_NAMES[dtype] if dtype else None,
-        "weights": None if weights == "fp32" else weights, "salvage": salvage}
-    launch = world.detect()
-    if launch is not None or workers is not None:  # the settings, said once (by rank 0)
-        from ckptool.write.distributed.coordinate import lost_after
-
-        try:
-            lost_after(), world.join_timeout()
-        except UsageError:
-            if launch is not None and launch.rank != 0:
-                raise click.exceptions.Exit(EXIT_USAGE) from None
-            raise
-    if launch is not None and workers is not None and workers != launch.size:
-        if launch.rank != 0:  # said once, by rank 0
-            raise click.exceptions.Exit(EXIT_USAGE)
-        raise UsageError(f"--workers {workers} under {launch.launcher}, which started "
-                         f"{launch.size} process(es)",
-                         "leave --workers out: convert uses the processes it was started in")
+    try:  # a usage error before the processes meet: said by rank 0 alone
+        options, launch = _settings(fmt, max_shard, dtype, weights, salvage, workers)
+        if manifest is not None and not dry_run and (workers is not None or
+                                                     launch is not None):
+            raise UsageError("--manifest is not written by a conversion on many processes "
+                             "yet", "write it after: ckptool verify OUT --write-manifest FILE")
+    except UsageError as exc:
+        _quiet_rank(exc, exc)
+        raise
     if manifest is not None and not dry_run:
         from ckptool.check.verify.outmanifest import check_destination
 
-        if workers is not None or launch is not None:
-            raise UsageError("--manifest is not written by a conversion on many processes yet",
-                             "write it after: ckptool verify OUT --write-manifest FILE")
         check_destination(manifest, output, path)
     if dry_run:
         from ckptool.cli.convert_dist import show_plan
@@ -108,7 +112,7 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
                                         ("--fsync", fsync), ("--quiet", quiet),
                                         ("--json", as_json)) if on]]
         try:
-            code = run_workers(workers, argv)
+            code = run_workers(workers, argv, output=output)
         except KeyboardInterrupt:  # the workers' rank 0 said it
             code = EXIT_INTERRUPTED
         raise click.exceptions.Exit(code)
@@ -140,6 +144,30 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
 
 
 command = convert
+
+
+def _settings(fmt: str | None, max_shard: str | None, dtype: str | None, weights: str | None,
+              salvage: bool, workers: int | None) -> tuple[dict[str, Any], Any]:
+    """The conversion's options, and the launch this process is part of
+    (``world.detect``), with the distributed settings checked."""
+    from ckptool.write.distributed import world
+    from ckptool.write.fix import plan as planning
+    from ckptool.write.shards import parse_size
+
+    options: dict[str, Any] = {
+        "fmt": fmt, "max_shard_size": parse_size(max_shard) if max_shard is not None else None,
+        "dtype": planning.DTYPE_NAMES[dtype] if dtype else None,
+        "weights": None if weights == "fp32" else weights, "salvage": salvage}
+    launch = world.detect()
+    if launch is not None or workers is not None:
+        from ckptool.write.distributed.coordinate import lost_after
+
+        lost_after(), world.join_timeout()
+    if launch is not None and workers is not None and workers != launch.size:
+        raise UsageError(f"--workers {workers} under {launch.launcher}, which started "
+                         f"{launch.size} process(es)",
+                         "leave --workers out: convert uses the processes it was started in")
+    return options, launch
 
 
 def convert_dict(result: ConvertResult, manifest: str | None = None) -> dict[str, Any]:

@@ -73,12 +73,14 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
                     quiet: bool, options: dict[str, Any]) -> Any:
     """This rank's part of the conversion (``launch``: from ``world.detect``;
     None: this one process, resuming what a distributed run left): the
-    report on rank 0, None on the others. A failure is said once, by rank 0;
-    every rank exits with its code. SIGTERM (the launcher stopping the job,
-    ``scancel``) is said by rank 0 and ends every rank at once."""
-    from ckptool.write.distributed import world
+    report on rank 0, None on the others. A failure is said once, by rank 0
+    (or its stand-in); every rank exits with its code. SIGTERM (the launcher
+    stopping the job, ``scancel``) is said by rank 0 and ends every rank at
+    once; one that comes once this rank is leaving changes nothing."""
+    from ckptool.write.distributed import ending, world
     from ckptool.write.distributed.ending import EXIT_TERMINATED, Quiet, Terminated
     from ckptool.write.distributed.launch import WORKERS_SAY_SIGNALS
+    from ckptool.write.distributed.lost import committed
     from ckptool.write.distributed.run import convert
 
     if launch is None:
@@ -96,6 +98,8 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
         say_error(err.message, err.hint)
 
     def terminated(signum: int, frame: FrameType | None) -> None:
+        if ending.LEAVING.is_set():  # its ending is on its way, with its own code
+            return
         if said:  # the launcher stops the job the failure said here ended: nothing to add
             raise Quiet(said[0])
         if os.environ.get(WORKERS_SAY_SIGNALS):  # --workers: its process says what ended
@@ -104,6 +108,7 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
                          "(another process failed, or it was cancelled or ran out of time)",
                          RESUME)
 
+    ending.LEAVING.clear()
     before = signal.signal(signal.SIGTERM, terminated)
     try:
         with progress(quiet or rank != 0) as update:
@@ -111,6 +116,13 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
                            force=force, progress=update, fsync=fsync, **options)
     except Quiet as exc:
         raise click.exceptions.Exit(exc.exit_code) from exc
+    except Terminated as exc:  # after this rank's part ended well (its teardown)
+        if rank == 0 and not said:
+            if committed(output):
+                exc.message = f"stopped by SIGTERM after {output} was committed"
+                exc.hint = f"the output is complete; check it with: ckptool verify {output}"
+            say(exc)
+        raise click.exceptions.Exit(EXIT_TERMINATED) from exc
     finally:
         signal.signal(signal.SIGTERM, before)
         joined.close()

@@ -5,10 +5,16 @@ that could hang on a rank that is gone).
 - ``plan/<rank>``: ``<fingerprint> <host>``, the plan each rank computed
   (rank 0 compares them) and where the rank runs.
 - ``ready``: set by rank 0 once the staging directory is prepared.
+- ``pid/<rank>``: ``<pid> <host>``, set as the rank starts: a rank that
+  died on this machine is known by its process being gone.
 - ``beat/<rank>``: ``<count> <bytes done>``, refreshed by each rank's beat
   thread: rank 0 sums the bytes into one progress bar, and takes a rank
   whose count stops moving for ``CKPTOOL_RANK_TIMEOUT`` seconds (default
-  60) for lost (killed, or its machine gone).
+  60) for lost (killed, stopped, or its machine gone). Every other rank
+  watches rank 0's beat alike; and a store that stops answering for as
+  long (under srun it lives in rank 0's process: SIGSTOP, a machine gone)
+  is rank 0 lost too, seen by a watchdog thread, as a call to such a store
+  may never return.
 - ``failed``: the first failure, ``{"rank", "node", "message", "hint",
   "code"}``; later ones do not replace it. Every rank's beat thread watches
   for it: the work in hand stops at its next chunk, and a rank stuck in a
@@ -20,6 +26,10 @@ that could hang on a rank that is gone).
 - ``done/<rank>`` (its report) and the ``ndone`` counter; ``outcome``
   (``committed``), set by rank 0 last; ``left``: the ranks that heard the
   end (under srun the store lives in rank 0's process, which leaves last).
+- ``stand-in``: once rank 0 is lost, the rank that says the failure in its
+  stead (the first to claim it; rank 1 where the store went with rank 0).
+  What it says is true of the output: that rank 0 committed it before it
+  went, if it did (``lost.committed``).
 """
 
 from __future__ import annotations
@@ -30,17 +40,13 @@ import re
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from ckptool.errors import EXIT_RANK_FAILED, CkptoolError, RankFailedError, UsageError
+from ckptool.errors import EXIT_RANK_FAILED, CkptoolError, UsageError
+from ckptool.write.distributed.lost import GRACE, RESUME, STORE_ERRORS, Failure, LostRanks
 
-GRACE = 5.0  # a rank told to stop that has not stopped by then leaves at once
 Progress = Callable[[int, int], None]
-RESUME = ("nothing was committed; run the same command again to resume: what was written "
-          "and verified is kept")
-STORE_ERRORS = (RuntimeError, OSError)  # what a store call raises when its host is gone
 
 
 def beat_every(size: int) -> float:
@@ -68,83 +74,107 @@ def lost_after() -> float:
                    "answering is taken for lost")
 
 
-@dataclass
-class Failure:
-    rank: int
-    node: str
-    message: str
-    hint: str
-    code: int
+class Coordinator(LostRanks):
+    """One rank's side of the conversation; ``start()`` its beat thread and
+    its watchdog. ``target``: the output (what is true of it once rank 0 is
+    lost); ``say``: how this rank prints an error (rank 0, or a stand-in)."""
 
-    def error(self, size: int, prefix: bool = True) -> RankFailedError:
-        said = f"rank {self.rank} of {size} ({self.node}): {self.message}" if prefix \
-            else self.message
-        err = RankFailedError(said, self.hint)
-        err.exit_code = self.code
-        return err
-
-
-class Coordinator:
-    """One rank's side of the conversation; ``start()`` its beat thread."""
-
-    def __init__(self, store: Any, rank: int, size: int, node: str) -> None:
+    def __init__(self, store: Any, rank: int, size: int, node: str,
+                 target: str | None = None) -> None:
         self.store, self.rank, self.size, self.node = store, rank, size, node
+        self.target = target
         self.beat = beat_every(size)
         self.lost_after = lost_after()
         self.done_bytes = 0  # this rank's bytes written (its copier's progress)
         self.total = 0  # the whole job's (rank 0's bar)
         self.progress: Progress | None = None  # rank 0's bar
-        self.say: Callable[[CkptoolError], None] | None = None  # rank 0: print an error
+        self.say: Callable[[CkptoolError], None] | None = None  # print an error
         self.stopping = threading.Event()  # a failure is known: stop working
         self.handled = threading.Event()  # the main thread has taken the failure up
         self.staged = False  # the staging directory is prepared: a re-run resumes
-        self.nodes: dict[int, str] = {}  # rank 0: each rank's host, from its plan
-        self.lost: set[int] = set()  # ranks that stopped beating
+        self.nodes: dict[int, str] = {}  # each rank's host (rank 0: from its plan)
+        self.pids: dict[int, int] = {}  # each rank's process, where known
+        self.lost: set[int] = set()  # ranks that stopped beating, or are gone
         self.failure: Failure | None = None
+        # under torchrun the store is its agent's; else rank 0 holds it
+        self.store_in_rank0 = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
         self._quit = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
         self._beats = 0
-        self._seen: dict[int, tuple[bytes, float]] = {}  # rank 0: last beat, when it changed
+        self._seen: dict[int, tuple[bytes, float]] = {}  # last beat of each rank watched
+        self._answered = time.monotonic()  # the store's last answer to the beat thread
+        self._finished = False  # this rank's share is written (the output may be committed)
 
     # -- the beat thread -------------------------------------------------------
 
     def start(self) -> Coordinator:
+        self.store.set(f"pid/{self.rank}", f"{os.getpid()} {self.node}")
         self._beat()  # there before rank 0 first looks for it
-        self._thread = threading.Thread(target=self._run, name="ckptool-beat", daemon=True)
-        self._thread.start()
+        self._answered = time.monotonic()
+        threads = [(self._run, "ckptool-beat")]
+        if not _in_memory(self.store):  # (a store of threads in one process answers)
+            threads.append((self._guard, "ckptool-watchdog"))
+        for target, name in threads:
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
         return self
 
     def close(self) -> None:
         self._quit.set()
-        if self._thread is not None:
-            self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
     def _run(self) -> None:
         stopped_at: float | None = None
         while not self._quit.wait(self.beat):
             try:
                 self._beat()
-                if self.rank == 0:
-                    self._watch()
+                self._watch()
                 if self.failure is None and self.store.check(["failed"]):
                     self._heard()
+                self._answered = time.monotonic()
             except STORE_ERRORS:  # the store is gone: rank 0's machine with it
-                if self.failure is None:
-                    self.failure = Failure(0, "?", "the rendezvous store stopped answering "
-                                           "(rank 0 or its machine is gone)", RESUME,
-                                           EXIT_RANK_FAILED)
-                self.stopping.set()
+                self.store_gone()
+                self._answered = time.monotonic()  # (at once: no hang for the watchdog)
             if self.stopping.is_set() and not self.handled.is_set():
                 stopped_at = stopped_at or time.monotonic()
                 if time.monotonic() - stopped_at > GRACE:  # stuck in a collective call
                     self._leave_now()
 
+    def _guard(self) -> None:
+        """The watchdog: a store that has not answered the beat thread for
+        ``lost_after`` seconds will not (its host is stopped, or its machine
+        gone, and a call to it may never return): this rank leaves at once,
+        the stand-in saying why. A pause of this process itself (SIGSTOP,
+        Ctrl-Z) gives the store another ``lost_after`` once it runs again."""
+        woke = time.monotonic()
+        while not self._quit.wait(self.beat):
+            now = time.monotonic()
+            if now - woke > self.lost_after / 2:
+                self._answered = now
+            woke = now
+            if now - self._answered > self.lost_after and not self._quit.is_set():
+                self.store_gone(f"stopped answering for {self.lost_after:.0f} s")
+                failure = self.failure
+                alive = [r for r in range(self.size) if r not in self.lost]
+                if self.say is not None and failure is not None and alive and \
+                        self.rank == alive[0]:  # (no store to choose a stand-in by)
+                    self.say(self.last_word(failure))
+                os._exit(failure.code if failure is not None else EXIT_RANK_FAILED)
+
     def _leave_now(self) -> None:
         """The main thread cannot be reached (inside a collective call that
-        waits for a rank that is gone): rank 0 says why, and every rank leaves."""
+        waits for a rank that is gone): rank 0, or its stand-in, says why,
+        and every rank leaves."""
         failure = self.failure
-        if self.rank == 0 and failure is not None and self.say is not None:
-            self.say(failure.error(self.size, prefix=failure.rank != 0))
+        if failure is not None and self.say is not None and not failure.elsewhere:
+            try:
+                speaks = self.speaks()
+            except STORE_ERRORS:
+                speaks = False
+            if speaks:
+                self.say(self.last_word(failure))
         os._exit(failure.code if failure is not None else EXIT_RANK_FAILED)
 
     def _beat(self) -> None:
@@ -152,27 +182,40 @@ class Coordinator:
         self.store.set(f"beat/{self.rank}", f"{self._beats} {self.done_bytes}")
 
     def _watch(self) -> None:
-        """Rank 0: the bar, and ranks that stopped beating (one request for all)."""
+        """Rank 0: the bar, and ranks that stopped beating (one request for
+        all). Another rank: rank 0's beat (once it is there)."""
         now = time.monotonic()
+        if self.rank != 0:
+            if 0 in self._seen or self.store.check(["beat/0"]):
+                self._looked(0, bytes(self.store.get("beat/0")), now)
+                self.node_of(0)  # (known before rank 0 is lost, with its store)
+            return
         beats = self.store.multi_get([f"beat/{r}" for r in range(self.size)])
         done = 0
         for r, raw in enumerate(beats):
-            count, _, nbytes = bytes(raw).partition(b" ")
-            done += int(nbytes or 0)
-            last = self._seen.get(r)
-            if last is None or last[0] != count:
-                self._seen[r] = (count, now)
-            elif now - last[1] > self.lost_after and r not in self.lost and \
-                    not self.store.check([f"done/{r}"]):
-                self.lost.add(r)
-                self.fail(Failure(r, self.nodes.get(r, "?"),
-                                  f"stopped answering for {self.lost_after:.0f} s (killed, or "
-                                  "its machine was lost)", RESUME, EXIT_RANK_FAILED))
+            done += int(bytes(raw).partition(b" ")[2] or 0)
+            self._looked(r, bytes(raw), now)
         if self.progress is not None and self.total:
             self.progress(min(done, self.total), self.total)
 
+    def _looked(self, r: int, raw: bytes, now: float) -> None:
+        """Rank ``r``'s beat, just read: lost once it stood still too long
+        (and the rank had not finished, nor rank 0 ended the run)."""
+        count = raw.partition(b" ")[0]
+        last = self._seen.get(r)
+        if last is None or last[0] != count:
+            self._seen[r] = (count, now)
+        elif now - last[1] > self.lost_after and r not in self.lost and \
+                not self.store.check([f"done/{r}" if r else "outcome"]):
+            self.lost.add(r)
+            self.fail(Failure(r, self.node_of(r), f"stopped answering for "
+                              f"{self.lost_after:.0f} s (killed, stopped, or its machine was "
+                              "lost)", RESUME, EXIT_RANK_FAILED, gone=True))
+
     def _heard(self) -> None:
         self.failure = Failure(**json.loads(self.store.get("failed")))
+        if self.failure.gone:
+            self.lost.add(self.failure.rank)
         self.stopping.set()
 
     # -- what the main thread says and waits for -------------------------------
@@ -202,22 +245,25 @@ class Coordinator:
 
     def wait_for(self, key: str) -> str:
         """The value of ``key`` once some rank sets it; a failure raises.
-        Waits in the store (one request per beat), not by polling."""
+        Waits in the store (one request per beat), not by polling. (Rank 0's
+        host is known by then: it had started before it set anything.)"""
         while True:
             try:
                 self.store.wait([key], timedelta(seconds=self.beat))
-                return str(self.store.get(key).decode())
             except STORE_ERRORS:
                 if not self.store.check([key]):  # a timeout: look for a failure, again
                     self.check()
                     continue
-                return str(self.store.get(key).decode())
+            if self.rank != 0:
+                self.node_of(0)
+            return str(self.store.get(key).decode())
 
     def gather(self, prefix: str) -> list[str]:
         """Rank 0: every rank's ``prefix/<rank>``, once all have set it."""
         return [self.wait_for(f"{prefix}/{r}") for r in range(self.size)]
 
     def finished(self, report: dict[str, Any]) -> None:
+        self._finished = True
         self.store.set(f"done/{self.rank}", json.dumps(report))
         self.store.add("ndone", 1)
 
@@ -242,7 +288,8 @@ class Coordinator:
             try:
                 if self.store.check(["said"]):
                     return True
-            except STORE_ERRORS:
+            except STORE_ERRORS:  # the store is gone: rank 0 with it, under srun
+                self.store_gone()
                 return False
             time.sleep(0.05)
         return False
@@ -259,18 +306,11 @@ class Coordinator:
                 time.monotonic() < deadline:
             time.sleep(0.05)
 
-    def heard_from(self, rank: int | None, exc: CkptoolError) -> CkptoolError:
-        """The error to leave with when a collective call said that a rank
-        failed (``rank``, if it said which): that rank's own record of why,
-        once it arrives; else ``exc``, recorded for that rank."""
-        deadline = time.monotonic() + GRACE
-        while self.failure is None and time.monotonic() < deadline:
-            if self.store.check(["failed"]):
-                self._heard()
-            else:
-                time.sleep(0.05)
-        if self.failure is None:
-            self.fail(Failure(rank if rank is not None else self.rank,
-                              self.nodes.get(rank, "?") if rank is not None else self.node,
-                              exc.message, RESUME, EXIT_RANK_FAILED))
-        return self.stopped()
+
+def _in_memory(store: Any) -> bool:
+    """Whether ``store`` is one in this process's memory (``alone_with``'s)."""
+    import torch.distributed as dist
+
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.HashStore)

@@ -13,17 +13,20 @@ results instead of writing it again.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 from collections.abc import Callable
 from typing import Any
 
-from ckptool.errors import CkptoolError
+from ckptool.errors import CkptoolError, OutputError
 from ckptool.read.reader import open_checkpoint
 from ckptool.write.convert.dcpwriter import ElsewhereError, check_values, write_dcp
 from ckptool.write.distributed.coordinate import Coordinator
 from ckptool.write.distributed.plan import Plan
 from ckptool.write.distributed.staging import Staging
+from ckptool.write.failures import output_error
 from ckptool.write.fastcrc import crc_file_range
 from ckptool.write.sources import TensorSource
 
@@ -57,6 +60,8 @@ def write_share(plan: Plan, world: Any, coord: Coordinator, staging: Staging,
                   crcs, names=[u.name for u in share], distributed=True, resume=record)
     except ElsewhereError as exc:
         raise coord.heard_from(exc.rank, exc) from exc
+    except OutputError as exc:  # this rank's own write failed
+        raise _full(staging, nbytes) or exc from exc
     except RuntimeError as exc:  # gloo: a peer went away inside a collective call
         raise coord.heard_from(None, CkptoolError(
             f"a process stopped answering during dcp.save ({_first_line(exc)})")) from exc
@@ -68,6 +73,21 @@ def write_share(plan: Plan, world: Any, coord: Coordinator, staging: Staging,
             "bytes_read": 0 if record.reused else sum(u.read for u in share),
             "bytes_written": 0 if record.reused else nbytes,
             "bytes_kept": nbytes if record.reused else 0}
+
+
+def _full(staging: Staging, share: int) -> OutputError | None:
+    """The disk-full error, when torch's writer failed with the filesystem
+    out of room for this rank's share (``share`` bytes, at least 1 MiB).
+    (torch hands each rank's error to every rank pickled, without the
+    ``OSError`` it was raised from: the zip writer's "unexpected pos" is all
+    that is left of a write cut short.)"""
+    try:
+        free = shutil.disk_usage(staging.path).free
+    except OSError:
+        return None
+    if free >= max(share, 1 << 20):
+        return None
+    return output_error(staging.target, OSError(errno.ENOSPC, os.strerror(errno.ENOSPC)))
 
 
 class RankFile:

@@ -9,25 +9,31 @@ failure turned into one error, recorded for every rank, said once by rank
   process.
 - Every other rank waits for ``said`` and leaves with the failure's code
   and without a word; if rank 0 cannot speak (it is gone), the rank whose
-  failure it was says it itself.
+  failure it was says it itself, and rank 0's own loss is said by its
+  stand-in (``Coordinator.speaks``), true of the output.
 - SIGTERM (torchrun or ``--workers`` stopping the job because one process
   exited; ``scancel``; a time limit) is said by rank 0 alone, at once: the
-  launcher will not wait.
+  launcher will not wait. What caused it, when known (a rank of this
+  machine killed without a word), is said instead. Once a rank is leaving
+  (``LEAVING``), a SIGTERM changes nothing: its ending is on its way.
 """
 
 from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
 from ckptool.errors import EXIT_INTERRUPTED, EXIT_RANK_FAILED, CkptoolError
-from ckptool.write.distributed.coordinate import RESUME, STORE_ERRORS, Coordinator, Failure
+from ckptool.write.distributed.coordinate import Coordinator
+from ckptool.write.distributed.lost import RESUME, STORE_ERRORS, Failure
 from ckptool.write.failures import is_output_error, output_error
 
 Say = Callable[[CkptoolError], None]
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
+LEAVING = threading.Event()  # this process has begun to leave (its SIGTERM handler looks)
 
 
 class Quiet(CkptoolError):
@@ -48,7 +54,8 @@ class Terminated(CkptoolError):
 
 def as_error(exc: BaseException, coord: Coordinator, target: str) -> CkptoolError | None:
     """``exc`` as the one-line error it is said as; None for a bug (its
-    traceback is worth more than a line)."""
+    traceback is worth more than a line). This rank is leaving from here on."""
+    LEAVING.set()
     if isinstance(exc, CkptoolError):
         return exc
     if isinstance(exc, KeyboardInterrupt):
@@ -61,49 +68,77 @@ def as_error(exc: BaseException, coord: Coordinator, target: str) -> CkptoolErro
         where = f"{exc.filename}: " if exc.filename else ""
         return CkptoolError(f"{where}{exc.strerror or exc}",
                             "check that the path is readable, and free space")
-    if isinstance(exc, STORE_ERRORS):  # a store or gloo call whose peer is gone
-        return coord.stopped() if coord.failure is not None else CkptoolError(
-            f"lost the other processes: {str(exc).strip().splitlines()[0] if str(exc) else exc}",
-            RESUME)
+    if isinstance(exc, STORE_ERRORS):  # a store call whose host is gone
+        if coord.failure is None:
+            coord.store_gone()
+        return coord.stopped()
     return None
 
 
 def leave(coord: Coordinator, err: CkptoolError, say: Say) -> CkptoolError:
     """What this rank raises for ``err``: ``Quiet`` everywhere once the
     failure is said."""
+    LEAVING.set()
     coord.handled.set()
     if isinstance(err, Quiet):  # nothing to say (the --workers process says it)
         return err
     if isinstance(err, Terminated):
-        if coord.rank == 0:
-            say(err)
-        return Quiet(err.exit_code)
+        return _terminated(coord, err, say)
+    failure: Failure | None = None
     with contextlib.suppress(*STORE_ERRORS):  # the store may be gone with rank 0
         failure = coord.failure
         if failure is None or failure.rank == coord.rank:  # this rank's own
             failure = coord.fail(Failure(coord.rank, coord.node, err.message,
                                          _hint(err, coord), err.exit_code))
-        if coord.rank == 0:
+        if coord.rank == 0 and 0 not in coord.lost:
             if failure.message == err.message:  # its own, as raised (or every rank's)
                 err.hint = failure.hint
                 say(err)
-            else:
+            elif not failure.elsewhere:  # (else the launcher says it)
                 say(failure.error(coord.size, prefix=failure.message != "interrupted"))
             coord.said()
             coord.wait_all_left()
             return Quiet(failure.code)
-        heard = coord.wait_said()
-        if heard:
+        if 0 not in coord.lost and coord.wait_said():
             coord.leave()
             return Quiet(failure.code)
-        if failure.rank == coord.rank:  # rank 0 is gone: said here, by the rank it concerns
-            say(failure.error(coord.size))
+        # rank 0 is gone: the rank whose failure it is says it; rank 0's own
+        # loss, its stand-in (unless the launcher says it)
+        if failure.rank == coord.rank or (0 in coord.lost and not failure.elsewhere and
+                                          coord.speaks()):
+            say(coord.last_word(failure))
         return Quiet(failure.code)
-    if coord.failure is not None and coord.failure.rank == coord.rank:
-        say(coord.failure.error(coord.size))
-    elif coord.failure is None:
+    # the store is gone (with rank 0, under srun): nobody to agree with
+    failure = coord.failure or failure
+    if failure is None:
         say(err)
-    return Quiet(coord.failure.code if coord.failure is not None else err.exit_code)
+        return Quiet(err.exit_code)
+    mute = failure.rank < 0 or failure.rank in coord.lost  # (the launcher's store, rank 0)
+    if failure.rank == coord.rank or (mute and not failure.elsewhere and
+                                      coord.rank == _first_alive(coord)):
+        say(coord.last_word(failure))
+    return Quiet(failure.code)
+
+
+def _first_alive(coord: Coordinator) -> int:
+    """The rank that speaks where no store is left to agree on one."""
+    return min((r for r in range(coord.size) if r not in coord.lost), default=coord.rank)
+
+
+def _terminated(coord: Coordinator, err: Terminated, say: Say) -> CkptoolError:
+    """SIGTERM: rank 0 says it, or what caused it where that is known (a
+    failure heard, a rank of this machine killed without a word)."""
+    if coord.rank != 0:
+        return Quiet(err.exit_code)
+    known: Failure | None = None
+    with contextlib.suppress(*STORE_ERRORS):
+        known = coord.failure or coord.died()
+    if known is None:
+        say(err)
+        return Quiet(err.exit_code)
+    if not known.elsewhere:
+        say(coord.last_word(known))
+    return Quiet(known.code)
 
 
 def _hint(err: CkptoolError, coord: Coordinator) -> str:

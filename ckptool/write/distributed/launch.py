@@ -9,13 +9,17 @@ quiet, ``OMP_NUM_THREADS=1`` unless the user set it (as torchrun does), and
 the outcome turned into ckptool's: 0 when all succeeded, else the failure
 that is the cause (``_failed``): ``RankFailedError`` for a worker killed by a
 signal (nothing it could say itself), else the exit code of the worker that
-failed of itself, before those stopped because it did.
+failed of itself, before those stopped because it did. A SIGTERM to this
+process stops the workers and is said here (``Terminated``). The launcher's
+files live in ``TMPDIR/ckptool-workers-<pid>-*``; those of a process killed
+before it removed them go with the next run.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -25,6 +29,9 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from ckptool.errors import RankFailedError, UsageError
+from ckptool.write.distributed.ending import Terminated
+from ckptool.write.distributed.lost import RESUME, WORKERS, process_gone
+from ckptool.write.distributed.staging import Staging
 
 if TYPE_CHECKING:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
@@ -37,18 +44,23 @@ QUIET = ("torch.distributed.elastic", "torch.distributed.launcher")
 WORKER_COMMAND = ("-m", "ckptool")
 # set for the workers: this process says how a worker killed by a signal
 # ended, so their rank 0 need not say that the launcher stopped it
-WORKERS_SAY_SIGNALS = "CKPTOOL_WORKERS_PARENT"
+WORKERS_SAY_SIGNALS = WORKERS
+# the launcher's own files go into TMPDIR/ckptool-workers-<pid>-*, removed
+# at the end; one left by a process killed (kill -9) by the next run
+TEMP_PREFIX = "ckptool-workers-"
 # how long the launcher waits after its SIGTERM before its SIGKILL
 # (``PContext.close(timeout=30)``)
 STOP_GRACE = 30
 
 
-def run_workers(n: int, argv: Sequence[str], *,
+def run_workers(n: int, argv: Sequence[str], *, output: str | None = None,
                 _command: Sequence[str] = WORKER_COMMAND) -> int:
     """Run ``python -m ckptool *argv`` as ``n`` ranks; their exit code.
 
     ``_command`` replaces ``-m ckptool`` for the tests (a worker that kills
-    itself). A Ctrl-C stops the workers and is a KeyboardInterrupt here.
+    itself). A Ctrl-C stops the workers and is a KeyboardInterrupt here; a
+    SIGTERM (or SIGHUP, SIGQUIT) stops them and is a ``Terminated`` error,
+    its hint true of ``output`` (resumable, there, or not written).
     """
     if n < 1:
         raise UsageError(f"--workers {n}: expected at least 1 worker process",
@@ -58,7 +70,8 @@ def run_workers(n: int, argv: Sequence[str], *,
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     # the launcher's files (its error.json per rank) go where they are cleaned up
-    with tempfile.TemporaryDirectory(prefix="ckptool-workers-") as logs, _quiet(), \
+    _remove_stale(tempfile.gettempdir())
+    with tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}{os.getpid()}-") as logs, _quiet(), \
             _environment(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
                          CKPTOOL_DISTRIBUTED="1", **{WORKERS_SAY_SIGNALS: "1"}), \
             _handlers_restored():
@@ -77,11 +90,19 @@ def run_workers(n: int, argv: Sequence[str], *,
             signum = exc.sigval
         else:
             return 0
-    # the workers were stopped; the signal is this process's again
+    # the workers were stopped (their rank 0 says nothing of it): said here
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    signal.raise_signal(signum)
-    return 128 + signum  # a handler of the caller's took it and returned
+    if output is not None and Staging(output, False).path.is_dir():
+        hint = RESUME
+    elif output is not None and os.path.lexists(output):  # committed, or there before
+        hint = f"check what is there with: ckptool verify {output}"
+    else:
+        hint = "nothing was written; run the same command again"
+    err = Terminated(f"stopped by {signal.Signals(signum).name}: the workers were stopped",
+                     hint)
+    err.exit_code = 128 + signum
+    raise err
 
 
 def _failed(exc: ChildFailedError, n: int) -> int:
@@ -121,6 +142,26 @@ def _failed(exc: ChildFailedError, n: int) -> int:
         f"rank {rank} of {n} was killed by {name}",
         hint="nothing was committed; run the same command again to resume: what was "
         "written and verified is kept")
+
+
+def _remove_stale(folder: str) -> None:
+    """The launcher's folders of ``convert --workers`` processes that ended
+    without removing them (killed): this user's, whose process is gone."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return
+    for entry in entries:
+        pid = entry.name[len(TEMP_PREFIX):].partition("-")[0]
+        if not entry.name.startswith(TEMP_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            mine = entry.is_dir(follow_symlinks=False) and \
+                entry.stat(follow_symlinks=False).st_uid == os.getuid()
+        except OSError:
+            continue
+        if mine and process_gone(int(pid)):
+            shutil.rmtree(entry.path, ignore_errors=True)
 
 
 @contextmanager

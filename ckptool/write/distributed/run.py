@@ -53,8 +53,8 @@ def convert(world: Any, src: str, dst: str, *, say: Say, force: bool = False,
     ``convert.run.convert`` takes them). Returns the report on rank 0, None
     on the others. A failure is said once, by rank 0 through ``say``, and
     raised on every rank as ``Quiet`` with its exit code (``ending``)."""
-    coord = Coordinator(world.store, world.rank, world.size, world.node)
-    coord.say = say if world.rank == 0 else None
+    coord = Coordinator(world.store, world.rank, world.size, world.node, target=dst)
+    coord.say = say  # rank 0's, or its stand-in's once it is lost
     coord.start()
     start = time.monotonic()
     stack = contextlib.ExitStack()  # what rank 0 holds until the end (the lock)

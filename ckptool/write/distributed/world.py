@@ -5,10 +5,14 @@ and joining them.
 ``torchrun`` (or ``convert --workers N``: torch's elastic agent), another
 ``env://`` launcher (``RANK``/``WORLD_SIZE``), or a step of SLURM's ``srun``
 without torchrun; ``CKPTOOL_DISTRIBUTED=0`` says "a plain process" whatever
-they say (a ckptool run by a training job inherits its ``RANK``...). ``join``
-meets the others (``torch.distributed.rendezvous("env://")``, every rank
-counted in on its store) and hands back a ``World``: this rank, the number of
-ranks, a key-value store all share, scoped to the attempt (torchrun
+they say, and a ckptool that a training script runs (inheriting its
+``RANK``...) is one too (``ancestry``, which looks through wrappers such
+as ``flock`` or ``uv run`` between the launcher and ckptool). A malformed
+variable is a ``LaunchError``; ``quiet_rank``: whether this process leaves
+a usage error to rank 0 to say. ``join`` meets the others
+(``torch.distributed.rendezvous("env://")``, every rank counted in on its
+store) and hands back a ``World``: this rank, the number of ranks, a
+key-value store all share, scoped to the attempt (torchrun
 ``--max-restarts`` keeps one store for all). ``World.ensure_group`` makes the
 gloo group only ``dcp.save`` needs; the other outputs coordinate through the
 store. A rank left waiting says so on stderr after 10 s, then every minute,
@@ -35,23 +39,37 @@ import os
 import re
 import socket
 import sys
-import tempfile
-import threading
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 from ckptool.errors import UsageError
+from ckptool.write.distributed import ancestry
 from ckptool.write.distributed.coordinate import seconds
 from ckptool.write.distributed.nodelist import expand_nodelist  # (world.expand_nodelist)
+from ckptool.write.distributed.quietly import saying_waiting, stderr_held
 
 # Lightning's SLURMEnvironment.main_port: job id's last 4 digits + 15000
 SLURM_PORT_BASE = 15000
 SLURM_PORT_WITHOUT_JOB = 12910
 JOIN_TIMEOUT = 1800.0  # seconds, unless CKPTOOL_JOIN_TIMEOUT says otherwise
 SAY_WAITING_AFTER, SAY_WAITING_EVERY = 10.0, 60.0  # seconds
+
+
+# the variables a launcher sets apart for each process: an error in one of
+# them is that process's own, which rank 0 may not share
+PER_RANK = frozenset({"RANK", "SLURM_PROCID", "LOCAL_RANK", "SLURM_LOCALID"})
+
+
+class LaunchError(UsageError):
+    """What the launcher's variables say is malformed. ``shared``: every
+    process of the launch sees the same error (it names no variable set per
+    process), so rank 0 alone need say it."""
+
+    def __init__(self, message: str, hint: str = "", *, shared: bool = True) -> None:
+        super().__init__(message, hint)
+        self.shared = shared
 
 
 @dataclass(frozen=True)
@@ -79,9 +97,9 @@ def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
     """
     opted = environ.get("CKPTOOL_DISTRIBUTED", "").strip()
     if opted not in ("", "0", "1"):
-        raise UsageError(f"CKPTOOL_DISTRIBUTED={opted!r}: expected 0 or 1",
-                         hint="CKPTOOL_DISTRIBUTED=0 runs ckptool as one plain process "
-                         "whatever the launcher's variables (RANK, SLURM_PROCID) say")
+        raise LaunchError(f"CKPTOOL_DISTRIBUTED={opted!r}: expected 0 or 1",
+                          hint="CKPTOOL_DISTRIBUTED=0 runs ckptool as one plain process "
+                          "whatever the launcher's variables (RANK, SLURM_PROCID) say")
     if opted == "0":
         return None
     node = environ.get("SLURMD_NODENAME") or socket.gethostname()
@@ -97,7 +115,7 @@ def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
         local_rank = _number(environ, "LOCAL_RANK", 0, low=0)
         addr = environ.get("MASTER_ADDR", "").strip()
         if not addr:
-            raise UsageError("MASTER_ADDR is not set: RANK and WORLD_SIZE are, but not where "
+            raise LaunchError("MASTER_ADDR is not set: RANK and WORLD_SIZE are, but not where "
                              "rank 0 listens",
                              hint="set MASTER_ADDR to rank 0's host and MASTER_PORT to a free "
                              "port on it, or launch with torchrun")
@@ -118,38 +136,38 @@ def detect(environ: Mapping[str, str] = os.environ) -> Launch | None:
     return Launch(rank, size, local_rank, "slurm", addr, port, node)
 
 
-# what may stand between a launcher and the process it starts (torchrun
-# --no-python bash -c ..., srun sh -c ...): looked through
-_WRAPPERS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "fish", "env", "time", "timeout",
-                       "nice", "nohup", "stdbuf", "numactl", "taskset"})
-
-
 def _started_by_a_rank(environ: Mapping[str, str]) -> bool:
-    """Whether a process of a distributed job started this one (a training
-    script running ``ckptool`` as a subprocess, which inherits its RANK or
-    SLURM_PROCID), rather than the launcher itself: the nearest ancestor
-    that is no shell or wrapper holds the same rank variable. Linux only
-    (``/proc``); elsewhere, and when unsure, False."""
-    name = "RANK" if "RANK" in environ else "SLURM_PROCID" if "SLURM_PROCID" in environ \
-        else None
-    if name is None:
+    """Whether one of the job's processes (a training script) started this
+    one rather than the launcher (``ancestry``); a program in between that
+    ckptool cannot judge is a LaunchError saying how to decide."""
+    found = ancestry.started_by_a_rank(environ)
+    if not isinstance(found, ancestry.Ambiguous):
+        return found
+    name = "RANK" if "RANK" in environ else "SLURM_PROCID"
+    raise LaunchError(f"{name} is set, but ckptool cannot tell whether the launcher started it "
+                      f"(through {found.command!r}, pid {found.pid}) or one of the job's "
+                      "processes runs it",
+                      hint="set CKPTOOL_DISTRIBUTED=1 if the launcher started this ckptool on "
+                      "each process (through that program), CKPTOOL_DISTRIBUTED=0 if one of "
+                      "the job's processes runs it alone")
+
+
+def quiet_rank(err: UsageError | None = None, environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether this process leaves a usage error (``err``; None: one of the
+    command line) unsaid, as rank 0 says it: it is a rank other than 0 of a
+    launch, and the error is one every rank meets alike."""
+    if isinstance(err, LaunchError) and not err.shared:
         return False
-    mine = f"{name}={environ[name]}".encode()
-    pid = os.getppid()
-    for _ in range(8):
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                command = f.read().split(b"\0")[0].decode(errors="replace")
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                theirs = f.read().split(b"\0")
-            with open(f"/proc/{pid}/stat", "rb") as f:
-                parent = int(f.read().rsplit(b")", 1)[1].split()[1])
-        except (OSError, ValueError, IndexError):
+    try:
+        found = detect(environ)
+    except LaunchError as exc:  # (then the rank from its variable alone)
+        if not exc.shared:
             return False
-        if os.path.basename(command) not in _WRAPPERS:
-            return mine in theirs
-        pid = parent
-    return False
+        name = "RANK" if "RANK" in environ else "SLURM_PROCID"
+        text = environ.get(name, "").strip()
+        return environ.get("CKPTOOL_DISTRIBUTED", "").strip() != "0" and \
+            text.isdigit() and int(text) > 0
+    return found is not None and found.rank != 0
 
 
 @dataclass
@@ -178,7 +196,7 @@ class World:
             raise AssertionError("a World of alone_with has no process group: run its ranks "
                                  "as processes (join) for a DCP output")
         where = f"{self.launch.master_addr}:{self.launch.master_port}"
-        with _stderr_held():
+        with stderr_held():
             try:
                 dist.init_process_group("gloo", store=self._group_store, rank=self.rank,
                                         world_size=self.size,
@@ -236,8 +254,9 @@ def join(launch: Launch, timeout: float | None = None) -> World:
     # c10d logs each failed try with its C++ stack on fd 2, beside the
     # exception it raises: held back, and said as one line if it fails
     others = f"{launch.size - 1} process{'es' if launch.size > 2 else ''}"
-    with _stderr_held() as say, _saying_waiting(say, f"ckptool: waiting for {others} at {where} "
-                                                f"({launch.launcher}) ..."):
+    waiting = f"ckptool: waiting for {others} at {where} ({launch.launcher}) ..."
+    with stderr_held() as say, saying_waiting(say, waiting, SAY_WAITING_AFTER,
+                                              SAY_WAITING_EVERY):
         try:
             store, rank, size = next(dist.rendezvous("env://", timeout=wait))
             scoped = dist.PrefixStore(f"ckptool/attempt{attempt}", store)
@@ -271,9 +290,10 @@ def _number(environ: Mapping[str, str], name: str, default: int | None, *, low: 
         return default
     if not re.fullmatch(r"\d+", text) or int(text) < low:
         said = f"{name}={text!r}" if text else f"{name} is not set"
-        raise UsageError(f"{said}: expected a whole number"
-                         f"{f' of at least {low}' if low else ''}",
-                         hint=hint or f"unset {name} or set it as the launcher would")
+        raise LaunchError(f"{said}: expected a whole number"
+                          f"{f' of at least {low}' if low else ''}",
+                          hint=hint or f"unset {name} or set it as the launcher would",
+                          shared=name not in PER_RANK)
     return int(text)
 
 
@@ -281,9 +301,9 @@ def _rank(environ: Mapping[str, str], name: str, size: int, size_name: str) -> i
     rank = _number(environ, name, None, low=0, hint=f"{name} numbers this process from 0 to "
                    f"{size_name} - 1: launch with torchrun or srun, which set it")
     if rank >= size:
-        raise UsageError(f"{name}={rank} is not below {size_name}={size}",
-                         hint=f"{name} numbers this process from 0 to {size_name} - 1: "
-                         "check what the launcher set")
+        raise LaunchError(f"{name}={rank} is not below {size_name}={size}",
+                          hint=f"{name} numbers this process from 0 to {size_name} - 1: "
+                          "check what the launcher set", shared=False)
     return rank
 
 
@@ -291,8 +311,8 @@ def _port(environ: Mapping[str, str], name: str, default: int | None) -> int:
     port = _number(environ, name, default, low=1,
                    hint=f"set {name} to a free TCP port (1-65535) on rank 0's host")
     if port > 65535:
-        raise UsageError(f"{name}={port} is no TCP port",
-                         hint=f"set {name} to a free TCP port (1-65535) on rank 0's host")
+        raise LaunchError(f"{name}={port} is no TCP port",
+                          hint=f"set {name} to a free TCP port (1-65535) on rank 0's host")
     return port
 
 
@@ -302,8 +322,9 @@ def _slurm_port(environ: Mapping[str, str]) -> int:
     if not job:
         return SLURM_PORT_WITHOUT_JOB
     if not job[-4:].isdigit():
-        raise UsageError(f"SLURM_JOB_ID={job!r}: expected a number, to derive the rendezvous "
-                         "port from", hint="set MASTER_PORT to a free port on rank 0's host")
+        raise LaunchError(f"SLURM_JOB_ID={job!r}: expected a number, to derive the "
+                          "rendezvous port from",
+                          hint="set MASTER_PORT to a free port on rank 0's host")
     return int(job[-4:]) + SLURM_PORT_BASE
 
 
@@ -314,11 +335,11 @@ def _first_host(environ: Mapping[str, str]) -> str:
             try:
                 return expand_nodelist(text)[0]
             except ValueError as exc:
-                raise UsageError(f"{name}={text!r} is no SLURM node list: {exc}",
-                                 hint="set MASTER_ADDR to rank 0's host") from None
-    raise UsageError("SLURM_STEP_NODELIST is not set: SLURM_PROCID says this is one of several "
-                     "tasks, but not where rank 0 listens",
-                     hint="run ckptool under srun inside an allocation, or set MASTER_ADDR")
+                raise LaunchError(f"{name}={text!r} is no SLURM node list: {exc}",
+                                  hint="set MASTER_ADDR to rank 0's host") from None
+    raise LaunchError("SLURM_STEP_NODELIST is not set: SLURM_PROCID says this is one of "
+                      "several tasks, but not where rank 0 listens",
+                      hint="run ckptool under srun inside an allocation, or set MASTER_ADDR")
 
 
 def _first_line(exc: BaseException) -> str:
@@ -339,57 +360,3 @@ def _meeting_failed(launch: Launch, where: str, exc: BaseException,
                 f"0 runs and the others can reach it")
     return UsageError(f"rank {launch.rank} of {launch.size} could not meet the others at "
                       f"{where} ({launch.launcher}): {said}", hint=hint)
-
-
-@contextmanager
-def _stderr_held() -> Iterator[Callable[[str], None]]:
-    """fd 2 into a temporary file while torch connects: written back once it
-    succeeded, dropped when it failed (the error says it in one line). What
-    ckptool says meanwhile (the function yielded) goes to stderr at once."""
-    sys.stderr.flush()
-    try:
-        saved = os.dup(2)
-    except OSError:  # no stderr at all: nothing to hold, nobody to tell
-        yield lambda line: None
-        return
-    try:
-        with tempfile.TemporaryFile() as kept:
-            os.dup2(kept.fileno(), 2)
-            failed = True
-            try:
-                yield lambda line: _write_all(saved, f"{line}\n".encode())
-                failed = False
-            finally:
-                sys.stderr.flush()
-                os.dup2(saved, 2)
-                if not failed:
-                    kept.seek(0)
-                    _write_all(2, kept.read())
-    finally:
-        os.close(saved)
-
-
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data):]
-
-
-@contextmanager
-def _saying_waiting(say: Callable[[str], None], line: str) -> Iterator[None]:
-    """``line`` said after SAY_WAITING_AFTER seconds, then every
-    SAY_WAITING_EVERY, until the block ends; nothing if it ends before."""
-    done = threading.Event()
-
-    def run() -> None:
-        delay = SAY_WAITING_AFTER
-        while not done.wait(delay):
-            say(line)
-            delay = SAY_WAITING_EVERY
-
-    thread = threading.Thread(target=run, name="ckptool-join-waiting", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        done.set()
-        thread.join()
