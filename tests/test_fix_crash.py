@@ -311,7 +311,10 @@ def check_after_kill(res: Outcome, src: Path, src_digest: str, outdir: Path,
     out = outdir / "out.pth"
     assert sha256(src) == src_digest, f"{res.label}: the input changed"
     assert os.listdir(src.parent) == [src.name], f"{res.label}: files beside the input"
-    left = strays(outdir, {"out.pth"})
+    lock = outdir / ".out.pth.ckptool.lock"  # the writer's lock: empty, taken by the next
+    if lock.exists():
+        assert lock.stat().st_size == 0, res.label
+    left = strays(outdir, {"out.pth", lock.name})
     for name in left:
         # the only stray ckptool may leave is its own temporary file
         assert name.startswith(".out.pth.") and name.endswith(TMP_SUFFIX), (res.label, left)

@@ -72,7 +72,7 @@ class AtomicDirectory:
             if not self.target.is_dir() or self.target.is_symlink():
                 raise UsageError(f"{self.target} exists and is not a directory",
                                  "remove it, or name another output")
-            check_replaceable(self.target)
+            check_replaceable(self.target, self._source_dir())
             self.durable = True
         if not parent.is_dir():
             raise InputError(f"cannot write {self.target}: {parent} is not a directory",
@@ -85,6 +85,10 @@ class AtomicDirectory:
         except OSError as exc:
             raise output_error(self.target, exc) from exc
         return self
+
+    def _source_dir(self) -> str | None:
+        """The input's folder, whose files a conversion copies (None for a file)."""
+        return self.source if self.source is not None and os.path.isdir(self.source) else None
 
     def file(self, name: str) -> AtomicOutput:
         """A file of the directory, written atomically inside it."""
@@ -101,7 +105,8 @@ class AtomicDirectory:
         assert self.temp is not None
         if self.durable:
             fsync_directory(self.temp)
-        replace_directory(self.temp, self.target, self.force, on_renamed=self._renamed)
+        replace_directory(self.temp, self.target, self.force, on_renamed=self._renamed,
+                          source=self._source_dir())
         if self.durable:
             fsync_directory(self.target.parent)
 
@@ -119,7 +124,8 @@ class AtomicDirectory:
 
 
 def replace_directory(temp: Path, target: Path, force: bool,
-                      on_renamed: Callable[[], None] | None = None) -> None:
+                      on_renamed: Callable[[], None] | None = None,
+                      source: str | None = None) -> None:
     """Rename directory ``temp`` to ``target``. Without ``force`` a
     ``target`` that appeared meanwhile is an error, never replaced; with it,
     a ``target`` there is renamed aside first (``<temp>.<random>.old``,
@@ -133,7 +139,7 @@ def replace_directory(temp: Path, target: Path, force: bool,
         if not target.is_dir() or target.is_symlink():
             raise UsageError(f"{target} exists and is not a directory",
                              "remove it, or name another output")
-        check_replaceable(target)
+        check_replaceable(target, source)
         old = temp.with_name(f"{temp.name.removesuffix('.partial')}.{secrets.token_hex(4)}.old")
         os.rename(target, old)
     try:
@@ -166,20 +172,45 @@ def check_apart(source: Path, target: Path) -> None:
                          "write the output beside the input, under another name")
 
 
-def check_replaceable(target: Path) -> None:
+# what a framework keeps beside a model that ckptool never writes: --force
+# never removes a directory holding it (a run's training state)
+_TRAINING = re.compile(r"^(optimizer|scheduler|rng_state|random_states|training_args|"
+                       r"trainer_state|scaler|sampler|dl_state_dict|custom_checkpoint)")
+_WEIGHTS = re.compile(r"^(.+\.(safetensors|bin|pt|pth|distcp)|\.metadata|.+\.index\.json)$")
+
+
+def check_replaceable(target: Path, source: str | os.PathLike[str] | None = None) -> None:
     """``--force`` replaces a checkpoint directory (or an empty one), never
-    one that holds something else."""
+    one that holds something else: each of its entries must be a file of the
+    checkpoint (weights, an index, DCP's ``.metadata``), a framework's file
+    that a conversion writes beside it (configs, tokenizer, model card), or
+    one of the same name in ``source`` (the input's folder, whose files a
+    conversion copies); a training run's state (``optimizer.pt``...), notes,
+    logs or other folders are the user's."""
     from ckptool.errors import CkptoolError
-    from ckptool.read.layouts import recognise
+    from ckptool.read.layouts import framework, recognise
 
     try:
-        found = not os.listdir(target) or recognise.recognise(str(target)) is not None
+        entries = os.listdir(target)
+        found = not entries or recognise.recognise(str(target)) is not None
     except (CkptoolError, OSError):  # unreadable, or several checkpoints: not one to replace
-        found = False
-    if found:
-        return
-    raise UsageError(f"{target} is a directory that holds no checkpoint: --force replaces "
-                     "only a checkpoint directory", "remove it yourself, or name another output")
+        found, entries = False, []
+    if not found:
+        raise UsageError(f"{target} is a directory that holds no checkpoint: --force "
+                         "replaces only a checkpoint directory",
+                         "remove it yourself, or name another output")
+    given = Path(source) if source is not None else None
+    copied = set(os.listdir(given)) if given is not None and given.is_dir() else set()
+    for name in sorted(entries):
+        path = target / name
+        if name in copied:
+            continue
+        if path.is_dir() or path.is_symlink() or _TRAINING.match(name) or not (
+                _WEIGHTS.match(name) or framework.role_of(name) is not None):
+            raise UsageError(f"{target} holds {name}, which is no part of a checkpoint: "
+                             "--force replaces only a checkpoint directory",
+                             "move it away or remove the directory yourself, or name "
+                             "another output")
 
 
 def remove_leftovers(parent: Path, name: str) -> list[str]:

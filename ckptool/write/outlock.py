@@ -13,14 +13,18 @@ The lock file is removed by its holder on release, success or failure. A
 process that opened the file just before it was removed would lock a file
 no longer there: after taking the lock, the holder checks that the path
 still names the file it locked, and tries again if not. ``kill -9`` leaves
-the file behind, unlocked: the next writer takes it and removes it.
+the file behind, unlocked: the next writer takes it and removes it. A lock
+file is empty and has one name: anything else at its path (the input
+itself, a link, a FIFO) is refused, never taken, never removed.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
+import stat
 import threading
 from pathlib import Path
 from types import TracebackType
@@ -65,10 +69,17 @@ class OutputLock:
     def _take(self) -> None:
         for _ in range(100):  # another holder removing the file each time: give up
             with naming(self.target):
-                try:
-                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+                try:  # never through a link, never blocking on a FIFO
+                    fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC
+                                 | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
                 except OSError as exc:
+                    if exc.errno == errno.ELOOP:
+                        raise self._in_the_way() from exc
                     raise output_error(self.target, exc) from exc
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size or st.st_nlink != 1:
+                os.close(fd)  # not a lock file: someone's file, which release would remove
+                raise self._in_the_way()
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError as exc:
@@ -82,6 +93,10 @@ class OutputLock:
             os.close(fd)  # locked a file its holder has just removed
         raise UsageError(f"cannot lock {self.target}: {self.path} keeps being replaced",
                          "wait for the other writers to end, then run again")
+
+    def _in_the_way(self) -> UsageError:
+        return UsageError(f"{self.path} is in the way of the output's lock: it is no lock "
+                          "file of ckptool's", "move it away, then run again")
 
     def release(self) -> None:
         key = (threading.get_ident(), os.path.abspath(self.path))

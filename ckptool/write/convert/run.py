@@ -36,11 +36,13 @@ shapes and dtypes, then renames it into place.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.convert.files import write_safetensors, write_torch
 from ckptool.write.convert.job import Job, output_format, prepare
 from ckptool.write.failures import needing
+from ckptool.write.outdir import check_apart
 from ckptool.write.outlock import OutputLock
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
@@ -72,6 +74,8 @@ def write(job: Job, *, force: bool = False, progress: Progress | None = None,
           fsync: bool = False, streams: Streams | None = None) -> ConvertResult:
     """Write a planned conversion in this one process (``streams``: each
     file's hashes taken as it is written, for ``--manifest``)."""
+    # OUT is not the input, by any name (a link to it, a path through one)
+    check_apart(Path(job.source.directory or job.source.path), Path(job.dst))
     needs = sum(job.written.nbytes(n) for n in job.written.tensors)
     with OutputLock(job.dst), needing(needs):  # one writer of OUT, on one process or many
         return _write(job, force, progress, fsync, streams)

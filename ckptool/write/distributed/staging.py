@@ -57,6 +57,7 @@ class Staging:
         self.meta = self.path / ".ckptool"
         self.aside = self.path.with_name(self.path.name.removesuffix(".partial") + ".manifest")
         self._lock = OutputLock(self.target)
+        self._source_dir: str | None = None  # the input's folder (its files are copied)
 
     def file(self, name: str) -> Path:
         return self.path / name
@@ -65,9 +66,14 @@ class Staging:
 
     def check_target(self, source: str) -> None:
         """The output may be written: not the input, not there unless --force."""
+        self._source_dir = source if os.path.isdir(source) else None
         check_apart(Path(source), self.target)
         for own in (self.path, self.aside, lock_path(self.target)):  # what a run removes
             check_apart(Path(source), own)
+        for own in (self.path, self.aside):
+            if own.is_symlink() or (own.exists() and not own.is_dir()):
+                raise UsageError(f"{own} is in the way of the staging directory",
+                                 "move it away, then run again")
         if (self.target.exists() or self.target.is_symlink()) and not self.force:
             raise UsageError(f"{self.target} already exists",
                              "pass --force to replace it, or name another output")
@@ -75,7 +81,7 @@ class Staging:
             if not self.target.is_dir() or self.target.is_symlink():
                 raise UsageError(f"{self.target} exists and is not a directory",
                                  "remove it, or name another output")
-            check_replaceable(self.target)  # --force replaces a checkpoint, nothing else
+            check_replaceable(self.target, self._source_dir)  # a checkpoint, nothing else
         elif not self.is_directory and self.target.is_dir():
             raise UsageError(f"{self.target} is a directory, and the output is one file",
                              "name the output file, or give --format for a directory")
@@ -196,7 +202,8 @@ class Staging:
         else:  # the manifests stay beside it until the output is in place
             os.rename(self.meta, self.aside)
             try:
-                replace_directory(self.path, self.target, self.force)
+                replace_directory(self.path, self.target, self.force,
+                                  source=self._source_dir)
             except BaseException:
                 os.rename(self.aside, self.meta)  # still resumable
                 raise
