@@ -249,3 +249,23 @@ def test_a_second_writer_of_an_output_is_refused(big_pt: Path, tmp_path: Path,
                              else fix(str(big_pt), FixOptions(to="cpu"), str(out)))
     assert refused is not None and "another ckptool is writing" in refused.message
     assert not out.exists()
+
+
+@pytest.mark.parametrize("next_run", ["refused", "plain-force", "after-rm"])
+def test_records_left_beside_a_committed_output_go_with_any_next_run(
+        big_pt: Path, tmp_path: Path, next_run: str) -> None:
+    import shutil
+
+    out = tmp_path / "shards"
+    _killed_while_committing(big_pt, out, "after-rename")
+    aside = Staging(str(out), True).aside
+    assert aside.is_dir()
+    if next_run == "refused":
+        results = on_ranks(2, big_pt, out, fmt="hf")
+        assert isinstance(results[0], UsageError) and "already exists" in results[0].message
+    elif next_run == "plain-force":
+        convert_one(str(big_pt), str(out), fmt="hf", force=True)
+    else:
+        shutil.rmtree(out)
+        convert_one(str(big_pt), str(out), fmt="hf")
+    assert not aside.exists()

@@ -213,10 +213,37 @@ def check_replaceable(target: Path, source: str | os.PathLike[str] | None = None
                              "another output")
 
 
+def remove_stale_records(parent: Path, name: str) -> bool:
+    """Remove the records a distributed convert's rank 0 set aside while it
+    committed directory ``parent/name`` (``.NAME.ckptool-dist.manifest``),
+    when it was killed once the output was in place: its staging directory
+    is gone. Only what ckptool writes there is removed; returns whether."""
+    aside = parent / f".{name}.ckptool-dist.manifest"
+    if not aside.is_dir() or aside.is_symlink() or \
+            (parent / f".{name}.ckptool-dist.partial").exists() or not only_records(aside):
+        return False
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
+def only_records(meta: Path) -> bool:
+    """Whether a staging directory's ``.ckptool/`` (or its records set
+    aside) holds only what a distributed convert writes there."""
+    try:
+        names = os.listdir(meta)
+    except OSError:
+        return False
+    return all(n in ("plan", "token", ".plan.tmp", ".token.tmp")
+               or (n.startswith(("done-", "dcp-")) and n.endswith((".jsonl", ".json")))
+               for n in names)
+
+
 def remove_leftovers(parent: Path, name: str) -> list[str]:
     """Remove what runs killed while writing ``parent/name`` left behind
     (their process is gone); returns what was removed."""
     removed: list[str] = []
+    if remove_stale_records(parent, name):
+        removed.append(f".{name}.ckptool-dist.manifest")
     try:
         entries = os.listdir(parent)
     except OSError:

@@ -37,6 +37,8 @@ from ckptool.write.outdir import (
     check_apart,
     check_replaceable,
     fsync_directory,
+    only_records,
+    remove_stale_records,
     replace_directory,
 )
 from ckptool.write.outlock import OutputLock, lock_path
@@ -68,6 +70,7 @@ class Staging:
         """The output may be written: not the input, not there unless --force."""
         self._source_dir = source if os.path.isdir(source) else None
         check_apart(Path(source), self.target)
+        remove_stale_records(self.target.parent, self.target.name)  # OUT was committed
         for own in (self.path, self.aside, lock_path(self.target)):  # what a run removes
             check_apart(Path(source), own)
         for own in (self.path, self.aside):
@@ -124,7 +127,7 @@ class Staging:
         was committed)."""
         if not self.aside.is_dir() or self.aside.is_symlink():
             return
-        if not _only_ours(self.aside):
+        if not only_records(self.aside):
             raise UsageError(f"{self.aside} holds files ckptool did not write",
                              "move it away, then run again")
         if self.path.is_dir() and not self.meta.exists():
@@ -264,13 +267,6 @@ def _lines(path: Path) -> Iterator[dict[str, Any]]:
             continue
         if isinstance(entry, dict) and {"file", "unit", "checks"} <= entry.keys():
             yield entry
-
-
-def _only_ours(meta: Path) -> bool:
-    """Whether a set-aside ``.ckptool/`` holds only what ckptool writes there."""
-    return all(name in ("plan", "token", ".plan.tmp", ".token.tmp")
-               or (name.startswith(("done-", "dcp-")) and name.endswith((".jsonl", ".json")))
-               for name in os.listdir(meta))
 
 
 def write_small(path: Path, data: bytes, durable: bool = False) -> None:
