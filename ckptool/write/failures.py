@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
-import shutil
 from collections.abc import Iterator
 from contextvars import ContextVar
 
@@ -73,12 +72,15 @@ def _space(target: str) -> str:
     while not os.path.isdir(where) and os.path.dirname(where) != where:
         where = os.path.dirname(where)
     try:
-        free = shutil.disk_usage(where).free
+        fs = os.statvfs(where)
     except OSError:
         return ""
+    free = fs.f_bavail * fs.f_frsize
     mount = where
     while not os.path.ismount(mount):
         mount = os.path.dirname(mount)
+    if fs.f_files and not fs.f_favail:  # bytes to spare, but no file can be made
+        return f" (no inode left on {mount}: it holds as many files as it can)"
     needed = NEEDED.get()
     needs = f"needs {human_bytes(needed)}, " if needed else ""
     return f" ({needs}{human_bytes(free)} free on {mount})"

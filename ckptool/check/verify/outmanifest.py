@@ -20,7 +20,8 @@ from typing import Any
 
 from ckptool.check.verify.filehash import same_file
 from ckptool.check.verify.manifest import write_manifest
-from ckptool.errors import UsageError
+from ckptool.describe import shell_word
+from ckptool.errors import OutputError, UsageError
 
 
 def check_destination(dest: str, output: str | None, source: str | None = None) -> None:
@@ -97,18 +98,24 @@ def write_for_output(output: str, dest: str, jobs: int,
                      streams: dict[str, tuple[Any, int]] | None = None
                      ) -> tuple[dict[str, Any], str]:
     """Write the manifest of the checkpoint at ``output`` to ``dest``; it and
-    the note that says so. ``streams``: the hashes the writer took as it
-    re-read what it wrote (``write.streamhash``); what they cover is not
+    the note that says so. ``streams``: the hashes the writer took of the
+    bytes it wrote (``write.streamhash``); what they cover is not
     read again."""
     from ckptool.read.reader import open_checkpoint
 
     known = Streamed(streams or {})
-    manifest = write_manifest(open_checkpoint(output), dest, jobs, known)
+    try:
+        manifest = write_manifest(open_checkpoint(output), dest, jobs, known)
+    except OutputError as exc:  # OUT itself is in place, whole: say so
+        exc.message = f"wrote {output}, but not its manifest: {exc.message}"
+        exc.hint = (f"{exc.hint.split(' (')[0]}; then write the manifest again: ckptool "
+                    f"verify {shell_word(output)} --write-manifest {shell_word(dest)}")
+        raise
     nfiles, ntensors = len(manifest["files"]), len(manifest["tensors"])
     said = (f"manifest of {output} written to {dest} ({nfiles} "
             f"file{'s' if nfiles != 1 else ''}, {ntensors} tensors)")
     if known.used_files == nfiles and known.used_tensors:
-        note = f"{said}, from the bytes re-read as they were checked: no second read"
+        note = f"{said}, from the bytes as they were written: no second read"
     elif known.used_files:
         note = (f"{said}: {known.used_files} of its files hashed as they were checked, the "
                 "rest read again")

@@ -26,6 +26,7 @@ from ckptool.write.convert.files import write_safetensors, write_torch
 from ckptool.write.convert.folder import Extra, write_extras
 from ckptool.write.convert.job import Job, hf_files, hf_index
 from ckptool.write.convert.plan import Written
+from ckptool.write.failures import needing
 from ckptool.write.outdir import AtomicDirectory
 from ckptool.write.results import ConvertResult
 from ckptool.write.sources import TensorSource
@@ -60,7 +61,8 @@ def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *
     the files ``extras`` beside them (``folder``: a framework's); returns
     its files and their bytes."""
     total = sum(written.nbytes(n) for n in written.tensors)
-    with AtomicDirectory(dst, force, fsync, source=source.directory or source.path) as outdir, \
+    with needing(total), \
+            AtomicDirectory(dst, force, fsync, source=source.directory or source.path) as outdir, \
             TensorSource(source) as tensors:
         crcs: dict[str, int] = {}
         if kind == "dcp":

@@ -20,7 +20,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from ckptool.errors import UsageError
+from ckptool.errors import OutputError, UsageError
 from ckptool.read.companions import framework_of
 from ckptool.read.layouts import loaders
 from ckptool.read.layouts.recognise import Layout
@@ -69,8 +69,12 @@ def fix(given: str, src: str, layout: Layout | None, opts: FixOptions, output: s
         return _said(result, output, name, beside.notes, "would write")
     with AtomicDirectory(output, force, fsync, source=given) as outdir:
         staged = os.path.realpath(outdir.path)
-        result = fix_file(src, opts, os.path.join(outdir.path, name), progress=progress,
-                          fsync=outdir.durable, streams=streams)
+        try:
+            result = fix_file(src, opts, os.path.join(outdir.path, name), progress=progress,
+                              fsync=outdir.durable, streams=streams)
+        except OutputError as exc:  # said of the folder's file, not of its staging
+            exc.message = exc.message.replace(outdir.path, output.rstrip("/") or output)
+            raise
         _settle(result, given, layout, opts)
         beside = plan_folder(result.source, opts.dtype)  # as convert --format hf writes them
         write_extras(beside.extras, outdir)

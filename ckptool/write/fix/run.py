@@ -51,7 +51,7 @@ from ckptool.read.ziparchive import ZipArchive, ZipError
 from ckptool.write import copy, interrupt, repickle, verify
 from ckptool.write.bytecheck import ByteChecker
 from ckptool.write.commit import AtomicOutput, shared_file
-from ckptool.write.failures import naming, needing
+from ckptool.write.failures import NEEDED, naming, needing
 from ckptool.write.fastcrc import Observe
 from ckptool.write.fix import folder as fix_folder
 from ckptool.write.fix import inplace
@@ -173,7 +173,7 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         early = None
         if not (dry_run or in_place):
             stack.enter_context(OutputLock(target))  # one writer of OUT, convert's too
-            if identity is not None:  # what a full disk says the output needs
+            if identity is not None:  # what a full disk says the output needs (then: cast)
                 stack.enter_context(needing(identity[2]))
             early = _start_zip_early(src, target, opts, force, fsync, progress, stack, identity,
                                      streams)
@@ -189,6 +189,8 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         # 2. plan
         plan = make_plan(source, opts)
         refuse_unsafe(plan.unsafe)
+        if plan.casts and identity is not None:
+            NEEDED.set(identity[2] + _cast_change(plan))  # reset with the block above
         result = FixResult(plan, source, src if in_place else target)
         if shared:
             plan.notes.append(f"{shared}: it is now a file of its own, and the file it shared "
@@ -234,6 +236,16 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
                                   temp=pending.temp))
     result.output = src if in_place else target
     return result
+
+
+def _cast_change(plan: Plan) -> int:
+    """How many bytes ``plan``'s casts add to the output (fewer: negative)."""
+    change = 0
+    for sid, (_, to) in plan.casts.items():
+        ref = plan.storages.get(sid)
+        if ref is not None:
+            change += ref.numel * (dtypes.itemsize(to) - dtypes.itemsize(ref.dtype))
+    return change
 
 
 @dataclass
