@@ -100,3 +100,23 @@ def test_a_file_at_the_records_path_is_said_before_any_work(src: Path,
     assert isinstance(results[0], UsageError) and "in the way" in results[0].message
     assert "resume" not in results[0].hint
     assert Staging(str(out), True).aside.read_text() == "mine"
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_link_as_out_is_written_through_on_one_process_and_many(
+        src: Path, tmp_path: Path, ranks: int) -> None:
+    real = tmp_path / "real.safetensors"
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(real)  # dangling: the file it names is made
+    if ranks == 1:
+        convert(str(src), str(link))
+    else:
+        results = on_ranks(ranks, src, link)
+        assert not isinstance(results[0], BaseException), results[0]
+    assert link.is_symlink() and real.is_file()
+    from ckptool.write.outlock import OutputLock
+
+    with OutputLock(real):  # a writer of the real name excludes one of the link
+        results = on_ranks(2, src, link, force=True)
+    assert isinstance(results[0], UsageError)
+    assert "another ckptool is writing" in results[0].message

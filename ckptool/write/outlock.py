@@ -49,7 +49,8 @@ class OutputLock:
 
     def __init__(self, target: str | os.PathLike[str]) -> None:
         self.target = os.fspath(target)
-        self.path = lock_path(target)
+        # beside what the name leads to: a link to OUT and OUT share one lock
+        self.path = lock_path(os.path.realpath(target))
         self._fd: int | None = None
         self._again = False  # this thread held it already
 

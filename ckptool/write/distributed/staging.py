@@ -41,7 +41,7 @@ from ckptool.write.outdir import (
     remove_stale_records,
     replace_directory,
 )
-from ckptool.write.outlock import OutputLock, lock_path
+from ckptool.write.outlock import OutputLock
 
 Check = tuple[int, int, int]  # (offset, size, CRC)
 
@@ -53,6 +53,8 @@ class Staging:
 
     def __init__(self, target: str, is_directory: bool, force: bool = False) -> None:
         self.target = Path(target.rstrip("/") or target)
+        if not is_directory and self.target.is_symlink():  # written through, as cp does
+            self.target = Path(os.path.realpath(self.target))  # (and one-process convert)
         self.is_directory = is_directory
         self.force = force
         self.path = self.target.parent / f".{self.target.name}.ckptool-dist.partial"
@@ -71,7 +73,7 @@ class Staging:
         self._source_dir = source if os.path.isdir(source) else None
         check_apart(Path(source), self.target)
         remove_stale_records(self.target.parent, self.target.name)  # OUT was committed
-        for own in (self.path, self.aside, lock_path(self.target)):  # what a run removes
+        for own in (self.path, self.aside, self._lock.path):  # what a run removes
             check_apart(Path(source), own)
         for own in (self.path, self.aside):
             if own.is_symlink() or (own.exists() and not own.is_dir()):
