@@ -80,7 +80,7 @@ MIN_MEMO_BITS = 16
 READ_AHEAD = 1 << 16
 
 
-def _counted(width: int, longest: int) -> bytes:
+def counted(width: int, longest: int) -> bytes:
     """Any length under ``longest`` in ``width`` little-endian bytes, then that many bytes."""
     pad = b"\x00" * (width - 1)
     return b"(?:" + b"|".join(
@@ -88,7 +88,7 @@ def _counted(width: int, longest: int) -> bytes:
         for n in range(longest)) + b")"
 
 
-def _below(bits: int) -> bytes:
+def below(bits: int) -> bytes:
     """A 4-byte little-endian index below ``2**bits`` (16 <= bits <= 32)."""
     full, rest = divmod(bits, 8)
     top = b"[\x00-" + re.escape(bytes([(1 << rest) - 1])) + b"]" if rest else b""
@@ -100,17 +100,17 @@ def _below(bits: int) -> bytes:
 def grammar(memo_bits: int) -> re.Pattern[bytes]:
     """What this path reads, up to (not including) STOP (points 1-3)."""
     b = b"[\x00-\xff]"
-    put = b"(?:q" + b + b"|r" + _below(memo_bits) + b")?"
+    put = b"(?:q" + b + b"|r" + below(memo_bits) + b")?"
     get = b"(?:h" + b + b"|j" + b + b"{4})"
-    integer = b"(?:K" + b + b"|M" + b + b"{2}|J" + b + b"{4}|\x8a" + _counted(1, 10) + b")"
+    integer = b"(?:K" + b + b"|M" + b + b"{2}|J" + b + b"{4}|\x8a" + counted(1, 10) + b")"
     number = b"(?:" + integer + put + b"|G" + b + b"{8}" + put + b"|[\x88\x89N])"
     # a tuple holds numbers only: 1-3 pushed right before TUPLE1-3, or all since its MARK
     numbers = (b"(?:" + number + b"(?:\x85" + put + b"|" + number + b"(?:\x86" + put + b"|"
                + number + b"\x87" + put + b")?)?)")
     flat = (b"(?:\\)|" + number + b"\x85|" + number * 2 + b"\x86|" + number * 3 + b"\x87"
             b"|\\(" + number + b"*t)" + put)
-    string = b"X" + _counted(4, 256) + put  # BINUNICODE
-    short = b"X" + _counted(4, 64) + put
+    string = b"X" + counted(4, 256) + put  # BINUNICODE
+    short = b"X" + counted(4, 64) + put
     glob = b"c[^\n]*\n[^\n]*\n" + put  # GLOBAL: module and name lines
     callee = b"(?:" + get + b"|" + glob + b")"
     text = b"(?:" + get + b"|" + short + b")"  # a string, or one fetched from the memo

@@ -19,6 +19,7 @@ No tensor byte is read.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -259,6 +260,7 @@ def _file_order(pair: tuple[str, int]) -> tuple[str, int, int, str]:
     return (folder, int(m.group(1)), int(m.group(2)), "") if m else (folder, -1, -1, name)
 
 
+@functools.lru_cache(maxsize=1 << 14)  # (once a file: a million chunks name a thousand)
 def _rank(name: str) -> int | None:
     m = RANK_FILE.match(os.path.basename(name))
     return int(m.group(1)) if m else None

@@ -8,7 +8,10 @@ DCP's dataclasses (``Metadata``, ``TensorStorageMetadata``, ``MetadataIndex``,
 read here field by field, every field checked (a dataclass field left out
 of the pickle takes its default, as it does in torch). Every global is
 recorded in the checkpoint's ``GlobalsSeen``, so a hostile ``.metadata`` is
-reported like any unsafe pickle.
+reported like any unsafe pickle. A large one (``dcp_fast.FAST_FROM``) is
+read the fast way first (``dcp_fast``: CPython's C unpickler behind a
+grammar, then the same checks field by field): the same records, recorded
+the same way; in any doubt, this read.
 
 ``check_cover`` says whether a tensor's chunks fill it exactly, without
 gaps or overlaps.
@@ -20,50 +23,22 @@ import io
 import itertools
 import math
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read import pickles
 from ckptool.read.formats.torch_legacy import read_bytes
+from ckptool.read.layouts import dcp_fast
 from ckptool.read.layouts.base import BROKEN_HINT
+from ckptool.read.layouts.dcp_records import MODULES, Item, Metadata, TensorMeta
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import MAX_INT64
 from ckptool.read.values import StandIn, TorchDtype, brief
 
-MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.checkpoint.")
 HINT = ("the .metadata file is not what torch.distributed.checkpoint writes; it is damaged, "
         "or was made to look like one")
 MAX_PAIRS = 1 << 22  # pairs of chunks sharing a slice, checked for overlap
 MAX_GAP_GRID = 1 << 12  # cells searched for the element a gap leaves out
-
-
-@dataclass(frozen=True)
-class Item:
-    """Where one saved item's bytes lie."""
-
-    file: str  # relative to the checkpoint's directory
-    offset: int
-    length: int
-    transforms: tuple[str, ...] = ()
-
-
-@dataclass
-class TensorMeta:
-    fqn: str
-    shape: tuple[int, ...]
-    dtype: str
-    requires_grad: bool
-    boxes: list[tuple[tuple[int, ...], tuple[int, ...], Item]] = field(default_factory=list)
-
-
-@dataclass
-class Metadata:
-    tensors: dict[str, TensorMeta] = field(default_factory=dict)
-    values: dict[str, Item] = field(default_factory=dict)  # BYTE_IO items
-    planner: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    version: str | None = None
-    other: Any = None  # what the pickle held, when it is no DCP Metadata
 
 
 def parse(directory: str, name: str, seen: GlobalsSeen) -> Metadata:
@@ -72,6 +47,12 @@ def parse(directory: str, name: str, seen: GlobalsSeen) -> Metadata:
         data = f.read()
     seen.part = name
     stream = io.BytesIO(data)
+    fast = dcp_fast.read(data, os.path.dirname(name), seen)
+    if fast is not None:  # the C unpickler's read, checked (layouts.dcp_fast)
+        stream.seek(fast[1])
+        with seen.naming_unsafe():
+            pickles.scan_rest(stream, len(data), seen, name, read_bytes)
+        return fast[0]
     with seen.naming_unsafe():
         # an embedded torch file (torch.storage._load_from_bytes) is read for
         # what it names, and so is every pickle after this one's STOP
