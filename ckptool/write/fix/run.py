@@ -190,7 +190,9 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         plan = make_plan(source, opts)
         refuse_unsafe(plan.unsafe)
         if plan.casts and identity is not None:
-            NEEDED.set(identity[2] + _cast_change(plan))  # reset with the block above
+            NEEDED.set(identity[2] + sum(  # + what casts add (reset above)
+                r.numel * (dtypes.itemsize(to) - dtypes.itemsize(r.dtype))
+                for sid, (_, to) in plan.casts.items() if (r := plan.storages.get(sid))))
         result = FixResult(plan, source, src if in_place else target)
         if shared:
             plan.notes.append(f"{shared}: it is now a file of its own, and the file it shared "
@@ -236,16 +238,6 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
                                   temp=pending.temp))
     result.output = src if in_place else target
     return result
-
-
-def _cast_change(plan: Plan) -> int:
-    """How many bytes ``plan``'s casts add to the output (fewer: negative)."""
-    change = 0
-    for sid, (_, to) in plan.casts.items():
-        ref = plan.storages.get(sid)
-        if ref is not None:
-            change += ref.numel * (dtypes.itemsize(to) - dtypes.itemsize(ref.dtype))
-    return change
 
 
 @dataclass
