@@ -293,6 +293,30 @@ def test_a_frame_that_ends_inside_an_opcode_means_the_ordinary_read(tmp_path: Pa
     assert "frame ends inside an opcode" in read(tmp_path, fast=True)[0]
 
 
+def test_a_frame_that_ends_inside_an_opcode_the_grammar_reads_across_cannot_run_code(
+        tmp_path: Path) -> None:
+    """A frame that ends right after LONG1: the grammar, over the frames'
+    joined contents, reads LONG1's length from the next frame; the C
+    unpickler, given a marker there, would read the marker as that length
+    and go on reading, as opcodes, bytes the grammar read as a string's
+    (here: a tuple nested a million deep, then hashed: a crash). Every frame
+    must end where an opcode does before the C unpickler runs."""
+    strings = [b"\x8c\xff" + b"A" * 111 + b"()" + b"\x85" * 141 + b"M"]
+    strings += [b"\x8c\xff0" + b"\x85" * 253 + b"M"] * 4200
+    strings.append(b"\x8c\xff0\x91" + b"N" * 253)
+    second = b"\x00" + b"".join(strings) + b"."
+    data = (b"\x80\x04\x95" + struct.pack("<Q", 1) + b"\x8a"
+            + b"\x95" + struct.pack("<Q", len(second)) + second)
+    assert len(data) > 1 << 20  # the size the fast read is for
+    (tmp_path / ".metadata").write_bytes(data)
+    (tmp_path / "__0_0.distcp").write_bytes(bytes(64))
+    done = subprocess.run([sys.executable, "-m", "ckptool", "inspect", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 3, (done.returncode, done.stderr[-2000:])
+    assert "frame ends inside an opcode" in done.stderr
+
+
 def test_frames_that_end_between_opcodes_are_read_the_fast_way() -> None:
     body = metadata()[11:]  # the one frame's opcodes
     cut = body.index(b"\x8c\x0cplanner_data")

@@ -318,6 +318,8 @@ def read(data: bytes, start: int, names: Mapping[str, str], tuple_key: str) -> L
     matched = whole.match(program)
     if matched is None or (bodies and matched.end() != len(program)):
         return None
+    if not all(_opcodes().fullmatch(view, s, e) for s, e in bodies):
+        return None  # a frame ends inside an opcode: C would read the marker as its bytes
     traps = _traps(program, *matched.span("tuples"), each)
     if traps is None:
         return None
@@ -337,6 +339,16 @@ def read(data: bytes, start: int, names: Mapping[str, str], tuple_key: str) -> L
     end = bodies[-1][1] if bodies else start + (2 if proto else 0) + matched.end()
     classes = {k: v for k, v in state.objects.items() if isinstance(v, _RecordMeta)}
     return Loaded(root, end, sum(c[0] for c in state.builds.values()), classes, state)
+
+
+@cache
+def _opcodes() -> re.Pattern[bytes]:
+    """Whole opcodes of those the grammar admits, each told by its first
+    byte: a frame the grammar read across must end where one does."""
+    return re.compile(b"(?:[qh].|[rj].{4}|K.|M.{2}|J.{4}|\x8a" + counted(1, 9) + b"|\x8c"
+                      + counted(1, 256) + b"|c[^\n]*\n[^\n]*\n"
+                      + b"|[\x94\x85\x86\x87R)\x81N\x88\x89\x93}\\]usaeb(t.])*+",
+                      re.DOTALL)
 
 
 def _traps(program: bytes | memoryview, start: int, end: int,
