@@ -37,3 +37,15 @@ def torch_files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     torch.save(sd, paths["zip"])
     torch.save(sd, paths["legacy"], _use_new_zipfile_serialization=False)
     return paths
+
+
+@pytest.fixture
+def big_pt(tmp_path: Path) -> Path:
+    """A torch file of eight float32 tensors of 256 KiB (w0-w7), for the
+    conversions on many ranks."""
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    path = tmp_path / "big.pt"
+    torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}, path)
+    return path

@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from helpers import flip_record_byte
 from test_distributed_convert import on_ranks, same_bytes
 
@@ -48,14 +47,6 @@ else:  # OUT in place, the records set aside not yet removed
 on_thread_ranks(2, lambda w: convert(w, {src!r}, {dst!r}, say=print, fmt="hf",
                                      max_shard_size=300_000), ())
 """
-
-
-@pytest.fixture
-def big_pt(tmp_path: Path) -> Path:
-    g = torch.Generator().manual_seed(1)
-    path = tmp_path / "big.pt"
-    torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}, path)
-    return path
 
 
 def _killed_while_committing(src: Path, dst: Path, where: str) -> None:
@@ -129,15 +120,16 @@ def test_a_file_that_appeared_meanwhile_is_not_replaced(
     assert out.read_bytes() == b"theirs"
 
 
+def _their_directory(target: Path) -> None:
+    target.mkdir()
+    (target / "theirs.txt").write_text("theirs")
+
+
 def test_a_directory_that_appeared_meanwhile_is_not_replaced(
         big_pt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "shards"
 
-    def make(target: Path) -> None:
-        target.mkdir()
-        (target / "theirs.txt").write_text("theirs")
-
-    _appearing(monkeypatch, make)
+    _appearing(monkeypatch, _their_directory)
     results = on_ranks(2, big_pt, out, fmt="hf")
     assert isinstance(results[0], UsageError)
     assert "appeared while ckptool was writing it" in results[0].message
@@ -153,11 +145,7 @@ def test_force_never_removes_a_directory_that_came_to_hold_other_files(
         big_pt: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     out = tmp_path / "shards"
 
-    def make(target: Path) -> None:
-        target.mkdir()
-        (target / "theirs.txt").write_text("theirs")
-
-    _appearing(monkeypatch, make)
+    _appearing(monkeypatch, _their_directory)
     results = on_ranks(2, big_pt, out, fmt="hf", force=True)
     assert isinstance(results[0], UsageError)
     assert "holds no checkpoint" in results[0].message

@@ -211,14 +211,6 @@ def test_the_share_of_each_rank_is_its_bytes_plus_at_most_one_tensor() -> None:
     assert assign([0, 0], 3) == [0, 2, 2, 2]
 
 
-@pytest.fixture
-def big_pt(tmp_path: Path) -> Path:
-    g = torch.Generator().manual_seed(1)
-    path = tmp_path / "big.pt"
-    torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}, path)
-    return path
-
-
 def test_a_failed_rank_commits_nothing_names_itself_and_the_rerun_resumes(
         big_pt: Path, tmp_path: Path) -> None:
     out = tmp_path / "out.safetensors"

@@ -120,3 +120,15 @@ def test_a_link_as_out_is_written_through_on_one_process_and_many(
         results = on_ranks(2, src, link, force=True)
     assert isinstance(results[0], UsageError)
     assert "another ckptool is writing" in results[0].message
+
+
+def test_force_replaces_a_framework_folders_output_with_its_module_folders(
+        tmp_path: Path) -> None:
+    folder = Path(__file__).parent / "fixtures" / "frameworks" / "ecosystem" / \
+        "st_dense_normalize"
+    out = tmp_path / "st"
+    convert(str(folder), str(out))
+    before = sorted(os.listdir(out))
+    assert any((out / n).is_dir() for n in before)  # its modules' folders
+    convert(str(folder), str(out), force=True, dtype="bfloat16")
+    assert sorted(os.listdir(out)) == before

@@ -25,7 +25,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from types import TracebackType
 
@@ -43,9 +43,10 @@ class AtomicDirectory:
     ``out.file(name)`` (an ``AtomicOutput``), then ``out.commit()``."""
 
     def __init__(self, target: str, force: bool = False, fsync: bool = False,
-                 source: str | None = None) -> None:
+                 source: str | None = None, writes: Collection[str] = ()) -> None:
         self.target = Path(target.rstrip("/") or target)
         self.source = source  # what is read: never replaced, never written into
+        self.writes = frozenset(writes)  # top-level names it writes beside the weights
         self.force = force
         self.durable = fsync
         self.temp: Path | None = None
@@ -72,7 +73,7 @@ class AtomicDirectory:
             if not self.target.is_dir() or self.target.is_symlink():
                 raise UsageError(f"{self.target} exists and is not a directory",
                                  "remove it, or name another output")
-            check_replaceable(self.target, self._source_dir())
+            check_replaceable(self.target, self._source_dir(), self.writes)
             self.durable = True
         if not parent.is_dir():
             raise InputError(f"cannot write {self.target}: {parent} is not a directory",
@@ -106,7 +107,7 @@ class AtomicDirectory:
         if self.durable:
             fsync_directory(self.temp)
         replace_directory(self.temp, self.target, self.force, on_renamed=self._renamed,
-                          source=self._source_dir())
+                          source=self._source_dir(), writes=self.writes)
         if self.durable:
             fsync_directory(self.target.parent)
 
@@ -125,7 +126,7 @@ class AtomicDirectory:
 
 def replace_directory(temp: Path, target: Path, force: bool,
                       on_renamed: Callable[[], None] | None = None,
-                      source: str | None = None) -> None:
+                      source: str | None = None, writes: Collection[str] = ()) -> None:
     """Rename directory ``temp`` to ``target``. Without ``force`` a
     ``target`` that appeared meanwhile is an error, never replaced; with it,
     a ``target`` there is renamed aside first (``<temp>.<random>.old``,
@@ -139,7 +140,7 @@ def replace_directory(temp: Path, target: Path, force: bool,
         if not target.is_dir() or target.is_symlink():
             raise UsageError(f"{target} exists and is not a directory",
                              "remove it, or name another output")
-        check_replaceable(target, source)
+        check_replaceable(target, source, writes)
         old = temp.with_name(f"{temp.name.removesuffix('.partial')}.{secrets.token_hex(4)}.old")
         os.rename(target, old)
     try:
@@ -179,14 +180,17 @@ _TRAINING = re.compile(r"^(optimizer|scheduler|rng_state|random_states|training_
 _WEIGHTS = re.compile(r"^(.+\.(safetensors|bin|pt|pth|distcp)|\.metadata|.+\.index\.json)$")
 
 
-def check_replaceable(target: Path, source: str | os.PathLike[str] | None = None) -> None:
+def check_replaceable(target: Path, source: str | os.PathLike[str] | None = None,
+                      writes: Collection[str] = ()) -> None:
     """``--force`` replaces a checkpoint directory (or an empty one), never
     one that holds something else: each of its entries must be a file of the
     checkpoint (weights, an index, DCP's ``.metadata``), a framework's file
     that a conversion writes beside it (configs, tokenizer, model card), or
     one of the same name in ``source`` (the input's folder, whose files a
-    conversion copies); a training run's state (``optimizer.pt``...), notes,
-    logs or other folders are the user's."""
+    conversion copies) or in ``writes`` (what it writes beside the
+    weights: a framework's files and module folders); a training run's
+    state (``optimizer.pt``...), notes, logs or other folders are the
+    user's."""
     from ckptool.errors import CkptoolError
     from ckptool.read.layouts import framework, recognise
 
@@ -201,6 +205,7 @@ def check_replaceable(target: Path, source: str | os.PathLike[str] | None = None
                          "remove it yourself, or name another output")
     given = Path(source) if source is not None else None
     copied = set(os.listdir(given)) if given is not None and given.is_dir() else set()
+    copied |= set(writes)
     for name in sorted(entries):
         path = target / name
         if name in copied:

@@ -23,7 +23,7 @@ from ckptool.read.reader import open_checkpoint
 from ckptool.write import shards
 from ckptool.write.convert.dcpwriter import check_values, write_dcp
 from ckptool.write.convert.files import write_safetensors, write_torch
-from ckptool.write.convert.folder import Extra, write_extras
+from ckptool.write.convert.folder import Extra, top_names, write_extras
 from ckptool.write.convert.job import Job, hf_files, hf_index
 from ckptool.write.convert.plan import Written
 from ckptool.write.failures import needing
@@ -62,7 +62,8 @@ def write_directory(source: Checkpoint, written: Written, kind: str, dst: str, *
     its files and their bytes."""
     total = sum(written.nbytes(n) for n in written.tensors)
     with needing(total), \
-            AtomicDirectory(dst, force, fsync, source=source.directory or source.path) as outdir, \
+            AtomicDirectory(dst, force, fsync, source=source.directory or source.path,
+                            writes=top_names(extras)) as outdir, \
             TensorSource(source) as tensors:
         crcs: dict[str, int] = {}
         if kind == "dcp":

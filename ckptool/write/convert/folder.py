@@ -71,6 +71,11 @@ class Extra:
         return io.BytesIO(self.data) if self.data is not None else open(self.path, "rb")
 
 
+def top_names(extras: Iterable[Extra]) -> set[str]:
+    """The names ``extras`` put at the top of the output (a module's folder)."""
+    return {e.name.split("/", 1)[0] for e in extras}
+
+
 @dataclass
 class Folder:
     """What a directory output takes from the folder it was read from."""
