@@ -80,7 +80,6 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
     from ckptool.write.distributed import ending, world
     from ckptool.write.distributed.ending import EXIT_TERMINATED, Quiet, Terminated
     from ckptool.write.distributed.launch import WORKERS_SAY_SIGNALS
-    from ckptool.write.distributed.lost import committed
     from ckptool.write.distributed.run import convert
 
     if launch is None:
@@ -109,6 +108,7 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
                          RESUME)
 
     ending.LEAVING.clear()
+    ending.COMMITTED.clear()
     before = signal.signal(signal.SIGTERM, terminated)
     try:
         with progress(quiet or rank != 0) as update:
@@ -116,9 +116,9 @@ def run_distributed(launch: Any, path: str, output: str, force: bool, fsync: boo
                            force=force, progress=update, fsync=fsync, **options)
     except Quiet as exc:
         raise click.exceptions.Exit(exc.exit_code) from exc
-    except Terminated as exc:  # after this rank's part ended well (its teardown)
+    except Terminated as exc:  # before this rank's part began, or in its teardown
         if rank == 0 and not said:
-            if committed(output):
+            if ending.COMMITTED.is_set():  # (by this process: nothing else is "committed")
                 exc.message = f"stopped by SIGTERM after {output} was committed"
                 exc.hint = f"the output is complete; check it with: ckptool verify {output}"
             say(exc)

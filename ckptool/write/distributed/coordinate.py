@@ -44,7 +44,14 @@ from datetime import timedelta
 from typing import Any
 
 from ckptool.errors import EXIT_RANK_FAILED, CkptoolError, UsageError
-from ckptool.write.distributed.lost import GRACE, RESUME, STORE_ERRORS, Failure, LostRanks
+from ckptool.write.distributed.lost import (
+    GRACE,
+    RESUME,
+    STORE_ERRORS,
+    Failure,
+    Identity,
+    LostRanks,
+)
 
 Progress = Callable[[int, int], None]
 
@@ -92,6 +99,7 @@ class Coordinator(LostRanks):
         self.stopping = threading.Event()  # a failure is known: stop working
         self.handled = threading.Event()  # the main thread has taken the failure up
         self.staged = False  # the staging directory is prepared: a re-run resumes
+        self.placed: Identity | None = None  # what rank 0 will commit (``lost.identity``)
         self.nodes: dict[int, str] = {}  # each rank's host (rank 0: from its plan)
         self.pids: dict[int, int] = {}  # each rank's process, where known
         self.lost: set[int] = set()  # ranks that stopped beating, or are gone

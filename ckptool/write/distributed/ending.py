@@ -14,8 +14,10 @@ failure turned into one error, recorded for every rank, said once by rank
 - SIGTERM (torchrun or ``--workers`` stopping the job because one process
   exited; ``scancel``; a time limit) is said by rank 0 alone, at once: the
   launcher will not wait. What caused it, when known (a rank of this
-  machine killed without a word), is said instead. Once a rank is leaving
-  (``LEAVING``), a SIGTERM changes nothing: its ending is on its way.
+  machine killed without a word), is said instead; rank 0 itself killed
+  so, by its stand-in (true of the output: rank 0 may have committed it).
+  Once a rank is leaving (``LEAVING``), a SIGTERM changes nothing: its
+  ending is on its way.
 """
 
 from __future__ import annotations
@@ -28,12 +30,13 @@ from pathlib import Path
 
 from ckptool.errors import EXIT_INTERRUPTED, EXIT_RANK_FAILED, CkptoolError
 from ckptool.write.distributed.coordinate import Coordinator
-from ckptool.write.distributed.lost import RESUME, STORE_ERRORS, Failure
+from ckptool.write.distributed.lost import RESUME, STORE_ERRORS, Failure, committed
 from ckptool.write.failures import is_output_error, output_error
 
 Say = Callable[[CkptoolError], None]
 EXIT_TERMINATED = 143  # 128 + SIGTERM, as a shell reports it
 LEAVING = threading.Event()  # this process has begun to leave (its SIGTERM handler looks)
+COMMITTED = threading.Event()  # this process (rank 0) put the output in place
 
 
 class Quiet(CkptoolError):
@@ -127,17 +130,42 @@ def _first_alive(coord: Coordinator) -> int:
 
 def _terminated(coord: Coordinator, err: Terminated, say: Say) -> CkptoolError:
     """SIGTERM: rank 0 says it, or what caused it where that is known (a
-    failure heard, a rank of this machine killed without a word)."""
+    failure heard, a rank of this machine killed without a word), true of
+    the output (committed by now, or not)."""
     if coord.rank != 0:
-        return Quiet(err.exit_code)
+        return _stand_in(coord, err, say)
     known: Failure | None = None
     with contextlib.suppress(*STORE_ERRORS):
         known = coord.failure or coord.died()
     if known is None:
+        if coord.target is not None and committed(coord.target, coord.placed):
+            err.message = f"stopped by SIGTERM after {coord.target} was committed"
+            err.hint = f"the output is complete; check it with: ckptool verify {coord.target}"
         say(err)
-        return Quiet(err.exit_code)
-    if not known.elsewhere:
+    elif not known.elsewhere:
         say(coord.last_word(known))
+    with contextlib.suppress(*STORE_ERRORS):
+        coord.said()  # (no other rank says it in its stead)
+    return Quiet(err.exit_code if known is None else known.code)
+
+
+def _stand_in(coord: Coordinator, err: Terminated, say: Say) -> CkptoolError:
+    """SIGTERM to a rank other than 0: the launcher stops the job because
+    rank 0 died without a word (kill -9: it neither said anything nor ended
+    the run)? Then its stand-in says so, true of the output (rank 0 may
+    have committed it); else this rank leaves without a word."""
+    known: Failure | None = None
+    with contextlib.suppress(*STORE_ERRORS):
+        if not coord.store.check(["said"]) and not coord.store.check(["outcome"]):
+            known = coord.failure or coord.died()
+    if known is None or known.rank != 0 or not known.gone or known.elsewhere:
+        return Quiet(err.exit_code)
+    speaks = False
+    with contextlib.suppress(*STORE_ERRORS):
+        speaks = coord.speaks()
+    if not speaks:
+        return Quiet(known.code)
+    say(coord.last_word(known))
     return Quiet(known.code)
 
 

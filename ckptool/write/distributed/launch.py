@@ -9,8 +9,11 @@ quiet, ``OMP_NUM_THREADS=1`` unless the user set it (as torchrun does), and
 the outcome turned into ckptool's: 0 when all succeeded, else the failure
 that is the cause (``_failed``): ``RankFailedError`` for a worker killed by a
 signal (nothing it could say itself), else the exit code of the worker that
-failed of itself, before those stopped because it did. A SIGTERM to this
-process stops the workers and is said here (``Terminated``). The launcher's
+failed of itself, before those stopped because it did; true of the
+output, which rank 0 may have committed before a worker was lost (rank 0
+records what it will commit in a file of this process's, ``lost.PLACED``).
+A SIGTERM to this process stops the workers and is said here
+(``Terminated``), before they started too. The launcher's
 files live in ``TMPDIR/ckptool-workers-<pid>-*``; those of a process killed
 before it removed them go with the next run.
 """
@@ -26,11 +29,21 @@ import tempfile
 import uuid
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import RankFailedError, UsageError
 from ckptool.write.distributed.ending import Terminated
-from ckptool.write.distributed.lost import RESUME, WORKERS, process_gone
+from ckptool.write.distributed.lost import (
+    PLACED,
+    RESUME,
+    WORKERS,
+    Identity,
+    committed,
+    complete,
+    process_gone,
+    told,
+)
 from ckptool.write.distributed.staging import Staging
 
 if TYPE_CHECKING:
@@ -51,6 +64,7 @@ TEMP_PREFIX = "ckptool-workers-"
 # how long the launcher waits after its SIGTERM before its SIGKILL
 # (``PContext.close(timeout=30)``)
 STOP_GRACE = 30
+Handler = Any  # what signal.getsignal returns
 
 
 def run_workers(n: int, argv: Sequence[str], *, output: str | None = None,
@@ -65,6 +79,12 @@ def run_workers(n: int, argv: Sequence[str], *, output: str | None = None,
     if n < 1:
         raise UsageError(f"--workers {n}: expected at least 1 worker process",
                          hint="--workers N starts N processes on this machine")
+    with _said_before_the_workers() as saved:
+        return _launch(n, argv, output, _command, saved)
+
+
+def _launch(n: int, argv: Sequence[str], output: str | None, command: Sequence[str],
+            saved: dict[str, Handler]) -> int:
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
@@ -73,8 +93,9 @@ def run_workers(n: int, argv: Sequence[str], *, output: str | None = None,
     _remove_stale(tempfile.gettempdir())
     with tempfile.TemporaryDirectory(prefix=f"{TEMP_PREFIX}{os.getpid()}-") as logs, _quiet(), \
             _environment(OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-                         CKPTOOL_DISTRIBUTED="1", **{WORKERS_SAY_SIGNALS: "1"}), \
-            _handlers_restored():
+                         CKPTOOL_DISTRIBUTED="1", **{WORKERS_SAY_SIGNALS: "1"},
+                         **{PLACED: os.path.join(logs, "placed")}), \
+            _handlers_restored(saved):
         config = LaunchConfig(
             min_nodes=1, max_nodes=1, nproc_per_node=n, run_id=uuid.uuid4().hex,
             # port 0: the agent's store takes a free port and tells the
@@ -83,31 +104,60 @@ def run_workers(n: int, argv: Sequence[str], *, output: str | None = None,
             rdzv_configs={"is_host": True}, max_restarts=0, monitor_interval=0.1,
             logs_specs=DefaultLogsSpecs(log_dir=logs), signals_to_handle=",".join(HANDLED))
         try:
-            elastic_launch(config, sys.executable)(*_command, *argv)
+            elastic_launch(config, sys.executable)(*command, *argv)
         except ChildFailedError as exc:
-            return _failed(exc, n)
+            return _failed(exc, n, output, told(os.path.join(logs, "placed")))
         except SignalException as exc:
             signum = exc.sigval
         else:
             return 0
+        placed = told(os.path.join(logs, "placed"))
     # the workers were stopped (their rank 0 says nothing of it): said here
     if signum == signal.SIGINT:
         raise KeyboardInterrupt
-    if output is not None and Staging(output, False).path.is_dir():
-        hint = RESUME
-    elif output is not None and os.path.lexists(output):  # committed, or there before
-        hint = f"check what is there with: ckptool verify {output}"
+    how = f"stopped by {signal.Signals(signum).name}"
+    if output is not None and committed(output, placed):
+        err = Terminated(f"{how} after {output} was committed: the workers were stopped",
+                         f"the output is complete; check it with: ckptool verify {output}")
+    elif output is not None and Staging(output, False).path.is_dir():
+        err = Terminated(f"{how}: the workers were stopped", RESUME)
+    elif output is not None and os.path.lexists(output):  # there before: not replaced
+        err = Terminated(f"{how}: the workers were stopped",
+                         f"nothing was committed: {output} is the one there before; run the "
+                         "same command again")
     else:
-        hint = "nothing was written; run the same command again"
-    err = Terminated(f"stopped by {signal.Signals(signum).name}: the workers were stopped",
-                     hint)
+        err = Terminated(f"{how}: the workers were stopped",
+                         "nothing was written; run the same command again")
     err.exit_code = 128 + signum
     raise err
 
 
-def _failed(exc: ChildFailedError, n: int) -> int:
+@contextmanager
+def _said_before_the_workers() -> Iterator[dict[str, Handler]]:
+    """Until the launcher takes the signals over, as it starts the workers:
+    a SIGTERM (SIGHUP, SIGQUIT) is a ``Terminated`` error, said, not a silent
+    end. Yields the handlers it replaced, put back at the end."""
+    def early(signum: int, frame: FrameType | None) -> None:
+        err = Terminated(f"stopped by {signal.Signals(signum).name} before the workers started",
+                         "nothing was written; run the same command again")
+        err.exit_code = 128 + signum
+        raise err
+
+    names = [name for name in HANDLED if name != "SIGINT"]  # (Ctrl-C: KeyboardInterrupt)
+    saved = {name: signal.getsignal(getattr(signal, name)) for name in HANDLED}
+    try:
+        for name in names:
+            signal.signal(getattr(signal, name), early)
+        yield saved
+    finally:
+        _restore(saved)
+
+
+def _failed(exc: ChildFailedError, n: int, output: str | None = None,
+            placed: Identity | None = None) -> int:
     """The exit code of the worker whose failure is the cause, or
-    RankFailedError for one that died of a signal.
+    RankFailedError for one that died of a signal: true of ``output``,
+    which rank 0 may have committed (``placed``) before a worker was lost.
 
     By cause, not time (the others fail within the same second, and may be
     seen first): a death by a signal other than SIGTERM and SIGINT (kill -9,
@@ -138,10 +188,11 @@ def _failed(exc: ChildFailedError, n: int) -> int:
         name = signal.Signals(-code).name
     except ValueError:
         name = f"signal {-code}"
-    raise RankFailedError(
-        f"rank {rank} of {n} was killed by {name}",
-        hint="nothing was committed; run the same command again to resume: what was "
-        "written and verified is kept")
+    if output is not None and committed(output, placed):
+        raise complete(f"rank 0 of {n} was lost after it committed {output}" if rank == 0 else
+                       f"rank {rank} of {n} was killed by {name} after rank 0 committed "
+                       f"{output}", output)
+    raise RankFailedError(f"rank {rank} of {n} was killed by {name}", hint=RESUME)
 
 
 def _remove_stale(folder: str) -> None:
@@ -201,12 +252,16 @@ def _environment(**values: str) -> Iterator[None]:
 
 
 @contextmanager
-def _handlers_restored() -> Iterator[None]:
-    """The launcher installs its signal handlers for good: put back ours."""
-    saved = {name: signal.getsignal(getattr(signal, name)) for name in HANDLED}
+def _handlers_restored(saved: dict[str, Handler]) -> Iterator[None]:
+    """The launcher installs its signal handlers for good: put back ``saved``
+    (those this process had before ``run_workers``)."""
     try:
         yield
     finally:
-        for name, handler in saved.items():
-            if handler is not None:
-                signal.signal(getattr(signal, name), handler)
+        _restore(saved)
+
+
+def _restore(saved: dict[str, Handler]) -> None:
+    for name, handler in saved.items():
+        if handler is not None:
+            signal.signal(getattr(signal, name), handler)

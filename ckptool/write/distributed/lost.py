@@ -3,9 +3,12 @@ and what a rank can find out, without rank 0, about a rank that is gone
 (``LostRanks``, which the ``Coordinator`` is): whether its process still
 exists (a rank on this machine: its pid, which every rank publishes), which
 rank's beat stood still, who says the failure once rank 0 is lost (its
-stand-in), and whether rank 0 committed the output before it went (the
-output in place, the staging directory not in its way): "nothing was
-committed" is said only when nothing was.
+stand-in), and whether rank 0 committed the output before it went (OUT
+is the very directory or file this run staged, ``Staging.placed``: its
+inode; an OUT there before, or made by another program, is not): "nothing
+was committed" is said only when nothing was. Under ``--workers`` rank 0
+tells its launching process that inode too (``PLACED``), for it says how a
+worker killed by a signal ended.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from ckptool.errors import EXIT_RANK_FAILED, CkptoolError, RankFailedError
-from ckptool.write.distributed.staging import Staging
 
 GRACE = 5.0  # a rank told to stop that has not stopped by then leaves at once
 RESUME = ("nothing was committed; run the same command again to resume: what was written "
@@ -28,6 +30,11 @@ STORE_ERRORS = (RuntimeError, OSError)  # what a store call raises when its host
 # set for the workers of ``convert --workers``: that process says how a
 # worker killed by a signal ended, so their rank 0 need not
 WORKERS = "CKPTOOL_WORKERS_PARENT"
+# set for them too: the file in which rank 0 records ``Identity`` of what it
+# will commit, before it writes anything (``tell_launcher``, ``told``)
+PLACED = "CKPTOOL_WORKERS_PLACED"
+COMMITTED_HINT = "no re-run is needed; check it with: ckptool verify {target}"
+Identity = tuple[int, int]  # (st_dev, st_ino)
 
 
 @dataclass
@@ -66,6 +73,7 @@ class LostRanks:
     nodes: dict[int, str]
     pids: dict[int, int]
     store_in_rank0: bool
+    placed: Identity | None  # what rank 0 will commit as OUT (``identity``), once known
     stopping: threading.Event
     _finished: bool
     fail: Callable[[Failure], Failure]  # (the Coordinator's: record a failure for all)
@@ -125,12 +133,9 @@ class LostRanks:
         """The failure as said: once rank 0 is lost, true of the output (it
         may have committed it before it went)."""
         if 0 in self.lost and self._finished and self.target is not None and \
-                committed(self.target):
-            err = RankFailedError(f"rank 0 of {self.size} was lost after it committed "
-                                  f"{self.target}: the output is complete",
-                                  COMMITTED_HINT.format(target=self.target))
-            err.exit_code = failure.code
-            return err
+                committed(self.target, self.placed):
+            return complete(f"rank 0 of {self.size} was lost after it committed "
+                            f"{self.target}", self.target, failure.code)
         return failure.error(self.size, prefix=failure.rank != 0 or 0 in self.lost)
 
     def heard_from(self, rank: int | None, exc: CkptoolError) -> CkptoolError:
@@ -177,9 +182,6 @@ class LostRanks:
         return {r: bytes(raw).partition(b" ")[0] for r, raw in enumerate(beats)}
 
 
-COMMITTED_HINT = "no re-run is needed; check it with: ckptool verify {target}"
-
-
 def process_gone(pid: int) -> bool:
     """Whether process ``pid`` (of this machine) has ended: gone, or a
     zombie its parent has not reaped yet. Another user's process counts as
@@ -198,22 +200,51 @@ def process_gone(pid: int) -> bool:
     return state in (b"Z", b"X")
 
 
-def committed(target: str) -> bool:
-    """Whether the output ``target`` of a distributed convert was committed
-    (``Staging.commit``): a directory output renamed into place (its staging
-    directory gone); one file linked or renamed into place (the staged file
-    gone, or the same file). An output that was there before (``--force``)
-    and is not replaced yet is not."""
-    out = Path(target.rstrip("/") or target)
-    staging = Staging(target, False).path
+def identity(path: str | Path) -> Identity | None:
+    """``path``'s inode, links followed (OUT written through a link to a
+    file is its target); None where there is none."""
     try:
-        if out.is_dir() and not out.is_symlink():
-            return not staging.exists()
-        if not out.is_file():
-            return False
-        if not staging.exists():
-            return True
-        staged = staging / out.name
-        return not staged.exists() or os.path.samefile(staged, out)
-    except OSError:
-        return False
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return st.st_dev, st.st_ino
+
+
+def committed(target: str, placed: Identity | None) -> bool:
+    """Whether the output ``target`` of a distributed convert is committed:
+    it is the directory or file the run staged (``placed``), renamed or
+    linked into place (``Staging.commit``). An output there before
+    (``--force``), or that another program made meanwhile, is not; nor is
+    anything where ``placed`` is not known."""
+    return placed is not None and identity(target) == placed
+
+
+def complete(said: str, target: str, code: int = EXIT_RANK_FAILED) -> RankFailedError:
+    """The error of a rank lost once ``target`` was committed (``said``):
+    true of the output, which is complete."""
+    err = RankFailedError(f"{said}: the output is complete",
+                          COMMITTED_HINT.format(target=target))
+    err.exit_code = code
+    return err
+
+
+def tell_launcher(placed: Identity | None) -> None:
+    """Rank 0 under ``--workers``: what it will commit, for the launching
+    process (``PLACED``), written whole before it is renamed into place."""
+    path = os.environ.get(PLACED)
+    if not path or placed is None:
+        return
+    temp = f"{path}.tmp"
+    with open(temp, "w", encoding="ascii") as f:
+        f.write(f"{placed[0]} {placed[1]}\n")
+    os.replace(temp, path)
+
+
+def told(path: str) -> Identity | None:
+    """What rank 0 said it would commit (``tell_launcher``); None if it said nothing."""
+    try:
+        with open(path, encoding="ascii") as f:
+            dev, ino = f.read().split()
+        return int(dev), int(ino)
+    except (OSError, ValueError):
+        return None

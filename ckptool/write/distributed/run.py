@@ -4,7 +4,9 @@ who does what.
 1. Every rank reads the input's metadata and plans the same conversion
    (``plan``); rank 0 checks that every rank computed the same plan.
 2. Rank 0 prepares the staging directory (``staging``: kept from an earlier
-   run of the same plan, else afresh); every rank checks that it sees it.
+   run of the same plan, else afresh), and a one-file output's file in it;
+   every rank checks that it sees it, and notes the inode it will commit
+   (``lost.committed``: what is said of OUT if rank 0 is lost).
 3. Every rank writes its share (``files``; a DCP output through one
    ``dcp.save`` of all ranks) and verifies every byte it wrote.
 4. Rank 0 waits for every rank, writes what needs all of them (a zip's
@@ -27,8 +29,9 @@ from typing import Any
 
 from ckptool.errors import EXIT_BAD_INPUT, InputError
 from ckptool.write.convert.directory import check_whole
+from ckptool.write.convert.folder import top_names
 from ckptool.write.convert.job import Job, prepare
-from ckptool.write.distributed import dcpshare, ending
+from ckptool.write.distributed import dcpshare, ending, lost
 from ckptool.write.distributed import files as dist_files
 from ckptool.write.distributed.coordinate import STORE_ERRORS, Coordinator, Failure
 from ckptool.write.distributed.ending import Say
@@ -85,8 +88,9 @@ def _convert(world: Any, coord: Coordinator, stack: contextlib.ExitStack[Any], s
     plan = make(job, coord.size)
     NEEDED.set(plan.total)
     staging = Staging(dst, job.is_directory, force)
+    placed = staging.placed(plan.files[0].name if plan.files else "")
     if rank == 0:
-        staging.check_target(job.source.directory or job.source.path)
+        staging.check_target(job.source.directory or job.source.path, top_names(job.extras))
         staging.lock()  # released when this process ends, or at the end
         stack.callback(staging.unlock)
     durable = fsync or (force and os.path.exists(dst))
@@ -102,6 +106,10 @@ def _convert(world: Any, coord: Coordinator, stack: contextlib.ExitStack[Any], s
                              "every rank must read the same IN: put it on a filesystem every "
                              "node shares, and run one ckptool version everywhere")
         token, resumed = staging.prepare(prints[0])
+        if not job.is_directory:  # the one file there from now on (it is what is committed)
+            os.close(os.open(placed, os.O_WRONLY | os.O_CREAT, 0o644))
+        coord.placed = lost.identity(placed)
+        lost.tell_launcher(coord.placed)
         coord.publish("ready", f"{int(resumed)} {token}")
     else:
         resumed_text, _, token = coord.wait_for("ready").partition(" ")
@@ -109,6 +117,7 @@ def _convert(world: Any, coord: Coordinator, stack: contextlib.ExitStack[Any], s
         if not staging.sees(token):
             raise InputError(f"rank {rank} does not see {staging.path}, which rank 0 made",
                              "OUT must be on a filesystem every node shares")
+        coord.placed = lost.identity(placed)  # (true of OUT once rank 0 has committed it)
     coord.staged = True
     coord.total = plan.total
     coord.progress = progress if rank == 0 else None
@@ -133,6 +142,7 @@ def _convert(world: Any, coord: Coordinator, stack: contextlib.ExitStack[Any], s
             return None
         reports = coord.wait_all_finished()
         result = _commit(plan, staging, tensors, durable, job)
+    ending.COMMITTED.set()
     coord.publish("outcome", "committed")
     coord.wait_all_left()  # under srun, the store lives in this process
     result.distributed = {"ranks": coord.size, "plan": plan.rows(), "per_rank": reports,

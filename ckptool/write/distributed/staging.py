@@ -26,7 +26,7 @@ import json
 import os
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +62,22 @@ class Staging:
         self.aside = self.path.with_name(self.path.name.removesuffix(".partial") + ".manifest")
         self._lock = OutputLock(self.target)
         self._source_dir: str | None = None  # the input's folder (its files are copied)
+        self._writes: frozenset[str] = frozenset()
 
     def file(self, name: str) -> Path:
         return self.path / name
 
+    def placed(self, name: str) -> Path:
+        """What ``commit`` makes OUT, itself (renamed or linked: OUT is then
+        this very inode): the directory, or its one file ``name``."""
+        return self.path if self.is_directory else self.file(name)
+
     # -- before writing ------------------------------------------------------
 
-    def check_target(self, source: str) -> None:
+    def check_target(self, source: str, writes: Collection[str] = ()) -> None:
         """The output may be written: not the input, not there unless --force."""
         self._source_dir = source if os.path.isdir(source) else None
+        self._writes = frozenset(writes)  # a framework's files beside the weights
         check_apart(Path(source), self.target)
         remove_stale_records(self.target.parent, self.target.name)  # OUT was committed
         for own in (self.path, self.aside, self._lock.path):  # what a run removes
@@ -86,7 +93,7 @@ class Staging:
             if not self.target.is_dir() or self.target.is_symlink():
                 raise UsageError(f"{self.target} exists and is not a directory",
                                  "remove it, or name another output")
-            check_replaceable(self.target, self._source_dir)  # a checkpoint, nothing else
+            check_replaceable(self.target, self._source_dir, self._writes)  # nothing else
         elif not self.is_directory and self.target.is_dir():
             raise UsageError(f"{self.target} is a directory, and the output is one file",
                              "name the output file, or give --format for a directory")
@@ -208,7 +215,7 @@ class Staging:
             os.rename(self.meta, self.aside)
             try:
                 replace_directory(self.path, self.target, self.force,
-                                  source=self._source_dir)
+                                  source=self._source_dir, writes=self._writes)
             except BaseException:
                 os.rename(self.aside, self.meta)  # still resumable
                 raise
