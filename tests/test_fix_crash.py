@@ -85,9 +85,33 @@ def make_checkpoint(path: Path, tensors: int, numel: int) -> dict[str, torch.Ten
     return {k.removeprefix("module."): v for k, v in sd.items()}
 
 
+# put first on the child's path: the rename into place waits a little, so
+# that the moments between the last write and the rename (a few ms now that
+# nothing is read back) are there to be hit on a busy machine too
+SLOW_COMMIT = """\
+from ckptool.write import commit as _commit
+import time as _time
+_real = _commit.AtomicOutput.commit
+def _slow(self):
+    _time.sleep(0.3)
+    return _real(self)
+_commit.AtomicOutput.commit = _slow
+"""
+
+
+def _slow_commit_path() -> str:
+    import tempfile
+
+    folder = Path(tempfile.gettempdir()) / f"ckptool-slow-commit-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    (folder / "sitecustomize.py").write_text(SLOW_COMMIT)
+    return str(folder)
+
+
 def spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
     full_env = {k: v for k, v in os.environ.items()
                 if k not in ("CKPTOOL_TEST_CRASH_AT", "CKPTOOL_NO_TMPFILE")}
+    full_env["PYTHONPATH"] = os.pathsep.join([_slow_commit_path(), str(ROOT)])
     full_env.update(env or {})
     return subprocess.Popen([sys.executable, "-m", "ckptool", *args], cwd=ROOT, env=full_env,
                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
