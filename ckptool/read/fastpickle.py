@@ -80,44 +80,55 @@ MIN_MEMO_BITS = 16
 READ_AHEAD = 1 << 16
 
 
-def counted(width: int, longest: int) -> bytes:
-    """Any length under ``longest`` in ``width`` little-endian bytes, then that many bytes."""
+def counted(width: int, longest: int, byte: bytes = b"[\x00-\xff]") -> bytes:
+    """Any length under ``longest`` in ``width`` little-endian bytes, then that many
+    bytes (``byte``: a pattern of any one byte; ``.`` where the caller compiles
+    with DOTALL)."""
     pad = b"\x00" * (width - 1)
     return b"(?:" + b"|".join(
-        re.escape(bytes([n]) + pad) + (b"[\x00-\xff]{%d}" % n if n else b"")
+        re.escape(bytes([n]) + pad) + (byte + b"{%d}" % n if n else b"")
         for n in range(longest)) + b")"
 
 
-def below(bits: int) -> bytes:
-    """A 4-byte little-endian index below ``2**bits`` (16 <= bits <= 32)."""
+def below(bits: int, byte: bytes = b"[\x00-\xff]") -> bytes:
+    """A 4-byte little-endian index below ``2**bits`` (16 <= bits <= 32;
+    ``byte`` as for ``counted``)."""
     full, rest = divmod(bits, 8)
     top = b"[\x00-" + re.escape(bytes([(1 << rest) - 1])) + b"]" if rest else b""
     zeros = b"\x00" * (4 - full - (1 if rest else 0))
-    return b"[\x00-\xff]" * full + top + re.escape(zeros)
+    return byte * full + top + re.escape(zeros)
 
 
 @cache
 def grammar(memo_bits: int) -> re.Pattern[bytes]:
-    """What this path reads, up to (not including) STOP (points 1-3)."""
-    b = b"[\x00-\xff]"
-    put = b"(?:q" + b + b"|r" + below(memo_bits) + b")?"
+    """What this path reads, up to (not including) STOP (points 1-3).
+
+    Built to compile fast (it is compiled in every process that reads a
+    pickle): ``.`` under DOTALL for any byte, and a sub-pattern repeated
+    side by side written once with a count (``X{2}`` is ``XX``: sre
+    compiles the body once and, none of these matching the empty string,
+    backtracks through it exactly as through the copies). A change here
+    must keep what it matches: ``tests/test_fastpickle_grammar_unchanged.py``
+    runs it beside the grammar as first written."""
+    b = b"."  # any byte (DOTALL)
+    put = b"(?:q" + b + b"|r" + below(memo_bits, b) + b")?"
     get = b"(?:h" + b + b"|j" + b + b"{4})"
-    integer = b"(?:K" + b + b"|M" + b + b"{2}|J" + b + b"{4}|\x8a" + counted(1, 10) + b")"
+    integer = b"(?:K" + b + b"|M" + b + b"{2}|J" + b + b"{4}|\x8a" + counted(1, 10, b) + b")"
     number = b"(?:" + integer + put + b"|G" + b + b"{8}" + put + b"|[\x88\x89N])"
     # a tuple holds numbers only: 1-3 pushed right before TUPLE1-3, or all since its MARK
     numbers = (b"(?:" + number + b"(?:\x85" + put + b"|" + number + b"(?:\x86" + put + b"|"
                + number + b"\x87" + put + b")?)?)")
-    flat = (b"(?:\\)|" + number + b"\x85|" + number * 2 + b"\x86|" + number * 3 + b"\x87"
-            b"|\\(" + number + b"*t)" + put)
-    string = b"X" + counted(4, 256) + put  # BINUNICODE
-    short = b"X" + counted(4, 64) + put
+    flat = (b"(?:(?:\\)|" + number + b"\x85|" + number + b"{2}\x86|" + number + b"{3}\x87"
+            b"|\\(" + number + b"*t)" + put + b")")
+    string = b"X" + counted(4, 256, b) + put  # BINUNICODE
+    short = b"X" + counted(4, 64, b) + put
     glob = b"c[^\n]*\n[^\n]*\n" + put  # GLOBAL: module and name lines
     callee = b"(?:" + get + b"|" + glob + b")"
     text = b"(?:" + get + b"|" + short + b")"  # a string, or one fetched from the memo
-    storage_id = (b"\\(" + text + b"(?:" + get + b"|" + glob + b")" + text + text + integer
+    storage_id = (b"\\(" + text + b"(?:" + get + b"|" + glob + b")" + text + b"{2}" + integer
                   + b"t" + put + b"Q")
     hooks = callee + b"\\)R" + put
-    tensor = (callee + b"\\(" + storage_id + integer + flat + flat + b"[\x88\x89]" + hooks
+    tensor = (callee + b"\\(" + storage_id + integer + flat + b"{2}[\x88\x89]" + hooks
               + b"t" + put + b"R" + put)
     parameter = callee + tensor + b"[\x88\x89]" + hooks + b"\x87" + put + b"R" + put
     # MARK, EMPTY_LIST/DICT, LIST, DICT, APPEND(S), SETITEM(S), POP, POP_MARK,
@@ -125,7 +136,7 @@ def grammar(memo_bits: int) -> re.Pattern[bytes]:
     single = b"[(\\]}ldaesu01RQb]|\x80" + b + b"|\x95" + b + b"{8}"
     tokens = (parameter, tensor, b"\\(" + number + b"*t" + put, b"\\)" + put, numbers,
               string, put[:-1], get, glob, single)
-    return re.compile(b"(?:" + b"|".join(tokens) + b")*+")
+    return re.compile(b"(?:" + b"|".join(tokens) + b")*+", re.DOTALL)
 
 
 def memo_bits(size: int) -> int:

@@ -26,6 +26,7 @@ scanned by ``ckptool.read.companions``.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -41,9 +42,9 @@ MAX_JSON_BYTES = 4 << 20  # config files are a few kB; a tokenizer.json is never
 # (optimum-intel's openvino_model.bin is raw weights): read by no one here
 OPENVINO = "OpenVINO export (optimum-intel; raw weights, never unpickled)"
 NOT_PICKLES = (OPENVINO,)
-# files the frameworks write beside a model, and what each holds
-ROLES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
-    (re.compile(pattern), role) for pattern, role in (
+# files the frameworks write beside a model, and what each holds (patterns
+# compiled on first use: ``_roles``, not by every run that imports this)
+ROLES: tuple[tuple[str, str], ...] = (
         (r"^optimizer(_\d+)?\.(pt|bin)$", "optimizer state"),
         (r"^scheduler(_\d+)?\.(pt|bin)$", "LR scheduler state"),
         (r"^rng_state(_\d+)?\.pth$", "RNG state (Trainer)"),
@@ -77,7 +78,7 @@ ROLES: tuple[tuple[re.Pattern[str], str], ...] = tuple(
         (r"^latest$", "DeepSpeed tag pointer"),
         (r"^openvino_[\w.-]*\.(xml|bin)$", OPENVINO),
         (r"^\w+\.py$", "Python file (ckptool never runs it)"),
-    ))
+)
 # the roles above that are what resuming training reads, not the model
 TRAINING_STATE = frozenset({
     "optimizer state", "LR scheduler state", "RNG state (Trainer)", "RNG state (accelerate)",
@@ -91,7 +92,12 @@ MODEL_FILES = ("adapter_model.safetensors", "adapter_model.bin", "model.safetens
 # frameworks whose loader reads the model by its file name from the folder
 LOADS_BY_NAME = ("transformers", "trainer", "peft", "diffusers", "sentence-transformers")
 # accelerate numbers a second prepared model model_1.safetensors, pytorch_model_1.bin
-OTHER_MODEL = re.compile(r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$")
+OTHER_MODEL = r"^(model|pytorch_model)_(\d+)\.(safetensors|bin)$"
+
+
+@functools.cache
+def _roles() -> tuple[tuple[re.Pattern[str], str], ...]:
+    return tuple((re.compile(pattern), role) for pattern, role in ROLES)
 
 
 # transformers' base_model_prefix by model_type: a task model (LlamaForCausalLM)
@@ -128,10 +134,10 @@ def own_naming(kind: str, model_type: str | None, prefix: str) -> bool:
 
 def role_of(name: str) -> str | None:
     """What a file the frameworks write beside a model holds, or None."""
-    for pattern, role in ROLES:
+    for pattern, role in _roles():
         if pattern.match(name):
             return role
-    m = OTHER_MODEL.match(name)
+    m = re.match(OTHER_MODEL, name)
     if m and m.group(2) != "0":
         return f"model {m.group(2)} (accelerate's model_{m.group(2)})"
     return None
@@ -224,8 +230,8 @@ def _model_facts(config: Any) -> tuple[str | None, str | None, bool | None]:
 
 
 # classes with an output embedding (a language-model head) that a config can tie
-LM_HEAD = re.compile(r"(ForCausalLM|LMHeadModel|WithLMHead(Model)?|ForConditionalGeneration"
-                     r"|ForMaskedLM|ForPreTraining|ForSeq2SeqLM|ForSpeechSeq2Seq)$")
+LM_HEAD = (r"(ForCausalLM|LMHeadModel|WithLMHead(Model)?|ForConditionalGeneration"
+           r"|ForMaskedLM|ForPreTraining|ForSeq2SeqLM|ForSpeechSeq2Seq)$")
 
 
 def _ties_head(config: dict[str, Any], model_class: str | None) -> bool | None:
@@ -235,7 +241,7 @@ def _ties_head(config: dict[str, Any], model_class: str | None) -> bool | None:
     does not, as the transformers that wrote it meant: 4.x leaves out a
     value equal to ``PretrainedConfig``'s default, True (a T5's, a BERT's
     config.json); 5.x writes it wherever the model has one."""
-    if model_class is None or not LM_HEAD.search(model_class):
+    if model_class is None or not re.search(LM_HEAD, model_class):
         return None
     tied = config.get("tie_word_embeddings")
     if isinstance(tied, bool):

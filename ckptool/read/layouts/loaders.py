@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from functools import cache
 
 TRANSFORMERS, DIFFUSERS, PEFT = "transformers", "diffusers", "peft"
 # each framework's file stem with the format it holds
@@ -42,12 +43,18 @@ FILE, INDEX, SHARD = "file", "index", "shard"
 FIXED = "fixed"  # `ckptool fix model.safetensors` writes model.fixed.safetensors beside it
 _V = r"(?:\.(?P<variant>[^./\\]+?))"
 _NAMES = (  # (kind, pattern): shards first (a shard's name ends like a variant's file)
-    (SHARD, re.compile(rf"^(?P<stem>[a-z_]+?){_V}?-\d{{5}}-of-\d{{5}}\.(?P<ext>safetensors|bin)$")),
-    (INDEX, re.compile(rf"^(?P<stem>[a-z_]+)\.(?P<ext>safetensors|bin)\.index{_V}?\.json$")),
-    (INDEX, re.compile(rf"^(?P<stem>[a-z_]+)\.(?P<ext>safetensors|bin){_V}\.index\.json$")),
-    (INDEX, re.compile(rf"^(?P<stem>[a-z_]+?){_V}\.(?P<ext>safetensors|bin)\.index\.json$")),
-    (FILE, re.compile(rf"^(?P<stem>[a-z_]+?){_V}?\.(?P<ext>safetensors|bin)$")),
+    (SHARD, rf"^(?P<stem>[a-z_]+?){_V}?-\d{{5}}-of-\d{{5}}\.(?P<ext>safetensors|bin)$"),
+    (INDEX, rf"^(?P<stem>[a-z_]+)\.(?P<ext>safetensors|bin)\.index{_V}?\.json$"),
+    (INDEX, rf"^(?P<stem>[a-z_]+)\.(?P<ext>safetensors|bin){_V}\.index\.json$"),
+    (INDEX, rf"^(?P<stem>[a-z_]+?){_V}\.(?P<ext>safetensors|bin)\.index\.json$"),
+    (FILE, rf"^(?P<stem>[a-z_]+?){_V}?\.(?P<ext>safetensors|bin)$"),
 )
+
+
+@cache
+def _names() -> tuple[tuple[str, re.Pattern[str]], ...]:
+    """``_NAMES`` compiled, on first use (not by every run that imports this)."""
+    return tuple((kind, re.compile(pattern)) for kind, pattern in _NAMES)
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class Weights:
 
 def parse(name: str) -> Weights | None:
     """The framework weights ``name`` is, by its name; None for another name."""
-    for kind, pattern in _NAMES:
+    for kind, pattern in _names():
         m = pattern.match(name)
         if m is None:
             continue
