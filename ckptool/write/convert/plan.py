@@ -17,8 +17,10 @@ plain values kept, and what is left out, said rather than dropped.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from operator import attrgetter
 from typing import Any
 
 from ckptool import dtypes
@@ -81,12 +83,16 @@ def plan(source: Checkpoint, into: str, keep_entries: bool = True) -> Written:
         aliases, notes = recorded_aliases(source.metadata.get("metadata", {}), set(kept))
         return Written(kept, aliases, notes=notes)
     kind = SAFETENSORS if into == SAFETENSORS else TORCH
-    kept, aliases, copies = _plan_names(source, kind)
-    written = Written(kept, aliases, copies, left_out=_left_out(source, kind))
+    every = source.state_dict()  # (once: 100,000 tensors' worth of lookups)
+    kept, aliases, copies = _plan_names(source, kind, every)
+    # into safetensors, what is left out is said once the entries kept are known
+    written = Written(kept, aliases, copies,
+                      left_out=[] if into == SAFETENSORS else _left_out(source, kind, every=every))
     for alias, stored in source.aliases.items():  # an HF index's tied names
         if stored in kept and alias not in kept:
             written.aliases[alias] = stored
-    written.order = [n for n in source.state_dict() if n in kept or n in written.aliases]
+    written.order = [n for n in every if n in kept or n in written.aliases] \
+        if written.aliases else [n for n in every if n in kept]
     written.order += [a for a in written.aliases if a not in written.order]
     entry = source.metadata.get("state_dict_entry")
     if source.format == DCP and isinstance(entry, str):  # the model's own names
@@ -104,7 +110,7 @@ def plan(source: Checkpoint, into: str, keep_entries: bool = True) -> Written:
             if e.type != "alias" and (e.value is not None or e.summary == "None") \
                     and not _file_record(source, e.key):
                 written.entries[e.key] = e.value
-        written.left_out = _left_out(source, kind, written.entries)
+        written.left_out = _left_out(source, kind, written.entries, every)
     return written
 
 
@@ -180,30 +186,29 @@ def _unwritten(t: TensorInfo, into: str) -> str | None:
     return None
 
 
-def _plan_names(source: Checkpoint, into: str) -> tuple[
+def _plan_names(source: Checkpoint, into: str, every: dict[str, TensorInfo]) -> tuple[
         dict[str, TensorInfo], dict[str, str], list[str]]:
-    """Of the main state dict written ``into`` safetensors or torch: (tensors
-    to write, aliases, names written as copies of shared storage)."""
-    every = source.state_dict()
-    sd = {name: t for name, t in every.items() if _unwritten(t, into) is None}
+    """Of the main state dict ``every`` written ``into`` safetensors or torch:
+    (tensors to write, aliases, names written as copies of shared storage)."""
+    sd = {name: t for name, t in every.items()
+          if not (t.parts or t.layout == "quantized") or _unwritten(t, into) is None}
     if not sd:
         raise _nothing_to_convert(every, into)
-    share_count: dict[str | None, int] = {}
-    for t in sd.values():
-        share_count[t.storage] = share_count.get(t.storage, 0) + 1
+    share_count = Counter(map(attrgetter("storage"), sd.values()))
     # names of one tensor (the same view of one storage): one is kept, by
-    # the framework's rule (the input embedding, not lm_head: read/ties.py)
+    # the framework's rule (the input embedding, not lm_head: read/ties.py);
+    # a name alone on its storage (or with none) is one tensor alone
     same: dict[tuple[Any, ...], list[str]] = {}
     for name, t in sd.items():
-        ident = (t.storage, t.storage_offset, t.shape, t.stride, t.dtype) \
-            if t.storage is not None else (name,)
-        same.setdefault(ident, []).append(name)
+        if t.storage is not None and share_count[t.storage] > 1:
+            ident = (t.storage, t.storage_offset, t.shape, t.stride, t.dtype)
+            same.setdefault(ident, []).append(name)
     # a name the checkpoint records as tied, not stored (an index's, DeepSpeed's
     # shared_params), stays the alias: the stored name is what its files hold
     aliases = {n: keep for names in same.values() if len(names) > 1
                for keep in (ties.preferred([n for n in names if n not in source.aliases]
                                            or names),) for n in names if n != keep}
-    kept = {name: t for name, t in sd.items() if name not in aliases}
+    kept = {name: t for name, t in sd.items() if name not in aliases} if aliases else sd
     targets = set(aliases.values())
     copies = [n for n, t in kept.items() if t.storage is not None
               and share_count[t.storage] > 1 and n not in targets]
@@ -220,9 +225,11 @@ def _nothing_to_convert(every: dict[str, TensorInfo], into: str) -> UnsupportedC
                                       "see `ckptool inspect` for what the file holds")
 
 
-def _left_out(source: Checkpoint, into: str, kept_entries: Collection[str] = ()) -> list[str]:
+def _left_out(source: Checkpoint, into: str, kept_entries: Collection[str] = (),
+              every: dict[str, TensorInfo] | None = None) -> list[str]:
     """What the output does not hold, never dropped silently: the state
-    dict's tensors not written, the tensors outside it, the entries not kept."""
+    dict's tensors not written, the tensors outside it, the entries not kept.
+    ``every``: ``source.state_dict()``, when the caller has it."""
     out = []  # tensors first: what a reader of a long list most needs to see
     values = [f"{e.key} ({e.type})" for e in source.entries
               if e.key not in kept_entries and e.type != "alias"
@@ -235,7 +242,7 @@ def _left_out(source: Checkpoint, into: str, kept_entries: Collection[str] = ())
         values.insert(0, f"what DeepSpeed keeps to resume training, in "
                       f"{plural(len(records), 'file')}: optimizer states, ds_config, the "
                       "module as trained")
-    for name, t in source.state_dict().items():
+    for name, t in (source.state_dict() if every is None else every).items():
         why = _unwritten(t, into)
         if why is not None:
             out.append(f"{name} ({why})")
