@@ -37,6 +37,8 @@ from ckptool.write.distributed.run import convert
 
 if {where!r} == "between-renames":  # .ckptool/ set aside, OUT not yet renamed
     staging.replace_directory = lambda *a, **k: os._exit(9)
+elif {where!r} == "file-placed":  # one file: OUT in place, the staging not yet removed
+    staging.Staging._remove = lambda self: os._exit(9)
 else:  # OUT in place, the records set aside not yet removed
     real = shutil.rmtree
     def rmtree(path, *a, **k):
@@ -44,8 +46,8 @@ else:  # OUT in place, the records set aside not yet removed
             os._exit(9)
         return real(path, *a, **k)
     shutil.rmtree = rmtree
-on_thread_ranks(2, lambda w: convert(w, {src!r}, {dst!r}, say=print, fmt="hf",
-                                     max_shard_size=300_000), ())
+options = dict(fmt="hf", max_shard_size=300_000) if {where!r} != "file-placed" else {{}}
+on_thread_ranks(2, lambda w: convert(w, {src!r}, {dst!r}, say=print, **options), ())
 """
 
 
@@ -257,3 +259,16 @@ def test_records_left_beside_a_committed_output_go_with_any_next_run(
         shutil.rmtree(out)
         convert_one(str(big_pt), str(out), fmt="hf")
     assert not aside.exists()
+
+
+def test_the_staging_left_beside_a_committed_file_goes_with_the_next_run(
+        big_pt: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out.safetensors"
+    _killed_while_committing(big_pt, out, "file-placed")
+    staging = Staging(str(out), False)
+    assert staging.path.is_dir() and out.is_file()
+    results = on_ranks(2, big_pt, out)
+    assert isinstance(results[0], UsageError) and "already exists" in results[0].message
+    assert not staging.path.exists()
+    convert_one(str(big_pt), str(tmp_path / "one.safetensors"))
+    assert out.read_bytes() == (tmp_path / "one.safetensors").read_bytes()

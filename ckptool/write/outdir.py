@@ -238,7 +238,7 @@ def only_records(meta: Path) -> bool:
         names = os.listdir(meta)
     except OSError:
         return False
-    return all(n in ("plan", "token", ".plan.tmp", ".token.tmp")
+    return all(n in ("plan", "token", "placed", ".plan.tmp", ".token.tmp", ".placed.tmp")
                or (n.startswith(("done-", "dcp-")) and n.endswith((".jsonl", ".json")))
                for n in names)
 

@@ -80,6 +80,7 @@ class Staging:
         self._writes = frozenset(writes)  # a framework's files beside the weights
         check_apart(Path(source), self.target)
         remove_stale_records(self.target.parent, self.target.name)  # OUT was committed
+        self._remove_if_committed()
         for own in (self.path, self.aside, self._lock.path):  # what a run removes
             check_apart(Path(source), own)
         for own in (self.path, self.aside):
@@ -143,6 +144,19 @@ class Staging:
             os.rename(self.aside, self.meta)
         else:
             shutil.rmtree(self.aside)
+
+    def _remove_if_committed(self) -> None:
+        """A one-file output's staging directory left by a rank 0 killed
+        after OUT was in place (``placed`` names the file OUT now is):
+        removed, as its commit would have."""
+        try:
+            placed = (self.meta / "placed").read_text().split()
+            st = os.stat(self.target)
+        except OSError:
+            return
+        if placed == [str(st.st_dev), str(st.st_ino)] and only_records(self.meta):
+            with contextlib.suppress(OSError):
+                self._remove()
 
     def _remove(self) -> None:
         """The staging directory removed, ``.ckptool/`` last: stopped
@@ -208,6 +222,8 @@ class Staging:
             fsync_directory(self.path)
         if not self.is_directory:
             assert name is not None
+            st = os.stat(self.path / name)  # what OUT will be: a leftover beside it is told
+            write_small(self.meta / "placed", f"{st.st_dev} {st.st_ino}".encode())
             self._place(self.path / name)
             with contextlib.suppress(OSError):
                 self._remove()
