@@ -157,3 +157,15 @@ def disk_full_lines(err: str, path: object, hint: str) -> bool:
     said = (rf"ckptool: error: cannot write {re.escape(str(path))}: no space left on "
             r"device \((needs [\d.]+ k?[MGT]?B, )?[\d.]+ k?[MGT]?B free on /\S*\)")
     return len(lines) == 2 and re.fullmatch(said, lines[0]) is not None and lines[1] == hint
+
+
+def clean_env() -> dict[str, str]:
+    """This environment without what a launcher sets (a test run under
+    torchrun or srun would pass it on), ckptool from this tree, one thread."""
+    import os
+
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("SLURM_", "TORCHELASTIC_", "CKPTOOL_")) and k not in (
+               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(PYTHONPATH=str(Path(__file__).resolve().parent.parent), OMP_NUM_THREADS="1")
+    return env

@@ -12,7 +12,6 @@ a rank busy in a collective call hears gloo before the launcher's SIGTERM.
 
 from __future__ import annotations
 
-import os
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import clean_env
 
 from ckptool.errors import RankFailedError
 from ckptool.write.distributed import launch
@@ -47,14 +47,6 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     g = torch.Generator().manual_seed(6)
     torch.save({f"w{i}": torch.randn(128, 128, generator=g) for i in range(6)}, path)
     return path
-
-
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "CKPTOOL_")) and k not in (
-               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return env
 
 
 def test_srun_names_the_rank_that_died(src: Path, tmp_path: Path) -> None:

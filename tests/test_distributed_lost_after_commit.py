@@ -32,6 +32,7 @@ from typing import Any
 import click
 import pytest
 import torch
+from helpers import clean_env
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from ckptool.errors import CkptoolError, RankFailedError
@@ -66,14 +67,6 @@ def src(tmp_path_factory: pytest.TempPathFactory) -> Path:
     g = torch.Generator().manual_seed(7)
     torch.save({f"w{i}": torch.randn(128, 128, generator=g) for i in range(6)}, path)
     return path
-
-
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "CKPTOOL_")) and k not in (
-               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return env
 
 
 @pytest.fixture

@@ -20,20 +20,13 @@ from pathlib import Path
 from types import FrameType
 
 import pytest
+from helpers import clean_env
 
 from ckptool.errors import CkptoolError
 from ckptool.write.distributed import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 SAMPLE = ROOT / "samples" / "dcp_tinynet"
-
-
-def clean_env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("SLURM_", "TORCHELASTIC_", "CKPTOOL_")) and k not in (
-               "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
-    return env
 
 
 def task_env(rank: int, port: int = 9, **extra: str) -> dict[str, str]:
