@@ -223,12 +223,19 @@ def remove_stale_records(parent: Path, name: str) -> bool:
     committed directory ``parent/name`` (``.NAME.ckptool-dist.manifest``),
     when it was killed once the output was in place: its staging directory
     is gone. Only what ckptool writes there is removed; returns whether."""
-    aside = parent / f".{name}.ckptool-dist.manifest"
-    if not aside.is_dir() or aside.is_symlink() or \
-            (parent / f".{name}.ckptool-dist.partial").exists() or not only_records(aside):
+    staging, aside = dist_paths(parent, name)
+    if not aside.is_dir() or aside.is_symlink() or staging.exists() or \
+            not only_records(aside):
         return False
     shutil.rmtree(aside, ignore_errors=True)
     return True
+
+
+def dist_paths(parent: Path, name: str) -> tuple[Path, Path]:
+    """A distributed convert's staging directory for ``parent/name``, and
+    where its commit sets the records aside."""
+    return (parent / f".{name}.ckptool-dist.partial",
+            parent / f".{name}.ckptool-dist.manifest")
 
 
 def only_records(meta: Path) -> bool:
@@ -248,7 +255,7 @@ def remove_leftovers(parent: Path, name: str) -> list[str]:
     (their process is gone); returns what was removed."""
     removed: list[str] = []
     if remove_stale_records(parent, name):
-        removed.append(f".{name}.ckptool-dist.manifest")
+        removed.append(dist_paths(parent, name)[1].name)
     try:
         entries = os.listdir(parent)
     except OSError:

@@ -36,6 +36,7 @@ from ckptool.write.outdir import (
     appeared,
     check_apart,
     check_replaceable,
+    dist_paths,
     fsync_directory,
     only_records,
     remove_stale_records,
@@ -57,9 +58,8 @@ class Staging:
             self.target = Path(os.path.realpath(self.target))  # (and one-process convert)
         self.is_directory = is_directory
         self.force = force
-        self.path = self.target.parent / f".{self.target.name}.ckptool-dist.partial"
+        self.path, self.aside = dist_paths(self.target.parent, self.target.name)
         self.meta = self.path / ".ckptool"
-        self.aside = self.path.with_name(self.path.name.removesuffix(".partial") + ".manifest")
         self._lock = OutputLock(self.target)
         self._source_dir: str | None = None  # the input's folder (its files are copied)
         self._writes: frozenset[str] = frozenset()
