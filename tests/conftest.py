@@ -49,3 +49,15 @@ def big_pt(tmp_path: Path) -> Path:
     path = tmp_path / "big.pt"
     torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}, path)
     return path
+
+
+# Local servers standing in for remote stores (HTTP ranges, Hugging Face Hub, S3),
+# started once per session, reset for each test: see tests/remote_fixtures.py.
+from remote_fixtures import (  # noqa: E402, F401
+    fake_hub,
+    fake_hub_session,
+    http_server,
+    range_http_server_session,
+    s3_server,
+    s3_server_session,
+)
