@@ -60,7 +60,10 @@ def parameters_text(sd: StateDictInfo, short: bool = False) -> str:
 def beside(path: str, ext: str) -> str:
     """A file name beside the checkpoint directory ``path``: ``run/ckpt`` ->
     ``run/ckpt.pt``, Lightning's ``x.ckpt/`` -> ``x.pt``; from the absolute
-    path where ``path`` is ``.`` (never a hidden file inside it)."""
+    path where ``path`` is ``.`` (never a hidden file inside it); in the
+    current directory for a URL (``s3://b/run/ckpt`` -> ``ckpt.pt``)."""
+    if "://" in path:
+        path = path.rstrip("/").rsplit("/", 1)[-1]
     base = os.path.normpath(path)
     if os.path.basename(base) in (".", "..", ""):
         base = os.path.abspath(base)

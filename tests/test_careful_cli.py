@@ -16,7 +16,7 @@ import torch
 from ckptool.cli.common import fold_key
 from ckptool.write.fix.plan import FixOptions
 from ckptool.write.fix.preview import preview
-from ckptool.write.fix.run import default_output, fresh_output
+from ckptool.write.fix.outputs import default_output, fresh_output
 from tests.conftest import CliResult
 from tests.helpers import SAMPLES
 
@@ -193,7 +193,7 @@ def test_an_unreadable_file_is_a_bad_input(run_cli: RunCli, tmp_path: Path,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
-    from ckptool.read import dispatch
+    from ckptool.read import fs
 
     path = tmp_path / "secret.pth"
     shutil.copy(SAMPLES / "dataparallel_cuda2.pth", path)
@@ -206,7 +206,7 @@ def test_an_unreadable_file_is_a_bad_input(run_cli: RunCli, tmp_path: Path,
             raise PermissionError(13, "Permission denied", str(file))
         return builtins.open(file, *args, **kwargs)  # type: ignore[call-overload]
 
-    monkeypatch.setattr(dispatch, "open", refuse, raising=False)
+    monkeypatch.setattr(fs, "open", refuse, raising=False)
     code, out, err = run_cli("inspect", str(path))
     assert (code, out) == (3, "")
     assert f"{path}: permission denied" in err and "hint:" in err

@@ -33,8 +33,8 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     """Turn the options the findings asked for into one checked command."""
     if opts == FixOptions():
         return Command()
+    from ckptool.write.fix.outputs import fresh_output
     from ckptool.write.fix.preview import preview
-    from ckptool.write.fix.run import fresh_output
 
     if ckpt.is_multifile:  # HF shards: a new directory beside it; DCP: refused
         return _directory_command(ckpt, opts)
@@ -55,7 +55,8 @@ def plan_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
 
 def _directory_command(ckpt: Checkpoint, opts: FixOptions) -> Command:
     """``fix``'s dry run on a checkpoint of many files, into a fresh directory."""
-    from ckptool.write.fix.run import fix, fresh_output
+    from ckptool.write.fix.outputs import fresh_output
+    from ckptool.write.fix.run import fix
 
     output = fresh_output(ckpt.path.rstrip("/"))
     try:
@@ -83,7 +84,8 @@ def framework_folder(ckpt: Checkpoint) -> str | None:
 
 def _folder_command(folder: str, opts: FixOptions) -> Command:
     """``fix``'s dry run of a framework folder into a fresh folder beside it."""
-    from ckptool.write.fix.run import fix, fresh_output
+    from ckptool.write.fix.outputs import fresh_output
+    from ckptool.write.fix.run import fix
 
     output = fresh_output(folder) + "/"
     try:

@@ -25,6 +25,8 @@ from ckptool.errors import InputError
 
 # temporary copy -> the name the user gave (for messages and reports)
 _SPOOLED: dict[str, str] = {}
+# a URL holding a user, password or signed query -> the URL shown without them
+_SECRET_URLS: dict[str, str] = {}
 
 
 def shown_path(path: str) -> str:
@@ -33,9 +35,12 @@ def shown_path(path: str) -> str:
 
 
 def unspool(text: str) -> str:
-    """``text`` with every temporary copy's path replaced by the given name."""
+    """``text`` with every temporary copy's path replaced by the given name,
+    and every URL given with credentials in it by the URL without them."""
     for temp, given in _SPOOLED.items():
         text = text.replace(temp, given)
+    for url, shown in _SECRET_URLS.items():
+        text = text.replace(url, shown)
     return text
 
 
@@ -58,13 +63,20 @@ class InputPath(click.ParamType):
 
     name = "path"
 
-    def __init__(self, streams: bool = True, why: str = "give a file") -> None:
+    def __init__(self, streams: bool = True, why: str = "give a file",
+                 remote: str | None = None) -> None:
         self.streams = streams
         self.why = why
+        self.remote = remote  # why a URL cannot be read here; None: it can
 
     def convert(self, value: Any, param: click.Parameter | None,
                 ctx: click.Context | None) -> str:
         path = os.fspath(value)
+        if "://" in path:
+            _hide_credentials(path)
+            if self.remote is not None:
+                _refuse_remote(path, self.remote)
+            return path
         if path != "-" and not _is_stream(path):
             return path
         given = "standard input" if path == "-" else path
@@ -74,6 +86,33 @@ class InputPath(click.ParamType):
             raise InputError("standard input is a terminal, not a checkpoint",
                              "pipe one in: ckptool inspect - < model.pth")
         return _spool(path, ctx)
+
+
+def _hide_credentials(url: str) -> None:
+    """Say ``url`` without its credentials wherever ckptool prints it; a
+    scheme ckptool does not read is a usage error."""
+    from ckptool.read.remote import urls
+
+    unknown = urls.looks_like_url(url)
+    if unknown is not None and not os.path.exists(url):
+        from ckptool.errors import UsageError
+
+        raise UsageError(f"{unknown}:// is not a scheme ckptool reads",
+                         "give a local path, or a URL: " + ", ".join(
+                             f"{s}://" for s in ("hf", "s3", "gs", "https", "http")))
+    if urls.is_url(url) and urls.shown(url) != url.rstrip("/"):
+        _SECRET_URLS[url.rstrip("/")] = urls.shown(url)
+        _SECRET_URLS[url] = urls.shown(url)
+
+
+def _refuse_remote(url: str, why: str) -> None:
+    from ckptool.errors import UsageError
+    from ckptool.read.remote import urls
+
+    if urls.is_url(url):
+        raise UsageError(f"{urls.shown(url)}: {why}",
+                         "download it first (hf download, aws s3 cp, gcloud storage cp, curl), "
+                         "then name the local copy; every other command reads URLs")
 
 
 def _spool(path: str, ctx: click.Context | None) -> str:

@@ -37,18 +37,33 @@ def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
 
     with one_shot():
         ckpt = open_checkpoint(path)
-        _report(ckpt, as_json, pattern, depth, limit)
+        _report(ckpt, as_json, pattern, depth, limit, remote_counts(path))
+
+
+def remote_counts(path: str) -> dict[str, int] | None:
+    """The requests and bytes a command made to read ``path``, a URL
+    (``ckptool.read.remote.counts``); None for a local path."""
+    if "://" not in path:
+        return None
+    from ckptool.read.remote import counts, urls
+
+    return counts.snapshot().as_json() if urls.is_url(path) else None
 
 
 def _report(ckpt: Checkpoint, as_json: bool, pattern: str | None, depth: int | None,
-            limit: int) -> None:
+            limit: int, remote: dict[str, int] | None = None) -> None:
     if as_json:
-        write_json(inspect_json(ckpt, pattern))
+        data = inspect_json(ckpt, pattern)
+        if remote is not None:
+            data["remote"] = remote
+        write_json(data)
         return
-    from ckptool.cli.inspect_text import render_inspect
+    from ckptool.cli.inspect_text import render_inspect, render_remote
 
     tensors = matching(ckpt.tensors, pattern)
     render_inspect(console(), ckpt, tensors, pattern, depth, limit)
+    if remote is not None:
+        render_remote(console(), ckpt, remote)
 
 
 command = inspect

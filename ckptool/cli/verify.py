@@ -29,7 +29,7 @@ from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 
 
 @click.command()
-@click.argument("path", type=InputPath())
+@click.argument("path", type=InputPath(remote="this command reads a local copy only, for now"))
 @click.option("--values", "read_values", is_flag=True,
               help="Also read every tensor once: NaN and Inf, all-zero tensors, and tensors "
                    "identical to another that nothing ties.")

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from ckptool.errors import CkptoolError
 from ckptool.model import Checkpoint, Companion, Framework
-from ckptool.read import dispatch, optim, prefixes
+from ckptool.read import dispatch, fs, optim, prefixes
 from ckptool.read.layouts import framework, loaders, recognise  # (journal, nested: a folder's)
 from ckptool.read.layouts import names as names_mod
 from ckptool.read.layouts.names import SHARD_NAME
@@ -42,14 +42,13 @@ def framework_of(path: str, layout: recognise.Layout | None,
             return None
         directory = os.path.dirname(path) or "."
         names = [n for n in ("config.json", "adapter_config.json", "random_states_0.pkl") if
-                 os.path.isfile(os.path.join(directory, n))]  # (accelerate's: its names)
+                 fs.isfile(os.path.join(directory, n))]  # (accelerate's: its names)
         facts = framework.folder_facts(directory, names, []) if names else None
         return _with_names(_with_adapters(facts), ckpt) if facts else None
     from ckptool.read.layouts import journal
 
     try:
-        with os.scandir(path) as it:
-            entries = sorted((e.name, e.is_dir(), e.is_file()) for e in it)
+        entries = sorted(fs.entries(path))
     except OSError:
         return None
     files = [n for n, _, is_file in entries if is_file and not journal.is_temporary(n)]
@@ -65,7 +64,7 @@ def framework_of(path: str, layout: recognise.Layout | None,
     if facts is None:
         if not any(c.format or c.error for c in found):
             return None  # a plain folder with one checkpoint and a few notes in it
-        here = os.path.basename(os.path.normpath(os.path.abspath(path))) + "/"
+        here = fs.basename(path) + "/"
         facts = Framework("folder", path, f"a folder holding the model and "
                           f"{len(found)} other file{'s' if len(found) != 1 else ''} ({here})")
     if facts.kind == "sentence-transformers":
@@ -103,7 +102,7 @@ def _modules(directory: str) -> list[Companion]:
             try:
                 raw = dispatch.read(full)
             except CkptoolError as exc:
-                out.append(Companion(f"{sub}/{name}", role, os.path.getsize(full),
+                out.append(Companion(f"{sub}/{name}", role, fs.getsize(full),
                                      error=exc.message.removeprefix(f"{full}: ")))
                 continue
             shapes = [f"{k} {'x'.join(map(str, v.shape)) or 'scalar'}"
@@ -111,7 +110,7 @@ def _modules(directory: str) -> list[Companion]:
                       and isinstance(v, TensorRecord)] if isinstance(raw.root, dict) else []
             verdicts = raw.seen.final()
             out.append(Companion(
-                f"{sub}/{name}", role, os.path.getsize(full), raw.format,
+                f"{sub}/{name}", role, fs.getsize(full), raw.format,
                 tuple(n for n, v in verdicts.items() if v.category == policy.UNSAFE),
                 tuple(n for n, v in verdicts.items() if v.category == policy.CUSTOM),
                 detail=f"{len(shapes)} tensor{'s' if len(shapes) != 1 else ''}: "
@@ -151,7 +150,7 @@ def _companion(directory: str, name: str, read: str | None = None) -> Companion 
     variant of it, the same model in another format)."""
     full = os.path.join(directory, name)
     try:
-        size = os.path.getsize(full)
+        size = fs.getsize(full)
     except OSError:
         return None
     role = framework.role_of(name) or (loaders.role(name, read) if read else None)
@@ -188,7 +187,7 @@ def _pickle_or_zip(path: str) -> bool:
     """Whether ``path`` starts as a pickle (a protocol opcode) or a zip does:
     what torch.load would read, whatever the file is named."""
     try:
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             head = f.read(2)
     except OSError:
         return True  # unreadable: read as any other, which says why
@@ -215,7 +214,7 @@ def model_beside(path: str) -> str | None:
     ``path`` (an optimizer's state, say): its path, or None."""
     directory = os.path.dirname(path) or "."
     try:
-        names = sorted(os.listdir(directory))
+        names = sorted(fs.listdir(directory))
     except OSError:
         return None
     mine = os.path.basename(path)

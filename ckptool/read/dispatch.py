@@ -24,6 +24,7 @@ from ckptool.errors import (
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
+from ckptool.read import fs
 from ckptool.read.formats import pickle_fmt, safetensors_fmt, torch_legacy, torch_zip
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import recognise
@@ -113,7 +114,7 @@ explained = _explained  # for the readers of many files (ckptool.read.reader)
 
 
 def _reader_for(path: str) -> Callable[[str], RawRead]:
-    head, tail, size = _peek(path)
+    head, size = _peek(path)
     if size == 0:
         raise NotACheckpointError(f"{path} is empty (0 bytes)",
                                   "the download or copy probably failed; fetch it again")
@@ -133,7 +134,7 @@ def _reader_for(path: str) -> Callable[[str], RawRead]:
     # a pickle before the formats known by their first bytes' shape alone:
     # a pickle may open like a msgpack map (SHORT_BINUNICODE is 0x8c), and
     # what torch.load would unpickle is read as the pickle it is
-    if pickle_fmt.sniff(head, tail):
+    if pickle_fmt.sniff(head, _tail(path, size)):
         return pickle_fmt.read
     other = _other_format(head)
     if other is not None:
@@ -171,30 +172,45 @@ def _other_format(head: bytes) -> tuple[str, str] | None:
     return None
 
 
-def _peek(path: str) -> tuple[bytes, bytes, int]:
-    if os.path.isdir(path):  # read and check recognise directories first
+def _tail(path: str, size: int) -> bytes:
+    """The last 16 bytes (read only for a file no format's magic claims: a
+    remote file's tail is a request of its own)."""
+    try:
+        with fs.open_binary(path) as f:
+            f.seek(max(0, size - 16))
+            return f.read(16)
+    except OSError as exc:
+        raise InputError(f"{path}: cannot read ({exc.strerror})", "check the path") from exc
+
+
+def _peek(path: str) -> tuple[bytes, int]:
+    if fs.isdir(path):  # read and check recognise directories first
         raise InputError(f"{path} is a directory, not a file",
                          "point ckptool at a checkpoint file inside it")
     _check_regular(path)
     try:
-        with open(path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
+        with fs.open_binary(path) as f:
+            size = fs.size_of(f)
             head = f.read(512)
-            f.seek(max(0, size - 16))
-            tail = f.read(16)
     except FileNotFoundError as exc:
+        if fs.is_remote(path):
+            from ckptool.read.remote import stores
+
+            raise stores.not_found(path) from None
         raise InputError(f"{path}: no such file", "check the path and try again") from exc
     except PermissionError as exc:
         raise InputError(f"{path}: permission denied",
                          "check the file's permissions") from exc
     except OSError as exc:
         raise InputError(f"{path}: cannot read ({exc.strerror})", "check the path") from exc
-    return head, tail, size
+    return head, size
 
 
 def _check_regular(path: str) -> None:
     """A checkpoint is a file: refuse a device or a pipe with the reason
     rather than reading it as an empty or endless one."""
+    if fs.is_remote(path):
+        return  # a remote file is a file (a URL names no device)
     try:
         mode = os.stat(path).st_mode
     except OSError:
@@ -217,7 +233,7 @@ def _explain_tar(path: str) -> None:
     import tarfile  # rare; kept off the import path of every command
 
     try:
-        with tarfile.open(path) as tf:
+        with fs.open_binary(path) as f, tarfile.open(fileobj=f) as tf:
             names = set(tf.getnames())
     except (tarfile.TarError, OSError) as exc:
         raise NotACheckpointError(f"{path} is a damaged tar archive: {exc}") from exc

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.keys import split_key, unescape
 from ckptool.model import Checkpoint
+from ckptool.read import fs
 from ckptool.read.constructors import NDArray
 from ckptool.read.layouts.dcp import DCP, nest
 from ckptool.read.layouts.per_rank import PER_RANK
@@ -226,7 +227,7 @@ class Builder:
         big = self.ckpt.metadata.get("byteorder") == "big"
         if ref.nbytes == 0:
             storage = torch.UntypedStorage(0)
-        elif self.mmap and not big:
+        elif self.mmap and not big and not fs.is_remote(self.ckpt.path):
             start = data.storage_offset(ref.key)
             if self._whole is None:  # the file mapped privately once, as torch.load(mmap=True)
                 self._whole = torch.UntypedStorage.from_file(  # type: ignore[assignment]

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ckptool.describe import plural
 from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
-from ckptool.read import companions, dispatch, observe, optim, params, prefixes
+from ckptool.read import companions, dispatch, fs, observe, optim, params, prefixes
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import recognise
@@ -66,6 +66,10 @@ def open_checkpoint(path: str | os.PathLike[str],
     and a directory holding one checkpoint file reads as that file.
     """
     path = os.fspath(path)
+    if fs.is_remote(path):  # listings made now, not kept from an earlier read
+        from ckptool.read import remote
+
+        remote.forget()
     with no_cycle_collection():
         return _open(path, on_tensors)
 
@@ -178,7 +182,7 @@ def assemble_multi(path: str, multi: MultiRead) -> Checkpoint:
     from ckptool.read.layouts.base import list_ties
 
     list_ties(multi)  # a tied name is a tensor of its own, sharing the stored one's storage
-    ckpt = assemble(path, multi.raw, file_size=sum(f.size for f in multi.files))
+    ckpt = assemble(path, multi.raw, sum(f.size for f in multi.files), multi.groups is None)
     ckpt.directory, ckpt.files = multi.directory, multi.files
     ckpt.tree_paths, ckpt.aliases = multi.paths, dict(multi.aliases)
     if multi.notes:  # inspect says them; diagnose does not count them as problems
@@ -220,7 +224,8 @@ def with_state_dict(ckpt: Checkpoint, path: str, names: list[str]) -> Checkpoint
                                                           ckpt.tensors))
 
 
-def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoint:
+def assemble(path: str, raw: RawRead, file_size: int | None = None,
+             state_dict: bool = True) -> Checkpoint:  # (False: the caller picks it)
     """The Checkpoint of an already read file (rewrites read it faithfully first)."""
     walked = walk(raw.root)
     for name, extra in raw.extra_roots.items():
@@ -256,13 +261,14 @@ def assemble(path: str, raw: RawRead, file_size: int | None = None) -> Checkpoin
     return Checkpoint(
         path=path,
         format=raw.format,
-        file_size=os.path.getsize(path) if file_size is None else file_size,
+        file_size=fs.getsize(path) if file_size is None else file_size,
         tensors=tensors,
         storages=storages,
         entries=entries,
         globals=globals_,
         main_state_dict=_main_state_dict(walked.candidates, tensors,
-                                         tuple(o.state_path for o in optimizers)),
+                                         tuple(o.state_path for o in optimizers))
+        if state_dict else None,
         metadata=metadata,
         root=raw.root,
         warnings=warnings,

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from ckptool import dtypes
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Checkpoint, StorageInfo, TensorInfo
+from ckptool.read import fs
 from ckptool.read.ziparchive import ZipArchive, ZipError
 
 if TYPE_CHECKING:
@@ -48,10 +49,10 @@ class TensorData:
                 "not supported here yet", _HINT)
         self.ckpt = ckpt
         self.byteswap = _is_big_endian(ckpt)
-        self._f = open(ckpt.path, "rb")  # noqa: SIM115 -- closed by close()
+        self._f = fs.open_binary(ckpt.path)  # closed by close()
         self._zip: ZipArchive | None = None
         self._spans: dict[str, int] = {}  # storage id -> absolute offset of its bytes
-        size = os.fstat(self._f.fileno()).st_size
+        size = fs.size_of(self._f)
         if size != ckpt.file_size:
             self.close()
             raise CorruptCheckpointError(
@@ -103,6 +104,11 @@ class TensorData:
 
     def fileno(self) -> int:
         return self._f.fileno()
+
+    def source(self) -> Any:
+        """The input to copy bytes from: its descriptor, or for a remote
+        checkpoint the file itself (read by ranges: ``pread``)."""
+        return self._f if fs.is_remote(self.ckpt.path) else self._f.fileno()
 
     def record_crc(self, storage_id: str) -> int | None:
         """The zip directory's CRC of a storage whose record it fills, else None."""

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import ctypes
 import math
+import os
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ckptool import dtypes
 from ckptool.errors import CorruptCheckpointError
@@ -85,6 +87,71 @@ class Made:
 
 
 Segment = Data | Span | Made
+# an input file: its descriptor, or a remote file read by ranges (``read.remote``)
+Source = Any
+
+
+def source_of(f: Any) -> Source:
+    """The input an open file copies from: its descriptor, or a remote file."""
+    return f if getattr(f, "url", None) is not None else f.fileno()
+
+
+def read_at(source: Source, n: int, offset: int) -> bytes:
+    """``os.pread`` of an input, local or remote."""
+    return os.pread(source, n, offset) if isinstance(source, int) else source.pread(offset, n)
+
+
+def input_segment(source: Source, at: int, src: int, size: int, name: str,
+                  checks: list[Check] | None = None, crc: int | None = None) -> Span | Made:
+    """``size`` bytes of an input from ``src``, copied as they are: a
+    ``Span`` of a local file (copied by the kernel or through a mapping), or
+    for a remote one (``source`` has ``pread``) bytes ``Made`` by one range
+    request when the copy reaches them, checked against the CRC the input
+    gives them where it gives one (a zip record's)."""
+    if isinstance(source, int):
+        return Span(at, source, src, size, name, checks or [], crc)
+    return _fetched(source, at, src, size, name,
+                    [c[3] for c in checks or [] if c[1] == at and c[2] == size])
+
+
+def input_segments(source: Source, at: int, src: int, size: int, name: str,
+                   checks: list[Check]) -> list[Segment]:
+    """``input_segment`` of a range holding several checked ranges (the
+    records of a zip, back to back): one ``Span`` of a local file; of a
+    remote one, one ``Made`` for each checked range and each range between
+    them, so that one record's bytes are in memory at a time."""
+    if isinstance(source, int):
+        return [Span(at, source, src, size, name, checks)]
+    out: list[Segment] = []
+    pos = at
+    for what, c_at, c_size, c_crc in sorted(checks, key=lambda c: c[1]):
+        if c_at > pos:
+            out.append(_fetched(source, pos, src + pos - at, c_at - pos, name, []))
+        out.append(_fetched(source, c_at, src + c_at - at, c_size, what, [c_crc]))
+        pos = c_at + c_size
+    if pos < at + size:
+        out.append(_fetched(source, pos, src + pos - at, at + size - pos, name, []))
+    return out
+
+
+def _fetched(source: Source, at: int, src: int, size: int, name: str,
+             expected: list[int]) -> Made:
+    """Bytes of a remote input, fetched when the copy reaches them and
+    checked against the CRC the input gives them, if it gives one."""
+
+    def fetch() -> bytes:
+        data = source.pread(src, size)
+        if len(data) != size:
+            raise CorruptCheckpointError(f"{name}: the input ends before its bytes do",
+                                         "the remote file changed or is cut short; "
+                                         "nothing was written")
+        if expected and zlib.crc32(data) != expected[0]:
+            raise CorruptCheckpointError(
+                f"{name} does not match the CRC the input gives it",
+                "the remote file is damaged: nothing was written")
+        return data
+
+    return Made(at, size, name, fetch)
 
 
 @dataclass
@@ -134,7 +201,7 @@ def tensor_segment(reader: TensorData, t: TensorInfo, dtype: str, at: int,
         whole = t.storage_offset == 0 and size == reader.storage(t.storage).nbytes
         crc = reader.record_crc(t.storage) if whole else None
         checks = [(name, at, size, crc)] if crc is not None else []
-        return Span(at, reader.fileno(), src, size, name, checks, crc)
+        return input_segment(reader.source(), at, src, size, name, checks, crc)
 
     def make() -> bytes:
         values = reader.values(t, checked=True).contiguous()

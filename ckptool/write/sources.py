@@ -25,15 +25,16 @@ from __future__ import annotations
 
 import math
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptool import dtypes
 from ckptool.model import Checkpoint, Chunk, TensorInfo
+from ckptool.read import fs
 from ckptool.read.layouts import embedded
 from ckptool.read.tensor_data import TensorData
 from ckptool.read.tensor_source import TensorValues
 from ckptool.read.tensors import TensorRecord
-from ckptool.write.layout import Made, Segment, Span, tensor_segment
+from ckptool.write.layout import Made, Segment, Source, input_segment, tensor_segment
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,7 @@ class TensorSource:
         self.ckpt = ckpt
         self._values = TensorValues(ckpt)
         self._fds: dict[str, int] = {}  # the .distcp files whole-row chunks are copied from
+        self._remote: dict[str, Any] = {}  # ... or those of a remote checkpoint
 
     def __enter__(self) -> TensorSource:
         return self
@@ -57,6 +59,9 @@ class TensorSource:
         self._values.close()
         for fd in self._fds.values():
             os.close(fd)
+        for f in self._remote.values():
+            f.close()
+        self._remote.clear()
         self._fds.clear()
 
     def reader(self, t: TensorInfo) -> TensorData:
@@ -118,8 +123,8 @@ class TensorSource:
             src = self._chunk_data(t, c)
             if src is None:
                 return None
-            spans.append(Span(at + c.offsets[0] * row, self._fd(c.file), src,
-                              c.sizes[0] * row, f"{name} [rows {c.offsets[0]}..]"))
+            spans.append(input_segment(self._source(c.file), at + c.offsets[0] * row, src,
+                                       c.sizes[0] * row, f"{name} [rows {c.offsets[0]}..]"))
             expect += c.sizes[0]
         if expect != t.shape[0] or not spans:
             return None
@@ -133,8 +138,9 @@ class TensorSource:
             if c.offsets[0] != expect or c.dtype is not None or \
                     c.byte_length != c.sizes[0] * itemsize:
                 return None
-            spans.append(Span(at + expect * itemsize, self._fd(c.file), c.byte_offset,
-                              c.byte_length, f"{name} [elements {expect}..]"))
+            spans.append(input_segment(self._source(c.file), at + expect * itemsize,
+                                       c.byte_offset, c.byte_length,
+                                       f"{name} [elements {expect}..]"))
             expect += c.sizes[0]
         return spans if expect == t.numel and spans else None
 
@@ -160,8 +166,15 @@ class TensorSource:
             return None
         return start
 
-    def _fd(self, name: str) -> int:
+    def _source(self, name: str) -> Source:
+        """The input file ``name`` of the checkpoint's folder: a descriptor,
+        or a remote file read by ranges."""
+        assert self.ckpt.directory is not None
+        path = fs.join(self.ckpt.directory, name)
+        if fs.is_remote(path):
+            if name not in self._remote:
+                self._remote[name] = fs.open_binary(path)
+            return self._remote[name]
         if name not in self._fds:
-            assert self.ckpt.directory is not None
-            self._fds[name] = os.open(os.path.join(self.ckpt.directory, name), os.O_RDONLY)
+            self._fds[name] = os.open(path, os.O_RDONLY)
         return self._fds[name]

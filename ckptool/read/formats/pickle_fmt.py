@@ -17,13 +17,12 @@ file is taken for one when its first opcodes parse as a pickle's.
 
 from __future__ import annotations
 
-import os
 import pickletools
 import re
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read import pickles
+from ckptool.read import fs, pickles
 from ckptool.read.formats import torch_legacy
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.torch_legacy import read_bytes
@@ -78,14 +77,14 @@ def read(path: str) -> RawRead:
     seen = GlobalsSeen()
     embedded: dict[str, Any] = {}
     seen.part = "the pickle"
-    with open(path, "rb") as f, seen.naming_unsafe():
+    with fs.open_binary(path) as f, seen.naming_unsafe():
         obj = pickles.load(f, None, seen, embedded, read_bytes)
         if type(obj) is int and obj == torch_legacy.MAGIC:
             # torch.load takes any file that is not an archive for a legacy
             # one and checks its first pickle's value, not its bytes: this
             # pickle is a legacy file's magic number, written another way
             f.seek(0)
-            return torch_legacy.read_stream(f, os.fstat(f.fileno()).st_size)
-        trailing = pickles.scan_rest(f, os.fstat(f.fileno()).st_size, seen, "the pickle",
+            return torch_legacy.read_stream(f, fs.size_of(f))
+        trailing = pickles.scan_rest(f, fs.size_of(f), seen, "the pickle",
                                        read_bytes)
     return RawRead(PICKLE, obj, embedded, seen, warnings=[trailing] if trailing else [])

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 from typing import Any
 
 from ckptool import dtypes
 from ckptool.errors import CorruptCheckpointError
+from ckptool.read import fs
 from ckptool.read.formats.base import RawRead
 from ckptool.read.tensors import StorageRef, TensorRecord
 from ckptool.read.values import brief
@@ -39,8 +39,8 @@ def sniff(head: bytes) -> bool:
 
 
 def read(path: str) -> RawRead:
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    with fs.open_binary(path) as f:
+        size = fs.size_of(f)
         (n,) = struct.unpack("<Q", f.read(8))
         if 8 + n > size:
             raise CorruptCheckpointError(

@@ -9,12 +9,11 @@ int64 element count followed by its bytes. Storage bytes are skipped with
 from __future__ import annotations
 
 import io
-import os
 import struct
 from typing import IO, Any
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.read import pickles
+from ckptool.read import fs, pickles
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef
@@ -56,8 +55,8 @@ def sniff_tar(head: bytes) -> bool:
 
 
 def read(path: str) -> RawRead:
-    with open(path, "rb") as f:
-        return read_stream(f, os.fstat(f.fileno()).st_size)
+    with fs.open_binary(path) as f:
+        return read_stream(f, fs.size_of(f))
 
 
 def read_stream(f: IO[bytes], size: int, id_prefix: str = "") -> RawRead:

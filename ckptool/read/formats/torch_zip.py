@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import io
 import operator
-import os
 from typing import IO, Any, Protocol
 
 from ckptool.dtypes import ITEMSIZE
@@ -20,7 +19,7 @@ from ckptool.errors import (
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
-from ckptool.read import pickles
+from ckptool.read import fs, pickles
 from ckptool.read.formats import pt2
 from ckptool.read.formats.base import RawRead, parse_storage_pid
 from ckptool.read.formats.torch_legacy import read_bytes
@@ -53,7 +52,7 @@ def root_of(names: list[str]) -> str:
 def open_archive(f: IO[bytes]) -> ZipArchive:
     """The archive's directory, or a CorruptCheckpointError saying why not."""
     try:
-        return ZipArchive(f, os.fstat(f.fileno()).st_size)
+        return ZipArchive(f, fs.size_of(f))
     except ZipError as exc:
         raise CorruptCheckpointError(f"zip archive is truncated or corrupt ({exc})",
                                      TRUNCATED_HINT) from exc
@@ -69,7 +68,7 @@ class Archive(Protocol):
 
 
 def read(path: str) -> RawRead:
-    with open(path, "rb") as f:
+    with fs.open_binary(path) as f:
         return read_archive(open_archive(f))
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model import Chunk, FileInfo
+from ckptool.read import fs
 from ckptool.read.formats.base import RawRead
 from ckptool.read.tensors import TensorRecord
 
@@ -100,12 +101,16 @@ def file_size(path: str, shown: str, named_by: str) -> int:
     """The size of a file the checkpoint needs (a regular file: not a
     directory), or an error naming it."""
     try:
-        info = os.stat(path)
-        if not stat.S_ISREG(info.st_mode):
+        if fs.is_remote(path):
+            regular, size = fs.isfile(path), fs.getsize(path)  # (FileNotFoundError if missing)
+        else:
+            info = os.stat(path)
+            regular, size = stat.S_ISREG(info.st_mode), info.st_size
+        if not regular:
             raise CorruptCheckpointError(
                 f"{shown} (named by {named_by}) is not a file",
                 "a checkpoint's files are regular files: copy the checkpoint again")
-        return info.st_size
+        return size
     except FileNotFoundError as exc:
         raise CorruptCheckpointError(f"{shown} is missing (named by {named_by})",
                                      MISSING_HINT) from exc

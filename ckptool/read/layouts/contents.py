@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import os
 import re
-import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ckptool.read import fs
 from ckptool.read.layouts import framework, journal, nested
 from ckptool.read.layouts.names import holds_dcp, is_checkpoint_file, is_deepspeed_tag, listing
 
@@ -74,7 +75,7 @@ def remote_code(directory: str, files: list[str] | None = None) -> list[RemoteCo
     """Every class the folder's configs name in ``auto_map`` (``files``: the
     folder's, if listed already)."""
     if files is None:
-        files = [n for n in listing(directory) if os.path.isfile(os.path.join(directory, n))]
+        files = [n for n in listing(directory) if fs.isfile(os.path.join(directory, n))]
     out = []
     for config in CODE_CONFIGS:
         data = framework.json_file(directory, config) if config in files else None
@@ -145,13 +146,13 @@ def st_modules(directory: str) -> dict[str, str]:
 def subfolders(directory: str, dirs: list[str] | None = None) -> list[Subfolder]:
     """Each folder in ``directory`` (``dirs``, if listed already), with what it is."""
     if dirs is None:
-        dirs = [n for n in listing(directory) if os.path.isdir(os.path.join(directory, n))]
-    modules = st_modules(directory) if os.path.isfile(
+        dirs = [n for n in listing(directory) if fs.isdir(os.path.join(directory, n))]
+    modules = st_modules(directory) if fs.isfile(
         os.path.join(directory, "modules.json")) else {}
     out = []
     for name in sorted(dirs):
         path = os.path.join(directory, name)
-        if os.path.islink(path) or journal.is_temporary(name):
+        if fs.islink(path) or journal.is_temporary(name):
             continue
         files, size, more = _walk(path)
         dcp = holds_dcp(path)
@@ -192,18 +193,34 @@ def _walk(path: str) -> tuple[tuple[str, ...], int, bool]:
     MAX_WALKED."""
     files: list[str] = []
     size = 0
+    for rel, n, full in _files_under(path):
+        if journal.is_temporary(n) or not fs.regular(full):
+            continue
+        if len(files) == MAX_WALKED:
+            return tuple(files), size, True
+        files.append(rel)
+        size += fs.getsize(full)
+    return tuple(files), size, False
+
+
+def _files_under(path: str) -> Iterator[tuple[str, str, str]]:
+    """(path relative to ``path``, name, full path) of each file below it, in
+    order; a link to a folder is not followed."""
+    if fs.is_remote(path):
+        stack = [""]
+        while stack:
+            rel_dir = stack.pop()
+            here = fs.join(path, rel_dir) if rel_dir else path
+            listed = sorted(fs.entries(here))
+            for n, is_dir, _ in listed:
+                if not is_dir:
+                    rel = f"{rel_dir}/{n}" if rel_dir else n
+                    yield rel, n, fs.join(path, rel)
+            stack.extend(f"{rel_dir}/{n}" if rel_dir else n
+                         for n, is_dir, _ in reversed(listed) if is_dir)
+        return
     for root, dirnames, names in os.walk(path):
         dirnames.sort()
         for n in sorted(names):
             full = os.path.join(root, n)
-            try:
-                st = os.stat(full)
-            except OSError:
-                continue
-            if not stat.S_ISREG(st.st_mode) or journal.is_temporary(n):
-                continue
-            if len(files) == MAX_WALKED:
-                return tuple(files), size, True
-            files.append(os.path.relpath(full, path))
-            size += st.st_size
-    return tuple(files), size, False
+            yield os.path.relpath(full, path), n, full

@@ -31,7 +31,7 @@ from ckptool.describe import plural
 from ckptool.errors import CkptoolError, CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.keys import key_of, split_key
 from ckptool.model import Chunk, FileInfo
-from ckptool.read import dispatch, optim
+from ckptool.read import dispatch, fs, optim
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import sniff as sniff_safetensors
 from ckptool.read.layouts import dcp_metadata, embedded
@@ -115,7 +115,7 @@ def read(layout: Layout) -> MultiRead:
     for fqn, item in merged.values.items():
         root[fqn] = _value(layout, fqn, item, seen, storages, storage_files)
     extra_roots: dict[str, Any] = dict(others)
-    files = [FileInfo(n, "metadata", None, os.path.getsize(os.path.join(layout.directory, n)))
+    files = [FileInfo(n, "metadata", None, fs.getsize(os.path.join(layout.directory, n)))
              for n in layout.metadata]
     files += _file_infos(merged, sizes)
     for name in layout.extras:
@@ -127,7 +127,7 @@ def read(layout: Layout) -> MultiRead:
         seen.merge(raw.seen, name)
         warnings += [f"{name}: {w}" for w in raw.warnings]
         files.append(FileInfo(name, "extra", raw.format,
-                              os.path.getsize(os.path.join(layout.directory, name))))
+                              fs.getsize(os.path.join(layout.directory, name))))
     ranks = {f.rank for f in files if f.rank is not None}
     meta: dict[str, Any] = {"version": merged.version, "ranks": len(ranks) or None,
                             "metadata_files": list(layout.metadata)}
@@ -244,19 +244,19 @@ def _data_files(layout: Layout, md: Metadata) -> dict[str, int]:
     for name, item in first.items():
         _check_archive(os.path.join(layout.directory, name), name, item)
     for folder in {os.path.dirname(m) for m in layout.metadata}:
-        for name in os.listdir(os.path.join(layout.directory, folder) if folder
+        for name in fs.listdir(os.path.join(layout.directory, folder) if folder
                                else layout.directory):
             rel = os.path.join(folder, name) if folder else name
             path = os.path.join(layout.directory, rel)
-            if name.endswith(".distcp") and rel not in sizes and os.path.isfile(path):
-                sizes[rel] = os.path.getsize(path)  # a rank's file no item names
+            if name.endswith(".distcp") and rel not in sizes and fs.isfile(path):
+                sizes[rel] = fs.getsize(path)  # a rank's file no item names
     return sizes
 
 
 def _check_archive(path: str, shown: str, item: Item) -> None:
     if item.transforms or item.length == 0:
         return
-    with open(path, "rb") as f:
+    with fs.open_binary(path) as f:
         f.seek(item.offset)
         head = f.read(16)
         f.seek(0)

@@ -26,7 +26,7 @@ import os
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read import pickles
+from ckptool.read import fs, pickles
 from ckptool.read.formats.torch_legacy import read_bytes
 from ckptool.read.layouts import dcp_fast
 from ckptool.read.layouts.base import BROKEN_HINT
@@ -43,7 +43,7 @@ MAX_GAP_GRID = 1 << 12  # cells searched for the element a gap leaves out
 
 def parse(directory: str, name: str, seen: GlobalsSeen) -> Metadata:
     """Read ``directory/name``; item files are relative to ``directory``."""
-    with open(os.path.join(directory, name), "rb") as f:
+    with fs.open_binary(os.path.join(directory, name)) as f:
         data = f.read()
     seen.part = name
     stream = io.BytesIO(data)

@@ -44,6 +44,7 @@ from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptool.keys import join_key, split_key
 from ckptool.model import Checkpoint, Chunk, FileInfo
+from ckptool.read import fs
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import zero
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
@@ -144,7 +145,7 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
                 storages[s.key], storage_files[s.key] = s, f.name
         role = "model states" if f in files.models else "optimizer states"
         infos.append(FileInfo(f.name, role, f.raw.format,
-                              os.path.getsize(os.path.join(folder, f.name)),
+                              fs.getsize(os.path.join(folder, f.name)),
                               num_tensors=len(f.raw.storages), rank=f.rank))
     if files.others:
         notes.append(f"{layout.directory} also holds {', '.join(files.others[:6])}: not part "

@@ -26,7 +26,7 @@ from typing import Any
 
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
-from ckptool.read import dispatch
+from ckptool.read import dispatch, fs
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT
 from ckptool.read.layouts.recognise import MODEL_FILE, OPTIM_FILE
@@ -62,12 +62,12 @@ class Files:
 
 def read_files(folder: str) -> Files:
     try:
-        names = sorted(n for n in os.listdir(folder)
-                       if os.path.isfile(os.path.join(folder, n)))
+        names = sorted(n for n in fs.listdir(folder)
+                       if fs.isfile(os.path.join(folder, n)))
     except OSError as exc:
         raise CorruptCheckpointError(f"{folder}: cannot list the directory ({exc.strerror})",
                                      "check its permissions") from exc
-    if os.path.isdir(os.path.join(folder, "offloaded_tensors")):
+    if fs.isdir(os.path.join(folder, "offloaded_tensors")):
         raise UnsupportedCheckpointError(
             f"{folder} holds offloaded_tensors/: ZeRO-Infinity saved optimizer states to NVMe "
             "swap files, which ckptool does not read yet",
@@ -269,9 +269,9 @@ class Offsets:
         try:
             archive = self._zips.get(f.name)
             if archive is None:
-                fh = open(os.path.join(self.folder, f.name), "rb")  # noqa: SIM115 (closed by close)
+                fh = fs.open_binary(os.path.join(self.folder, f.name))
                 try:
-                    archive = ZipArchive(fh, os.fstat(fh.fileno()).st_size)
+                    archive = ZipArchive(fh, fs.size_of(fh))
                 except BaseException:
                     fh.close()
                     raise

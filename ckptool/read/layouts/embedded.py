@@ -12,10 +12,10 @@ storage record's bytes lie in the outer file.
 
 from __future__ import annotations
 
-import os
 from typing import IO
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.read import fs
 from ckptool.read.formats import torch_zip
 from ckptool.read.formats.base import RawRead
 from ckptool.read.ziparchive import ZipArchive, ZipError
@@ -72,8 +72,8 @@ def read_item(path: str, shown: str, start: int, length: int,
     """The archive at ``path[start:start + length]``, read as a torch file;
     and, for each storage record, the absolute offset of its bytes in ``path``."""
     refuse_transforms(shown, transforms)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
+    with fs.open_binary(path) as f:
+        size = fs.size_of(f)
         if start + length > size:
             raise CorruptCheckpointError(
                 f"{shown} ends at byte {size}, inside the item at bytes {start}..{start + length} "

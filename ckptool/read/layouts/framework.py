@@ -30,10 +30,10 @@ import functools
 import json
 import os
 import re
-import stat
 from typing import Any
 
 from ckptool.model import Framework
+from ckptool.read import fs
 from ckptool.read.layouts import loaders
 
 MAX_JSON_BYTES = 4 << 20  # config files are a few kB; a tokenizer.json is never read here
@@ -177,7 +177,7 @@ def folder_facts(directory: str, files: list[str], dirs: list[str]) -> Framework
     config = json_file(directory, "config.json") if "config.json" in has else None
     model_class, model_type, tied = _model_facts(config)
     adapter = json_file(directory, "adapter_config.json") if "adapter_config.json" in has else None
-    here = os.path.basename(os.path.normpath(os.path.abspath(directory))) + "/"
+    here = fs.basename(directory) + "/"
     if isinstance(adapter, dict) and "peft_type" in adapter:
         facts = _adapter_facts(adapter)
         return Framework("peft", directory, f"a PEFT {facts['peft_type']} adapter ({here})",
@@ -279,9 +279,9 @@ def json_file(directory: str, name: str) -> Any:
     not a regular file)."""
     path = os.path.join(directory, name)
     try:
-        if not stat.S_ISREG(os.stat(path).st_mode):
+        if not fs.regular(path):
             return None
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             data = f.read(MAX_JSON_BYTES + 1)
         if len(data) > MAX_JSON_BYTES:
             return None

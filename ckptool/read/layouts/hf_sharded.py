@@ -26,7 +26,7 @@ from typing import Any
 from ckptool.describe import human_bytes, plural
 from ckptool.errors import CorruptCheckpointError, InputError
 from ckptool.model import FileInfo
-from ckptool.read import dispatch
+from ckptool.read import dispatch, fs
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import dirlock, journal
@@ -46,6 +46,13 @@ def read(layout: Layout) -> MultiRead:
     fix is settled first, and they are read under the directory's shared
     lock (``dirlock.shared``): never while a fix commits."""
     directory = layout.directory
+    if fs.is_remote(directory):  # no lock to take, no fix of ckptool's running there
+        if fs.exists(fs.join(directory, journal.JOURNAL)):
+            raise InputError(f"{directory} holds the journal of an in-place fix that was "
+                             "stopped before it finished",
+                             "run any ckptool command on a local copy to settle it, then "
+                             "upload that copy")
+        return _read(layout, None)
     if dirlock.is_held(directory):  # this thread's own fix, reading what it fixes
         return _read(layout, journal.settle(directory))
     settled = None
@@ -68,11 +75,13 @@ def _read(layout: Layout, settled: journal.Settled | None) -> MultiRead:
     storage_files: dict[str, str] = {}
     seen = GlobalsSeen()
     holder: dict[str, str] = {}  # tensor name -> the shard it was found in
-    files = [FileInfo(layout.index, "index", None, os.path.getsize(index_path))]
+    files = [FileInfo(layout.index, "index", None, fs.getsize(index_path))]
     warnings: list[str] = []
     shard_formats: set[str] = set()
     byteorder: dict[str, str] = {}
-    for shard in sorted(set(weight_map.values())):
+    shards = sorted(set(weight_map.values()))
+    fs.prefetch([fs.join(layout.directory, s) for s in shards if "/" not in s])
+    for shard in shards:
         path = member(layout.directory, shard, layout.index)
         size = file_size(path, path, layout.index)
         raw = dispatch.read(path)
@@ -110,7 +119,7 @@ def _read(layout: Layout, settled: journal.Settled | None) -> MultiRead:
 
 def _load_index(path: str, name: str) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             data = json.loads(f.read(), object_pairs_hook=_no_repeats(name))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise CorruptCheckpointError(f"{name} is not valid JSON: {exc}", INDEX_HINT) from exc

@@ -22,7 +22,7 @@ from typing import Any
 from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError
 from ckptool.model import Chunk, FileInfo
-from ckptool.read import dispatch
+from ckptool.read import dispatch, fs
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
 from ckptool.read.layouts.recognise import HF_STORAGE_SHARD, Layout
@@ -59,7 +59,7 @@ def read(layout: Layout) -> MultiRead:
                     f"{name}: {SHARDING_INFO} gives no offsets of {len(rec.shape)} "
                     f"dimension(s) for {fqn!r:.80}", BROKEN_HINT)
             pieces.setdefault(fqn, []).append((name, rank, rec, at))
-        files.append(FileInfo(name, "shard", raw.format, os.path.getsize(path),
+        files.append(FileInfo(name, "shard", raw.format, fs.getsize(path),
                                len(raw.root), rank=rank))
     ranks = {f.rank for f in files if f.rank is not None}
     if ranks and ranks != set(range(max(ranks) + 1)):

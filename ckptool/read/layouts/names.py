@@ -11,8 +11,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 
+from ckptool.read import fs
 from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
 
 # torch's HuggingFaceStorageWriter(save_distributed=True): rank, then file
@@ -43,7 +43,7 @@ RECOVERY_SCRIPTS = ("zero_to_fp32.py", "zero_to_torch.py")
 
 def listing(folder: str) -> list[str]:
     try:
-        return os.listdir(folder)
+        return fs.listdir(folder)
     except OSError:
         return []
 
@@ -51,10 +51,7 @@ def listing(folder: str) -> list[str]:
 def regular_file(path: str) -> bool:
     """Whether ``path`` is a regular file (a FIFO or device is never opened:
     reading one could block for ever)."""
-    try:
-        return stat.S_ISREG(os.stat(path).st_mode)
-    except OSError:
-        return False
+    return fs.regular(path)
 
 
 def is_checkpoint_file(path: str) -> bool:
@@ -62,7 +59,7 @@ def is_checkpoint_file(path: str) -> bool:
     if not regular_file(path):
         return False
     try:
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             head = f.read(16)
     except OSError:
         return False
@@ -74,7 +71,7 @@ def latest(path: str) -> str | None:
     if not regular_file(os.path.join(path, LATEST)):
         return None
     try:
-        with open(os.path.join(path, LATEST), "rb") as f:
+        with fs.open_binary(os.path.join(path, LATEST)) as f:
             data = f.read(MAX_TAG_BYTES + 1)
     except OSError:
         return None
@@ -95,7 +92,7 @@ def is_deepspeed_tag(path: str) -> bool:
     """Whether ``path`` is a DeepSpeed tag directory (holds its model or
     optimizer state files)."""
     try:
-        names = os.listdir(path)
+        names = fs.listdir(path)
     except OSError:
         return False
     return any(MODEL_FILE.match(n) or OPTIM_FILE.match(n) for n in names)
@@ -103,7 +100,7 @@ def is_deepspeed_tag(path: str) -> bool:
 
 def holds_dcp(folder: str) -> bool:
     """Whether ``folder`` holds a DCP checkpoint's ``.metadata`` (or one per rank)."""
-    return os.path.isfile(os.path.join(folder, METADATA)) or any(
+    return fs.isfile(os.path.join(folder, METADATA)) or any(
         RANK_METADATA.match(n) for n in listing(folder))
 
 
@@ -112,10 +109,10 @@ def index_json(path: str) -> dict[str, object] | None:
     if not regular_file(path):
         return None
     try:
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             if not f.read(64).lstrip().startswith(b"{"):
                 return None
-            if os.fstat(f.fileno()).st_size > MAX_INDEX_BYTES:
+            if fs.size_of(f) > MAX_INDEX_BYTES:
                 return None
             f.seek(0)
             data = json.loads(f.read())

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import InputError
+from ckptool.read import fs
 from ckptool.read.layouts import framework
 
 REPO_DIR = re.compile(r"^(models|datasets|spaces)--.+")
@@ -53,7 +54,7 @@ def peft_adapters(directory: str) -> tuple[Adapter, ...]:
     """Every PEFT adapter of ``directory``: its own (``default``), then each
     subfolder's, by name."""
     try:
-        names = sorted(e.name for e in os.scandir(directory) if e.is_dir())
+        names = sorted(n for n, is_dir, _ in fs.entries(directory) if is_dir)
     except OSError:
         names = []
     found = [adapter_in(directory, "", "default")]
@@ -67,7 +68,7 @@ def adapter_in(folder: str, rel: str, name: str) -> Adapter | None:
     config = framework.json_file(folder, "adapter_config.json")
     if not isinstance(config, dict) or not isinstance(config.get("peft_type"), str):
         return None
-    weights = next((w for w in ADAPTER_WEIGHTS if os.path.isfile(os.path.join(folder, w))),
+    weights = next((w for w in ADAPTER_WEIGHTS if fs.isfile(os.path.join(folder, w))),
                    "adapter_config.json")
     r = config.get("r")
     return Adapter(name, config["peft_type"][:40], rel + weights, r if type(r) is int else None)
@@ -100,7 +101,7 @@ def _refuse_cache(path: str, repo: str, given: str) -> None:
     ``snapshots/``), naming the snapshot ``refs/main`` names."""
     snapshots = os.path.join(repo, "snapshots")
     try:
-        found = sorted(e.name for e in os.scandir(snapshots) if e.is_dir())
+        found = sorted(n for n, is_dir, _ in fs.entries(snapshots) if is_dir)
     except OSError:
         found = []
     commit = _ref_main(repo)

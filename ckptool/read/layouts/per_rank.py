@@ -38,7 +38,7 @@ from ckptool import dtypes
 from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo
-from ckptool.read import dispatch
+from ckptool.read import dispatch, fs
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts import dcp_metadata, shards
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
@@ -62,7 +62,7 @@ def read(layout: Layout) -> MultiRead:
         raw = dispatch.read(full)
         seen.merge(raw.seen, name)
         reads.append(raw)
-        files.append(FileInfo(name, "rank", raw.format, os.path.getsize(full), rank=rank))
+        files.append(FileInfo(name, "rank", raw.format, fs.getsize(full), rank=rank))
     found = [_dtensors(raw.root) for raw in reads]
     if not found[0]:
         raise UnsupportedCheckpointError(
@@ -226,7 +226,7 @@ class _StorageOffsets:
         if data is None:
             raw = self.reads[self.names.index(name)]
             path = os.path.join(self.directory, name)
-            view = Checkpoint(path=path, format=raw.format, file_size=os.path.getsize(path),
+            view = Checkpoint(path=path, format=raw.format, file_size=fs.getsize(path),
                               tensors=[], storages={
                                   r.key: StorageInfo(r.key, r.dtype, r.location, r.nbytes,
                                                      r.record, ())

@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
+from ckptool.read import fs
 from ckptool.read.layouts import framework, loaders  # (journal, mixed, nested: a folder's)
 from ckptool.read.layouts.names import (
     ACCELERATE_DIRS,
@@ -87,10 +88,13 @@ def recognise(path: str) -> Layout | None:
     """The layout at ``path``; None for a path that is not a directory or an
     index file (a single checkpoint file, or something the format readers
     explain: missing, empty, not a checkpoint)."""
-    try:
-        mode = os.stat(path).st_mode
-    except OSError:
-        return None
+    if fs.is_remote(path):
+        mode = (stat.S_IFREG if fs.isfile(path) else stat.S_IFDIR if fs.isdir(path) else 0)
+    else:
+        try:
+            mode = os.stat(path).st_mode
+        except OSError:
+            return None
     if stat.S_ISREG(mode):
         index = _index_json(path)
         if index is None:
@@ -105,8 +109,7 @@ def _directory(path: str) -> Layout:
     from ckptool.read.layouts import journal, mixed
 
     try:
-        with os.scandir(path) as it:
-            entries = sorted((e.name, e.is_dir(), e.is_file()) for e in it)
+        entries = sorted(fs.entries(path))
     except OSError as exc:
         raise InputError(f"{path}: cannot list the directory ({exc.strerror})",
                          "check its permissions") from exc
@@ -218,7 +221,7 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
     ``checkpoint-N/`` with its model file), None and a note naming it."""
     if any(MODEL_FILE.match(n) or OPTIM_FILE.match(n) for n in files):
         return Layout(DEEPSPEED, path, path,
-                      tag=os.path.basename(os.path.normpath(os.path.abspath(path)))), ""
+                      tag=fs.basename(path)), ""
     tags = [d for d in dirs if is_deepspeed_tag(os.path.join(path, d))]
     tag = _latest(path) if LATEST in files else None
     if tag is not None and "/" in tag and is_deepspeed_tag(os.path.join(path, tag)):
@@ -254,7 +257,7 @@ def _deepspeed(path: str, files: list[str], dirs: list[str]) -> tuple[Layout | N
 
 def _dcp(path: str, files: list[str], metadata: list[str]) -> Layout:
     for name in metadata:
-        with open(os.path.join(path, name), "rb") as f:
+        with fs.open_binary(os.path.join(path, name)) as f:
             head = f.read(2)
         if not head.startswith(b"\x80"):
             raise CorruptCheckpointError(

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING
 from ckptool import dtypes
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.model import Checkpoint, Chunk, FileInfo, StorageInfo, TensorInfo
+from ckptool.read import fs
 from ckptool.read.layouts import embedded
 from ckptool.read.layouts.base import BROKEN_HINT
 from ckptool.read.tensor_data import TensorData
@@ -117,7 +118,7 @@ def _assemble_flat(ckpt: Checkpoint, tensor: TensorInfo, dtype: torch.dtype) -> 
                                          "lies outside it", BROKEN_HINT)
         if count == 0:
             continue
-        with open(os.path.join(ckpt.directory, chunk.file), "rb") as f:
+        with fs.open_binary(os.path.join(ckpt.directory, chunk.file)) as f:
             f.seek(chunk.byte_offset)
             if chunk.dtype is None and whole is not None:
                 view = whole[at * itemsize:(at + count) * itemsize]
@@ -145,7 +146,7 @@ def _read_raw(ckpt: Checkpoint, tensor: TensorInfo, chunk: Chunk) -> torch.Tenso
         raise CorruptCheckpointError(f"{tensor.key}: its chunk in {chunk.file} is "
                                      f"{chunk.byte_length} bytes, {need} expected", BROKEN_HINT)
     data = bytearray(need)
-    with open(os.path.join(ckpt.directory, chunk.file), "rb") as f:
+    with fs.open_binary(os.path.join(ckpt.directory, chunk.file)) as f:
         f.seek(chunk.byte_offset)
         got = f.readinto(data)
     if got != need:
@@ -181,7 +182,7 @@ def _read_chunk(ckpt: Checkpoint, tensor: TensorInfo, chunk: Chunk) -> torch.Ten
         raise CorruptCheckpointError(f"{shown}: its bytes run past the item", BROKEN_HINT)
     sid = "chunk"
     view = Checkpoint(
-        path=path, format="torch-zip", file_size=os.path.getsize(path), tensors=[],
+        path=path, format="torch-zip", file_size=fs.getsize(path), tensors=[],
         storages={sid: StorageInfo(sid, ref.dtype, ref.location, ref.nbytes, f"@{start}", ())},
         entries=[], globals=[], main_state_dict=None,
         metadata={"byteorder": raw.metadata.get("byteorder", "little")})

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from typing import IO, Any
 
 from ckptool.model import Checkpoint
+from ckptool.read import fs
 from ckptool.read.layouts import contents, framework, journal, loaders
 from ckptool.read.layouts.names import is_checkpoint_file
 from ckptool.write.outdir import AtomicDirectory
@@ -42,6 +43,7 @@ from ckptool.write.outdir import AtomicDirectory
 # a framework's own name for its weights (hf, hf-bin)
 STEMS = {"diffusers": "diffusion_pytorch_model", "peft": "adapter_model"}
 SHOWN = 16  # names a note lists
+COPY_BUFFER = 8 << 20  # bytes a copied file is read by
 _TRAINING = "training state, which resuming reads from the input: the output is the model"
 _OTHER_FORM = "the model's weights in another form or a variant: the output holds them converted"
 _CHECKPOINT = "checkpoints or pickles that are not the model converted: convert each by name"
@@ -68,7 +70,7 @@ class Extra:
     data: bytes | None = None  # written instead of the file (a config with its dtype)
 
     def open(self) -> IO[bytes]:
-        return io.BytesIO(self.data) if self.data is not None else open(self.path, "rb")
+        return io.BytesIO(self.data) if self.data is not None else fs.open_binary(self.path)
 
 
 def top_names(extras: Iterable[Extra]) -> set[str]:
@@ -97,8 +99,7 @@ def plan_folder(source: Checkpoint, dtype: str | None = None) -> Folder:
     own = _own_files(source, directory)
     flagged = {c.path for c in fw.companions if c.unsafe}
     try:
-        with os.scandir(directory) as it:
-            entries = sorted((e.name, e.is_dir()) for e in it)
+        entries = sorted((name, is_dir) for name, is_dir, _ in fs.entries(directory))
     except OSError:
         return out
     files = [n for n, is_dir in entries if not is_dir]
@@ -113,7 +114,7 @@ def plan_folder(source: Checkpoint, dtype: str | None = None) -> Folder:
     for name in files:
         full = os.path.join(directory, name)
         role = framework.role_of(name)
-        if name in own or journal.is_temporary(name) or not os.path.isfile(full):
+        if name in own or journal.is_temporary(name) or not fs.isfile(full):
             continue
         if loaders.parse(name) is not None or (role or "").startswith("the model for"):
             left.setdefault(_OTHER_FORM, []).append(name)
@@ -209,7 +210,8 @@ def write_extras(extras: Iterable[Extra], outdir: AtomicDirectory) -> list[str]:
     for extra in extras:
         os.makedirs(os.path.dirname(os.path.join(outdir.path, extra.name)), exist_ok=True)
         with extra.open() as f, outdir.file(extra.name) as out:
-            shutil.copyfileobj(f, out.file)
+            # (large reads: a remote file's each read is a request)
+            shutil.copyfileobj(f, out.file, COPY_BUFFER)
             out.file.flush()
             out.commit()
         names.append(extra.name)
@@ -257,10 +259,10 @@ def _version(text: Any) -> tuple[int, int]:
 
 def _with_dtype(extra: Extra, dtype: str, notes: list[str]) -> Extra:
     """The model's ``config.json``, saying ``dtype``."""
-    if os.path.getsize(extra.path) > framework.MAX_JSON_BYTES:
+    if fs.getsize(extra.path) > framework.MAX_JSON_BYTES:
         notes.append("config.json is too large to read: its dtype is left as it was")
         return extra
-    with open(extra.path, "rb") as f:
+    with fs.open_binary(extra.path) as f:
         data, said = config_with_dtype(f.read(), dtype)
     if data is None:
         notes.append(said)

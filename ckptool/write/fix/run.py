@@ -28,7 +28,6 @@ import functools
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ckptool import dtypes
@@ -36,7 +35,7 @@ from ckptool.describe import beside, shell_word
 from ckptool.errors import CkptoolError, UnsupportedCheckpointError, UsageError
 from ckptool.keys import unescape
 from ckptool.model import Checkpoint
-from ckptool.read import dispatch
+from ckptool.read import dispatch, fs
 from ckptool.read.companions import framework_of
 from ckptool.read.formats import torch_legacy as legacy_reader
 from ckptool.read.formats import torch_zip as zip_reader
@@ -55,6 +54,7 @@ from ckptool.write.failures import NEEDED, naming, needing
 from ckptool.write.fastcrc import Observe
 from ckptool.write.fix import folder as fix_folder
 from ckptool.write.fix import inplace
+from ckptool.write.fix.outputs import default_output, fresh_output
 from ckptool.write.fix.plan import (
     FixOptions,
     Plan,
@@ -63,47 +63,15 @@ from ckptool.write.fix.plan import (
     new_pid,
     refuse_unsafe,
 )
-from ckptool.write.fix.targets import CHECKPOINT_SUFFIXES, check_suffix, check_target
+from ckptool.write.fix.targets import check_suffix, check_target
 from ckptool.write.flagged import prove_clean, refuse_flagged
 from ckptool.write.formats import safetensors, torch_legacy, torch_zip
-from ckptool.write.layout import checked_cast
+from ckptool.write.layout import checked_cast, source_of
 from ckptool.write.outlock import OutputLock
 from ckptool.write.results import FixResult
 from ckptool.write.streamhash import StreamHash, Streams
 
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
-
-
-def _name_and_suffixes(src: str) -> tuple[str, str]:
-    """``dir/x.pth.tar`` -> (``dir/x``, ``.pth.tar``): every checkpoint suffix
-    at the end, or the last suffix of a name that has none of them."""
-    path = Path(src)
-    name, suffixes = path.name, ""
-    while True:
-        base, ext = os.path.splitext(name)
-        if not base or ext.lower() not in CHECKPOINT_SUFFIXES:
-            break
-        name, suffixes = base, ext + suffixes
-    if not suffixes:
-        name, suffixes = os.path.splitext(path.name)
-    return str(path.with_name(name)), suffixes
-
-
-def default_output(src: str) -> str:
-    """``model.pth`` -> ``model.fixed.pth``, ``x.pth.tar`` -> ``x.fixed.pth.tar``,
-    beside the input."""
-    name, suffixes = _name_and_suffixes(src)
-    return f"{name}.fixed{suffixes}"
-
-
-def fresh_output(src: str) -> str:
-    """``default_output``, or the first of ``x.fixed2.pth``, ``x.fixed3.pth``...
-    that does not exist: a name no write would refuse to replace."""
-    name, suffixes = _name_and_suffixes(src)
-    output, n = f"{name}.fixed{suffixes}", 2
-    while os.path.lexists(output):
-        output, n = f"{name}.fixed{n}{suffixes}", n + 1
-    return output
 
 
 def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = False,
@@ -121,6 +89,10 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
     rewritten file, taken from the bytes as they are written (``write.streamhash``)."""
     if in_place and output is not None:
         raise UsageError("--in-place and -o both name the output", "use one of them")
+    if in_place and fs.is_remote(src):
+        raise UsageError(f"{src} is remote: ckptool does not change it in place",
+                         "write a fixed copy here: -o FILE (the default writes "
+                         f"{default_output(src)} in the current directory)")
     layout = recognise.recognise(src)
     if layout is not None and layout.kind != recognise.FILE:  # HF shards, DCP
         from ckptool.write.fix import dcp as fix_dcp
@@ -318,17 +290,18 @@ def _start_zip(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
     """The storage records the plan keeps, cast where it casts them."""
     used = plan.storages
     root = source.metadata.get("archive_root", "")
-    f = stack.enter_context(open(src, "rb"))  # noqa: SIM115 -- the stack closes it
-    check_unchanged(src, identity, f.fileno())
+    f = stack.enter_context(fs.open_binary(src))  # (the stack closes it)
+    remote = fs.is_remote(src)
+    check_unchanged(src, identity, None if remote else f.fileno())
     archive = zip_reader.open_archive(f)
     members = torch_zip.storage_members(archive, f"{root}/" if root else "")
     reader = stack.enter_context(TensorData(source))
-    check_unchanged(src, identity, reader.fileno())
+    check_unchanged(src, identity, None if remote else reader.fileno())
     casts: dict[str, torch_zip.Cast] = {
         key: (used[key].numel * dtypes.itemsize(dst),
               functools.partial(checked_cast, reader, key, a, dst))
         for key, (a, dst) in plan.casts.items() if key in used}
-    storages = torch_zip.lay_out_storages(f.fileno(), archive,
+    storages = torch_zip.lay_out_storages(source_of(f), archive,
                                           {k: members[k] for k in used}, casts)
     return _copy_storages(archive, storages, out, progress, stack, streams)
 
@@ -381,13 +354,15 @@ def _write_legacy(src: str, source: Checkpoint, plan: Plan, out: AtomicOutput,
                   progress: Progress | None, stack: contextlib.ExitStack,
                   identity: Identity | None) -> int:
     reader = stack.enter_context(TensorData(source))
-    f = stack.enter_context(open(src, "rb"))  # noqa: SIM115 -- the stack closes it
-    check_unchanged(src, identity, f.fileno())
-    check_unchanged(src, identity, reader.fileno())
-    layout, placed = torch_legacy.lay_out(plan, f.fileno(), legacy_reader.header_end(f), reader)
+    f = stack.enter_context(fs.open_binary(src))  # (the stack closes it)
+    if not fs.is_remote(src):
+        check_unchanged(src, identity, f.fileno())
+        check_unchanged(src, identity, reader.fileno())
+    layout, placed = torch_legacy.lay_out(plan, source_of(f), legacy_reader.header_end(f),
+                                          reader)
     copy.write_checked(out.file.fileno(), out.durable, layout.segments, progress)
     out.sync_in_background()
     return verify.check_storages(out.read_path, plan, placed)
 
 
-__all__ = ["FixOptions", "FixResult", "default_output", "fix"]
+__all__ = ["FixOptions", "FixResult", "default_output", "fix", "fresh_output"]

@@ -17,7 +17,7 @@ from ckptool.errors import UnsupportedCheckpointError
 from ckptool.read.tensor_data import TensorData
 from ckptool.write import repickle
 from ckptool.write.fix.plan import Plan, new_pid
-from ckptool.write.layout import Data, Layout, Made, Segment, Span, checked_cast
+from ckptool.write.layout import Data, Layout, Made, Segment, checked_cast, input_segment
 from ckptool.write.verify import Placed
 
 
@@ -31,7 +31,7 @@ def lay_out(plan: Plan, fd: int, header_end: int, reader: TensorData) -> tuple[L
     shared: dict[str, Any] = {}
     pickled = repickle.dumps(plan.root, lambda ref: new_pid(ref, plan, shared))
     keys = sorted(used)  # torch writes the storage keys sorted, as strings
-    layout = Layout([Span(0, fd, 0, header_end, "the header pickles")])
+    layout = Layout([input_segment(fd, 0, 0, header_end, "the header pickles")])
     pos = header_end
     for data, name in ((pickled, "the pickle"),
                        (repickle.dumps(keys, lambda ref: ()), "the storage keys")):
@@ -48,8 +48,8 @@ def lay_out(plan: Plan, fd: int, header_end: int, reader: TensorData) -> tuple[L
             segment = Made(pos, ref.numel * dtypes.itemsize(dst), f"storage {key}",
                            functools.partial(checked_cast, reader, key, src, dst))
         else:
-            segment = Span(pos, reader.fileno(), reader.storage_offset(key), ref.nbytes,
-                           f"storage {key}")
+            segment = input_segment(reader.source(), pos, reader.storage_offset(key),
+                                    ref.nbytes, f"storage {key}")
         layout.add(segment)
         placed[key] = (pos, segment.size)
         pos += segment.size

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import io
-import os
 import struct
 import zlib
 from collections.abc import Callable
@@ -31,7 +30,17 @@ from ckptool.read.formats.torch_zip import read_archive
 from ckptool.read.ziparchive import Member, ZipArchive, ZipError
 from ckptool.write import verify
 from ckptool.write.fix.plan import Plan
-from ckptool.write.layout import CONGRUENT_MIN, Check, Data, Layout, Made, Segment, Span
+from ckptool.write.layout import (
+    CONGRUENT_MIN,
+    Check,
+    Data,
+    Layout,
+    Made,
+    Segment,
+    Span,
+    input_segments,
+    read_at,
+)
 from ckptool.write.zipwriter import ALIGNMENT, Written, ZipWriter, descriptor, local_header
 
 Cast = tuple[int, Callable[[], bytes]]  # a record's size once cast, and its bytes
@@ -114,8 +123,9 @@ def lay_out_storages(fd: int, archive: ZipArchive, members: dict[str, Member],
             checks.append((f"storage {key}", last.data, member.size, member.crc))
             last_src = src
         src_start = first.data - delta
-        out.segments.append(Span(first.data, fd, src_start, last_src + last.size - src_start,
-                                 f"storage {first.key}", checks))
+        out.segments += input_segments(fd, first.data, src_start,
+                                       last_src + last.size - src_start,
+                                       f"storage {first.key}", checks)
         trailer = descriptor(last.crc, last.size)
         out.segments.append(Data(last.data + last.size, trailer,
                                  f"storage {last.key}'s data descriptor"))
@@ -175,7 +185,7 @@ def _gap_after(fd: int, prev: Member, prev_src: int, member: Member, src: int) -
              struct.pack("<IIQQ", 0x08074B50, prev.crc, prev.size, prev.size)}
     for desc in forms:
         if member.header_offset == prev_end + len(desc):
-            gap = os.pread(fd, src - prev_end, prev_end)
+            gap = read_at(fd, src - prev_end, prev_end)
             if gap[:len(desc)] == desc:
                 return gap
     return None

@@ -1,0 +1,70 @@
+"""Which paths are URLs, and how a URL is shown.
+
+A URL is ``scheme://...`` with a scheme ckptool reads (``SCHEMES``); any
+other string is a local path, so a local file named ``s3:`` still opens as
+one when written ``./s3:``. A URL is shown without its user, password or
+query string (a presigned URL's signature is a credential).
+"""
+
+from __future__ import annotations
+
+import re
+from urllib.parse import urlsplit, urlunsplit
+
+# the schemes read, and the extra that installs each one's library
+SCHEMES = {"hf": "hf", "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs",
+           "http": "http", "https": "http"}
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def scheme_of(path: str) -> str | None:
+    """The (lower-case) scheme of ``path`` when it is a URL ckptool reads."""
+    found = _URL.match(path)
+    if found is None:
+        return None
+    scheme = found.group(1).lower()
+    return scheme if scheme in SCHEMES else None
+
+
+def is_url(path: object) -> bool:
+    return isinstance(path, str) and scheme_of(path) is not None
+
+
+def looks_like_url(path: str) -> str | None:
+    """The scheme of a ``scheme://`` path ckptool does not read, for the error."""
+    found = _URL.match(path)
+    if found is None or found.group(1).lower() in SCHEMES:
+        return None
+    return found.group(1)
+
+
+def shown(url: str) -> str:
+    """``url`` as it may be printed: no user, password, query or fragment."""
+    if not is_url(url):
+        return url
+    parts = urlsplit(url)
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host += f":{parts.port}"
+    netloc = host if "@" in parts.netloc else parts.netloc
+    if parts.scheme.lower() == "hf":  # hf://org/model@rev: the @ is a revision, not a user
+        netloc = parts.netloc
+    return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
+
+
+def join(base: str, name: str) -> str:
+    """``name`` inside the folder ``base`` (a URL): ``base/name``."""
+    return base.rstrip("/") + "/" + name.lstrip("/")
+
+
+def parent(url: str) -> str:
+    """The folder ``url`` is in (never above the scheme and first component)."""
+    head, _, rest = url.partition("://")
+    if "/" not in rest.rstrip("/"):
+        return url.rstrip("/")
+    return head + "://" + rest.rstrip("/").rsplit("/", 1)[0]
+
+
+def name(url: str) -> str:
+    """The last component of ``url``."""
+    return url.rstrip("/").rsplit("/", 1)[-1]
