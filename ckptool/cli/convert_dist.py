@@ -13,7 +13,15 @@ from typing import Any
 
 import click
 
-from ckptool.cli.common import SCHEMA_VERSION, console, progress, say_error, write_json
+from ckptool.cli.common import (
+    SCHEMA_VERSION,
+    console,
+    keep_until_exit,
+    one_shot,
+    progress,
+    say_error,
+    write_json,
+)
 from ckptool.describe import human_bytes, plural
 from ckptool.errors import CkptoolError
 from ckptool.write.distributed.coordinate import RESUME
@@ -23,9 +31,19 @@ SHOWN_RANKS = 16  # rows of the text plan before the middle is summed up
 
 def show_plan(path: str, output: str, ranks: int, options: dict[str, Any], as_json: bool,
               quiet: bool) -> None:
+    """``--dry-run``: the plan, as text or JSON. The collector stays off
+    throughout (``one_shot``): at 100,000 tensors its passes over the
+    checkpoint's millions of records cost seconds."""
+    with one_shot():
+        _show_plan(path, output, ranks, options, as_json, quiet)
+
+
+def _show_plan(path: str, output: str, ranks: int, options: dict[str, Any], as_json: bool,
+               quiet: bool) -> None:
     from ckptool.write.distributed.run import plan_only
 
     plan = plan_only(path, output, ranks, **options)
+    keep_until_exit(plan)
     if quiet:
         return
     rows = plan.rows()

@@ -19,23 +19,23 @@ No tensor byte is read.
 
 from __future__ import annotations
 
-import functools
 import itertools
 import math
 import os
-import re
 from typing import Any
 
 from ckptool import dtypes
 from ckptool.describe import plural
 from ckptool.errors import CkptoolError, CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.keys import key_of, split_key
-from ckptool.model import Chunk, FileInfo
+from ckptool.model import FileInfo
 from ckptool.read import dispatch, fs, optim
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import sniff as sniff_safetensors
-from ckptool.read.layouts import dcp_metadata, embedded
+from ckptool.read.layouts import dcp_chunks, dcp_metadata, embedded
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous, file_size, member
+from ckptool.read.layouts.dcp_chunks import RANK_FILE
+from ckptool.read.layouts.dcp_chunks import rank as _rank
 from ckptool.read.layouts.dcp_metadata import Item, Metadata, TensorMeta
 from ckptool.read.layouts.recognise import Layout
 from ckptool.read.seen import GlobalsSeen
@@ -43,7 +43,6 @@ from ckptool.read.tensors import StorageRef, TensorRecord
 from ckptool.read.values import brief
 
 DCP = "dcp"
-RANK_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 # the name under which a value ckptool cannot read is reported
 UNREAD_VALUE = "torch.distributed.checkpoint.<value stored through a transform>"
 MAX_VALUE_BYTES = 64 << 20  # a non-tensor value read for inspect; larger ones are not
@@ -96,8 +95,8 @@ def read(layout: Layout) -> MultiRead:
     root: dict[str, Any] = {}
     storages: dict[str, StorageRef] = {}
     storage_files: dict[str, str] = {}
-    chunks: dict[str, tuple[Chunk, ...]] = {}
-    plain, rank_of, prod = Chunk.plain, _rank, math.prod
+    strides: dict[tuple[int, ...], tuple[int, ...]] = {}  # (shapes repeat: layers)
+    prod = math.prod
     for fqn, tm in merged.tensors.items():
         shape, boxes = tm.shape, tm.boxes
         if not _tiles(shape, boxes):  # the common case, proved cheaply; else in full
@@ -107,11 +106,12 @@ def read(layout: Layout) -> MultiRead:
         _check_lengths(fqn, tm)
         ref = StorageRef(fqn, tm.dtype, None, prod(shape))
         storages[fqn] = ref
-        root[fqn] = TensorRecord(shape, tm.dtype, contiguous(shape), 0, ref, None,
+        stride = strides.get(shape)
+        if stride is None:
+            stride = strides[shape] = contiguous(shape)
+        root[fqn] = TensorRecord(shape, tm.dtype, stride, 0, ref, None,
                                  requires_grad=tm.requires_grad)
-        chunks[fqn] = tuple([plain(item.file, o, s, item.offset, item.length,
-                                   rank_of(item.file), item.transforms)
-                             for o, s, item in boxes])
+    chunks = dcp_chunks.chunks(merged.tensors)  # (all at once)
     for fqn, item in merged.values.items():
         root[fqn] = _value(layout, fqn, item, seen, storages, storage_files)
     extra_roots: dict[str, Any] = dict(others)
@@ -150,6 +150,8 @@ def _merge(metas: list[tuple[str, Metadata]], warnings: list[str],
            notes: list[str]) -> tuple[Metadata, list[tuple[str, Any]]]:
     """One Metadata from several (ranks that wrote their own, accelerate's
     sub-directories): a tensor saved whole by more than one keeps the first."""
+    if len(metas) == 1 and metas[0][1].other is None:  # one .metadata: itself
+        return metas[0][1], []
     out, others, repeated = Metadata(), [], 0
     for name, md in metas:
         if md.other is not None:
@@ -274,13 +276,7 @@ def _check_archive(path: str, shown: str, item: Item) -> None:
 
 
 def _file_infos(md: Metadata, sizes: dict[str, int]) -> list[FileInfo]:
-    tensors: dict[str, int] = {}
-    values: dict[str, int] = {}
-    for tm in md.tensors.values():
-        for _, _, item in tm.boxes:
-            tensors[item.file] = tensors.get(item.file, 0) + 1
-    for item in md.values.values():
-        values[item.file] = values.get(item.file, 0) + 1
+    tensors, values = dcp_chunks.counts(md.tensors, md.values)
     return [FileInfo(name, "data", DCP, size, tensors.get(name, 0), values.get(name, 0),
                      _rank(name)) for name, size in sorted(sizes.items(), key=_file_order)]
 
@@ -289,12 +285,6 @@ def _file_order(pair: tuple[str, int]) -> tuple[str, int, int, str]:
     folder, name = os.path.split(pair[0])
     m = RANK_FILE.match(name)
     return (folder, int(m.group(1)), int(m.group(2)), "") if m else (folder, -1, -1, name)
-
-
-@functools.lru_cache(maxsize=1 << 14)  # (once a file: a million chunks name a thousand)
-def _rank(name: str) -> int | None:
-    m = RANK_FILE.match(os.path.basename(name))
-    return int(m.group(1)) if m else None
 
 
 def _value(layout: Layout, fqn: str, item: Item, seen: GlobalsSeen,
@@ -337,16 +327,19 @@ def _groups(md: Metadata, paths: dict[str, tuple[str | int, ...]],
                      key=len, reverse=True)
     groups: dict[str, list[str]] = {}
     keys: dict[str, str] = {}
+    entry_keys: dict[tuple[str, ...], str] = {}  # (100,000 names: a few entries)
     for fqn in md.tensors:
-        path = paths.get(fqn, ())
-        steps = tuple(str(p) for p in path)
+        steps = tuple(map(str, paths.get(fqn, ())))
         parent = next((p for p in parents if steps[:len(p)] == p and len(steps) > len(p) + 1),
-                      None)
+                      None) if parents else None
         entry = steps[:len(parent) + 1] if parent is not None else steps[:1] \
             if len(steps) > 1 else ()
         name = ".".join(entry)
         groups.setdefault(name, []).append(fqn)
-        keys[name] = key_of(list(entry))
+        key = entry_keys.get(entry)
+        if key is None:
+            key = entry_keys[entry] = key_of(list(entry))
+        keys[name] = key
     return groups, keys
 
 
