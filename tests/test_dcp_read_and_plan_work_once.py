@@ -214,3 +214,26 @@ def test_a_dry_run_that_is_the_whole_process_leaves_its_plan_to_the_exit(
     assert plans[0]() is None  # freed as it went
     kept = plans[1]()
     assert kept is not None and len(common._KEPT) == 1 and common._KEPT[0] is kept  # to the end
+
+
+def test_each_rank_plans_with_the_collector_off(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    from helpers import on_thread_ranks
+
+    from ckptool.errors import CkptoolError
+    from ckptool.write.distributed import run
+
+    enabled: list[bool] = []
+    real = run.make
+
+    def make(*args: Any, **kwargs: Any) -> Any:
+        enabled.append(gc.isenabled())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(run, "make", make)
+    out = on_thread_ranks(2, lambda w: run.convert(w, str(FIXTURES / "dcp_4ranks"),
+                                                   str(tmp_path / "o.safetensors"),
+                                                   say=lambda e: None), (CkptoolError, OSError))
+    assert not any(isinstance(o, BaseException) for o in out), out
+    assert enabled == [False, False]
+    assert gc.isenabled()

@@ -13,11 +13,9 @@ an index records as tied.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import gc
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +23,7 @@ from ckptool.describe import plural
 from ckptool.keys import escape, join_key, join_keys, split_key
 from ckptool.model import Checkpoint, Entry, GlobalInfo, StateDictInfo, StorageInfo, TensorInfo
 from ckptool.read import companions, dispatch, fs, observe, optim, params, prefixes
+from ckptool.read.collector import no_cycle_collection
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import recognise
@@ -72,22 +71,6 @@ def open_checkpoint(path: str | os.PathLike[str],
         remote.forget()
     with no_cycle_collection():
         return _open(path, on_tensors)
-
-
-@contextlib.contextmanager
-def no_cycle_collection() -> Iterator[None]:
-    """Python's cycle collector off while a checkpoint is read: a read makes
-    millions of small acyclic objects, and the collector's full passes over
-    them cost more than the read itself (100,000 tensors: 3.2 s of assembly
-    become 1.4 s). Its previous state is restored; nothing here is lost, as
-    the objects are freed by reference counting or at the next collection."""
-    enabled = gc.isenabled()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            gc.enable()
 
 
 def _open(given: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> Checkpoint:

@@ -28,6 +28,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ckptool.errors import EXIT_BAD_INPUT, InputError
+from ckptool.read.reader import no_cycle_collection
 from ckptool.write.convert.directory import check_whole
 from ckptool.write.convert.folder import top_names
 from ckptool.write.convert.job import Job, prepare
@@ -84,8 +85,9 @@ def _convert(world: Any, coord: Coordinator, stack: contextlib.ExitStack[Any], s
              dst: str, force: bool, progress: Progress | None, fsync: bool,
              options: dict[str, Any], start: float) -> ConvertResult | None:
     rank = coord.rank
-    job = prepare(src, dst, **options)
-    plan = make(job, coord.size)
+    with no_cycle_collection():  # millions of small objects at scale: see reader
+        job = prepare(src, dst, **options)
+        plan = make(job, coord.size)
     NEEDED.set(plan.total)
     staging = Staging(dst, job.is_directory, force)
     placed = staging.placed(plan.files[0].name if plan.files else "")
