@@ -74,6 +74,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_distributed.py
 	$(BIN)/python bench/bench_verify.py
 	$(BIN)/python bench/bench_safety.py
+	$(BIN)/python bench/bench_remote.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

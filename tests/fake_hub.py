@@ -97,6 +97,7 @@ class FakeHub(LoggedServer):
         super().__init__()
         self.lfs_threshold = lfs_threshold
         self.redirect_lfs = True
+        self.scans: dict[str, dict[str, object]] = {}  # repo -> its securityRepoStatus
         self.page_size = 1000  # the Hub's tree page sizes
         self.expand_page_size = 50
         self.repos: dict[str, Repo] = {}
@@ -109,6 +110,7 @@ class FakeHub(LoggedServer):
         self.repos.clear()
         self._blobs.clear()
         self.redirect_lfs = True
+        self.scans = {}
         self.page_size, self.expand_page_size = 1000, 50
         self.reset()
 
@@ -237,6 +239,7 @@ class FakeHub(LoggedServer):
             "disabled": False,
             "tags": [],
             "siblings": [{"rfilename": name} for name in commit.files],
+            **({"securityRepoStatus": self.scans[repo_id]} if repo_id in self.scans else {}),
         }
 
     def _last_commit(self, commit: Commit) -> dict[str, str]:

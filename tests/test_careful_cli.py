@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from ckptool.cli.common import fold_key
+from ckptool.write.fix.outputs import default_output, fresh_output
 from ckptool.write.fix.plan import FixOptions
 from ckptool.write.fix.preview import preview
-from ckptool.write.fix.outputs import default_output, fresh_output
 from tests.conftest import CliResult
 from tests.helpers import SAMPLES
 

@@ -4,8 +4,8 @@ nothing half-read is reported: a missing file or repository, access
 denied, a server that fails (retried a few times first), a truncated
 response, a file replaced while it is read (never two versions mixed), a
 scheme's library not installed (exit 2, naming the extra), a damaged
-record met while converting (nothing written), and the commands that read
-local copies only."""
+record met while converting (nothing written), a URL to write to, and a
+URL to fix in place."""
 
 from __future__ import annotations
 
@@ -165,14 +165,6 @@ def test_a_scheme_ckptool_does_not_read_is_a_usage_error(run_cli: Any) -> None:
     assert "ftp:// is not a scheme ckptool reads" in err
 
 
-def test_verify_reads_a_local_copy_and_says_so(http_server: Any, run_cli: Any,
-                                               tmp_path: Path) -> None:
-    url = http_server.put("m.pt", big_zip(tmp_path))
-    err = one_error(*run_cli("verify", url), expected_code=2)
-    assert "reads a local copy only" in err and "download it first" in err
-    assert not http_server.log.select("GET")
-
-
 def test_a_url_is_never_fixed_in_place(http_server: Any, run_cli: Any, tmp_path: Path) -> None:
     url = http_server.put("m.pt", big_zip(tmp_path))
     err = one_error(*run_cli("fix", url, "--strip-module", "--in-place"), expected_code=2)
@@ -194,3 +186,17 @@ def test_a_damaged_remote_record_writes_nothing(tmp_path: Path, http_server: Any
     err = one_error(*run_cli("fix", url, "--strip-module", "-o", "fixed.pt"))
     assert "CRC" in err
     assert not (tmp_path / "out.safetensors").exists() and not (tmp_path / "fixed.pt").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["convert", "IN", "s3://bucket/out.safetensors"],
+    ["convert", "IN", "o.safetensors", "--manifest", "gs://bucket/m.json"],
+    ["fix", "IN", "--strip-module", "-o", "https://host/out.pth"],
+    ["fix", "IN", "--strip-module", "-o", "hf://org/model/out.pth"]])
+def test_outputs_are_local_files(args: list[str], run_cli: Any, tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    source = str(SAMPLES / "dataparallel_cuda2.pth")
+    err = one_error(*run_cli(*[source if a == "IN" else a for a in args]), expected_code=2)
+    assert "ckptool writes local files" in err and "upload" in err
+    assert list(tmp_path.iterdir()) == []

@@ -7,6 +7,7 @@ each format, sharded Hugging Face folders, DCP and DeepSpeed directories;
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -258,3 +259,23 @@ def test_workers_convert_from_s3_gives_the_bytes_of_one_process(s3_server: Any, 
     assert done.returncode == 0, done.stderr
     one, two = (tmp_path / "one.safetensors"), (tmp_path / "two.safetensors")
     assert one.read_bytes() == two.read_bytes()
+
+
+def test_the_hubs_sha256_and_scan_are_shown_beside_the_verdict(tmp_path: Path, fake_hub: Any,
+                                                              run_cli: Any) -> None:
+    import hashlib
+
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    shutil.copy(SAMPLES / "hostile_runs_code.pth", folder / "pytorch_model.bin")
+    fake_hub.add_repo("org/model", folder)
+    fake_hub.scans["org/model"] = {"scansDone": True, "filesWithIssues": [
+        {"path": "pytorch_model.bin", "level": "unsafe"}]}
+    data = report(run_cli, "inspect", "hf://org/model")
+    assert data["unsafe_globals"]  # ckptool's own verdict
+    digest = hashlib.sha256((folder / "pytorch_model.bin").read_bytes()).hexdigest()
+    assert data["remote"]["sha256"] == {"pytorch_model.bin": digest}
+    assert data["remote"]["hub_scan"]["filesWithIssues"][0]["path"] == "pytorch_model.bin"
+    _code, out, _err = run_cli("inspect", "hf://org/model")
+    assert f"sha256      {digest}  pytorch_model.bin (the Hub's)" in out
+    assert "hub scan    1 file flagged: pytorch_model.bin (unsafe)" in out

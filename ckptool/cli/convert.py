@@ -80,9 +80,12 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
     """Convert PATH (a file, a Hugging Face directory, a DCP or DeepSpeed directory) into OUT:
     one file (safetensors or torch, from OUT's extension) or a directory
     (--format). Under torchrun or srun, or with --workers N, on many processes."""
+    from ckptool.cli.inputs import local_output
     from ckptool.write.convert.run import convert as run_convert
 
     try:  # a usage error before the processes meet: said by rank 0 alone
+        local_output(output, "OUT")
+        local_output(manifest, "--manifest")
         options, launch = _settings(fmt, max_shard, dtype, weights, salvage, workers)
         if manifest is not None and not dry_run and (workers is not None or
                                                      launch is not None):

@@ -52,12 +52,14 @@ def fix(path: str | None, output: str | None, strip_module: bool, strip_prefix: 
         salvage: bool, dry_run: bool, force: bool, in_place: bool, manifest: str | None,
         fsync: bool, quiet: bool, as_json: bool) -> None:
     """Rewrite a checkpoint so that it loads: keys, devices, dtypes, entries."""
-    from ckptool.cli.inputs import is_spooled, shown_path
+    from ckptool.cli.inputs import is_spooled, local_output, shown_path
     from ckptool.errors import UsageError
     from ckptool.write import interrupt
     from ckptool.write.fix import plan as planning
     from ckptool.write.fix.run import fix as run_fix
 
+    local_output(output, "-o")
+    local_output(manifest, "--manifest")
     if path is None:
         _missing_path(extract)
     if is_spooled(path) and (in_place or not output):

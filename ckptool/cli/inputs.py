@@ -63,19 +63,15 @@ class InputPath(click.ParamType):
 
     name = "path"
 
-    def __init__(self, streams: bool = True, why: str = "give a file",
-                 remote: str | None = None) -> None:
+    def __init__(self, streams: bool = True, why: str = "give a file") -> None:
         self.streams = streams
         self.why = why
-        self.remote = remote  # why a URL cannot be read here; None: it can
 
     def convert(self, value: Any, param: click.Parameter | None,
                 ctx: click.Context | None) -> str:
         path = os.fspath(value)
         if "://" in path:
             _hide_credentials(path)
-            if self.remote is not None:
-                _refuse_remote(path, self.remote)
             return path
         if path != "-" and not _is_stream(path):
             return path
@@ -105,14 +101,19 @@ def _hide_credentials(url: str) -> None:
         _SECRET_URLS[url] = urls.shown(url)
 
 
-def _refuse_remote(url: str, why: str) -> None:
+def local_output(path: str | None, option: str) -> None:
+    """Refuse a URL as a path to write: outputs are local files."""
+    if path is None or "://" not in path:
+        return
     from ckptool.errors import UsageError
     from ckptool.read.remote import urls
 
-    if urls.is_url(url):
-        raise UsageError(f"{urls.shown(url)}: {why}",
-                         "download it first (hf download, aws s3 cp, gcloud storage cp, curl), "
-                         "then name the local copy; every other command reads URLs")
+    scheme = urls.scheme_of(path) or urls.looks_like_url(path)
+    if scheme is not None:
+        raise UsageError(f"{option} {urls.shown(path)}: ckptool writes local files, not "
+                         f"{scheme}:// URLs",
+                         "write it here, then upload it (hf upload, aws s3 cp, gcloud storage "
+                         "cp); ckptool reads URLs as inputs")
 
 
 def _spool(path: str, ctx: click.Context | None) -> str:

@@ -37,28 +37,39 @@ def inspect(path: str, as_json: bool, pattern: str | None, depth: int | None,
 
     with one_shot():
         ckpt = open_checkpoint(path)
-        _report(ckpt, as_json, pattern, depth, limit, remote_counts(path))
+        _report(ckpt, as_json, pattern, depth, limit, remote_report(path, ckpt))
 
 
-def remote_counts(path: str) -> dict[str, int] | None:
-    """The requests and bytes a command made to read ``path``, a URL
-    (``ckptool.read.remote.counts``); None for a local path."""
+def remote_report(path: str, ckpt: Checkpoint) -> dict[str, Any] | None:
+    """For ``path`` a URL: the store's own sha256 of each file it keeps one
+    of (the Hub's LFS files), the Hub's scan of the repository, and the
+    requests and bytes the read made (``ckptool.read.remote``); None for a
+    local path."""
     if "://" not in path:
         return None
-    from ckptool.read.remote import counts, urls
+    from ckptool.read.remote import counts, hub, urls
 
-    return counts.snapshot().as_json() if urls.is_url(path) else None
+    if not urls.is_url(path):
+        return None
+    files = ([urls.join(ckpt.directory, f.path) for f in ckpt.files]
+             if ckpt.is_multifile and ckpt.directory else [ckpt.path])
+    base = (ckpt.directory or "").rstrip("/") + "/"
+    sums = {(u[len(base):] if u.startswith(base) else urls.name(u)): s
+            for u, s in hub.sha256s(files).items()}
+    scan = hub.scan(path)
+    return {**counts.snapshot().as_json(), "sha256": sums, "hub_scan": scan}
 
 
 def _report(ckpt: Checkpoint, as_json: bool, pattern: str | None, depth: int | None,
-            limit: int, remote: dict[str, int] | None = None) -> None:
+            limit: int, remote: dict[str, Any] | None = None) -> None:
     if as_json:
         data = inspect_json(ckpt, pattern)
         if remote is not None:
             data["remote"] = remote
         write_json(data)
         return
-    from ckptool.cli.inspect_text import render_inspect, render_remote
+    from ckptool.cli.inspect_text import render_inspect
+    from ckptool.cli.remote_text import render_remote
 
     tensors = matching(ckpt.tensors, pattern)
     render_inspect(console(), ckpt, tensors, pattern, depth, limit)

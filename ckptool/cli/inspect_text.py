@@ -389,11 +389,3 @@ def render_inspect(console: Console, ckpt: Checkpoint, tensors: list[TensorInfo]
         render_groups(console, tensors, depth, limit)
     else:
         render_tensors(console, tensors, limit, where=ckpt.is_multifile)
-
-
-def render_remote(console: Console, ckpt: Checkpoint, remote: dict[str, int]) -> None:
-    """What reading a checkpoint behind a URL cost: requests and bytes."""
-    total = sum(f.size for f in ckpt.files) if ckpt.is_multifile else ckpt.file_size
-    console.print()
-    console.print(f"read remotely: {plural(remote['requests'], 'request')}, "
-                  f"{human_bytes(remote['bytes'])} of {human_bytes(total)}", style="dim")

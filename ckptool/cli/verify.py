@@ -8,7 +8,8 @@ nothing is wrong (``--write-manifest``). Exit 0 when whole, 1 when a
 problem was found, 2 on a usage error, 3 when the input cannot be read at
 all. Under torchrun or srun, or with ``--workers N``, every process checks
 its share of the bytes and rank 0 reports (``_spread``,
-``ckptool.check.verify.spread``).
+``ckptool.check.verify.spread``). A URL is checked by one process, from
+its structure alone unless ``--full`` (``ckptool.check.verify.remotebytes``).
 
 ``verify_dict`` is the ``--json`` schema.
 """
@@ -22,14 +23,18 @@ from typing import Any
 
 import click
 
-from ckptool.check.verify.problems import Report
+from ckptool.check.verify.problems import NOT_READ, Report
 from ckptool.cli.common import SCHEMA_VERSION, one_shot, write_json
 from ckptool.cli.inputs import InputPath, is_spooled, shown_path
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 
 
 @click.command()
-@click.argument("path", type=InputPath(remote="this command reads a local copy only, for now"))
+@click.argument("path", type=InputPath())
+@click.option("--full", is_flag=True,
+              help="A URL: read every byte once, streamed (zip records against their CRC-32, "
+                   "Hub files against their sha256). Without it a URL's structure is checked "
+                   "and its tensor bytes are not read. A local file's are always read.")
 @click.option("--values", "read_values", is_flag=True,
               help="Also read every tensor once: NaN and Inf, all-zero tensors, and tensors "
                    "identical to another that nothing ties.")
@@ -50,15 +55,18 @@ from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 @click.option("--quiet", "-q", is_flag=True,
               help="Print nothing: the exit code says it (0 whole, 1 problems, 2 usage, "
                    "3 unreadable).")
-def verify(path: str, read_values: bool, against: str | None, write_to: str | None,
-           jobs: int | None, workers: int | None, as_json: bool, quiet: bool) -> int:
+def verify(path: str, full: bool, read_values: bool, against: str | None,
+           write_to: str | None, jobs: int | None, workers: int | None, as_json: bool,
+           quiet: bool) -> int:
     """Check that a checkpoint is whole: every file its layout names, with
     the size it implies; chunks and shards that cover every tensor once;
     zip records against their CRC-32; pickles and headers that parse; a
     Hugging Face cache's blobs against their names. Exits 0 when whole, 1
     when a problem was found, 2 on a usage error (a bad option, a --manifest
     that is no ckptool manifest), 3 when it cannot be read. Under torchrun
-    or srun, or with --workers N, on many processes."""
+    or srun, or with --workers N, on many processes. PATH may be a URL
+    (hf://, s3://, gs://, https://): its structure is checked without
+    reading its tensor bytes, or every byte with --full."""
     from ckptool.check.verify.structure import check, default_jobs
     from ckptool.write.distributed import world
 
@@ -72,7 +80,7 @@ def verify(path: str, read_values: bool, against: str | None, write_to: str | No
                 return EXIT_OK
             report = spread
         else:
-            report = check(path, jobs)
+            report = check(path, jobs, full=full)
         if is_spooled(path):  # standard input: its file is named as given
             _as_given(report, path)
         if against is not None:
@@ -81,6 +89,9 @@ def verify(path: str, read_values: bool, against: str | None, write_to: str | No
             _values(report, jobs)
         if write_to is not None:
             _write(report, write_to, jobs)
+        report.remote = _remote(path, full or against is not None or write_to is not None)
+        if report.remote is not None and report.remote["bytes_read"]:  # hashed for a manifest
+            report.notes = [n for n in report.notes if not n.startswith(NOT_READ)]
     if quiet:
         pass
     elif as_json:
@@ -106,6 +117,7 @@ def _spread(launch: Any, path: str, workers: int | None, jobs: int | None,
     from ckptool.check.verify.spread import verify_share
     from ckptool.check.verify.structure import default_jobs
     from ckptool.errors import EXIT_INTERRUPTED, EXIT_USAGE, CkptoolError, UsageError
+    from ckptool.read import fs
     from ckptool.write.distributed import world
 
     refused = None
@@ -120,6 +132,10 @@ def _spread(launch: Any, path: str, workers: int | None, jobs: int | None,
     elif is_spooled(path):
         refused = UsageError("standard input is verified by one process",
                              "leave --workers out, or verify the file itself")
+    elif "://" in path and fs.is_remote(path):
+        refused = UsageError("a URL is verified by one process",
+                             "leave --workers out (or set CKPTOOL_DISTRIBUTED=0 under a "
+                             "launcher)")
     if refused is not None:
         if launch is not None and launch.rank != 0:  # said once, by rank 0
             raise click.exceptions.Exit(EXIT_USAGE)
@@ -162,7 +178,9 @@ def _against(report: Report, manifest_path: str, jobs: int) -> None:
         report.problems += manifest.check_manifest(ckpt, manifest_path, jobs,
                                                    notes=report.notes)
     else:  # what can be said of files that do not open together
-        root = report.path if os.path.isdir(report.path) else os.path.dirname(report.path)
+        from ckptool.read import fs
+
+        root = report.path if fs.isdir(report.path) else fs.dirname(report.path)
         report.problems += manifest.check_files(root or ".", manifest_path, jobs)
     report.checks.append("manifest")
     report.manifest = {"checked": manifest_path}
@@ -194,8 +212,20 @@ def _write(report: Report, dest: str, jobs: int) -> None:
                        "tensors": len(written.get("tensors", {}))}
 
 
+def _remote(path: str, read: bool) -> dict[str, Any] | None:
+    """What verifying a URL asked of its store (None: a local path), and
+    whether its bytes were read (``--full``, a manifest's hashes)."""
+    if "://" not in path:
+        return None
+    from ckptool.read import fs
+    from ckptool.read.remote import counts
+
+    return {**counts.snapshot().as_json(), "bytes_read": read} if fs.is_remote(path) else None
+
+
 def verify_dict(report: Report) -> dict[str, Any]:
-    """The ``--json`` report."""
+    """The ``--json`` report (``remote``: only for a URL)."""
+    remote = {"remote": report.remote} if report.remote is not None else {}
     return {
         "schema_version": SCHEMA_VERSION,
         "input": shown_path(report.path),
@@ -209,4 +239,5 @@ def verify_dict(report: Report) -> dict[str, Any]:
         "notes": report.notes,
         "values": report.values,
         "manifest": report.manifest,
+        **remote,
     }

@@ -1,6 +1,8 @@
 """Human output of ``ckptool verify``: one line per problem
 (``problem  FILE: TENSOR: message``), then what was checked in one line;
 or, when nothing is wrong, that line first (``ok  PATH · layout · ...``).
+A URL's report says whether its bytes were read (``--full``) and ends with
+what was asked of its store (``read remotely: ...``).
 
 Each problem stays on one line (never wrapped), so that it can be found
 with grep. Imported only when text is printed.
@@ -22,7 +24,11 @@ def summary(report: Report) -> str:
              plural(len(report.files), "file")]
     if report.tensors is not None:
         parts.append(plural(report.tensors, "tensor"))
-    parts.append(f"{human_bytes(report.bytes_checked)} checked")
+    remote = report.remote or {}
+    if remote and not remote.get("bytes_read"):  # a URL: its structure, not its bytes
+        parts.append("structure checked; tensor bytes not read (--full reads them)")
+    else:
+        parts.append(f"{human_bytes(report.bytes_checked)} checked")
     if "values" in report.checks:
         parts.append("values read")
     manifest = report.manifest or {}
@@ -64,3 +70,8 @@ def render_verify(console: Console, report: Report) -> None:
             said += f", {plural(len(warnings), 'warning')}"
         console.print(Text(f"damaged  {summary(report)} · {said}", style="bold red"),
                       soft_wrap=True)
+    if report.remote is not None:
+        total = sum(int(f["size"]) for f in report.files)
+        console.print(Text(f"read remotely: {plural(report.remote['requests'], 'request')}, "
+                           f"{human_bytes(report.remote['bytes'])} of {human_bytes(total)}",
+                           style="dim"), soft_wrap=True)

@@ -139,8 +139,13 @@ def _fetched(source: Source, at: int, src: int, size: int, name: str,
     """Bytes of a remote input, fetched when the copy reaches them and
     checked against the CRC the input gives them, if it gives one."""
 
+    from ckptool.write import readahead
+
+    ahead = readahead.of(source)
+    index = ahead.add(src, size)
+
     def fetch() -> bytes:
-        data = source.pread(src, size)
+        data = ahead.take(index)
         if len(data) != size:
             raise CorruptCheckpointError(f"{name}: the input ends before its bytes do",
                                          "the remote file changed or is cut short; "

@@ -18,7 +18,15 @@ from dataclasses import dataclass
 from typing import IO
 
 from ckptool import dtypes
-from ckptool.check.verify.files import CkptoolErrors, Run, check_file, local, read_alone, stat_file
+from ckptool.check.verify.files import (
+    CkptoolErrors,
+    Run,
+    check_file,
+    lexists,
+    local,
+    read_alone,
+    stat_file,
+)
 from ckptool.check.verify.problems import (
     BOUNDS,
     EXTRA_FILE,
@@ -37,6 +45,7 @@ from ckptool.check.verify.problems import (
 from ckptool.check.verify.zipcheck import records_of
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError
+from ckptool.read import fs
 from ckptool.read.formats import torch_zip
 from ckptool.read.layouts import dcp_metadata
 from ckptool.read.layouts.base import member
@@ -151,7 +160,7 @@ def _data_file(run: Run, file: str, pieces: list[Piece], named_by: str) -> None:
     except CorruptCheckpointError as exc:
         run.add(Problem(HEADER, exc.message, named_by))
         return
-    if not os.path.lexists(run.path(file)):
+    if not lexists(run.path(file)):
         run.add(Problem(MISSING_FILE, f"the file is missing; {named_by} puts "
                         f"{plural(len(pieces), 'item')} in it (the first: {pieces[0].fqn})",
                         file))
@@ -175,7 +184,7 @@ def _data_file(run: Run, file: str, pieces: list[Piece], named_by: str) -> None:
     transformed = 0
     path, cut = run.path(file), {id(p) for p in past}
     try:
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             for p in pieces:
                 if id(p) in cut or not p.item.length:
                     continue
@@ -231,12 +240,12 @@ def _extra_files(run: Run, layout: Layout, named: set[str]) -> None:
     """``.distcp`` files beside the ``.metadata`` that no item names."""
     for folder in sorted({os.path.dirname(m) for m in layout.metadata}):
         try:
-            names = sorted(os.listdir(run.path(folder) if folder else run.directory or "."))
+            names = sorted(fs.listdir(run.path(folder) if folder else run.directory or "."))
         except OSError:
             continue
         for name in names:
             rel = os.path.join(folder, name) if folder else name
-            if name.endswith(".distcp") and rel not in named and os.path.isfile(run.path(rel)):
+            if name.endswith(".distcp") and rel not in named and fs.isfile(run.path(rel)):
                 run.add(Problem(EXTRA_FILE, "a data file that no .metadata names (left by "
                                 "another save, or renamed)", rel))
-                run.sizes[rel] = os.path.getsize(run.path(rel))
+                run.sizes[rel] = fs.getsize(run.path(rel))

@@ -28,6 +28,7 @@ from ckptool.check.verify.files import CkptoolErrors, Run, stat_file
 from ckptool.check.verify.problems import HEADER, PICKLE, TRUNCATED, Problem, classify
 from ckptool.check.verify.zipcheck import records_of
 from ckptool.describe import plural
+from ckptool.read import fs
 from ckptool.read.formats import torch_zip
 from ckptool.read.layouts.embedded import ZIP_MAGIC, Window
 from ckptool.read.ziparchive import ZipArchive, ZipError
@@ -47,7 +48,7 @@ def check(run: Run, name: str) -> None:
         return
     path = run.path(name)
     try:
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             starts = _walk(run, f, name, size, f.read(4) == ZIP_MAGIC)
             for start, end in starts:
                 _archive(run, f, path, name, start, end)

@@ -28,6 +28,7 @@ from types import TracebackType
 from typing import Protocol
 
 from ckptool.model import Checkpoint, TensorInfo
+from ckptool.read import fs
 from ckptool.read.layouts import journal, names
 
 FILE_BLOCK = 4 << 20  # bytes read and hashed at a time
@@ -50,7 +51,7 @@ class Stopped(Exception):
 def layout_paths(ckpt: Checkpoint) -> list[str]:
     """The paths of the files of ``ckpt``'s layout (not a framework's others)."""
     if ckpt.directory is not None:
-        return [os.path.join(ckpt.directory, f.path) for f in ckpt.files]
+        return [fs.join(ckpt.directory, f.path) for f in ckpt.files]
     return [ckpt.path]
 
 
@@ -60,7 +61,7 @@ def own_paths(ckpt: Checkpoint) -> list[str]:
     paths = layout_paths(ckpt)
     fw = ckpt.framework
     if fw is not None:
-        paths += [os.path.join(fw.directory, c.path) for c in fw.companions]
+        paths += [fs.join(fw.directory, c.path) for c in fw.companions]
     return paths
 
 
@@ -70,16 +71,18 @@ def _all_paths(ckpt: Checkpoint) -> list[str]:
     one of its files too)."""
     paths = own_paths(ckpt)
     if ckpt.directory is not None:
-        for folder in sorted({os.path.dirname(p) for p in layout_paths(ckpt)}):
-            paths += [os.path.join(folder, n) for n in sorted(names.listing(folder))
+        for folder in sorted({fs.dirname(p) for p in layout_paths(ckpt)}):
+            paths += [fs.join(folder, n) for n in sorted(names.listing(folder))
                       if not journal.is_temporary(n)
-                      and names.regular_file(os.path.join(folder, n))]
+                      and names.regular_file(fs.join(folder, n))]
     return [p for p in paths if _hashable(p)]
 
 
 def _hashable(path: str) -> bool:
     """A regular file, or one that is missing (said when it is read); never a
     FIFO or a device, whose reading could block for ever."""
+    if fs.is_remote(path):
+        return not fs.isdir(path)
     try:
         return stat.S_ISREG(os.stat(path).st_mode)
     except OSError:
@@ -89,7 +92,10 @@ def _hashable(path: str) -> bool:
 def root_of(ckpt: Checkpoint) -> str:
     """The directory the manifest's file names are relative to: the path
     given when it is a directory, else the one file's folder (or, should a
-    file lie outside it, the deepest folder holding them all)."""
+    file lie outside it, the deepest folder holding them all). A URL's
+    files all lie under it."""
+    if fs.is_remote(ckpt.path):
+        return ckpt.path if fs.isdir(ckpt.path) else fs.dirname(ckpt.path)
     root = ckpt.path if os.path.isdir(ckpt.path) else os.path.dirname(ckpt.path) or "."
     paths = [os.path.abspath(p) for p in _all_paths(ckpt)]
     base = os.path.abspath(root)
@@ -100,6 +106,8 @@ def root_of(ckpt: Checkpoint) -> str:
 
 def name_in(path: str, root: str) -> str:
     """``path`` relative to ``root``, with ``/`` separators."""
+    if fs.is_remote(path):
+        return path.removeprefix(root.rstrip("/") + "/")
     return os.path.relpath(os.path.abspath(path), os.path.abspath(root)).replace(os.sep, "/")
 
 
@@ -132,6 +140,8 @@ def holders(ckpt: Checkpoint, root: str) -> dict[str, set[str]]:
 
 def same_file(a: str, b: str) -> bool:
     """True when ``a`` and ``b`` are one file (or, absent, one path)."""
+    if fs.is_remote(a) or fs.is_remote(b):
+        return a.rstrip("/") == b.rstrip("/")
     try:
         return os.path.samefile(a, b)
     except OSError:
@@ -139,7 +149,11 @@ def same_file(a: str, b: str) -> bool:
 
 
 def hash_file(path: str, stop: threading.Event | None = None) -> tuple[int, str]:
-    """(size, sha256 hex) of the file at ``path``, read ``FILE_BLOCK`` at a time."""
+    """(size, sha256 hex) of the file at ``path``, read ``FILE_BLOCK`` at a
+    time; a URL's as ``verify --full`` read it, else streamed
+    (``remotebytes``)."""
+    if fs.is_remote(path):
+        return _remote_hash(path, stop)
     h = hashlib.sha256()
     size = 0
     buf = bytearray(FILE_BLOCK)
@@ -150,6 +164,42 @@ def hash_file(path: str, stop: threading.Event | None = None) -> tuple[int, str]
                 raise Stopped(path)
             h.update(view[:n])
             size += n
+    return size, h.hexdigest()
+
+
+_remote: dict[str, tuple[int, str]] = {}  # a URL's (size, sha256), read once a run
+_remote_lock = threading.Lock()
+
+
+def remember(url: str, size: int, sha: str) -> None:
+    """The (size, sha256) of a remote file read whole (``verify --full``)."""
+    with _remote_lock:
+        _remote[url] = (size, sha)
+
+
+def forget_remote() -> None:
+    """Drop the remote hashes kept (a new verify run)."""
+    with _remote_lock:
+        _remote.clear()
+
+
+def _remote_hash(url: str, stop: threading.Event | None) -> tuple[int, str]:
+    """``hash_file`` of a URL: as read before in this run, else read now,
+    ``stream.BLOCK`` bytes a request."""
+    from ckptool.read.remote import stream
+
+    with _remote_lock:
+        done = _remote.get(url)
+    if done is not None:
+        return done
+    h = hashlib.sha256()
+    size = 0
+    for _, data in stream.blocks(url):
+        if stop is not None and stop.is_set():
+            raise Stopped(url)
+        h.update(data)
+        size += len(data)
+    remember(url, size, h.hexdigest())
     return size, h.hexdigest()
 
 
@@ -168,7 +218,7 @@ class Hashing:
     def __enter__(self) -> Hashing:
         def size(name: str) -> int:
             try:
-                return os.stat(self.paths[name]).st_size
+                return fs.getsize(self.paths[name])
             except OSError:
                 return 0
 

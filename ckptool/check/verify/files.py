@@ -29,7 +29,7 @@ from ckptool.errors import (
     NotACheckpointError,
     UnsupportedCheckpointError,
 )
-from ckptool.read import dispatch
+from ckptool.read import dispatch, fs
 from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
 from ckptool.read.formats.base import RawRead
 
@@ -54,7 +54,7 @@ class Run:
     crc_zero: set[str] = field(default_factory=set)  # archives saved without CRC-32
 
     def path(self, name: str) -> str:
-        return os.path.join(self.directory, name) if self.directory else name
+        return fs.join(self.directory, name) if self.directory else name
 
     def add(self, *problems: Problem) -> None:
         self.problems.extend(problems)
@@ -73,6 +73,8 @@ def stat_file(run: Run, name: str, named_by: str | None = None,
     as ``missing``, when given), or not a regular file."""
     path = run.path(name)
     by = f" (named by {named_by})" if named_by else ""
+    if fs.is_remote(path):
+        return _stat_remote(run, name, path, by, missing)
     try:
         info = os.stat(path)
     except FileNotFoundError:
@@ -88,10 +90,28 @@ def stat_file(run: Run, name: str, named_by: str | None = None,
     return info.st_size
 
 
+def _stat_remote(run: Run, name: str, path: str, by: str, missing: str | None) -> int | None:
+    """``stat_file`` of a remote file, from its folder's listing."""
+    if not fs.exists(path):
+        run.add(Problem(MISSING_FILE, missing or f"the file is missing{by}", name))
+        return None
+    if fs.isdir(path):
+        run.add(Problem(UNREADABLE, f"not a regular file{by}", name))
+        return None
+    run.sizes[name] = size = fs.getsize(path)
+    return size
+
+
+def lexists(path: str) -> bool:
+    """Whether there is something at ``path`` (locally a link counts, even
+    one whose target is gone)."""
+    return fs.exists(path) if fs.is_remote(path) else os.path.lexists(path)
+
+
 def sniff(path: str) -> str | None:
     """A file's format by its first bytes (None: not a checkpoint file, or unreadable)."""
     try:
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             head = f.read(16)
     except OSError:
         return None
@@ -118,7 +138,7 @@ def check_file(run: Run, name: str, named_by: str | None = None,
         return True
     path = run.path(name)
     try:
-        with open(path, "rb") as f:
+        with fs.open_binary(path) as f:
             archive, problems = open_zip(f, size, name)
             if archive is not None:
                 found = records_of(archive, 0, name)
@@ -162,7 +182,7 @@ def read_problem(run: Run, name: str, exc: InputError) -> Problem | None:
             exc, (CorruptCheckpointError, NotACheckpointError)):
         return Problem(UNREADABLE, message, name)
     if isinstance(exc, NotACheckpointError) and name.endswith(".safetensors") and \
-            os.path.isfile(run.path(name)) and os.path.getsize(run.path(name)) >= 8:
+            fs.isfile(run.path(name)) and fs.getsize(run.path(name)) >= 8:
         # named as safetensors, with bytes of no format: its header is damaged
         return Problem(HEADER, safetensors_damage(run.path(name)), name)
     kind = classify(message, HEADER if fmt == SAFETENSORS or isinstance(
@@ -176,8 +196,8 @@ def read_problem(run: Run, name: str, exc: InputError) -> Problem | None:
 def safetensors_damage(path: str) -> str:
     """What is wrong with a file named as safetensors whose first bytes are
     no format: its header's 8-byte length, or the header's first byte."""
-    size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    size = fs.getsize(path)
+    with fs.open_binary(path) as f:
         head = f.read(9)
     length = int.from_bytes(head[:8], "little")
     if length + 8 > size:

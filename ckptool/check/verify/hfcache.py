@@ -32,6 +32,7 @@ from ckptool.check.verify.problems import (
 )
 from ckptool.describe import human_bytes, shell_word
 from ckptool.errors import InputError
+from ckptool.read import fs
 
 REPO_DIR = re.compile(r"^(models|datasets|spaces)--.+")
 SHA256, GIT_SHA1 = re.compile(r"^[0-9a-f]{64}$"), re.compile(r"^[0-9a-f]{40}$")
@@ -58,6 +59,8 @@ class CacheCheck:
 def locate(path: str) -> Snapshot | None:
     """The snapshot ``path`` is (or is in); a repository's folder stands for
     the snapshot its ``refs/main`` names. None outside a cache."""
+    if fs.is_remote(path):  # a cache is a local folder
+        return None
     full = os.path.abspath(path)  # (links are not followed: a snapshot's files are links)
     if REPO_DIR.match(os.path.basename(full)) and os.path.isdir(os.path.join(full, "snapshots")):
         snapshot = _current(full)

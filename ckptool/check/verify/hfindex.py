@@ -26,6 +26,7 @@ from ckptool.check.verify.problems import (
 )
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError
+from ckptool.read import fs
 from ckptool.read.layouts.base import member
 from ckptool.read.layouts.names import INDEX_NAME, SHARD_NAME, index_json
 from ckptool.read.tensors import CompositeTensor, StorageRef, TensorRecord
@@ -37,7 +38,7 @@ def shards_of(run: Run, index: str) -> list[str] | None:
     """The shard files index ``index`` names (sorted), each a path inside
     the directory; None, and the problem, when the index is not one."""
     try:
-        with open(run.path(index), "rb") as f:
+        with fs.open_binary(run.path(index)) as f:
             data = json.loads(f.read(), object_pairs_hook=_pairs)
     except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
         run.add(Problem(HEADER, f"not a valid JSON index: {exc}", index))
@@ -144,7 +145,7 @@ def extra_shards(run: Run, index: str) -> None:
     the directory names: left by another save, or a shard the index lost."""
     directory = run.directory or "."
     try:
-        names = sorted(os.listdir(directory))
+        names = sorted(fs.listdir(directory))
     except OSError:
         return
     named: set[str] = set()
@@ -157,7 +158,7 @@ def extra_shards(run: Run, index: str) -> None:
     for n in names:
         m = SHARD_NAME.search(n)
         if m and n not in named and (kind is None or m.group(1) == kind) \
-                and os.path.isfile(os.path.join(directory, n)):
+                and fs.isfile(fs.join(directory, n)):
             run.add(Problem(EXTRA_FILE, f"a shard file that {index} does not name", n))
 
 

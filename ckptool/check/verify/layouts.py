@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 
+from ckptool.check.verify.files import lexists
 from ckptool.check.verify.problems import (
     EXTRA_FILE,
     HEADER,
@@ -23,6 +24,7 @@ from ckptool.check.verify.problems import (
     classify,
 )
 from ckptool.errors import CorruptCheckpointError, InputError
+from ckptool.read import fs
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import framework, recognise
 from ckptool.read.layouts.names import (
@@ -66,17 +68,17 @@ def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
             if missing:  # its reader would say it less well: each file alone
                 return Layout(ALONE, path, path, metadata=layout.metadata), missing
         if layout is not None and layout.kind == FILE and layout.file is not None and \
-                os.path.isdir(path) and RANK_NAME.match(os.path.basename(layout.file)):
+                fs.isdir(path) and RANK_NAME.match(fs.basename(layout.file)):
             ranks = _ranks_left(path)  # one rank's file is all that still reads
             if ranks is not None:
                 return ranks
         return layout, _unfinished_saves(path)
     except CorruptCheckpointError as exc:
-        if not os.path.isdir(path):
+        if not fs.isdir(path):
             raise
         return _damaged(path, exc)
     except InputError:
-        if os.path.isdir(path):
+        if fs.isdir(path):
             found = _rank_gap(path) or _index_lacking_shards(path)
             if found is not None:
                 return found
@@ -84,7 +86,7 @@ def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
 
 
 def _damaged(path: str, exc: CorruptCheckpointError) -> tuple[Layout, list[Problem]]:
-    files = sorted(n for n in listing(path) if os.path.isfile(os.path.join(path, n)))
+    files = sorted(n for n in listing(path) if fs.isfile(fs.join(path, n)))
     metadata = [n for n in files if n == METADATA or RANK_METADATA.match(n)]
     if metadata:  # a .metadata that is no pickle: the DCP check says so, naming it
         return Layout(DCP, path, path, metadata=tuple(metadata)), []
@@ -117,7 +119,7 @@ def _ranks_left(path: str) -> tuple[Layout, list[Problem]] | None:
         assert m is not None
         groups.setdefault(m.group("stem"), {})[int(m.group("rank"))] = name
     problems = [p for stem, ranks in sorted(groups.items()) for p in _missing(stem, ranks)]
-    bad = [n for n in names if not is_checkpoint_file(os.path.join(path, n))]
+    bad = [n for n in names if not is_checkpoint_file(fs.join(path, n))]
     problems += [Problem(HEADER, "a rank's file that is no checkpoint file: damaged, or cut "
                          "short", n) for n in bad]
     if not problems:
@@ -129,12 +131,12 @@ def _unfinished_saves(path: str) -> list[Problem]:
     """Folders of a directory (an accelerate or Trainer folder's model and
     optimizer) holding DCP data files and no .metadata: a save killed
     before its end, which the layout's reader passes over."""
-    if not os.path.isdir(path):
+    if not fs.isdir(path):
         return []
     out = []
     for name in sorted(listing(path)):
-        sub = os.path.join(path, name)
-        if not os.path.isdir(sub) or os.path.islink(sub):
+        sub = fs.join(path, name)
+        if not fs.isdir(sub) or fs.islink(sub):
             continue
         files = listing(sub)
         if any(DATA_FILE.match(n) for n in files) and METADATA not in files:
@@ -150,7 +152,7 @@ def _index_lacking_shards(path: str) -> tuple[Layout, list[Problem]] | None:
     ``.bak``, moved, deleted): the index's checkpoint, read through the
     index, which says which shards are missing; the checkpoint files it
     does not name are warnings (the missing shard under another name?)."""
-    files = sorted(n for n in listing(path) if os.path.isfile(os.path.join(path, n)))
+    files = sorted(n for n in listing(path) if fs.isfile(fs.join(path, n)))
     indexes = {n: data for n in files if INDEX_NAME.search(n)
                and (data := index_json(os.path.join(path, n))) is not None}
     chosen = next((n for n in PREFERRED_INDEXES if n in indexes),
@@ -160,7 +162,7 @@ def _index_lacking_shards(path: str) -> tuple[Layout, list[Problem]] | None:
     weight_map = indexes[chosen]["weight_map"]
     assert isinstance(weight_map, dict)
     shards = {v for v in weight_map.values() if isinstance(v, str)}
-    if all(os.path.lexists(os.path.join(path, s)) for s in shards):
+    if all(lexists(fs.join(path, s)) for s in shards):
         return None  # whole: two checkpoints indeed
     named = shards | set(indexes)
     strays = [Problem(EXTRA_FILE, f"a checkpoint file that {chosen} does not name (a "
@@ -239,7 +241,7 @@ def layout_files(layout: Layout) -> list[str]:
     if layout.kind == DEEPSPEED:
         return sorted(n for n in listing(layout.directory)
                       if DEEPSPEED_FILE.search(n)
-                      and os.path.isfile(os.path.join(layout.directory, n)))
+                      and fs.isfile(fs.join(layout.directory, n)))
     return []
 
 
@@ -262,5 +264,5 @@ def one_file(path: str, layout: Layout | None) -> Layout:
     """The layout of one file: ``path`` itself, or a directory's one file."""
     if layout is not None and layout.file is not None:
         return layout
-    folder = os.path.dirname(path)
+    folder = fs.dirname(path)
     return Layout(FILE, path, folder, file=path)

@@ -34,7 +34,6 @@ A manifest that is not one, or is malformed, is a one-line ``UsageError``.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 from datetime import datetime, timezone
 from importlib import metadata
@@ -57,6 +56,7 @@ from ckptool.check.verify.manifestnames import pair_names
 from ckptool.check.verify.problems import Problem
 from ckptool.errors import CkptoolError, InputError, UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint, TensorInfo
+from ckptool.read import fs
 from ckptool.read.tensor_source import TensorValues
 from ckptool.write.commit import AtomicOutput
 from ckptool.write.layout import Span
@@ -152,7 +152,7 @@ def build_manifest(ckpt: Checkpoint, jobs: int, exclude: str | None = None,
     digests the tensors); ``exclude``: a path that is not the checkpoint's
     (the manifest itself); ``known``: hashes taken already (not read again)."""
     root = root_of(ckpt)
-    paths = {n: os.path.join(root, n) for n in files_of(ckpt)}
+    paths = {n: fs.join(root, n) for n in files_of(ckpt)}
     if exclude is not None:
         paths = {n: p for n, p in paths.items() if not same_file(p, exclude)}
     taken = {n: known.file(p) for n, p in paths.items()} if known is not None else {}

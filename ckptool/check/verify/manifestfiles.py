@@ -12,12 +12,12 @@ and the tensors are compared one for one.
 
 from __future__ import annotations
 
-import os
 from dataclasses import replace
 from typing import Any
 
 from ckptool.check.verify.filehash import Hashing, same_file
 from ckptool.check.verify.problems import Problem
+from ckptool.read import fs
 
 
 def checkpoint_files(manifest: dict[str, Any], layout: str, root: str, manifest_path: str,
@@ -46,7 +46,7 @@ def renamed_file(recorded: dict[str, Any], present: list[str], root: str,
     if len(present) != 1 or len(listed) != 1 or present == listed or not same_layout:
         return recorded, None
     try:
-        size = os.stat(os.path.join(root, present[0])).st_size
+        size = fs.getsize(fs.join(root, present[0]))
     except OSError:
         return recorded, None
     if size != recorded[listed[0]].get("size"):
@@ -62,7 +62,7 @@ def file_problems(recorded: dict[str, dict[str, Any]], root: str, manifest_path:
     with Hashing(_sizes(recorded, root, problems), jobs) as hashing:
         _hashes(hashing, recorded, problems)
     problems += [Problem("manifest-extra", "not in the manifest", file=n) for n in present or ()
-                 if n not in recorded and not same_file(os.path.join(root, n), manifest_path)]
+                 if n not in recorded and not same_file(fs.join(root, n), manifest_path)]
     return problems
 
 
@@ -72,9 +72,9 @@ def _sizes(recorded: dict[str, dict[str, Any]], root: str,
     paths of the others, to hash."""
     paths: dict[str, str] = {}
     for name, entry in sorted(recorded.items()):
-        path = os.path.join(root, name)
+        path = fs.join(root, name)
         try:
-            size = os.stat(path).st_size
+            size = fs.getsize(path)
         except FileNotFoundError:
             problems.append(Problem("manifest-missing", f"missing: the manifest lists it "
                                     f"({entry['size']} bytes)", file=name))

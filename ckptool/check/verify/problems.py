@@ -38,6 +38,7 @@ GAP, OVERLAP, DUPLICATE = "coverage-gap", "coverage-overlap", "duplicate"
 MISSING_TENSOR, UNLISTED_TENSOR = "missing-tensor", "unlisted-tensor"
 MISMATCH, UNREADABLE = "mismatch", "unreadable"
 BLOB_HASH, INCOMPLETE = "blob-hash", "incomplete-download"
+NOT_READ = "tensor bytes not read"  # the note of a URL verified without --full
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Report:
     # what the checks cannot see here ("safetensors has no checksum...")
     notes: list[str] = field(default_factory=list)
     values: dict[str, Any] | None = None  # --values: check_values' summary
+    # a URL: {"requests", "bytes", "listings"} asked of its store, "full": its bytes read
+    remote: dict[str, Any] | None = None
     # the checkpoint as its reader read it (None: it could not be read whole),
     # for the checks that follow (values, manifests); no part of the JSON
     checkpoint: Any = field(default=None, repr=False, compare=False)

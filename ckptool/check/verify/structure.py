@@ -21,7 +21,15 @@ from __future__ import annotations
 import os
 import re
 
-from ckptool.check.verify import dcpcheck, distcpalone, hfcache, hfindex, layouts
+from ckptool.check.verify import (
+    dcpcheck,
+    distcpalone,
+    filehash,
+    hfcache,
+    hfindex,
+    layouts,
+    remotebytes,
+)
 from ckptool.check.verify.files import (
     NO_CHECKSUM,
     SAFETENSORS,
@@ -50,7 +58,7 @@ from ckptool.check.verify.zipcheck import CrcPool, Failure, failure_text
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckptool.model import Checkpoint
-from ckptool.read import dispatch
+from ckptool.read import dispatch, fs
 from ckptool.read.layouts.names import DATA_FILE, MAX_SNIFFED, is_checkpoint_file, listing
 from ckptool.read.layouts.recognise import DCP, FILE, HF, Layout
 from ckptool.read.reader import open_checkpoint
@@ -68,13 +76,20 @@ def default_jobs() -> int:
         return os.cpu_count() or 1
 
 
-def check(path: str, jobs: int | None = None, pool: CrcPool | None = None) -> Report:
+def check(path: str, jobs: int | None = None, pool: CrcPool | None = None,
+          full: bool = False) -> Report:
     """Verify the checkpoint at ``path`` (a file, a directory, an index, a
-    file or folder of a Hugging Face cache snapshot). ``pool``: what
+    file or folder of a Hugging Face cache snapshot, a URL). ``pool``: what
     computes the records' CRC-32 (a ``spread.SharedPool`` shares it among
     the ranks of a distributed job); a ``CrcPool`` of ``jobs`` threads
-    unless given."""
+    unless given. A URL's bytes beyond its structure are read only with
+    ``full`` (``remotebytes``)."""
     jobs = jobs or default_jobs()
+    remote = fs.is_remote(path)
+    first: tuple[str, Checkpoint | InputError] | None = None
+    if remote:  # read whole first: its reader forgets what was fetched before
+        filehash.forget_remote()
+        first = (path, _read(path))
     snapshot = hfcache.locate(path)
     target = snapshot.target if snapshot is not None else path
     cache = hfcache.check(snapshot, jobs) if snapshot is not None else None
@@ -84,21 +99,23 @@ def check(path: str, jobs: int | None = None, pool: CrcPool | None = None) -> Re
     tensors: int | None = None
     try:
         try:
-            run, layout, ckpt, tensors = _structure(target, pool)
+            run, layout, ckpt, tensors = _structure(target, pool, first)
         except InputError as exc:
             if cache is None or not cache.problems:
                 raise
             # an interrupted download may leave no checkpoint to read: that is the problem
-            run = Run(target if os.path.isdir(target) else os.path.dirname(target), pool)
+            run = Run(target if fs.isdir(target) else fs.dirname(target), pool)
             run.add(Problem(UNREADABLE, local(exc.message, target, os.path.basename(target))))
-        failures = pool.failures()
+        read = remotebytes.check(run, pool, jobs, full) if remote else None
+        failures = pool.failures() + (read.failures if read is not None else [])
     finally:
         pool.close()
     _name_failures(run, ckpt, failures)
     if cache is not None:  # a file whose blob is gone: said once, by the cache
         run.problems[:] = cache.problems + [p for p in run.problems if not (
             p.kind == MISSING_FILE and p.file in cache.missing)]
-    hashed = cache.hashed if cache is not None else set()  # a blob's name is its sha256
+    hashed = (cache.hashed if cache is not None else set()) | (  # a blob's name is its sha256
+        read.hashed if read is not None else set())  # the Hub's sha256 of each file
     for kind in dict.fromkeys(k for n, k in run.formats.items() if n not in hashed):
         if kind in NO_CHECKSUM:
             run.note(f"{NO_CHECKSUM[kind]}: damage inside their tensor bytes shows only "
@@ -108,29 +125,37 @@ def check(path: str, jobs: int | None = None, pool: CrcPool | None = None) -> Re
         run.note(f"it names globals torch.load(weights_only=False) would call ("
                  f"{', '.join(unsafe[:3])}{', …' if len(unsafe) > 3 else ''}): no damage, but "
                  "do not load it so; see ckptool diagnose")
-    checks = ["structure", *(["crc"] if pool.checked or failures else []),
-              *(["hf-cache"] if cache is not None else [])]
+    checks = ["structure", *(["crc"] if pool.checked or failures or (
+                  read is not None and read.records) else []),
+              *(["hf-cache"] if cache is not None else []),
+              *(["store-sha256"] if read is not None and read.hashed else [])]
     fmt = ckpt.format if ckpt is not None else layouts.format_of(
         layout, next(iter(run.formats.values()), None))
     count = len(ckpt.tensors) if ckpt is not None else tensors
     return Report(path, fmt, [{"name": n, "size": s} for n, s in run.sizes.items()], count,
-                  pool.checked + (cache.checked if cache is not None else 0),
+                  pool.checked + (cache.checked if cache is not None else 0) + (
+                      read.checked if read is not None else 0),
                   dedupe(run.problems), checks, notes=run.notes, checkpoint=ckpt)
 
 
-def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint | None,
-                                                  int | None]:
+def _structure(path: str, pool: CrcPool, first: tuple[str, Checkpoint | InputError] | None
+               ) -> tuple[Run, Layout | None, Checkpoint | None, int | None]:
+    """Each file, then the layout; ``first``: the checkpoint already read
+    (a URL), by the path it was read from."""
+    def _open(path: str) -> Checkpoint | InputError:
+        return first[1] if first is not None and first[0] == path else _read(path)
+
     layout, problems = layouts.recognised(path)
     kind = FILE if layout is None or layout.kind == FILE else layout.kind
     if kind == FILE:
         one = layouts.one_file(path, layout)
         assert one.file is not None
-        run = Run(os.path.dirname(one.file), pool)
-        name = os.path.basename(one.file)
+        run = Run(fs.dirname(one.file), pool)
+        name = fs.basename(one.file)
         try:
             dispatch.check(one.file)  # missing, empty, not a checkpoint: exit 3
         except NotACheckpointError:
-            if not one.file.endswith(".safetensors") or os.path.getsize(one.file) < 8:
+            if not one.file.endswith(".safetensors") or fs.getsize(one.file) < 8:
                 raise
             # named as safetensors, with bytes of no format: its header is damaged
             check_file(run, name)
@@ -174,7 +199,7 @@ def _structure(path: str, pool: CrcPool) -> tuple[Run, Layout | None, Checkpoint
     return run, layout, ckpt, tensors
 
 
-def _open(path: str) -> Checkpoint | InputError:
+def _read(path: str) -> Checkpoint | InputError:
     """The checkpoint read whole by its layout's reader, or why it was not."""
     try:
         return open_checkpoint(path)
@@ -241,9 +266,9 @@ def _companions(run: Run, ckpt: Checkpoint | None, folder: str | None = None) ->
     state...): their zip records checked, and what reading them found.
     Where the model could not be read (nothing said what its folder is),
     every other checkpoint file of ``folder`` is checked alone."""
-    if ckpt is None and folder is not None and os.path.isdir(folder):
+    if ckpt is None and folder is not None and fs.isdir(folder):
         for name in sorted(listing(folder))[:MAX_SNIFFED]:
-            if name not in run.sizes and is_checkpoint_file(os.path.join(folder, name)) \
+            if name not in run.sizes and is_checkpoint_file(fs.join(folder, name)) \
                     and check_file(run, name):
                 read_alone(run, name)
     framework = ckpt.framework if ckpt is not None else None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import struct
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from typing import IO
 
 from ckptool.check.verify.problems import BOUNDS, CRC, HEADER, SIZE, Problem, classify
 from ckptool.describe import human_bytes
+from ckptool.read import fs
+from ckptool.read.remote import stream
 from ckptool.read.ziparchive import ChecksumMismatch, Member, ZipArchive, ZipError
 from ckptool.write.fastcrc import crc_file_ranges
 
@@ -107,12 +110,22 @@ def _local_header(archive: ZipArchive, m: Member) -> int:
     in the data descriptor after the data, as torch writes them): a byte
     changed in either copy is found here, where no reader looks."""
     f = archive.f
-    f.seek(m.header_offset)
-    raw = f.read(_LOCAL.size)
+    exact = _exact_reads(f)
+    if exact is not None:  # a URL: the header's bytes alone, not 64 KiB of tensor bytes
+        raw = exact.read(m.header_offset, _LOCAL.size + _NAME)
+        named = raw[_LOCAL.size:]
+        raw = raw[:_LOCAL.size]
+    else:
+        f.seek(m.header_offset)
+        raw = f.read(_LOCAL.size)
     if len(raw) < _LOCAL.size or raw[:4] != b"PK\x03\x04":
         raise ZipError(f"bad local header for {m.name}")
     _, _, flags, method, _, _, crc, csize, usize, nlen, xlen = _LOCAL.unpack(raw)
-    named = f.read(nlen)
+    if exact is not None:
+        named = named[:nlen] if nlen <= len(named) else exact.read(
+            m.header_offset + _LOCAL.size, nlen)
+    else:
+        named = f.read(nlen)
     start = m.header_offset + _LOCAL.size + nlen + xlen
     if start + m.compressed_size > archive.size:
         raise ZipError(f"record {m.name} runs past the end of the file (truncated?)")
@@ -121,8 +134,11 @@ def _local_header(archive: ZipArchive, m: Member) -> int:
         raise ZipError(f"record {m.name}'s local header does not match the zip directory "
                        f"(it names {named[:60]!r}, method {method})")
     if flags & 0x8:  # a data descriptor after the data: [signature] CRC-32, sizes
-        f.seek(start + m.compressed_size)
-        tail = f.read(24)
+        if exact is not None:  # (with the next record's local header, which follows it)
+            tail = exact.read(start + m.compressed_size, 24, _LOCAL.size + _NAME)[:24]
+        else:
+            f.seek(start + m.compressed_size)
+            tail = f.read(24)
         tail = tail[4:] if tail[:4] == b"PK\x07\x08" else tail
         fields = [struct.unpack_from("<III", tail)] if len(tail) >= 12 else []
         fields += [struct.unpack_from("<IQQ", tail)] if len(tail) >= 20 else []
@@ -134,6 +150,36 @@ def _local_header(archive: ZipArchive, m: Member) -> int:
         raise ZipError(f"record {m.name}'s local header does not match the zip directory "
                        "(its CRC-32 or sizes)")
     return start
+
+
+_NAME = 256  # bytes of a record's name read with its local header (a URL)
+
+
+class _Exact:
+    """A remote file's small reads, each exactly its range (one request),
+    the last one kept: a record's data descriptor and the next record's
+    local header come in one request."""
+
+    def __init__(self, f: IO[bytes]) -> None:
+        self.f = f
+        self.at, self.data = -1, b""
+
+    def read(self, offset: int, n: int, ahead: int = 0) -> bytes:
+        if not (self.at <= offset and offset + n <= self.at + len(self.data)):
+            self.at, self.data = offset, stream.exact(self.f, offset, n + ahead)
+        return self.data[offset - self.at:offset - self.at + n]
+
+
+_exact: weakref.WeakKeyDictionary[IO[bytes], _Exact] = weakref.WeakKeyDictionary()
+
+
+def _exact_reads(f: IO[bytes]) -> _Exact | None:
+    """Exact reads of ``f`` when it is remote; None for a local file."""
+    if not fs.is_remote(getattr(f, "url", None)):
+        return None
+    if f not in _exact:
+        _exact[f] = _Exact(f)
+    return _exact[f]
 
 
 def _inflated(archive: ZipArchive, name: str, size: int, file: str, tensor: str | None,
@@ -172,8 +218,14 @@ class CrcPool:
                                             thread_name_prefix="ckptool-crc")
         self._futures: list[tuple[Future[list[Failure]], int]] = []
         self.checked = 0  # bytes submitted
+        # a remote file's records: read only by verify --full (``remotebytes``), with the
+        # rest of the file, in one pass
+        self.deferred: dict[str, list[tuple[str, Record, object]]] = {}
 
     def submit(self, path: str, file: str, records: list[Record], label: object = None) -> None:
+        if fs.is_remote(path):
+            self.deferred.setdefault(path, []).extend((file, r, label) for r in records)
+            return
         unit: list[Record] = []
         size = 0
         for r in sorted(records, key=lambda r: r.offset):
