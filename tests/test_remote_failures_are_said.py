@@ -200,3 +200,24 @@ def test_outputs_are_local_files(args: list[str], run_cli: Any, tmp_path: Path,
     err = one_error(*run_cli(*[source if a == "IN" else a for a in args]), expected_code=2)
     assert "ckptool writes local files" in err and "upload" in err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_server_that_stops_answering_is_said_after_the_timeout(
+        tmp_path: Path, http_server: Any, run_cli: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    url = http_server.put("m.pt", big_zip(tmp_path))
+    http_server.faults.delay("/m.pt", 2.0, method="GET")
+    monkeypatch.setenv("CKPTOOL_REMOTE_TIMEOUT", "0.2")
+    started = time.monotonic()
+    err = one_error(*run_cli("inspect", url))
+    assert "no answer" in err and "4 attempts" in err
+    assert time.monotonic() - started < 2.0 * 4  # never a whole delay per attempt
+
+
+@pytest.mark.parametrize("value", ["soon", "0", "-3"])
+def test_a_timeout_that_is_no_time_is_a_usage_error(value: str, http_server: Any, run_cli: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTOOL_REMOTE_TIMEOUT", value)
+    err = one_error(*run_cli("inspect", http_server.url_for("m.pt")), expected_code=2)
+    assert "CKPTOOL_REMOTE_TIMEOUT" in err

@@ -30,6 +30,8 @@ from ckptool.read.remote import urls
 T = TypeVar("T")
 _LIBRARY = {"hf": "huggingface_hub", "s3": "s3fs", "gcs": "gcsfs", "http": "aiohttp"}
 TRIES = 4  # attempts of a read that failed for a passing reason
+READ_TIMEOUT = 60.0  # seconds without a byte from the server: that attempt failed
+CONNECT_TIMEOUT = 30.0
 BACKOFF = 0.25  # seconds before the second attempt, doubled after each
 _SECRET = re.compile(r"(https?://[^\s'\"?#]*)[?#][^\s'\"]*")  # a URL's query: maybe a signature
 _USER = re.compile(r"(https?://)[^/\s'\"@]+@")
@@ -79,15 +81,35 @@ def _make(extra: str) -> Any:
 
         endpoint = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         kwargs: dict[str, Any] = {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
-        return s3fs.S3FileSystem(**kwargs)
+        read = timeout()
+        return s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
+            "connect_timeout": min(CONNECT_TIMEOUT, read), "read_timeout": read}, **kwargs)
     if extra == "gcs":
         import gcsfs
 
         return gcsfs.GCSFileSystem()
-    import aiohttp  # noqa: F401  (fsspec's HTTP filesystem needs it; say so up front)
+    import aiohttp  # (fsspec's HTTP filesystem needs it: said up front)
     import fsspec
 
-    return fsspec.filesystem("http")
+    read = timeout()
+    return fsspec.filesystem("http", skip_instance_cache=True, client_kwargs={
+        "timeout": aiohttp.ClientTimeout(total=None, sock_connect=min(CONNECT_TIMEOUT, read),
+                                         sock_read=read)})
+
+
+def timeout() -> float:
+    """Seconds a request may wait for the server's next bytes before it is
+    made again (``CKPTOOL_REMOTE_TIMEOUT``, default ``READ_TIMEOUT``)."""
+    given = os.environ.get("CKPTOOL_REMOTE_TIMEOUT", "")
+    try:
+        value = float(given) if given else READ_TIMEOUT
+    except ValueError:
+        raise UsageError(f"CKPTOOL_REMOTE_TIMEOUT={given!r} is not a number of seconds",
+                         "set it to seconds, e.g. CKPTOOL_REMOTE_TIMEOUT=120") from None
+    if not value > 0:
+        raise UsageError(f"CKPTOOL_REMOTE_TIMEOUT={given!r} must be more than 0 seconds",
+                         "set it to seconds, e.g. CKPTOOL_REMOTE_TIMEOUT=120")
+    return value
 
 
 def strip_protocol(scheme: str, url: str) -> str:
