@@ -51,11 +51,13 @@ def big_pt(tmp_path: Path) -> Path:
     return path
 
 
-# Local servers standing in for remote stores (HTTP ranges, Hugging Face Hub, S3),
+# Local servers standing in for remote stores (HTTP ranges, Hugging Face Hub, S3, GCS),
 # started once per session, reset for each test: see tests/remote_fixtures.py.
 from remote_fixtures import (  # noqa: E402, F401
     fake_hub,
     fake_hub_session,
+    gcs_server,
+    gcs_server_session,
     http_server,
     range_http_server_session,
     s3_server,

@@ -27,13 +27,22 @@ starts once per session; the function fixtures below reset it for each test
     version = s3_server.put(bucket, "key", data); s3_server.client (boto3)
     -> s3fs.S3FileSystem().find(f"{bucket}/prefix", detail=True, withdirs=True)
 
-All three: ``.url``, ``.log`` (``RequestLog``: ``entries``, ``select(method,
+``gcs_server`` -> ``GCSServer`` (gcp-storage-emulator, fake_gcs.py) with no
+    buckets; STORAGE_EMULATOR_HOST points at it, no Google credentials are found
+    (no GOOGLE_APPLICATION_CREDENTIALS, an empty gcloud config, no GCE metadata
+    probe: gcsfs reads anonymously); gcsfs's instance cache cleared before and after.
+    bucket = gcs_server.make_bucket()
+    keys = gcs_server.upload(folder_or_file, bucket, "prefix")
+    generation = gcs_server.put(bucket, "key", data)   # replaces: a new generation
+    -> gcsfs.core.GCSFileSystem().find(f"{bucket}/prefix", detail=True, withdirs=True)
+
+All four: ``.url``, ``.log`` (``RequestLog``: ``entries``, ``select(method,
 path_glob)``, ``count(...)``, ``bytes_sent(...)``, ``summary()``, ``clear()``)
 and ``.faults`` (``fail(path_glob, status, times=1)``, ``delay(path_glob,
 seconds)``, ``truncate(path_glob, keep)``, ``after(path_glob, hook, requests)``).
 Log paths are percent-decoded URL paths: ``/dir/f.bin``, ``/org/name/resolve/
 main/f.bin``, ``/cdn-lfs/<sha256>``, ``/api/models/org/name/tree/main``,
-``/<bucket>/<key>``.
+``/<bucket>/<key>``, ``/download/storage/v1/b/<bucket>/o/<key>``.
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from fake_gcs import GCSServer
 from fake_hub import FakeHub
 from fake_s3 import S3Server
 from remote_servers import RangeHTTPServer
@@ -129,3 +139,31 @@ def s3_server(
     s3fs.S3FileSystem.clear_instance_cache()
     yield server
     s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture(scope="session")
+def gcs_server_session() -> Iterator[GCSServer]:
+    server = GCSServer()
+    yield server
+    server.close()
+
+
+@pytest.fixture
+def gcs_server(
+    gcs_server_session: GCSServer, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> Iterator[GCSServer]:
+    import gcsfs.core
+    from google.auth.compute_engine import _metadata
+
+    server = gcs_server_session
+    server.reset()
+    for name, value in server.env().items():
+        monkeypatch.setenv(name, value)
+    for name in ("GOOGLE_APPLICATION_CREDENTIALS", "GOOGLE_CLOUD_PROJECT", "GCLOUD_PROJECT"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path / "no-gcloud-config"))
+    monkeypatch.setenv("NO_GCE_CHECK", "true")
+    monkeypatch.setattr(_metadata, "_NO_GCE_CHECK", True)  # (read at import)
+    gcsfs.core.GCSFileSystem.clear_instance_cache()
+    yield server
+    gcsfs.core.GCSFileSystem.clear_instance_cache()

@@ -18,6 +18,7 @@ timeout, a 5xx, 429), a bounded number of times with backoff.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import re
 import time
@@ -85,9 +86,25 @@ def _make(extra: str) -> Any:
         return s3fs.S3FileSystem(skip_instance_cache=True, config_kwargs={
             "connect_timeout": min(CONNECT_TIMEOUT, read), "read_timeout": read}, **kwargs)
     if extra == "gcs":
-        import gcsfs
+        import gcsfs.core
 
-        return gcsfs.GCSFileSystem()
+        # The JSON API's filesystem. gcsfs.GCSFileSystem is, since gcsfs 2025.x, a
+        # subclass that first asks each bucket's layout of the Storage Control API
+        # (gRPC): without credentials it warns on stderr at every call, and where
+        # STORAGE_EMULATOR_HOST names an emulator it retries for a minute.
+        # STORAGE_EMULATOR_HOST and gcloud's credentials are read by the library;
+        # an instance of ckptool's own, so that no listing cached by another user
+        # of it is seen. Its log says failures (with tracebacks) that ckptool says
+        # in its own words: kept off stderr where no one set logging up.
+        log = logging.getLogger("gcsfs")
+        if not any(isinstance(h, logging.NullHandler) for h in log.handlers):
+            log.addHandler(logging.NullHandler())
+        import aiohttp
+
+        read = timeout()
+        waits = aiohttp.ClientTimeout(total=None, sock_connect=min(CONNECT_TIMEOUT, read),
+                                      sock_read=read)
+        return gcsfs.core.GCSFileSystem(skip_instance_cache=True, requests_timeout=waits)
     import aiohttp  # (fsspec's HTTP filesystem needs it: said up front)
     import fsspec
 
@@ -137,6 +154,12 @@ def _status(exc: BaseException) -> int | None:
     if isinstance(error, dict):  # botocore's ClientError
         code = error.get("ResponseMetadata", {}).get("HTTPStatusCode")
         return code if isinstance(code, int) else None
+    # gcsfs says a 412 (ifGenerationMatch not met) as FileExistsError and a
+    # 403 as an OSError("Forbidden: <request URL>")
+    if isinstance(exc, FileExistsError):
+        return 412
+    if type(exc) is OSError and str(exc).startswith("Forbidden: "):
+        return 403
     return None
 
 
