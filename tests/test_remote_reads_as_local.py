@@ -279,3 +279,19 @@ def test_the_hubs_sha256_and_scan_are_shown_beside_the_verdict(tmp_path: Path, f
     _code, out, _err = run_cli("inspect", "hf://org/model")
     assert f"sha256      {digest}  pytorch_model.bin (the Hub's)" in out
     assert "hub scan    1 file flagged: pytorch_model.bin (unsafe)" in out
+
+
+def test_a_pickle_larger_than_what_is_kept_is_read_once(tmp_path: Path, http_server: Any,
+                                                        run_cli: Any,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptool.read.remote import rfile
+
+    monkeypatch.setattr(rfile, "KEPT", 256 << 10)  # a pickle of ~1.5 MiB read a few bytes at a time
+    torch.save({f"layer.{i}.weight": torch.zeros(2) for i in range(20000)}, tmp_path / "m.pt",
+               _use_new_zipfile_serialization=False)
+    size = (tmp_path / "m.pt").stat().st_size
+    url = http_server.put("m.pt", (tmp_path / "m.pt").read_bytes())
+    local = str(tmp_path / "m.pt")
+    same_but_path(report(run_cli, "inspect", url), report(run_cli, "inspect", local), url, local)
+    gets = http_server.log.select("GET")
+    assert sum(r.sent for r in gets) <= 2 * size, http_server.log.summary()[:20]

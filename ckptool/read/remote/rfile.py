@@ -11,11 +11,13 @@ fetched before is one range request:
   one request, a zip's end records and most directories in one more;
 - a larger read (a pickle, a tensor) fetches exactly what it asks for.
 
-Small fetches are kept (at most ``KEPT`` bytes a file), large ones are
+Fetches under ``LARGE`` bytes are kept, shared by every open of the file
+(at most ``KEPT`` bytes a file, the oldest dropped first); larger ones are
 not: a tensor is read once. Every range is read from the version of the
-file first listed (``tree.Entry.version``): an S3 version id, or an ETag
-sent as ``If-Match`` over HTTP. A response of another length than asked,
-or a version that changed, is an error naming the URL, never bytes of two
+file first listed (``tree.Entry.version``): an S3 version id or ETag, a GCS
+generation, an HTTP server's strong ETag (``If-Match``); a Hub file at the
+commit its revision named. A response of another length than asked, or a
+version that changed, is an error naming the URL, never bytes of two
 versions mixed.
 """
 
@@ -27,7 +29,7 @@ import threading
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read.remote import counts, stores, urls
+from ckptool.read.remote import counts, httprange, stores, urls
 from ckptool.read.remote.tree import Entry
 
 SPECULATIVE = 64 << 10
@@ -93,18 +95,17 @@ class RemoteFile(io.RawIOBase):
         if n == 0:
             return b""
         end = offset + n
-        gaps = self._pieces.gaps(offset, end)
+        have, gaps = self._pieces.covering(offset, end)
         if gaps and n >= LARGE:  # a tensor's bytes: one request, kept by no one
             return self.fetch(offset, end)
         for gap_start, gap_end in gaps:
             if gap_end - gap_start < SPECULATIVE:  # small: fetch around it
                 gap_start, gap_end = self._around(gap_start, gap_end, offset, end)
             piece = self.fetch(gap_start, gap_end)
-            if not self._pieces.keep(gap_start, piece):  # the file's share is spent
-                return self._pieces.take(offset, max(offset, gap_start)) + piece[
-                    max(0, offset - gap_start):end - gap_start] + (
-                    self.pread(gap_end, end - gap_end) if gap_end < end else b"")
-        return self._pieces.take(offset, end)
+            self._pieces.keep(gap_start, piece)
+            have.append((gap_start, piece))
+        # (from the pieces in hand: another thread may drop kept ones meanwhile)
+        return _assemble(have, offset, end)
 
     def _around(self, start: int, end: int, need_start: int, need_end: int) -> tuple[int, int]:
         """A small gap widened to ``SPECULATIVE`` bytes where the reads
@@ -145,9 +146,8 @@ class RemoteFile(io.RawIOBase):
         etag = version.get("ETag") or version.get("etag")
         if family == "s3":
             return _s3_range(fs, self._path, start, end, version.get("VersionId"), etag)
-        if family == "http" and etag and not etag.startswith("W/"):  # a weak one pins nothing
-            return bytes(fs.cat_file(self._path, start=start, end=end,
-                                     headers={"If-Match": etag}))
+        if family == "http":  # (fsspec's cat_file checks neither status nor Content-Range)
+            return httprange.get(fs, self._path, start, end, self.size, etag)
         if family == "gcs" and version.get("generation"):
             return _gcs_range(fs, self._path, start, end, version["generation"])
         if family == "hf":  # exactly the range (its files read 5 MiB ahead by default)
@@ -197,17 +197,22 @@ class _Pieces:
     def __init__(self) -> None:
         self.starts: list[int] = []
         self.pieces: list[bytes] = []
+        self.order: list[int] = []  # where the pieces kept start, oldest first
         self.kept = 0
         self.lock = threading.Lock()
 
-    def gaps(self, start: int, end: int) -> list[tuple[int, int]]:
-        """The ranges of [start, end) not fetched yet."""
+    def covering(self, start: int, end: int) -> tuple[list[tuple[int, bytes]],
+                                                      list[tuple[int, int]]]:
+        """The pieces kept that overlap [start, end) (start, bytes), and the
+        ranges of it not fetched yet."""
+        have: list[tuple[int, bytes]] = []
         out = []
         pos = start
         with self.lock:
             i = max(0, bisect.bisect_right(self.starts, start) - 1)
             while pos < end and i < len(self.starts):
-                p_start, p_end = self.starts[i], self.starts[i] + len(self.pieces[i])
+                p_start, piece = self.starts[i], self.pieces[i]
+                p_end = p_start + len(piece)
                 if p_end <= pos:
                     i += 1
                     continue
@@ -215,11 +220,16 @@ class _Pieces:
                     break
                 if p_start > pos:
                     out.append((pos, p_start))
+                have.append((p_start, piece))
                 pos = max(pos, p_end)
                 i += 1
         if pos < end:
             out.append((pos, end))
-        return out
+        return have, out
+
+    def gaps(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The ranges of [start, end) not fetched yet."""
+        return self.covering(start, end)[1]
 
     def trim(self, start: int, end: int, need_start: int, need_end: int) -> tuple[int, int]:
         """[start, end) less what is fetched on either side of the needed range."""
@@ -242,29 +252,42 @@ class _Pieces:
             return end if end <= offset else None
 
     def keep(self, start: int, piece: bytes) -> bool:
-        """Keep a piece fetched (False: too large, or the file's share is spent)."""
-        if len(piece) >= LARGE or self.kept + len(piece) > KEPT:
+        """Keep a piece fetched (False: too large to keep). Over the file's
+        share (``KEPT``), the pieces kept longest go first: a pickle read
+        a few bytes at a time slides through the file, and the end records
+        and directory read first are needed again only at the start."""
+        if len(piece) >= LARGE:
             return False
         with self.lock:
+            while self.order and self.kept + len(piece) > KEPT:
+                oldest = self.order.pop(0)
+                i = bisect.bisect_left(self.starts, oldest)
+                if i < len(self.starts) and self.starts[i] == oldest:
+                    self.kept -= len(self.pieces[i])
+                    del self.starts[i], self.pieces[i]
             i = bisect.bisect_left(self.starts, start)
             self.starts.insert(i, start)
             self.pieces.insert(i, piece)
+            self.order.append(start)
             self.kept += len(piece)
         return True
 
-    def take(self, start: int, end: int) -> bytes:
-        """Bytes [start, end), every one fetched."""
-        out = bytearray()
-        pos = start
-        with self.lock:
-            i = max(0, bisect.bisect_right(self.starts, start) - 1)
-            while pos < end:
-                p_start, piece = self.starts[i], self.pieces[i]
-                if p_start + len(piece) > pos:
-                    out += piece[pos - p_start:min(end, p_start + len(piece)) - p_start]
-                    pos = min(end, p_start + len(piece))
-                i += 1
-        return bytes(out)
+
+def _assemble(pieces: list[tuple[int, bytes]], start: int, end: int) -> bytes:
+    """Bytes [start, end) from pieces (start, bytes) that cover them."""
+    out = bytearray()
+    pos = start
+    for p_start, piece in sorted(pieces, key=lambda p: p[0]):
+        p_end = p_start + len(piece)
+        if p_start <= pos < p_end:
+            stop = min(end, p_end)
+            out += piece[pos - p_start:stop - p_start]
+            pos = stop
+        if pos >= end:
+            break
+    if pos < end:
+        raise AssertionError(f"bytes {pos}-{end} of a read were neither kept nor fetched")
+    return bytes(out)
 
 
 _files: dict[tuple[str, str], _Pieces] = {}
