@@ -71,8 +71,7 @@ class InputPath(click.ParamType):
                 ctx: click.Context | None) -> str:
         path = os.fspath(value)
         if "://" in path:
-            _hide_credentials(path)
-            return path
+            return _hide_credentials(path)
         if path != "-" and not _is_stream(path):
             return path
         given = "standard input" if path == "-" else path
@@ -84,9 +83,10 @@ class InputPath(click.ParamType):
         return _spool(path, ctx)
 
 
-def _hide_credentials(url: str) -> None:
-    """Say ``url`` without its credentials wherever ckptool prints it; a
-    scheme ckptool does not read is a usage error."""
+def _hide_credentials(url: str) -> str:
+    """``url`` as ckptool shows it, without its credentials (the read layer
+    makes its requests with them: ``urls.hide``); a scheme ckptool does not
+    read is a usage error."""
     from ckptool.read.remote import urls
 
     unknown = urls.looks_like_url(url)
@@ -97,8 +97,9 @@ def _hide_credentials(url: str) -> None:
                          "give a local path, or a URL: " + ", ".join(
                              f"{s}://" for s in ("hf", "s3", "gs", "https", "http")))
     if urls.is_url(url) and urls.shown(url) != url.rstrip("/"):
-        _SECRET_URLS[url.rstrip("/")] = urls.shown(url)
+        _SECRET_URLS[url.rstrip("/")] = urls.shown(url)  # (and in anything that echoes it)
         _SECRET_URLS[url] = urls.shown(url)
+    return urls.hide(url)
 
 
 def local_output(path: str | None, option: str) -> None:

@@ -130,7 +130,9 @@ def timeout() -> float:
 
 
 def strip_protocol(scheme: str, url: str) -> str:
-    """The path the filesystem of ``scheme`` takes for ``url``."""
+    """The path the filesystem of ``scheme`` takes for ``url`` (as given,
+    credentials included: ``urls.real``)."""
+    url = urls.real(url)
     if urls.SCHEMES[scheme] == "http":
         return url
     return str(filesystem(scheme)._strip_protocol(url))

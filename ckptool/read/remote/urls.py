@@ -52,6 +52,34 @@ def shown(url: str) -> str:
     return urlunsplit((parts.scheme, netloc, parts.path, "", ""))
 
 
+_secret: dict[str, str] = {}  # a URL as shown -> as given (with its credentials)
+
+
+def hide(url: str) -> str:
+    """``url`` as it is shown, remembering the URL as given: every request
+    is made to the URL as given (``real``), every message, report and file
+    name says it as shown. A user and password carry over to the other
+    files of its host (an index's shards); a query string (a presigned
+    URL's signature) belongs to that one file."""
+    if not is_url(url):
+        return url
+    seen = shown(url)
+    if seen != url:
+        _secret[seen] = url
+    return seen
+
+
+def real(url: str) -> str:
+    """The URL to request for ``url`` as shown (itself if nothing is hidden)."""
+    if url in _secret:
+        return _secret[url]
+    for seen, given in _secret.items():  # a file beside one given with a user and password
+        parts, seen_parts = urlsplit(given), urlsplit(seen)
+        if parts.username and (url.startswith(seen_parts.scheme + "://" + seen_parts.netloc + "/")):
+            return urlunsplit((parts.scheme, parts.netloc, urlsplit(url).path, "", ""))
+    return url
+
+
 def join(base: str, name: str) -> str:
     """``name`` inside the folder ``base`` (a URL): ``base/name``."""
     return base.rstrip("/") + "/" + name.lstrip("/")

@@ -37,7 +37,11 @@ def default_output(src: str) -> str:
 def _here(src: str) -> str:
     """Where outputs of ``src`` go by default: beside it; for a URL, in the
     current directory, under its last name."""
-    return src.rstrip("/").rsplit("/", 1)[-1] if fs.is_remote(src) else src
+    if not fs.is_remote(src):
+        return src
+    from ckptool.read.remote import urls
+
+    return urls.name(urls.shown(src))
 
 
 def fresh_output(src: str) -> str:
