@@ -33,6 +33,13 @@ def _entry(path: str) -> tuple[str, Any]:
     return scheme, tree.tree(scheme).entry(path)
 
 
+def listable(path: str) -> bool:
+    """Whether the folders of ``path`` can be listed (locally, and on every
+    store but plain HTTP(S): there, whether a file exists is only what a
+    server answers, and some answer a page for any name)."""
+    return not is_remote(path) or urls.SCHEMES[urls.scheme_of(path) or ""] != "http"
+
+
 def open_binary(path: str) -> io.BufferedReader:
     """``open(path, "rb")``, for a URL a ``RemoteFile``."""
     if not is_remote(path):

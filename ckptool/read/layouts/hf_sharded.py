@@ -47,7 +47,7 @@ def read(layout: Layout) -> MultiRead:
     lock (``dirlock.shared``): never while a fix commits."""
     directory = layout.directory
     if fs.is_remote(directory):  # no lock to take, no fix of ckptool's running there
-        if fs.exists(fs.join(directory, journal.JOURNAL)):
+        if fs.listable(directory) and fs.exists(fs.join(directory, journal.JOURNAL)):
             raise InputError(f"{directory} holds the journal of an in-place fix that was "
                              "stopped before it finished",
                              "run any ckptool command on a local copy to settle it, then "

@@ -193,6 +193,19 @@ def retrying(read: Callable[[], T], url: str) -> T:
     raise AssertionError("unreachable")
 
 
+def _caused_by(exc: BaseException, names: set[str]) -> bool:
+    """Whether ``exc``, or what it was raised from, is of a class named so
+    (fsspec says a redirect loop as FileNotFoundError from it)."""
+    seen: BaseException | None = exc
+    for _ in range(8):
+        if seen is None:
+            return False
+        if {c.__name__ for c in type(seen).__mro__} & names:
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
 def not_found(url: str) -> InputError:
     return InputError(f"{urls.shown(url)}: not found",
                       "check the URL (bucket, repository, revision and path); a private "
@@ -205,6 +218,9 @@ def refused(url: str, exc: BaseException) -> InputError:
     status = _status(exc)
     names = {c.__name__ for c in type(exc).__mro__}
     text = scrub(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)[:200]
+    if _caused_by(exc, {"TooManyRedirects", "TooManyRedirectsError"}):
+        return InputError(f"{shown}: the server redirects in a loop",
+                          "check the URL: it should name the file itself")
     if isinstance(exc, FileNotFoundError) or status == 404 or names & {
             "RepositoryNotFoundError", "RevisionNotFoundError", "EntryNotFoundError",
             "RemoteEntryNotFoundError", "NoSuchKey", "NoSuchBucket"}:
