@@ -135,7 +135,12 @@ def strip_protocol(scheme: str, url: str) -> str:
     url = urls.real(url)
     if urls.SCHEMES[scheme] == "http":
         return url
-    return str(filesystem(scheme)._strip_protocol(url))
+    path = str(filesystem(scheme)._strip_protocol(url))
+    if urls.SCHEMES[scheme] == "hf":  # at the commit the revision names now
+        from ckptool.read.remote import hub
+
+        return hub.pinned(path)
+    return path
 
 
 def scrub(text: str) -> str:
