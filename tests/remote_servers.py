@@ -236,7 +236,26 @@ class Reply:
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 
 
-def serve_bytes(data: bytes, etag: str, req: Incoming, headers: list[tuple[str, str]]) -> Reply:
+class FileBytes:
+    """A file's bytes, read only as sliced: a range answer reads its range,
+    not the whole file (tests measure the client's memory in-process)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.size = path.stat().st_size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, part: slice) -> bytes:
+        start, stop, _ = part.indices(self.size)
+        with self.path.open("rb") as f:
+            f.seek(start)
+            return f.read(max(0, stop - start))
+
+
+def serve_bytes(data: bytes | FileBytes, etag: str, req: Incoming,
+                headers: list[tuple[str, str]]) -> Reply:
     """Full (200) or one-range (206/416) answer for ``data`` with strong ``etag``
     honouring If-Match (412). Ranges the server can't parse (several ranges,
     other units) are ignored, as RFC 9110 allows: 200 with everything."""
@@ -248,7 +267,10 @@ def serve_bytes(data: bytes, etag: str, req: Incoming, headers: list[tuple[str, 
         return Reply(412, head)
     match = _RANGE.match(req.headers.get("range", "").replace(" ", ""))
     if match is None or match.group(1) == match.group(2) == "":
-        return Reply(200, [*head, ("Content-Type", "application/octet-stream")], data)
+        if req.method == "HEAD":  # its length, not its bytes
+            return Reply(200, [*head, ("Content-Type", "application/octet-stream"),
+                               ("Content-Length", str(size))])
+        return Reply(200, [*head, ("Content-Type", "application/octet-stream")], data[:])
     first, last = match.groups()
     if first == "":  # suffix: the last n bytes
         start, end = max(0, size - int(last)), size - 1
@@ -430,6 +452,6 @@ class RangeHTTPServer(LoggedServer):
         name = path.relative_to(self.root).as_posix()
         while True:  # an ETag that belongs to the bytes sent, even mid-replace
             etag = self.etag(name)
-            data = path.read_bytes()
+            reply = serve_bytes(FileBytes(path), etag, req, [])
             if self.etag(name) == etag:
-                return serve_bytes(data, etag, req, [])
+                return reply

@@ -37,7 +37,7 @@ import queue
 import threading
 import zlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.write import mapcopy
@@ -152,6 +152,9 @@ class Copier:
 
     def _write_made(self, made: Made) -> None:
         data = made.make()
+        if not isinstance(data, (bytes, bytearray, memoryview)):  # pieces, in order
+            self._write_pieces(made, data)
+            return
         if len(data) != made.size:
             raise CorruptCheckpointError(
                 f"{made.name} came to {len(data)} bytes, {made.size} planned",
@@ -161,6 +164,28 @@ class Copier:
         self.checker.written(made.at, made.size)
         if self.checker.observe is not None:  # bytes of its own, that nothing changes
             self.checker.wrote(made.at, bytes(data), 0, made.size)
+        self._advance(made.size)
+
+    def _write_pieces(self, made: Made, pieces: Iterator[bytes]) -> None:
+        """A ``Made`` that comes a piece at a time (a large tensor of a
+        remote input: one piece in memory, not the whole)."""
+        crc, at = 0, made.at
+        for piece in pieces:
+            if at + len(piece) > made.at + made.size:
+                break
+            self._pwrite(piece, at)
+            crc = zlib.crc32(piece, crc)
+            if self.checker.observe is not None:
+                self.checker.wrote(at, bytes(piece), 0, len(piece))
+            at += len(piece)
+            if self._stop.is_set():
+                return
+        if at != made.at + made.size:
+            raise CorruptCheckpointError(
+                f"{made.name} came to {at - made.at} bytes or more, {made.size} planned",
+                "report this as a bug; nothing was written")
+        made.crc = crc
+        self.checker.written(made.at, made.size)
         self._advance(made.size)
 
     def _copy_span(self, span: Span) -> None:

@@ -23,7 +23,7 @@ import ctypes
 import math
 import os
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,7 @@ Check = tuple[str, int, int, int]  # (what, output offset, size, expected CRC)
 # that way pays
 PAGE = 4096
 CONGRUENT_MIN = 1 << 20
+PIECE = 4 << 20  # bytes of a remote input fetched and written at once
 
 
 @dataclass
@@ -79,7 +80,7 @@ class Made:
     at: int
     size: int
     name: str
-    make: Callable[[], bytes | memoryview]
+    make: Callable[[], bytes | memoryview | Iterator[bytes]]  # (pieces: written in order)
     crc: int | None = None  # set once made
     # made from every other segment's CRC (a zip directory): written last,
     # once the rest of the file is (by one process, when several write it)
@@ -136,25 +137,30 @@ def input_segments(source: Source, at: int, src: int, size: int, name: str,
 
 def _fetched(source: Source, at: int, src: int, size: int, name: str,
              expected: list[int]) -> Made:
-    """Bytes of a remote input, fetched when the copy reaches them and
-    checked against the CRC the input gives them, if it gives one."""
-
+    """Bytes of a remote input, fetched when the copy reaches them (by the
+    input's read-ahead, ``readahead``), a ``PIECE`` at a time, and checked
+    against the CRC the input gives them, if it gives one: memory holds a
+    few pieces, never a whole large tensor."""
     from ckptool.write import readahead
 
     ahead = readahead.of(source)
-    index = ahead.add(src, size)
+    pieces = [(ahead.add(src + off, min(PIECE, size - off)), min(PIECE, size - off))
+              for off in range(0, size, PIECE)] or [(ahead.add(src, 0), 0)]
 
-    def fetch() -> bytes:
-        data = ahead.take(index)
-        if len(data) != size:
-            raise CorruptCheckpointError(f"{name}: the input ends before its bytes do",
-                                         "the remote file changed or is cut short; "
-                                         "nothing was written")
-        if expected and zlib.crc32(data) != expected[0]:
+    def fetch() -> Iterator[bytes]:
+        crc = 0
+        for index, n in pieces:
+            data = ahead.take(index)
+            if len(data) != n:
+                raise CorruptCheckpointError(f"{name}: the input ends before its bytes do",
+                                             "the remote file changed or is cut short; "
+                                             "nothing was written")
+            crc = zlib.crc32(data, crc)
+            yield data
+        if expected and crc != expected[0]:
             raise CorruptCheckpointError(
                 f"{name} does not match the CRC the input gives it",
                 "the remote file is damaged: nothing was written")
-        return data
 
     return Made(at, size, name, fetch)
 
