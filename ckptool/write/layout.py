@@ -38,7 +38,7 @@ Check = tuple[str, int, int, int]  # (what, output offset, size, expected CRC)
 # that way pays
 PAGE = 4096
 CONGRUENT_MIN = 1 << 20
-PIECE = 4 << 20  # bytes of a remote input fetched and written at once
+PIECE = 8 << 20  # bytes of a remote input fetched and written at once
 
 
 @dataclass

@@ -18,7 +18,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-AHEAD_BYTES = 16 << 20  # bytes fetched and not yet written, at most
+AHEAD_BYTES = 32 << 20  # bytes fetched and not yet written, at most
 WORKERS = 4  # requests in flight at once
 SMALL = 64 << 10
 
