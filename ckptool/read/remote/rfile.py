@@ -150,8 +150,10 @@ class RemoteFile(io.RawIOBase):
             return httprange.get(fs, self._path, start, end, self.size, etag)
         if family == "gcs" and version.get("generation"):
             return _gcs_range(fs, self._path, start, end, version["generation"])
-        if family == "hf":  # exactly the range (its files read 5 MiB ahead by default)
-            return bytes(fs.cat_file(self._path, start=start, end=end, cache_type="none"))
+        if family == "hf":  # at the pinned commit, exactly the range, checked
+            from ckptool.read.remote import hub
+
+            return hub.range_get(self._path, start, end)
         return bytes(fs.cat_file(self._path, start=start, end=end))
 
 

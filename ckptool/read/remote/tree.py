@@ -100,7 +100,7 @@ class Tree:
         counts.request(listing=True)
         with stores.failures(url):
             try:
-                found = stores.retrying(lambda: fs.find(path, detail=True, withdirs=True), url)
+                found = stores.retrying(lambda: _found(fs, self.scheme, path), url)
             except FileNotFoundError:
                 found = {}
         inside = False
@@ -126,6 +126,15 @@ class Tree:
         if inside:
             self._entries[url] = Entry(url, True)
             self._deep.add(url)
+
+
+def _found(fs: Any, scheme: str, path: str) -> dict[str, Any]:
+    """Everything under ``path``, files and folders, with their details."""
+    if urls.SCHEMES[scheme] == "hf":  # (guarded against listings that never end)
+        from ckptool.read.remote import hub
+
+        return hub.listing(path)
+    return dict(fs.find(path, detail=True, withdirs=True))
 
 
 def _entry(url: str, info: dict[str, Any]) -> Entry:
