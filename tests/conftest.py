@@ -56,6 +56,7 @@ def big_pt(tmp_path: Path) -> Path:
 from remote_fixtures import (  # noqa: E402, F401
     fake_hub,
     fake_hub_session,
+    fresh_remote,
     gcs_server,
     gcs_server_session,
     http_server,

@@ -167,3 +167,20 @@ def gcs_server(
     gcsfs.core.GCSFileSystem.clear_instance_cache()
     yield server
     gcsfs.core.GCSFileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def fresh_remote(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No listing, piece, count or filesystem of ckptool's remote layer kept
+    from another test (each server here is reset, and libraries cache), and
+    retries after a failure that passes 0.01 s apart, not 0.25 s."""
+    from ckptool.read import remote
+    from ckptool.read.remote import stores, urls
+
+    remote.forget()
+    stores.drop()
+    urls.forget_hidden()
+    monkeypatch.setattr(stores, "BACKOFF", 0.01)
+    yield
+    stores.drop()
+    urls.forget_hidden()

@@ -9,6 +9,7 @@ URL to fix in place."""
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -22,13 +23,7 @@ from ckptool.read.remote import stores
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch) -> Any:
-    remote.forget()
-    stores.drop()
-    monkeypatch.setattr(stores, "BACKOFF", 0.01)
-    yield
-    stores.drop()
+pytestmark = pytest.mark.usefixtures("fresh_remote")
 
 
 def one_error(code: int, out: str, err: str, expected_code: int = 3) -> str:
@@ -221,3 +216,18 @@ def test_a_timeout_that_is_no_time_is_a_usage_error(value: str, http_server: Any
     monkeypatch.setenv("CKPTOOL_REMOTE_TIMEOUT", value)
     err = one_error(*run_cli("inspect", http_server.url_for("m.pt")), expected_code=2)
     assert "CKPTOOL_REMOTE_TIMEOUT" in err
+
+
+def test_a_hub_that_cannot_be_reached_is_said(fake_hub: Any, run_cli: Any,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub.constants as constants
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setattr(constants, "ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    monkeypatch.setenv("HF_HUB_ETAG_TIMEOUT", "1")
+    stores.drop()
+    err = one_error(*run_cli("inspect", "hf://org/model"))
+    assert "hf://org/model" in err and "no answer" in err

@@ -18,21 +18,12 @@ import pytest
 import torch
 from test_remote_reads_as_local import local_and_remote_outputs, same_but_path, same_files
 
-from ckptool.read import remote
-from ckptool.read.remote import stores
-
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 ONE_FILE = ["dataparallel_cuda2.pth", "tinynet.safetensors", "legacy_compiled_ddp.pth"]
 FOLDERS = ["dcp_tinynet", "deepspeed_zero3"]
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch) -> Any:
-    remote.forget()
-    stores.drop()
-    monkeypatch.setattr(stores, "BACKOFF", 0.01)
-    yield
-    stores.drop()
+pytestmark = pytest.mark.usefixtures("fresh_remote")
 
 
 def uploaded(gcs_server: Any, name: str) -> str:

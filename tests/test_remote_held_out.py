@@ -33,19 +33,13 @@ from remote_servers import Incoming, RangeHTTPServer, Reply, serve_bytes
 from safetensors.torch import save_file
 
 from ckptool.read import remote
-from ckptool.read.remote import rfile, stores
+from ckptool.read.remote import rfile
 
 CKPTOOL = str(Path(sys.executable).parent / "ckptool")
 SECRETS = ("hunter2", "s3cr3t", "AKIAXXX")
 
 
-@pytest.fixture(autouse=True)
-def _fresh(monkeypatch: pytest.MonkeyPatch) -> Any:
-    remote.forget()
-    stores.drop()
-    monkeypatch.setattr(stores, "BACKOFF", 0.01)
-    yield
-    stores.drop()
+pytestmark = pytest.mark.usefixtures("fresh_remote")
 
 
 def cli(*args: str, env: dict[str, str] | None = None, limit: float = 8.0,

@@ -13,15 +13,12 @@ from typing import Any
 import pytest
 import torch
 
-from ckptool.read import remote
 from tests.test_malicious import PAYLOADS, in_zip
 
 BENIGN = sorted((Path(__file__).parent / "fixtures" / "safety_benign").glob("*"))
 
 
-@pytest.fixture(autouse=True)
-def _fresh() -> None:
-    remote.forget()
+pytestmark = pytest.mark.usefixtures("fresh_remote")
 
 
 @pytest.fixture(scope="module")

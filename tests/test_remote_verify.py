@@ -26,14 +26,7 @@ CASES = ["lightning.ckpt", "tinynet.safetensors", "legacy_compiled_ddp.pth", "dc
 NOT_READ = "structure checked; tensor bytes not read (--full reads them)"
 
 
-@pytest.fixture(autouse=True)
-def _fresh() -> Any:
-    remote.forget()
-    from ckptool.read.remote import stores
-
-    stores.drop()
-    yield
-    stores.drop()
+pytestmark = pytest.mark.usefixtures("fresh_remote")
 
 
 def verify_json(run_cli: Any, *args: str) -> tuple[int, dict[str, Any]]:

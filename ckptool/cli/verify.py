@@ -4,7 +4,9 @@ and its JSON report (the text view: ``verify_text.py``).
 The structure and CRC checks (``ckptool.check.verify.structure``), then, as
 asked: the checkpoint against a manifest written before (``--manifest``),
 every tensor's values (``--values``), and a new manifest written once
-nothing is wrong (``--write-manifest``). Exit 0 when whole, 1 when a
+nothing is wrong (``--write-manifest``); a Hugging Face cache snapshot
+against the Hub's listing of its commit (``--against-hub``:
+``ckptool.check.verify.hubsnapshot``). Exit 0 when whole, 1 when a
 problem was found, 2 on a usage error, 3 when the input cannot be read at
 all. Under torchrun or srun, or with ``--workers N``, every process checks
 its share of the bytes and rank 0 reports (``_spread``,
@@ -16,10 +18,11 @@ its structure alone unless ``--full`` (``ckptool.check.verify.remotebytes``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -28,6 +31,10 @@ from ckptool.cli.common import SCHEMA_VERSION, one_shot, write_json
 from ckptool.cli.inputs import InputPath, is_spooled, shown_path
 from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 
+if TYPE_CHECKING:
+    from ckptool.check.verify.hfcache import Snapshot
+    from ckptool.check.verify.hubsnapshot import Listed
+
 
 @click.command()
 @click.argument("path", type=InputPath())
@@ -35,6 +42,11 @@ from ckptool.errors import EXIT_FINDINGS, EXIT_OK
               help="A URL: read every byte once, streamed (zip records against their CRC-32, "
                    "Hub files against their sha256). Without it a URL's structure is checked "
                    "and its tensor bytes are not read. A local file's are always read.")
+@click.option("--against-hub", is_flag=True,
+              help="A Hugging Face cache snapshot (models--org--name/snapshots/<commit>, or "
+                   "models--org--name): compare it with the Hub's listing of that commit "
+                   "(every file there and nothing else, sizes, LFS sha256s, git blob ids), "
+                   "without downloading any file.")
 @click.option("--values", "read_values", is_flag=True,
               help="Also read every tensor once: NaN and Inf, all-zero tensors, and tensors "
                    "identical to another that nothing ties.")
@@ -55,32 +67,41 @@ from ckptool.errors import EXIT_FINDINGS, EXIT_OK
 @click.option("--quiet", "-q", is_flag=True,
               help="Print nothing: the exit code says it (0 whole, 1 problems, 2 usage, "
                    "3 unreadable).")
-def verify(path: str, full: bool, read_values: bool, against: str | None,
+def verify(path: str, full: bool, against_hub: bool, read_values: bool, against: str | None,
            write_to: str | None, jobs: int | None, workers: int | None, as_json: bool,
            quiet: bool) -> int:
     """Check that a checkpoint is whole: every file its layout names, with
     the size it implies; chunks and shards that cover every tensor once;
     zip records against their CRC-32; pickles and headers that parse; a
-    Hugging Face cache's blobs against their names. Exits 0 when whole, 1
-    when a problem was found, 2 on a usage error (a bad option, a --manifest
+    Hugging Face cache's blobs against their names (with --against-hub,
+    the snapshot against the Hub's files at its commit). Exits 0 when
+    whole, 1 when a problem was found, 2 on a usage error (a bad option, a --manifest
     that is no ckptool manifest), 3 when it cannot be read. Under torchrun
     or srun, or with --workers N, on many processes. PATH may be a URL
     (hf://, s3://, gs://, https://): its structure is checked without
     reading its tensor bytes, or every byte with --full."""
+    from ckptool.check.verify import hfcache
     from ckptool.check.verify.structure import check, default_jobs
     from ckptool.write.distributed import world
 
     launch = world.detect()
     given, jobs = jobs, jobs or default_jobs()
-    with one_shot():
+    hub = None
+    # (--against-hub asks again for the digests the cache check computed: each blob read once)
+    remembered = hfcache.remembered() if against_hub else contextlib.nullcontext()
+    with one_shot(), remembered:
         if launch is not None or workers is not None:  # on many processes
-            spread = _spread(launch, path, workers, given, (read_values, against, write_to),
-                             as_json, quiet)
+            spread = _spread(launch, path, workers, given,
+                             (read_values, against, write_to, against_hub), as_json, quiet)
             if spread is None:  # a rank other than 0: rank 0 reports
                 return EXIT_OK
             report = spread
         else:
+            # the Hub asked first: unreachable, it is said before any blob is hashed
+            listed = _hub_listing(path) if against_hub else None
             report = check(path, jobs, full=full)
+            if listed is not None:
+                hub = _against_hub(report, *listed, jobs)
         if is_spooled(path):  # standard input: its file is named as given
             _as_given(report, path)
         if against is not None:
@@ -95,12 +116,12 @@ def verify(path: str, full: bool, read_values: bool, against: str | None,
     if quiet:
         pass
     elif as_json:
-        write_json(verify_dict(report))
+        write_json(verify_dict(report, hub))
     else:
         from ckptool.cli.common import console
         from ckptool.cli.verify_text import render_verify
 
-        render_verify(console(), report)
+        render_verify(console(), report, hub)
     return EXIT_OK if report.ok else EXIT_FINDINGS
 
 
@@ -108,7 +129,7 @@ command = verify
 
 
 def _spread(launch: Any, path: str, workers: int | None, jobs: int | None,
-            alone: tuple[bool, str | None, str | None], as_json: bool,
+            alone: tuple[bool, str | None, str | None, bool], as_json: bool,
             quiet: bool) -> Report | None:
     """``verify`` on many processes (``ckptool.check.verify.spread``): the
     report on rank 0; None on the others, and after ``--workers``, whose
@@ -126,8 +147,9 @@ def _spread(launch: Any, path: str, workers: int | None, jobs: int | None,
                              f"{launch.size} process(es)",
                              "leave --workers out: verify uses the processes it was started in")
     elif any(alone):
-        refused = UsageError("--values, --manifest and --write-manifest are not run on many "
-                             "processes yet", "run them on one process for now (without "
+        refused = UsageError("--values, --manifest, --write-manifest and --against-hub are "
+                             "not run on many processes yet", "run them on one process for "
+                             "now (without "
                              "--workers, or with CKPTOOL_DISTRIBUTED=0 under a launcher)")
     elif is_spooled(path):
         refused = UsageError("standard input is verified by one process",
@@ -162,6 +184,43 @@ def _spread(launch: Any, path: str, workers: int | None, jobs: int | None,
         raise
     finally:
         joined.close()
+
+
+def _hub_listing(path: str) -> tuple[Snapshot, Listed] | None:
+    """The cache snapshot ``path`` is (or is in) and the Hub's listing of
+    its commit; a path that is no cache snapshot is a usage error, one that
+    is not there is left for the check to say (exit 3)."""
+    from ckptool.check.verify import hfcache, hubsnapshot
+    from ckptool.errors import UsageError
+    from ckptool.read import fs
+
+    remote = "://" in path and fs.is_remote(path)
+    if not remote and not is_spooled(path) and not os.path.lexists(path):
+        return None
+    snapshot = None if remote or is_spooled(path) else hfcache.locate(path)
+    if snapshot is None:
+        raise UsageError(f"--against-hub: {shown_path(path)} is not in a Hugging Face cache "
+                         "snapshot", "give a snapshot's folder (~/.cache/huggingface/hub/"
+                         "models--org--name/snapshots/<commit>) or its models--org--name folder"
+                         + ("; a URL is read from its store already: verify --full URL"
+                            if remote else ""))
+    return snapshot, hubsnapshot.listing(snapshot)
+
+
+def _against_hub(report: Report, snapshot: Snapshot, listed: Listed,
+                 jobs: int) -> dict[str, Any]:
+    """The snapshot against the Hub's listing (``hubsnapshot.compare``):
+    its problems added to the report (a file the checks found missing
+    already is said once); the JSON's ``hub`` object."""
+    from ckptool.check.verify.hubsnapshot import compare
+    from ckptool.check.verify.problems import MISSING_FILE
+
+    problems, hub, hashed = compare(snapshot, listed, jobs)
+    said = {p.file for p in report.problems if p.kind == MISSING_FILE}
+    report.problems += [p for p in problems if not (p.kind == MISSING_FILE and p.file in said)]
+    report.bytes_checked += hashed
+    report.checks.append("hub")
+    return hub
 
 
 def _as_given(report: Report, path: str) -> None:
@@ -223,9 +282,11 @@ def _remote(path: str, read: bool) -> dict[str, Any] | None:
     return {**counts.snapshot().as_json(), "bytes_read": read} if fs.is_remote(path) else None
 
 
-def verify_dict(report: Report) -> dict[str, Any]:
-    """The ``--json`` report (``remote``: only for a URL)."""
+def verify_dict(report: Report, hub: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The ``--json`` report (``remote``: only for a URL; ``hub``: only
+    with ``--against-hub``)."""
     remote = {"remote": report.remote} if report.remote is not None else {}
+    remote.update({"hub": hub} if hub is not None else {})
     return {
         "schema_version": SCHEMA_VERSION,
         "input": shown_path(report.path),

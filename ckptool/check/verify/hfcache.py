@@ -12,14 +12,17 @@ leaves the file missing; ``blobs/<etag>[.<id>].incomplete`` is a download
 that was killed before its end.
 
 Blobs are hashed on ``jobs`` threads (``hashlib`` releases the GIL), each
-read once, in 8 MiB pieces.
+read once, in 8 MiB pieces; within ``remembered()`` a file's digest is
+kept, for ``hubsnapshot`` (``verify --against-hub``) to ask again.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import re
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -108,7 +111,7 @@ def check(snapshot: Snapshot, jobs: int) -> CacheCheck:
     base = target if os.path.isdir(target) else os.path.dirname(target)
     blobs = os.path.join(snapshot.repo, "blobs")
     to_hash: dict[str, list[str]] = {}  # blob -> the files linking to it
-    for entry in _entries(target):
+    for entry in entries(target):
         name = os.path.relpath(entry, base)
         if not os.path.islink(entry):
             continue  # a copy, not a link (no symlinks on this system): nothing names it
@@ -147,7 +150,7 @@ def check(snapshot: Snapshot, jobs: int) -> CacheCheck:
     return out
 
 
-def _entries(target: str) -> list[str]:
+def entries(target: str) -> list[str]:
     """``target`` itself, or every file and link under it."""
     if not os.path.isdir(target):
         return [target]
@@ -161,15 +164,57 @@ def _entries(target: str) -> list[str]:
 def _digest(blob: str) -> tuple[str, int]:
     """The hash a blob is named by (sha256, or git's SHA-1 for a 40-digit
     name) of its content, and its size; or why it cannot be read, and -1."""
+    return digest(blob, git=bool(GIT_SHA1.match(os.path.basename(blob))))
+
+
+Stamp = tuple[int, int, int, int, int]
+_remembered: list[dict[tuple[str, bool], tuple[Stamp, str, int]]] = []
+
+
+@contextlib.contextmanager
+def remembered() -> Iterator[None]:
+    """Within it, each file is hashed once: ``verify --against-hub`` asks
+    again for the digests of the blobs the cache check hashed. A file
+    changed meanwhile (device, inode, size, mtime or ctime) is hashed again."""
+    _remembered.append({})
+    try:
+        yield
+    finally:
+        _remembered.pop()
+
+
+def remembers(path: str, git: bool) -> bool:
+    """Whether ``digest(path, git)`` is known already, unchanged (within
+    ``remembered()``)."""
+    memo = _remembered[-1] if _remembered else None
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    known = memo.get((os.path.realpath(path), git)) if memo is not None else None
+    return known is not None and known[0] == (st.st_dev, st.st_ino, st.st_size,
+                                              st.st_mtime_ns, st.st_ctime_ns)
+
+
+def digest(path: str, git: bool) -> tuple[str, int]:
+    """The sha256 (``git``: git's SHA-1 of ``blob <size>\\0<content>``, a
+    small file's id on the Hub) of the content of ``path`` (a link is
+    followed), and its size; or why it cannot be read, and -1."""
     buf = bytearray(PIECE)
     view = memoryview(buf)
     done = 0
+    memo = _remembered[-1] if _remembered else None
     try:
-        with open(blob, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if GIT_SHA1.match(os.path.basename(blob)):
+        with open(path, "rb", buffering=0) as f:
+            st = os.fstat(f.fileno())
+            key = (os.path.realpath(path), git)
+            stamp = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+            known = memo.get(key) if memo is not None else None
+            if known is not None and known[0] == stamp:
+                return known[1], known[2]
+            if git:
                 h = hashlib.sha1(usedforsecurity=False)
-                h.update(b"blob %d\0" % size)
+                h.update(b"blob %d\0" % st.st_size)
             else:
                 h = hashlib.sha256()
             while n := f.readinto(buf):
@@ -177,6 +222,8 @@ def _digest(blob: str) -> tuple[str, int]:
                 done += n
     except OSError as exc:
         return exc.strerror or str(exc), -1
+    if memo is not None:
+        memo[key] = (stamp, h.hexdigest(), done)
     return h.hexdigest(), done
 
 

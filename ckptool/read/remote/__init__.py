@@ -25,10 +25,10 @@ def forget() -> None:
     """Start afresh: no listing, no piece of a file and no count kept from
     before (``ckptool.open`` of a URL calls it: a folder listed an hour ago
     in a long-lived process may hold new files now)."""
-    from ckptool.read.remote import counts, hub, rfile, stores, tree
+    from ckptool.read.remote import counts, hubrepo, rfile, stores, tree
 
     tree.forget()
-    hub.forget()
+    hubrepo.forget()
     rfile.forget()
     counts.reset()
     for fs in stores.made():

@@ -29,7 +29,7 @@ import threading
 from typing import Any
 
 from ckptool.errors import CorruptCheckpointError
-from ckptool.read.remote import counts, httprange, stores, urls
+from ckptool.read.remote import counts, httprange, hubrepo, paths, stores, urls
 from ckptool.read.remote.tree import Entry
 
 SPECULATIVE = 64 << 10
@@ -44,7 +44,7 @@ class RemoteFile(io.RawIOBase):
         self.url = entry.url
         self.size = entry.size
         self.entry = entry
-        self._path = stores.strip_protocol(scheme, entry.url)
+        self._path = paths.of(scheme, entry.url)
         self._pos = 0
         self._pieces = _pieces_of(entry)
 
@@ -151,9 +151,7 @@ class RemoteFile(io.RawIOBase):
         if family == "gcs" and version.get("generation"):
             return _gcs_range(fs, self._path, start, end, version["generation"])
         if family == "hf":  # at the pinned commit, exactly the range, checked
-            from ckptool.read.remote import hub
-
-            return hub.range_get(self._path, start, end)
+            return hubrepo.range_get(self._path, start, end)
         return bytes(fs.cat_file(self._path, start=start, end=end))
 
 

@@ -135,12 +135,7 @@ def strip_protocol(scheme: str, url: str) -> str:
     url = urls.real(url)
     if urls.SCHEMES[scheme] == "http":
         return url
-    path = str(filesystem(scheme)._strip_protocol(url))
-    if urls.SCHEMES[scheme] == "hf":  # at the commit the revision names now
-        from ckptool.read.remote import hub
-
-        return hub.pinned(path)
-    return path
+    return str(filesystem(scheme)._strip_protocol(url))
 
 
 def scrub(text: str) -> str:
@@ -179,6 +174,7 @@ def passing(exc: BaseException) -> bool:
     return bool(names & {"TimeoutError", "ServerTimeoutError", "ServerDisconnectedError",
                          "ClientConnectionError", "ClientPayloadError", "ConnectionError",
                          "ConnectionResetError", "ReadTimeout", "ConnectTimeout",
+                         "ConnectError", "NetworkError", "TimeoutException",
                          "RemoteProtocolError", "ReadError", "IncompleteRead"})
 
 
@@ -262,7 +258,8 @@ def failures(url: str) -> Iterator[None]:
         raise refused(url, exc) from None
     except Exception as exc:
         if type(exc).__module__.split(".")[0] in {
-                "aiohttp", "botocore", "aiobotocore", "requests", "httpx", "huggingface_hub",
-                "google", "gcsfs", "s3fs", "fsspec", "urllib3", "asyncio"}:
+                "aiohttp", "botocore", "aiobotocore", "requests", "httpx", "httpx2", "httpcore",
+                "httpcore2", "h11", "huggingface_hub", "google", "gcsfs", "s3fs", "fsspec",
+                "urllib3", "asyncio"}:
             raise refused(url, exc) from None
         raise

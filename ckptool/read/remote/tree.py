@@ -19,7 +19,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from ckptool.read.remote import counts, stores, urls
+from ckptool.read.remote import counts, hubrepo, paths, stores, urls
 
 
 @dataclass(frozen=True)
@@ -80,7 +80,7 @@ class Tree:
 
     def _info(self, url: str) -> Entry | None:
         fs = stores.filesystem(self.scheme)
-        path = stores.strip_protocol(self.scheme, url)
+        path = paths.of(self.scheme, url)
         counts.request()
         try:
             with stores.failures(url):
@@ -96,7 +96,7 @@ class Tree:
         if url in self._deep:
             return
         fs = stores.filesystem(self.scheme)
-        path = stores.strip_protocol(self.scheme, url).rstrip("/")
+        path = paths.of(self.scheme, url).rstrip("/")
         counts.request(listing=True)
         with stores.failures(url):
             try:
@@ -131,9 +131,7 @@ class Tree:
 def _found(fs: Any, scheme: str, path: str) -> dict[str, Any]:
     """Everything under ``path``, files and folders, with their details."""
     if urls.SCHEMES[scheme] == "hf":  # (guarded against listings that never end)
-        from ckptool.read.remote import hub
-
-        return hub.listing(path)
+        return hubrepo.listing(path)
     return dict(fs.find(path, detail=True, withdirs=True))
 
 

@@ -69,6 +69,11 @@ def hide(url: str) -> str:
     return seen
 
 
+def forget_hidden() -> None:
+    """Forget the URLs given with credentials (a test, a new session)."""
+    _secret.clear()
+
+
 def real(url: str) -> str:
     """The URL to request for ``url`` as shown (itself if nothing is hidden)."""
     if url in _secret:
