@@ -61,7 +61,8 @@ COMMANDS = {
     "verify": "Check that a checkpoint is whole: every file its layout names, with the size "
               "it implies; chunks and shards that cover every tensor once; zip records "
               "against their CRC-32; pickles and headers that parse; a Hugging Face cache's "
-              "blobs against their names.",
+              "blobs against their names (with --against-hub, the snapshot against the Hub's "
+              "files at its commit).",
 }
 
 
