@@ -177,3 +177,40 @@ def test_a_url_is_verified_by_one_process(http_server: Any, run_cli: Any) -> Non
     code, _, err = run_cli("verify", url, "--workers", "2")
     assert code == 2
     assert "a URL is verified by one process" in err
+
+
+def test_the_records_of_a_remote_zip_are_checked_many_at_once(tmp_path: Path) -> None:
+    """The local header and data descriptor of each of a zip's records are
+    asked for several at a time, not one round trip after another."""
+    import threading
+    import time
+
+    from remote_servers import RangeHTTPServer
+
+    from ckptool.cli import main
+
+    class Counting(RangeHTTPServer):
+        in_flight = most = 0
+        lock = threading.Lock()
+
+        def handle(self, req: Any) -> Any:
+            with self.lock:
+                Counting.in_flight += 1
+                Counting.most = max(Counting.most, Counting.in_flight)
+            try:
+                time.sleep(0.02)  # (a round trip: requests overlap only if made at once)
+                return super().handle(req)
+            finally:
+                with self.lock:
+                    Counting.in_flight -= 1
+
+    torch.save({f"l{i}": torch.randn(64, 64) for i in range(40)}, tmp_path / "m.pt")
+    root = tmp_path / "root"
+    root.mkdir()
+    shutil.copy(tmp_path / "m.pt", root / "m.pt")
+    server = Counting(root)
+    try:
+        assert main(["verify", server.url_for("m.pt")]) == 0
+    finally:
+        server.close()
+    assert Counting.most >= 4

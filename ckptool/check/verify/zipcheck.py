@@ -23,6 +23,7 @@ from typing import IO
 
 from ckptool.check.verify.problems import BOUNDS, CRC, HEADER, SIZE, Problem, classify
 from ckptool.describe import human_bytes
+from ckptool.errors import InputError
 from ckptool.read import fs
 from ckptool.read.remote import stream
 from ckptool.read.ziparchive import ChecksumMismatch, Member, ZipArchive, ZipError
@@ -69,6 +70,7 @@ def records_of(archive: ZipArchive, base: int, file: str, tensor: str | None = N
     CRC. ``tensor`` and ``where`` ("its chunk at [0, 0]: ") name what the
     archive holds in each problem."""
     out = Records()
+    _prefetch(archive)
     for name in archive.duplicates:
         out.problems.append(Problem(HEADER, f"{where}the zip directory names {name} twice",
                                     file, tensor))
@@ -153,21 +155,63 @@ def _local_header(archive: ZipArchive, m: Member) -> int:
 
 
 _NAME = 256  # bytes of a record's name read with its local header (a URL)
+PREFETCH_WORKERS = 8
 
 
 class _Exact:
     """A remote file's small reads, each exactly its range (one request),
     the last one kept: a record's data descriptor and the next record's
-    local header come in one request."""
+    local header come in one request. ``prefetch`` asks for many ranges at
+    once (``PREFETCH_WORKERS`` in flight) and keeps them, so that a file of
+    thousands of records is not checked one round trip after another."""
 
     def __init__(self, f: IO[bytes]) -> None:
         self.f = f
         self.at, self.data = -1, b""
+        self.kept: dict[int, bytes] = {}
 
     def read(self, offset: int, n: int, ahead: int = 0) -> bytes:
+        kept = self.kept.get(offset)
+        if kept is not None and n <= len(kept):
+            return kept[:n]
         if not (self.at <= offset and offset + n <= self.at + len(self.data)):
             self.at, self.data = offset, stream.exact(self.f, offset, n + ahead)
         return self.data[offset - self.at:offset - self.at + n]
+
+    def prefetch(self, ranges: list[tuple[int, int]]) -> None:
+        """Fetch these (offset, size) ranges at once; failures are left for
+        the read that follows to meet and say."""
+        wanted = [(o, n) for o, n in ranges if o not in self.kept]
+        if len(wanted) < 2:
+            return
+
+        def one(r: tuple[int, int]) -> None:
+            try:
+                self.kept[r[0]] = stream.exact(self.f, r[0], r[1])
+            except (OSError, InputError):
+                return  # (said by the read that follows, in order)
+
+        with ThreadPoolExecutor(min(PREFETCH_WORKERS, len(wanted))) as pool:
+            list(pool.map(one, wanted))
+
+
+def _prefetch(archive: ZipArchive) -> None:
+    """For a remote archive: every record's local header at once, then every
+    data descriptor after a record (where the headers place them) at once."""
+    exact = _exact_reads(archive.f)
+    if exact is None:
+        return
+    members = [m for m in archive.members.values() if not m.flags & 0x1]
+    exact.prefetch([(m.header_offset, _LOCAL.size + _NAME) for m in members])
+    tails = []
+    for m in members:
+        raw = exact.kept.get(m.header_offset, b"")
+        if len(raw) >= _LOCAL.size and raw[:4] == b"PK\x03\x04":
+            fields = _LOCAL.unpack(raw[:_LOCAL.size])
+            if fields[2] & 0x8:
+                tails.append((m.header_offset + _LOCAL.size + fields[9] + fields[10]
+                              + m.compressed_size, 24))
+    exact.prefetch(tails)
 
 
 _exact: weakref.WeakKeyDictionary[IO[bytes], _Exact] = weakref.WeakKeyDictionary()
