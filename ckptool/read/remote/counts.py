@@ -34,12 +34,6 @@ def request(nbytes: int = 0, listing: bool = False) -> None:
         _counts.listings += listing
 
 
-def received(nbytes: int) -> None:
-    """Bytes of a request already counted (a streamed body)."""
-    with _lock:
-        _counts.bytes += nbytes
-
-
 def snapshot() -> Counts:
     with _lock:
         return Counts(_counts.requests, _counts.bytes, _counts.listings)
