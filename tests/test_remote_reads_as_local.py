@@ -236,17 +236,25 @@ def test_diagnose_of_a_url_gives_a_fix_that_runs_here(s3_server: Any, run_cli: A
     assert report(run_cli, "diagnose", data["fix_output"])["exit_code"] == 0
 
 
-def test_workers_convert_from_s3_gives_the_bytes_of_one_process(s3_server: Any, run_cli: Any,
-                                                                 tmp_path: Path) -> None:
+def test_workers_convert_from_s3_gives_the_bytes_of_one_process_each_reading_its_share(
+        s3_server: Any, run_cli: Any, tmp_path: Path) -> None:
     import os
     import subprocess
     import sys
 
+    import torch.distributed.checkpoint as dcp
+
+    source = tmp_path / "step-500"
+    torch.manual_seed(0)
+    dcp.save({f"layer{i}.weight": torch.randn(256, 256) for i in range(16)},  # 4 MiB
+             checkpoint_id=str(source))
+    size = sum(p.stat().st_size for p in source.iterdir())
     bucket = s3_server.make_bucket()
-    s3_server.upload(SAMPLES / "dcp_tinynet", bucket, "run/step-500")
+    s3_server.upload(source, bucket, "run/step-500")
     url = f"s3://{bucket}/run/step-500"
     code, _, err = run_cli("convert", url, str(tmp_path / "one.safetensors"))
     assert code == 0, err
+    s3_server.log.clear()
     done = subprocess.run([sys.executable, "-m", "ckptool", "convert", url,
                            str(tmp_path / "two.safetensors"), "--workers", "2"],
                           capture_output=True, text=True, env={**os.environ, **s3_server.env()},
@@ -254,6 +262,9 @@ def test_workers_convert_from_s3_gives_the_bytes_of_one_process(s3_server: Any, 
     assert done.returncode == 0, done.stderr
     one, two = (tmp_path / "one.safetensors"), (tmp_path / "two.safetensors")
     assert one.read_bytes() == two.read_bytes()
+    # each rank read its own share of the tensors (and the .metadata every rank reads)
+    metadata = (source / ".metadata").stat().st_size
+    assert sum(e.sent for e in s3_server.log.entries) <= size + 2 * metadata + 4 * 65536
 
 
 def test_the_hubs_sha256_and_scan_are_shown_beside_the_verdict(tmp_path: Path, fake_hub: Any,
