@@ -33,7 +33,7 @@ from types import SimpleNamespace
 from typing import Any
 from urllib.parse import quote
 
-from remote_servers import Incoming, LoggedServer, Reply
+from remote_servers import Incoming, LoggedServer, Reply, files_to_upload
 
 _names = itertools.count()
 _OBJECT = re.compile(r"^(?:/download)?/storage/v1/b/(?P<bucket>[^/]+)/o/(?P<key>.+)$")
@@ -158,13 +158,8 @@ class GCSServer(LoggedServer):
     def upload(self, local: Path, bucket: str, prefix: str = "") -> list[str]:
         """Upload a file, or every file under a folder, below ``prefix``;
         returns the keys written (folder layout kept)."""
-        local = Path(local)
-        prefix = prefix.strip("/")
-        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
         keys = []
-        for path in files:
-            rel = path.name if local.is_file() else path.relative_to(local).as_posix()
-            key = f"{prefix}/{rel}" if prefix else rel
+        for key, path in files_to_upload(local, prefix):
             self.put(bucket, key, path.read_bytes())
             keys.append(key)
         return keys

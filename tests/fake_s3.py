@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from remote_servers import Faults, Logged, RequestLog
+from remote_servers import Faults, Logged, RequestLog, files_to_upload
 
 ACCESS_KEY = "testing-key"
 SECRET_KEY = "testing-secret"
@@ -167,13 +167,8 @@ class S3Server:
     def upload(self, local: Path, bucket: str, prefix: str = "") -> list[str]:
         """Upload a file, or every file under a folder, below ``prefix``;
         returns the keys written (folder layout kept)."""
-        local = Path(local)
-        prefix = prefix.strip("/")
-        files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
         keys = []
-        for path in files:
-            rel = path.name if local.is_file() else path.relative_to(local).as_posix()
-            key = f"{prefix}/{rel}" if prefix else rel
+        for key, path in files_to_upload(local, prefix):
             self.put(bucket, key, path.read_bytes())
             keys.append(key)
         return keys

@@ -169,3 +169,17 @@ def clean_env() -> dict[str, str]:
                "RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
     env.update(PYTHONPATH=str(Path(__file__).resolve().parent.parent), OMP_NUM_THREADS="1")
     return env
+
+
+def small_sharded_model(folder: Path) -> Path:
+    """A three-tensor model in shards as huggingface_hub writes them (5 KB
+    each), with a config.json: what the Hugging Face cache tests download."""
+    import huggingface_hub
+
+    folder.mkdir()
+    torch.manual_seed(0)
+    huggingface_hub.save_torch_state_dict(
+        {"w": torch.randn(64, 32), "b": torch.randn(32), "emb.weight": torch.randn(100, 16)},
+        str(folder), max_shard_size="5KB")
+    (folder / "config.json").write_text('{"model_type": "llama"}\n')
+    return folder

@@ -455,3 +455,16 @@ class RangeHTTPServer(LoggedServer):
             reply = serve_bytes(FileBytes(path), etag, req, [])
             if self.etag(name) == etag:
                 return reply
+
+
+def files_to_upload(local: Path, prefix: str = "") -> list[tuple[str, Path]]:
+    """(key, file) of a file, or of every file under a folder, below
+    ``prefix`` (folder layout kept), for a test store's ``upload``."""
+    local = Path(local)
+    prefix = prefix.strip("/")
+    files = [local] if local.is_file() else sorted(p for p in local.rglob("*") if p.is_file())
+    out = []
+    for path in files:
+        rel = path.name if local.is_file() else path.relative_to(local).as_posix()
+        out.append((f"{prefix}/{rel}" if prefix else rel, path))
+    return out

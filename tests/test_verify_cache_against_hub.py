@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from conftest import CliResult
+from helpers import small_sharded_model
 
 pytestmark = pytest.mark.usefixtures("fresh_remote")
 
@@ -32,13 +32,7 @@ def snapshot(fake_hub: Any, tmp_path: Path) -> Path:
     """A cache snapshot of org/tiny's only commit, as snapshot_download writes it."""
     import huggingface_hub
 
-    source = tmp_path / "source"
-    source.mkdir()
-    torch.manual_seed(0)
-    huggingface_hub.save_torch_state_dict(
-        {"w": torch.randn(64, 32), "b": torch.randn(32), "emb.weight": torch.randn(100, 16)},
-        str(source), max_shard_size="5KB")
-    (source / "config.json").write_text('{"model_type": "llama"}\n')
+    source = small_sharded_model(tmp_path / "source")
     sha = fake_hub.add_repo(REPO_ID, source)
     fake_hub.redirect_lfs = False
     folder = Path(huggingface_hub.snapshot_download(REPO_ID, revision=sha,

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import CliResult
+from helpers import small_sharded_model
 
 from ckptool.check.verify.hfcache import locate
 from ckptool.check.verify.structure import check
@@ -40,13 +40,7 @@ def cache(tmp_path: Path) -> Path:
     """A cache holding one snapshot of a sharded model; returns the repo's folder."""
     import huggingface_hub
 
-    source = tmp_path / "source"
-    source.mkdir()
-    torch.manual_seed(0)
-    huggingface_hub.save_torch_state_dict(
-        {"w": torch.randn(64, 32), "b": torch.randn(32), "emb.weight": torch.randn(100, 16)},
-        str(source), max_shard_size="5KB")
-    (source / "config.json").write_text('{"model_type": "llama"}\n')
+    source = small_sharded_model(tmp_path / "source")
     repo = tmp_path / "hub" / f"models--{REPO_ID.replace('/', '--')}"
     snapshot = repo / "snapshots" / COMMIT
     (repo / "blobs").mkdir(parents=True)

@@ -25,8 +25,6 @@ from ckptool.errors import InputError
 
 # temporary copy -> the name the user gave (for messages and reports)
 _SPOOLED: dict[str, str] = {}
-# a URL holding a user, password or signed query -> the URL shown without them
-_SECRET_URLS: dict[str, str] = {}
 
 
 def shown_path(path: str) -> str:
@@ -35,12 +33,9 @@ def shown_path(path: str) -> str:
 
 
 def unspool(text: str) -> str:
-    """``text`` with every temporary copy's path replaced by the given name,
-    and every URL given with credentials in it by the URL without them."""
+    """``text`` with every temporary copy's path replaced by the given name."""
     for temp, given in _SPOOLED.items():
         text = text.replace(temp, given)
-    for url, shown in _SECRET_URLS.items():
-        text = text.replace(url, shown)
     return text
 
 
@@ -96,9 +91,6 @@ def _hide_credentials(url: str) -> str:
         raise UsageError(f"{unknown}:// is not a scheme ckptool reads",
                          "give a local path, or a URL: " + ", ".join(
                              f"{s}://" for s in ("hf", "s3", "gs", "https", "http")))
-    if urls.is_url(url) and urls.shown(url) != url.rstrip("/"):
-        _SECRET_URLS[url.rstrip("/")] = urls.shown(url)  # (and in anything that echoes it)
-        _SECRET_URLS[url] = urls.shown(url)
     return urls.hide(url)
 
 

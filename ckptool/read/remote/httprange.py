@@ -40,28 +40,33 @@ def get(fs: Any, url: str, start: int, end: int, size: int, etag: str | None) ->
             if r.status == 412:
                 raise _changed(url)
             r.raise_for_status()
-            _check(url, r, start, end, size, etag)
+            check(url, r.status, r.headers, start, end, size, etag)
             return await _body(url, r, end - start)
 
     return bytes(sync(fs.loop, fetch))
 
 
-def _check(url: str, r: Any, start: int, end: int, size: int, etag: str | None) -> None:
+def check(url: str, status: int, headers: Any, start: int, end: int, size: int,
+          etag: str | None) -> None:
+    """Refuse an answer to a request for bytes [start, end) of ``url`` (a
+    file of ``size`` bytes listed with ``etag``) that is not those bytes of
+    that file: its status, ``Content-Range`` and ETag (the Hub's answers
+    too: ``hubrepo.range_get``)."""
     shown = urls.shown(url)
-    if r.status != 206:
-        if r.status == 200 and start == 0 and end == size:
+    if status != 206:
+        if status == 200 and start == 0 and end == size:
             return  # the whole file, asked for whole
-        raise InputError(f"{shown}: the server answered {r.status} to a range request, not 206",
+        raise InputError(f"{shown}: the server answered {status} to a range request, not 206",
                          "it does not serve byte ranges: download the file, then name the "
                          "local copy")
-    found = _CONTENT_RANGE.match(r.headers.get("Content-Range", "").strip())
+    found = _CONTENT_RANGE.match(headers.get("Content-Range", "").strip())
     if found is None or (int(found.group(1)), int(found.group(2)) + 1) != (start, end):
         raise CorruptCheckpointError(
             f"{shown}: asked for bytes {start}-{end - 1}, the server sent "
-            f"{r.headers.get('Content-Range') or 'no Content-Range'}",
+            f"{headers.get('Content-Range') or 'no Content-Range'}",
             "the server answers ranges wrongly: download the file, then name the local copy")
     total = found.group(3)
-    now = r.headers.get("ETag")
+    now = headers.get("ETag")
     if (total != "*" and int(total) != size) or (etag and now and _weak(now) != _weak(etag)):
         raise _changed(url)
 

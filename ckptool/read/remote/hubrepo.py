@@ -18,7 +18,7 @@ from typing import Any
 from urllib.parse import unquote
 
 from ckptool.errors import InputError
-from ckptool.read.remote import counts, stores
+from ckptool.read.remote import counts, httprange, stores
 
 _SHA = re.compile(r"^[0-9a-f]{40}$")
 _infos: dict[tuple[str, str, str], Any] = {}  # (repo type, repo, revision) -> its information
@@ -131,10 +131,11 @@ def listing(path: str) -> dict[str, dict[str, Any]]:
     return found
 
 
-def range_get(path: str, start: int, end: int) -> bytes:
-    """Bytes [start, end) of the file at the pinned Hub path ``path``: one
-    GET of its ``resolve`` URL at that commit (redirected to the CDN for an
-    LFS file), checked to be exactly those bytes."""
+def range_get(path: str, start: int, end: int, size: int) -> bytes:
+    """Bytes [start, end) of the file (of ``size`` bytes) at the pinned Hub
+    path ``path``: one GET of its ``resolve`` URL at that commit (redirected
+    to the CDN for an LFS file), checked to be exactly those bytes
+    (``httprange.check``; the commit pins the version, not an ETag)."""
     from huggingface_hub import constants
     from huggingface_hub.file_download import hf_hub_url
     from huggingface_hub.utils import hf_raise_for_status, http_backoff
@@ -149,11 +150,5 @@ def range_get(path: str, start: int, end: int) -> bytes:
     headers = {"range": f"bytes={start}-{end - 1}", **fs._api._build_hf_headers()}
     r = http_backoff("GET", url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT)
     hf_raise_for_status(r)
-    whole = r.status_code == 200 and start == 0 and len(r.content) == end
-    found = re.match(r"^bytes (\d+)-(\d+)/", r.headers.get("Content-Range", ""))
-    if not whole and (r.status_code != 206 or found is None or
-                      (int(found.group(1)), int(found.group(2)) + 1) != (start, end)):
-        raise InputError(f"hf://{path}: asked for bytes {start}-{end - 1}, the Hub answered "
-                         f"{r.status_code} {r.headers.get('Content-Range') or ''}".rstrip(),
-                         "check HF_ENDPOINT: the server does not serve ranges as the Hub does")
+    httprange.check(f"hf://{path}", r.status_code, r.headers, start, end, size, None)
     return bytes(r.content)

@@ -151,7 +151,7 @@ class RemoteFile(io.RawIOBase):
         if family == "gcs" and version.get("generation"):
             return _gcs_range(fs, self._path, start, end, version["generation"])
         if family == "hf":  # at the pinned commit, exactly the range, checked
-            return hubrepo.range_get(self._path, start, end)
+            return hubrepo.range_get(self._path, start, end, self.size)
         return bytes(fs.cat_file(self._path, start=start, end=end))
 
 

@@ -9,7 +9,6 @@ query string (a presigned URL's signature is a credential).
 from __future__ import annotations
 
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 # the schemes read, and the extra that installs each one's library
 SCHEMES = {"hf": "hf", "s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs",
@@ -42,6 +41,8 @@ def shown(url: str) -> str:
     """``url`` as it may be printed: no user, password, query or fragment."""
     if not is_url(url):
         return url
+    from urllib.parse import urlsplit, urlunsplit  # (URLs only: not on a local path's start)
+
     parts = urlsplit(url)
     host = parts.hostname or ""
     if parts.port is not None:
@@ -78,6 +79,8 @@ def real(url: str) -> str:
     """The URL to request for ``url`` as shown (itself if nothing is hidden)."""
     if url in _secret:
         return _secret[url]
+    from urllib.parse import urlsplit, urlunsplit
+
     for seen, given in _secret.items():  # a file beside one given with a user and password
         parts, seen_parts = urlsplit(given), urlsplit(seen)
         if parts.username and (url.startswith(seen_parts.scheme + "://" + seen_parts.netloc + "/")):
