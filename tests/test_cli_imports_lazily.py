@@ -105,13 +105,13 @@ def test_help_lists_commands_as_click_would_from_the_commands(width: int) -> Non
 
 SAMPLES = ROOT / "samples"
 # what the read of one file loads of ``ckptool.read.layouts``: the package,
-# what tells a folder from a file (``recognise``, ``names``), what tells a
+# what tells a folder from a file (``recognise``, ``layout``, ``names``), what tells a
 # framework's file by its name (``framework``, ``loaders``: ``companions``),
 # and what a Ctrl-C says (``dirlock``); a safetensors file with
 # ``__metadata__`` also what tells one of torch's HuggingFaceStorageWriter
 # shards (``hf_storage``, and ``base`` under it)
 ONE_FILE = {"ckptool.read.layouts", *(f"ckptool.read.layouts.{name}" for name in (
-    "recognise", "names", "framework", "loaders", "dirlock"))}
+    "recognise", "layout", "names", "framework", "loaders", "dirlock"))}
 STORAGE_WRITER = {"ckptool.read.layouts.hf_storage", "ckptool.read.layouts.base"}
 # the reader of each layout of many files, and what only it uses
 READERS = {

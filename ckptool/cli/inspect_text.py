@@ -16,6 +16,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ckptool.cli.common import fold_key, key_width
+from ckptool.cli.inspect_format import many_files_format, megatron_line
 from ckptool.describe import (
     framework_line,
     human_bytes,
@@ -55,6 +56,8 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
     grid.add_row("format", fmt)
     for i, line in enumerate(files_lines(ckpt)):
         grid.add_row("files" if i == 0 else "", line)
+    if ckpt.metadata.get("megatron"):
+        grid.add_row("megatron", megatron_line(ckpt.metadata["megatron"]))
     fw = ckpt.framework
     if fw is not None:
         grid.add_row("folder", framework_line(fw))
@@ -191,35 +194,6 @@ def subfolder_text(sub: contents.Subfolder) -> str:
     """A folder inside the framework folder: its files, their size, what it is."""
     count = f"{'more than ' if sub.more else ''}{plural(len(sub.files), 'file')}"
     return f"{sub.name}/ · {count} · {human_bytes(sub.size)} · {sub.role}"
-
-
-def many_files_format(ckpt: Checkpoint) -> str:
-    """The format row of a checkpoint of many files: its index, or DCP's
-    version, wrapper and ranks."""
-    meta = ckpt.metadata
-    if ckpt.format == "dcp":
-        wrapper = {"lightning": ", a Lightning .ckpt directory",
-                   "accelerate": ", accelerate's FSDP folders"}.get(meta.get("wrapper", ""), "")
-        version = f" {meta['version']}" if meta.get("version") else ""
-        ranks = meta.get("ranks")
-        written = f" · written by {plural(ranks, 'rank')}" if ranks else ""
-        return f"dcp (torch.distributed.checkpoint{version}{wrapper}){written}"
-    if ckpt.format == "deepspeed":
-        said = [f"ZeRO {meta.get('zero_stage')}", plural(meta.get("world_size") or 0, "rank"),
-                f"{meta.get('run_dtype')} run", f"tag {meta.get('tag')}"]
-        if meta.get("optimizer") == "BF16_Optimizer":
-            said.append("BF16_Optimizer")
-        if meta.get("ds_version"):
-            said.append(f"DeepSpeed {meta['ds_version']}")
-        return f"deepspeed ({' · '.join(said)})"
-    if ckpt.format == "dtensor-ranks":
-        mesh = "x".join(str(n) for n in meta.get("mesh") or ())
-        return (f"dtensor-ranks (each rank's torch.save of its shards · "
-                f"{plural(meta.get('ranks') or 0, 'rank')}{f' · mesh {mesh}' if mesh else ''})")
-    if ckpt.format == "hf-storage":
-        return (f"hf-storage (torch's HuggingFaceStorageWriter shards, joined by their "
-                f"DCP_SHARDING_INFO · {plural(meta.get('ranks') or 0, 'rank')})")
-    return f"{ckpt.format} (index {meta.get('index')})"
 
 
 def files_lines(ckpt: Checkpoint) -> list[str]:

@@ -133,6 +133,11 @@ def read(layout: Layout) -> MultiRead:
                             "metadata_files": list(layout.metadata)}
     if layout.wrapper:
         meta["wrapper"] = layout.wrapper
+    if layout.wrapper == "megatron":
+        from ckptool.read.megatron import stacked
+
+        meta["megatron"] = stacked.summary(root, extra_roots, layout.iteration or
+                                           fs.basename(layout.directory))
     paths = {fqn: tuple(p) for fqn, p in merged.planner.items()
              if all(isinstance(x, (str, int)) for x in p) and p}
     # an optimizer's state, by the paths its names were saved under

@@ -37,6 +37,9 @@ from ckptool.read.values import StandIn, TorchDtype, brief
 
 HINT = ("the .metadata file is not what torch.distributed.checkpoint writes; it is damaged, "
         "or was made to look like one")
+# Megatron-core's Metadata (up to 0.15: torch's fields and ``mcore_data``, a
+# dict of each tensor's original shape): read as torch's, ``mcore_data`` unused
+MCORE_METADATA = "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata"
 MAX_PAIRS = 1 << 22  # pairs of chunks sharing a slice, checked for overlap
 MAX_GAP_GRID = 1 << 12  # cells searched for the element a gap leaves out
 
@@ -58,7 +61,8 @@ def parse(directory: str, name: str, seen: GlobalsSeen) -> Metadata:
         # what it names, and so is every pickle after this one's STOP
         obj = pickles.load(stream, None, seen, {}, read_bytes)
         pickles.scan_rest(stream, len(data), seen, name, read_bytes)
-        if not _is(obj, "metadata.Metadata"):
+        if not (_is(obj, "metadata.Metadata") or (
+                isinstance(obj, StandIn) and obj.qualname == MCORE_METADATA)):
             return Metadata(other=obj)
         return _metadata(obj, os.path.dirname(name), name)
 

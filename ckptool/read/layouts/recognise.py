@@ -31,12 +31,23 @@ from __future__ import annotations
 
 import os
 import stat
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 from ckptool.describe import plural, shell_word
 from ckptool.errors import CorruptCheckpointError, InputError, NotACheckpointError
 from ckptool.read import fs
 from ckptool.read.layouts import framework, loaders  # (journal, mixed, nested: a folder's)
+from ckptool.read.layouts.layout import (  # (what a layout is: re-exported)
+    DCP,
+    DEEPSPEED,
+    FILE,
+    HF,
+    HF_STORAGE,
+    MEGATRON,
+    PER_RANK,
+    Layout,
+    describe,
+)
 from ckptool.read.layouts.names import (
     ACCELERATE_DIRS,
     DATA_FILE,
@@ -60,29 +71,10 @@ from ckptool.read.layouts.names import holds_dcp as _holds_dcp
 from ckptool.read.layouts.names import index_json as _index_json
 from ckptool.read.layouts.names import latest as _latest
 from ckptool.read.layouts.names import shown as _names
+from ckptool.read.megatron import layout as megatron_layout
 
-FILE, HF, DCP, DEEPSPEED, PER_RANK = "file", "hf", "dcp", "deepspeed", "per-rank"
-HF_STORAGE = "hf-storage"
-
-
-@dataclass(frozen=True)
-class Layout:
-    """What ``recognise`` found: one file, HF shards, DCP, or DeepSpeed."""
-
-    kind: str  # FILE, HF, DCP or DEEPSPEED
-    path: str  # as given
-    directory: str  # the folder every file name below is relative to
-    file: str | None = None  # FILE: the one checkpoint file (a full path)
-    index: str | None = None  # HF: the index's file name
-    metadata: tuple[str, ...] = ()  # DCP: the .metadata files; PER_RANK: each rank's file
-    extras: tuple[str, ...] = ()  # files read beside (Lightning's meta.pt)
-    # DCP: each rank's __<rank>.metadata beside .metadata, which dcp.load
-    # unpickles when it cannot use .metadata: judged, never trusted unread
-    fallbacks: tuple[str, ...] = ()
-    wrapper: str | None = None  # "lightning" or "accelerate" (DCP)
-    notes: tuple[str, ...] = ()  # what else the directory holds, said as warnings
-    tag: str | None = None  # DEEPSPEED: the tag (the directory's name, or ``latest``'s)
-
+__all__ = ["DCP", "DEEPSPEED", "FILE", "HF", "HF_STORAGE", "MEGATRON", "PER_RANK", "Layout",
+           "describe", "recognise"]
 
 def recognise(path: str) -> Layout | None:
     """The layout at ``path``; None for a path that is not a directory or an
@@ -120,10 +112,17 @@ def _directory(path: str) -> Layout:
     parsed = {n: _index_json(os.path.join(path, n)) for n in named}
     indexes = [n for n in named if parsed[n]]
     mixed.refuse_two(path, files, dirs, {n: index for n in indexes if (index := parsed[n])})
+    if megatron_layout.TRACKER in files:  # a Megatron save directory: its latest iteration
+        chosen, others = megatron_layout.iteration(path, dirs)
+        inner = _directory(os.path.join(path, chosen))
+        return replace(inner, path=path, iteration=chosen, notes=(*inner.notes, *others))
     metadata = [n for n in files if n == METADATA] or [n for n in files
                                                        if RANK_METADATA.match(n)]
     if metadata:
         return _dcp(path, files, metadata)
+    ranks = megatron_layout.rank_files(path, dirs)
+    if ranks:
+        return Layout(MEGATRON, path, path, metadata=ranks, iteration=fs.basename(path))
     config = framework.json_file(path, "config.json") if "config.json" in files else None
     explicit = config.get("transformers_weights") if isinstance(config, dict) else None
     choice = loaders.choose(files, explicit if isinstance(explicit, str) else None,
@@ -264,8 +263,13 @@ def _dcp(path: str, files: list[str], metadata: list[str]) -> Layout:
                 f"{os.path.join(path, name)} is not a pickle: a torch.distributed.checkpoint "
                 f"directory's {name} is one",
                 "the directory is damaged, or was not written by torch.distributed.checkpoint")
-    extras = ("meta.pt",) if "meta.pt" in files else ()
     fallbacks = tuple(n for n in files if RANK_METADATA.match(n) and n not in metadata)
+    megatron = megatron_layout.torch_dist(path, files)
+    if megatron is not None:  # Megatron-core's distributed checkpoint: DCP and common.pt
+        extras, notes = megatron
+        return Layout(DCP, path, path, metadata=tuple(metadata), extras=extras,
+                      wrapper="megatron", fallbacks=fallbacks, notes=notes)
+    extras = ("meta.pt",) if "meta.pt" in files else ()
     return Layout(DCP, path, path, metadata=tuple(metadata), extras=extras,
                   wrapper="lightning" if extras else None, fallbacks=fallbacks)
 
@@ -381,20 +385,3 @@ def _accelerate_index(name: str) -> int:
     optimizer); no number is 0."""
     m = ACCELERATE_DIRS.match(name)
     return int(m.group(2)[1:]) if m and m.group(2) else 0
-
-
-def describe(layout: Layout) -> str:
-    """``a Hugging Face sharded checkpoint (model.safetensors.index.json)``..."""
-    if layout.kind == HF:
-        return f"a Hugging Face sharded checkpoint ({layout.index})"
-    if layout.kind == DCP:
-        wrapper = {"lightning": " (Lightning, with meta.pt)",
-                   "accelerate": " (accelerate FSDP)"}.get(layout.wrapper or "", "")
-        return f"a torch.distributed.checkpoint directory{wrapper}"
-    if layout.kind == DEEPSPEED:
-        return f"a DeepSpeed checkpoint (tag {layout.tag})"
-    if layout.kind == PER_RANK:
-        return f"a checkpoint saved per rank ({len(layout.metadata)} files)"
-    if layout.kind == HF_STORAGE:
-        return f"a HuggingFaceStorageWriter checkpoint ({len(layout.metadata)} shards)"
-    return f"a directory holding one checkpoint file ({layout.file})"

@@ -139,6 +139,10 @@ _KNOWN: dict[str, str] = {
     "datetime.datetime": DATA, "datetime.date": DATA, "datetime.time": DATA,
     "datetime.timedelta": DATA, "datetime.timezone": DATA, "datetime.tzinfo": DATA,
     "random.Random": DATA,  # Random() then setstate: a generator's state
+    # Megatron-core's DCP records (dataclasses; since 0.16 empty classes kept
+    # so that old checkpoints load): made and given state, nothing else
+    "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata": DATA,
+    "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan": DATA,
     # what real code pickles from modules that also hold code: each listed as
     # the data it is (its constructor stores its arguments; calls.MODELS says so
     # for the lowercase ones)

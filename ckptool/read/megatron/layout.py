@@ -1,0 +1,103 @@
+"""Which files of a Megatron save directory are the checkpoint, for
+``ckptool.read.layouts.recognise``: the iteration its tracker file names,
+a ``torch_dist`` iteration's companions, a legacy iteration's rank files.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.read import fs
+from ckptool.read.layouts.names import shown
+from ckptool.read.megatron.names import (
+    BACKEND_FILE,
+    COMMON_FILE,
+    ITERATION_DIR,
+    MODEL_FILE,
+    RELEASE,
+    TRACKER,
+    backend,
+    rank_dir,
+    tracked,
+)
+
+__all__ = ["TRACKER", "iteration", "missing_rank_files", "rank_dir", "rank_files", "torch_dist"]
+
+
+def iteration(path: str, dirs: list[str]) -> tuple[str, tuple[str, ...]]:
+    """The iteration folder the tracker file of the save directory ``path``
+    names, as Megatron's ``load_checkpoint`` picks it, and a note naming the
+    other iterations there."""
+    tracker = os.path.join(path, TRACKER)
+    chosen, why = tracked(path)
+    if chosen is None:
+        raise CorruptCheckpointError(f"{tracker} does not name an iteration: {why}",
+                                     "write the iteration to load in it (or 'release'), or "
+                                     "name an iteration folder")
+    saved = sorted(d for d in dirs if ITERATION_DIR.match(d) or d == RELEASE)
+    if chosen not in dirs:
+        have = f"it has {shown([d + '/' for d in saved])}" if saved else "it has none"
+        raise CorruptCheckpointError(
+            f"{tracker} names {chosen}, but {path} has no {chosen}/ ({have})",
+            "the save was interrupted, or the iteration folder was not copied; name an "
+            "iteration folder to read it")
+    others = [d + "/" for d in saved if d != chosen]
+    return chosen, (f"{path} also holds {shown(others)}: other iterations, read by naming "
+                    "one",) if others else ()
+
+
+def torch_dist(path: str, files: list[str]) -> tuple[tuple[str, ...], tuple[str, ...]] | None:
+    """For a DCP folder that is a Megatron-core ``torch_dist`` checkpoint
+    (its ``metadata.json`` says so): the files read beside its DCP files
+    (``common.pt``) and notes; None for another DCP folder."""
+    found = backend(path) if BACKEND_FILE in files else None
+    if found is None:
+        return None
+    if found["sharded_backend"] != "torch_dist":
+        raise UnsupportedCheckpointError(
+            f"{path} is a Megatron-core distributed checkpoint with the "
+            f"{found['sharded_backend']!r:.40} backend: ckptool reads torch_dist",
+            "convert it to torch_dist with Megatron's dist_checkpointing, then read that")
+    if COMMON_FILE in files:
+        return (COMMON_FILE,), ()
+    return (), (f"{path} has no {COMMON_FILE}: the run's arguments are not known, and "
+                "Megatron's load_checkpoint refuses it",)
+
+
+def rank_files(path: str, dirs: list[str]) -> tuple[str, ...]:
+    """A legacy iteration folder's rank files (``mp_rank_00_000/model_optim_rng.pt``
+    ...), in rank order; () where ``path`` is not one."""
+    ranks = [d for d in dirs if rank_dir(d) is not None]
+    if not ranks or not any(fs.isfile(os.path.join(path, d, MODEL_FILE)) for d in ranks):
+        return ()
+    return tuple(f"{d}/{MODEL_FILE}" for d in sorted(ranks))
+
+
+def missing_rank_files(directory: str, files: tuple[str, ...],
+                       sizes: tuple[int, int, int] | None = None) -> list[str]:
+    """The rank files a legacy iteration folder lacks (relative to it).
+    With the run's sizes (TP, PP, EP from its args), the folders Megatron
+    names for them (``_{pp:03d}`` only with pipeline parallelism,
+    ``_{ep:03d}`` only with expert parallelism); without, the folders the
+    highest numbers in each place of the names there imply."""
+    found = [rank_dir(f.split("/")[0]) for f in files]
+    ranks = [r for r in found if r is not None]
+    if not ranks:
+        return []
+    if sizes is not None:
+        tp, pp, ep = sizes
+        places = [tp] + ([pp] if pp > 1 else []) + ([ep] if ep > 1 else [])
+    else:
+        places = [max(r.tp for r in ranks) + 1]
+        if any(r.pp is not None for r in ranks):
+            places.append(max(r.pp or 0 for r in ranks) + 1)
+        if any(r.ep is not None for r in ranks):
+            places.append(max(r.ep or 0 for r in ranks) + 1)
+    out = []
+    for numbers in itertools.product(*(range(n) for n in places)):
+        name = f"mp_rank_{numbers[0]:02d}" + "".join(f"_{n:03d}" for n in numbers[1:])
+        if not fs.isfile(os.path.join(directory, name, MODEL_FILE)):
+            out.append(f"{name}/{MODEL_FILE}")
+    return out
