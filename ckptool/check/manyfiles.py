@@ -31,6 +31,7 @@ from ckptool.describe import plural, shell_word
 from ckptool.model import Checkpoint
 from ckptool.read.layouts.hf_storage import HF_STORAGE
 from ckptool.read.layouts.per_rank import PER_RANK
+from ckptool.read.megatron.legacy import MEGATRON
 
 HF_BIN, HF_SAFETENSORS, DCP, DEEPSPEED = "hf-bin", "hf-safetensors", "dcp", "deepspeed"
 
@@ -46,6 +47,8 @@ def loader(ckpt: Checkpoint) -> str:
         return "huggingface_hub.load_torch_model"
     if ckpt.format == PER_RANK:
         return "torch.load of each rank's file (its shards)"
+    if ckpt.format == MEGATRON:
+        return "Megatron's load_checkpoint with the same parallel sizes"
     if ckpt.format == HF_STORAGE:
         return "torch.distributed.checkpoint.load with a HuggingFaceStorageReader"
     return "torch.load"
@@ -89,6 +92,9 @@ def loads_text(ckpt: Checkpoint) -> str:
     if ckpt.format == PER_RANK:
         return ("each rank's file loads alone (after `import torch.distributed.tensor`) as "
                 "that rank's shards")
+    if ckpt.format == MEGATRON:
+        return ("each rank's file loads alone (weights_only=False: its args Namespace) as "
+                "that rank's slices of the model")
     return "loads"
 
 

@@ -20,6 +20,7 @@ from ckptool.check.findings import ERROR, Finding
 from ckptool.describe import beside, plural, shell_word
 from ckptool.model import Checkpoint
 from ckptool.read.layouts.per_rank import PER_RANK
+from ckptool.read.megatron.legacy import MEGATRON
 from ckptool.write.fix.flags import flags as command_flags
 from ckptool.write.fix.plan import FixOptions
 
@@ -39,6 +40,8 @@ def plan(ckpt: Checkpoint) -> Consolidation | None:
     saved per rank; None for any other."""
     if ckpt.format == PER_RANK:
         return _per_rank(ckpt)
+    if ckpt.format == MEGATRON:
+        return _megatron(ckpt)
     if ckpt.format != DEEPSPEED:
         return None
     output, snippet = consolidated(ckpt)
@@ -67,6 +70,19 @@ def _per_rank(ckpt: Checkpoint) -> Consolidation:
                "`import torch.distributed.tensor`); no model loads them as they are until "
                "the ranks' shards are joined")
     finding = Finding("per-rank-checkpoint", ERROR, message, command, snippet)
+    return Consolidation(finding, output, command)
+
+
+def _megatron(ckpt: Checkpoint) -> Consolidation:
+    output, snippet = consolidated(ckpt)
+    command = f"ckptool convert {shell_word(ckpt.path)} {shell_word(output)}"
+    run = ckpt.metadata.get("megatron") or {}
+    sizes = f"TP {run.get('tensor_parallel')} x PP {run.get('pipeline_parallel')}"
+    message = (f"a legacy Megatron checkpoint of {sizes} "
+               f"({plural(ckpt.metadata.get('ranks') or 1, 'rank file')}): each holds its "
+               "ranks' slices of the model, so only Megatron's load_checkpoint with the same "
+               "parallel sizes loads them as they are; the fix joins them into one model")
+    finding = Finding("megatron-checkpoint", ERROR, message, command, snippet)
     return Consolidation(finding, output, command)
 
 

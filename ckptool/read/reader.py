@@ -154,6 +154,8 @@ def read_layout(layout: recognise.Layout) -> MultiRead:
             from ckptool.read.layouts.per_rank import read
         elif layout.kind == recognise.HF_STORAGE:
             from ckptool.read.layouts.hf_storage import read
+        elif layout.kind == recognise.MEGATRON:
+            from ckptool.read.megatron.legacy import read
         else:
             from ckptool.read.layouts.dcp import read
         return read(layout)

@@ -47,15 +47,17 @@ from ckptool.read.layouts.recognise import (
     FILE,
     HF,
     HF_STORAGE,
+    MEGATRON,
     PER_RANK,
     Layout,
 )
+from ckptool.read.megatron import layout as megatron_layout
 
 ALONE = "alone"  # files checked one by one: the directory's layout is refused
 WORLD_SIZE = re.compile(r"world_size_(\d+)")
 # the format names a layout's reader gives (Checkpoint.format), when it cannot be read
 FORMATS = {DCP: "dcp", DEEPSPEED: "deepspeed", PER_RANK: "dtensor-ranks",
-           HF_STORAGE: "hf-storage"}
+           HF_STORAGE: "hf-storage", MEGATRON: "megatron"}
 
 
 def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
@@ -67,6 +69,13 @@ def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
             missing = missing_ranks(layout)
             if missing:  # its reader would say it less well: each file alone
                 return Layout(ALONE, path, path, metadata=layout.metadata), missing
+        if layout is not None and layout.kind == MEGATRON:
+            gap = megatron_layout.missing_rank_files(layout.directory, layout.metadata)
+            if gap:  # the others checked alone
+                return Layout(ALONE, path, layout.directory, metadata=tuple(
+                    n for n in layout.metadata if n not in gap)), [
+                    Problem(MISSING_FILE, "a rank's file is missing (the other rank folders' "
+                            "names say so)", n) for n in gap]
         if layout is not None and layout.kind == FILE and layout.file is not None and \
                 fs.isdir(path) and RANK_NAME.match(fs.basename(layout.file)):
             ranks = _ranks_left(path)  # one rank's file is all that still reads
@@ -236,7 +245,7 @@ def _ranges(ranks: list[int]) -> str:
 def layout_files(layout: Layout) -> list[str]:
     """The files of a layout read file by file (per rank, HF storage shards,
     DeepSpeed's states, or a damaged directory's), relative to its directory."""
-    if layout.kind in (PER_RANK, HF_STORAGE, ALONE):
+    if layout.kind in (PER_RANK, HF_STORAGE, ALONE, MEGATRON):
         return list(layout.metadata)
     if layout.kind == DEEPSPEED:
         return sorted(n for n in listing(layout.directory)
@@ -257,6 +266,9 @@ def format_of(layout: Layout | None, sniffed: str | None) -> str | None:
     if layout.kind == ALONE and layout.metadata and all(
             DATA_FILE.match(n) for n in layout.metadata):
         return FORMATS[DCP]  # its .metadata missing
+    if layout.kind == ALONE and layout.metadata and all(
+            megatron_layout.rank_dir(n.split("/")[0]) for n in layout.metadata):
+        return FORMATS[MEGATRON]  # a rank's file missing
     return FORMATS.get(layout.kind)
 
 

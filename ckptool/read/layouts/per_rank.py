@@ -79,7 +79,7 @@ def read(layout: Layout) -> MultiRead:
     chunks: dict[str, tuple[Chunk, ...]] = {}
     root = reads[0].root
     devices: dict[int, dict[str, None]] = {}  # rank -> where its pieces were saved
-    with _StorageOffsets(layout.directory, names, reads) as offsets_of:
+    with StorageOffsets(layout.directory, names, reads) as offsets_of:
         for path, first in found[0].items():
             shape, dtype = first.shape, first.dtype
             boxes: dict[tuple[tuple[int, ...], tuple[int, ...]], Chunk] = {}
@@ -205,7 +205,7 @@ def _check_rank(name: str, rank: int, count: int, found: dict[Path, TensorRecord
                                          "a file was renamed or copied from another checkpoint")
 
 
-class _StorageOffsets:
+class StorageOffsets:
     """Where each rank's storages start in its zip: one open directory per
     rank file for the whole read (a directory per tensor would cost the
     square of the tensors)."""
@@ -214,7 +214,7 @@ class _StorageOffsets:
         self.directory, self.names, self.reads = directory, names, reads
         self.data: dict[str, TensorData] = {}
 
-    def __enter__(self) -> _StorageOffsets:
+    def __enter__(self) -> StorageOffsets:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -238,7 +238,7 @@ class _StorageOffsets:
 
 
 def _chunk(name: str, rank: int, dtype: str, piece: shards.Piece,
-           offsets_of: _StorageOffsets) -> Chunk:
+           offsets_of: StorageOffsets) -> Chunk:
     local, sizes = piece.local, piece.sizes
     itemsize = dtypes.itemsize(dtype)
     length = math.prod(sizes) * itemsize

@@ -1,0 +1,363 @@
+"""A legacy Megatron checkpoint (``--ckpt-format torch``): one
+``model_optim_rng.pt`` per model-parallel rank
+(``mp_rank_{tp:02d}[_{pp:03d}[_{ep:03d}]]/``), joined into one model.
+
+Each rank's file is read with ckptool's own unpickler (its ``args``
+Namespace, Megatron's enums: data). The run's sizes come from rank 0's
+``args`` (``facts``); every rank's folder they imply must be there, and no
+other. Each rank's ``model`` (``model0``, ``model1``... under virtual
+pipeline parallelism) numbers its layers from 0 within its stage: they are
+renumbered as the whole model's, stage after stage (a virtual chunk after
+the other, each over the stages); experts likewise, expert-parallel rank
+after rank. Each tensor is then joined as ``rules`` says (column-parallel
+on dim 0, row-parallel on dim 1, a SwiGLU ``linear_fc1`` half by half, the
+vocabulary on dim 0 cut to its true size where ``args`` records it; norms
+and biases that every rank holds whole from the first rank). Each joined
+tensor's chunks are the ranks' local tensors, or their halves: row-major
+runs of raw elements in the ranks' zips (``Chunk.raw``), read in place one
+tensor at a time. The optimizer's state, per rank, is not joined.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ckptool import dtypes
+from ckptool.describe import plural
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.model import Chunk, FileInfo
+from ckptool.read import dispatch, fs
+from ckptool.read.formats.base import RawRead
+from ckptool.read.layouts import dcp_metadata
+from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT, MultiRead, contiguous
+from ckptool.read.layouts.layout import Layout
+from ckptool.read.layouts.per_rank import StorageOffsets
+from ckptool.read.megatron import facts as facts_of
+from ckptool.read.megatron import rules
+from ckptool.read.megatron.layout import missing_rank_files
+from ckptool.read.megatron.names import RankDir, rank_dir
+from ckptool.read.seen import GlobalsSeen
+from ckptool.read.tensors import StorageRef, TensorRecord
+
+MEGATRON = "megatron"
+DROPPED = ("optimizer", "opt_param_scheduler", "rng_state")  # per rank: not joined
+
+
+@dataclass
+class _Rank:
+    name: str  # mp_rank_01_001/model_optim_rng.pt
+    where: RankDir
+    raw: RawRead
+    pp: int = 0
+    ep: int = 0
+
+    @property
+    def tp(self) -> int:
+        return self.where.tp
+
+    def placed(self, run: facts_of.Facts) -> None:
+        """Its pipeline and expert ranks, as Megatron numbers its folder
+        (``_{pp:03d}`` only with pipeline parallelism)."""
+        second, third = self.where.pp or 0, self.where.ep or 0
+        self.pp, self.ep = (second, third) if run.pp > 1 else (0, second)
+
+
+@dataclass
+class _Piece:
+    rank: _Rank
+    rec: TensorRecord
+    place: rules.Place
+
+
+def read(layout: Layout) -> MultiRead:
+    gap = missing_rank_files(layout.directory, layout.metadata)
+    if gap:
+        raise CorruptCheckpointError(
+            f"{layout.directory}: {', '.join(gap[:4])}{' ...' if len(gap) > 4 else ''} "
+            f"{'is' if len(gap) == 1 else 'are'} missing (its other rank folders' names say "
+            "so)", MISSING_HINT)
+    seen = GlobalsSeen()
+    ranks: list[_Rank] = []
+    files: list[FileInfo] = []
+    for i, name in enumerate(layout.metadata):
+        where = rank_dir(name.split("/")[0])
+        assert where is not None
+        full = os.path.join(layout.directory, name)
+        raw = dispatch.read(full)
+        seen.merge(raw.seen, name)
+        ranks.append(_Rank(name, where, raw))
+        files.append(FileInfo(name, "rank", raw.format, fs.getsize(full), rank=i))
+    first = ranks[0]
+    root0 = first.raw.root if isinstance(first.raw.root, dict) else {}
+    args = facts_of.args_dict(root0.get("args"))
+    if args is None:
+        raise UnsupportedCheckpointError(
+            f"{os.path.join(layout.path, first.name)} holds no 'args' Namespace: ckptool "
+            "cannot tell how the ranks split the model",
+            "read one rank's file alone by naming it")
+    run = facts_of.facts(args, root0.get("iteration"))
+    for r in ranks:
+        r.placed(run)
+    _check_grid(layout, ranks, run)
+    pieces, notes = _pieces(ranks, run)
+    root: dict[str, Any] = {k: v for k, v in root0.items()
+                            if not (k == "model" or _is_chunk_name(k) or k in DROPPED)}
+    model: dict[str, Any] = {}
+    chunks: dict[str, tuple[Chunk, ...]] = {}
+    storages: dict[str, StorageRef] = {}
+    devices: dict[int, dict[str, None]] = {}
+    with StorageOffsets(layout.directory, [r.name for r in ranks],
+                        [r.raw for r in ranks]) as offsets_of:
+        for name, each in pieces.items():
+            value = _join(name, each, run, offsets_of, notes)
+            if isinstance(value, tuple):
+                rec, parts = value
+                chunks[f"model/{name}"] = parts
+                assert rec.storage is not None
+                storages[rec.storage.key] = rec.storage
+                for p in each:
+                    saved = p.rec.storage.location if p.rec.storage else p.rec.location
+                    if saved:
+                        devices.setdefault(ranks.index(p.rank), {})[saved] = None
+                model[name] = rec
+            else:
+                model[name] = value
+    root["model"] = model
+    dropped = [k for k in DROPPED if k in root0]
+    if dropped:
+        notes.append(f"each rank's {', '.join(dropped)} is left out: only the model's "
+                     "weights are joined")
+    meta: dict[str, Any] = {"ranks": len(ranks), "world_size": len(ranks),
+                            "megatron": _summary(layout, run, args)}
+    raw_all = RawRead(MEGATRON, root, storages, seen, meta,
+                      warnings=[f"{r.name}: {w}" for r in ranks for w in r.raw.warnings])
+    return MultiRead(raw_all, layout.directory, files, {}, chunks,
+                     notes=list(layout.notes) + notes + _devices_note(devices), chunk_keys=True)
+
+
+def _summary(layout: Layout, run: facts_of.Facts, args: dict[str, Any]) -> dict[str, Any]:
+    return {"format": "torch", "iteration": run.iteration, "folder": layout.iteration,
+            "tensor_parallel": run.tp, "pipeline_parallel": run.pp,
+            "expert_parallel": run.ep, "virtual_pipeline": run.vpp,
+            "num_layers": run.num_layers, "rules": rules.MEGATRON_VERSION,
+            "args": facts_of.shown_args(args)}
+
+
+def _is_chunk_name(key: object) -> bool:
+    return isinstance(key, str) and key.startswith("model") and key[5:].isdigit()
+
+
+def _check_grid(layout: Layout, ranks: list[_Rank], run: facts_of.Facts) -> None:
+    """Every rank folder the run's sizes imply is there, and no other."""
+    sizes = f"TP {run.tp} x PP {run.pp}" + (f" x EP {run.ep}" if run.ep > 1 else "")
+    missing = missing_rank_files(layout.directory, tuple(r.name for r in ranks),
+                                 (run.tp, run.pp, run.ep))
+    if missing:
+        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more"
+                                           if len(missing) > 4 else "")
+        raise CorruptCheckpointError(
+            f"{layout.directory}: {shown} {'is' if len(missing) == 1 else 'are'} missing (the "
+            f"run was {sizes}, its args say)", MISSING_HINT)
+    places = 1 + (run.pp > 1) + (run.ep > 1)
+    extra = [r.name for r in ranks if r.tp >= run.tp or r.pp >= run.pp or r.ep >= run.ep
+             or 1 + (r.where.pp is not None) + (r.where.ep is not None) != places]
+    if extra:
+        raise CorruptCheckpointError(
+            f"{layout.directory} holds {', '.join(extra[:4])} beyond the run's {sizes} (its "
+            "args say so)",
+            "the folder mixes checkpoints of different runs: copy one run's rank folders")
+
+
+def _models(rank: _Rank) -> list[dict[str, Any]]:
+    """A rank's model state dicts: ``model``, or ``model0``, ``model1``...
+    (virtual pipeline chunks)."""
+    root = rank.raw.root if isinstance(rank.raw.root, dict) else {}
+    if isinstance(root.get("model"), dict):
+        return [root["model"]]
+    found = sorted((k for k in root if _is_chunk_name(k)), key=lambda k: int(k[5:]))
+    if not found or not all(isinstance(root[k], dict) for k in found):
+        raise UnsupportedCheckpointError(f"{rank.name} holds no 'model' state dict",
+                                         "read the file alone by naming it")
+    return [root[k] for k in found]
+
+
+def _layers(model: dict[str, Any]) -> list[int]:
+    return sorted({int(m.group("layer")) for k in model
+                   if isinstance(k, str) and (m := rules.LAYER.match(k))})
+
+
+def _pieces(ranks: list[_Rank], run: facts_of.Facts) -> tuple[dict[str, list[_Piece]],
+                                                               list[str]]:
+    """Each tensor of the whole model (by its name there) and the ranks'
+    pieces of it, in tensor-parallel order."""
+    models = {id(r): _models(r) for r in ranks}
+    chunks = len(models[id(ranks[0])])
+    # layers per (virtual chunk, stage), from tensor-parallel rank 0's files
+    counts: dict[tuple[int, int], int] = {}
+    for r in ranks:
+        if r.tp == 0 and r.ep == 0:
+            if len(models[id(r)]) != chunks:
+                raise CorruptCheckpointError(f"{r.name} holds {len(models[id(r)])} model "
+                                             f"chunks, {ranks[0].name} {chunks}", BROKEN_HINT)
+            for v, model in enumerate(models[id(r)]):
+                counts[(v, r.pp)] = len(_layers(model))
+    offsets: dict[tuple[int, int], int] = {}
+    total = 0
+    for v, pp in sorted(counts):
+        offsets[(v, pp)] = total
+        total += counts[(v, pp)]
+    notes: list[str] = []
+    if run.num_layers is not None and total != run.num_layers:
+        raise CorruptCheckpointError(
+            f"the rank files hold {plural(total, 'layer')}, and args say num_layers="
+            f"{run.num_layers}", BROKEN_HINT)
+    out: dict[str, list[_Piece]] = {}
+    origin: dict[str, tuple[int, int]] = {}  # the stage (and chunk) a name is taken from
+    for r in ranks:
+        for v, model in enumerate(models[id(r)]):
+            local_experts = _local_experts(model)
+            for key, value in model.items():
+                if not isinstance(key, str):
+                    continue
+                where = rules.place(key, run.swiglu)
+                if where is None:
+                    raise UnsupportedCheckpointError(
+                        f"{r.name}: ckptool cannot place {key} in the whole model: its name "
+                        f"is not in the table of {rules.MEGATRON_VERSION}'s tensors",
+                        "read the rank files alone by naming one; or join them with "
+                        "Megatron's own checkpoint converter")
+                layer = None if where.layer is None else offsets[(v, r.pp)] + where.layer
+                expert = None if where.expert is None else \
+                    r.ep * local_experts + where.expert
+                if where.expert is None and r.ep and where.split != rules.EXTRA:
+                    continue  # (the same on every expert-parallel rank: the first's)
+                name = rules.renamed(key, layer, expert)
+                if origin.setdefault(name, (r.pp, v)) != (r.pp, v):
+                    continue  # on two stages (a tied output layer's copy): the first's
+                if not isinstance(value, TensorRecord):
+                    if r.tp == 0 and name not in out:
+                        out[name] = [_Piece(r, value, where)]
+                    continue
+                out.setdefault(name, []).append(_Piece(r, value, where))
+    return out, notes
+
+
+def _local_experts(model: dict[str, Any]) -> int:
+    """How many experts each layer of this rank's model holds."""
+    per_layer: dict[int, set[int]] = {}
+    for key in model:
+        where = rules.place(key, False) if isinstance(key, str) else None
+        if where is not None and where.expert is not None and where.layer is not None:
+            per_layer.setdefault(where.layer, set()).add(where.expert)
+    return max((len(e) for e in per_layer.values()), default=0)
+
+
+def _join(name: str, pieces: list[_Piece], run: facts_of.Facts, offsets_of: StorageOffsets,
+          notes: list[str]) -> tuple[TensorRecord, tuple[Chunk, ...]] | Any:
+    """The whole tensor ``name`` and its chunks; a value that is no tensor
+    (Transformer Engine's extra state) as the first rank holds it."""
+    first = pieces[0]
+    if not isinstance(first.rec, TensorRecord):
+        return first.rec
+    split = first.place.split
+    tp_pieces = sorted(pieces, key=lambda p: p.rank.tp)
+    if first.place.expert is not None and (run.etp or run.tp) == 1 and split != rules.EXTRA:
+        split = rules.WHOLE  # experts not split over tensor parallelism
+    if [p.rank.tp for p in tp_pieces] != list(range(len(tp_pieces))):
+        raise CorruptCheckpointError(f"{name}: the tensor-parallel ranks' pieces are "
+                                     f"{[p.rank.name for p in tp_pieces]}", BROKEN_HINT)
+    dtype = first.rec.dtype
+    for p in tp_pieces:
+        if p.rec.dtype != dtype or len(p.rec.shape) != len(first.rec.shape):
+            raise CorruptCheckpointError(
+                f"{name} is {list(first.rec.shape)} {dtype} in {first.rank.name} and "
+                f"{list(p.rec.shape)} {p.rec.dtype} in {p.rank.name}", BROKEN_HINT)
+    boxes: list[Chunk] = []
+    if split in (rules.WHOLE, rules.EXTRA):
+        shape = first.rec.shape
+        for p in tp_pieces[1:]:
+            if p.rec.shape != shape:
+                raise CorruptCheckpointError(
+                    f"{name} should be the same on every tensor-parallel rank, but is "
+                    f"{list(shape)} in {first.rank.name} and {list(p.rec.shape)} in "
+                    f"{p.rank.name}", BROKEN_HINT)
+        boxes.append(_chunk(name, first, (0,) * len(shape), shape, 0, offsets_of))
+    else:
+        dim = 1 if split == rules.ROW else 0
+        local = first.rec.shape
+        if len(local) <= dim or any(p.rec.shape != local for p in tp_pieces):
+            raise CorruptCheckpointError(
+                f"{name}: the tensor-parallel ranks' pieces differ in shape "
+                f"({', '.join(str(list(p.rec.shape)) for p in tp_pieces)})", BROKEN_HINT)
+        n = local[dim]
+        shape = tuple(s * len(tp_pieces) if d == dim else s for d, s in enumerate(local))
+        if split == rules.SWIGLU:
+            if n % 2:
+                raise CorruptCheckpointError(f"{name}: a SwiGLU weight of {n} rows on a rank "
+                                             "cannot hold gate and up halves", BROKEN_HINT)
+            half, whole_half = n // 2, n // 2 * len(tp_pieces)
+            for p in tp_pieces:
+                sub = (half, *local[1:])
+                boxes.append(_chunk(name, p, (p.rank.tp * half,) + (0,) * (len(local) - 1),
+                                    sub, 0, offsets_of))
+                boxes.append(_chunk(name, p, (whole_half + p.rank.tp * half,)
+                                    + (0,) * (len(local) - 1), sub, half, offsets_of))
+        else:
+            keep = shape[0]
+            if split == rules.VOCAB and run.vocab_size is not None and run.vocab_size < keep:
+                keep = run.vocab_size
+                cut = f"vocabulary padding cut from {name}: {shape[0]} -> {keep} rows"
+                notes.append(cut)
+                shape = (keep, *shape[1:])
+            for p in tp_pieces:
+                at = p.rank.tp * n
+                rows = min(n, keep - at) if dim == 0 else n
+                if rows <= 0:
+                    continue
+                sub = tuple(rows if d == dim else s for d, s in enumerate(local))
+                offsets = tuple(at if d == dim else 0 for d in range(len(local)))
+                boxes.append(_chunk(name, p, offsets, sub, 0, offsets_of))
+    problem = dcp_metadata.check_cover(shape, [(c.offsets, c.sizes) for c in boxes])
+    if problem:
+        raise CorruptCheckpointError(f"{name}: the ranks' pieces do not make it whole: "
+                                     f"{problem}", BROKEN_HINT)
+    location = first.rec.storage.location if first.rec.storage else first.rec.location
+    ref = StorageRef(f"{MEGATRON}:{name}", dtype, location, math.prod(shape))
+    rec = TensorRecord(shape, dtype, contiguous(shape), 0, ref, location,
+                       first.rec.requires_grad, first.rec.is_parameter)
+    return rec, tuple(boxes)
+
+
+def _chunk(name: str, piece: _Piece, offsets: tuple[int, ...], sizes: tuple[int, ...],
+           first_row: int, offsets_of: StorageOffsets) -> Chunk:
+    """The raw chunk of ``piece``'s rows from ``first_row`` on, of shape
+    ``sizes``, placed at ``offsets`` of the whole tensor."""
+    rec, file = piece.rec, piece.rank.name
+    itemsize = dtypes.itemsize(rec.dtype)
+    row = math.prod(rec.shape[1:]) * itemsize if rec.shape else itemsize
+    length = math.prod(sizes) * itemsize
+    if length == 0:
+        return Chunk(file, offsets, sizes, 0, 0, None, raw=True)
+    ref = rec.storage
+    if ref is None or rec.stride is None or any(
+            s != c for n, s, c in zip(rec.shape, rec.stride, contiguous(rec.shape), strict=True)
+            if n > 1):
+        raise UnsupportedCheckpointError(
+            f"{name} in {file} is not row-major: ckptool does not join it yet",
+            "join the ranks with Megatron's own checkpoint converter")
+    begin = rec.storage_offset * itemsize + first_row * row
+    if begin + length > ref.nbytes:
+        raise CorruptCheckpointError(f"{name} in {file} runs past its storage", BROKEN_HINT)
+    return Chunk(file, offsets, sizes, offsets_of.start(file, ref) + begin, length, None,
+                 raw=True)
+
+
+def _devices_note(devices: dict[int, dict[str, None]]) -> list[str]:
+    saved = sorted({d for each in devices.values() for d in each})
+    if len(saved) < 2:
+        return []
+    return [f"the ranks saved their pieces on {', '.join(saved)}: each tensor is shown where "
+            "the first rank's piece was saved"]
