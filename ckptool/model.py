@@ -250,6 +250,10 @@ class Checkpoint:
     # the framework folder it was read from (a transformers model, a PEFT
     # adapter, a Trainer checkpoint-N/...), and the other files in it
     framework: Framework | None = None
+    # tensors made from another checkpoint's (``ckptool.read.derived.Made``:
+    # Megatron's layers unstacked, a Hugging Face model's names): every
+    # tensor here is one of them, its values made from that checkpoint's
+    derived_from: Any = None
 
     @property
     def is_multifile(self) -> bool:

@@ -57,6 +57,13 @@ def _quiet_rank(err: UsageError | None, cause: BaseException) -> None:
               help="Of a DeepSpeed checkpoint: fp32 (the default) writes the consolidated fp32 "
               "master weights; module the weights the model held (bf16/fp16 in such a run; "
               "ZeRO 1 and 2 only).")
+@click.option("--unstack-layers", "unstack", is_flag=True,
+              help="Of a Megatron torch_dist checkpoint: write each layer stacked on a leading "
+              "axis as its own tensor, named as the model names it (decoder.layers.3.…).")
+@click.option("--map", "hf_map", metavar="MODEL", default=None,
+              help="Of a Megatron GPT checkpoint: write the Hugging Face model MODEL (llama, "
+              "gpt2, mixtral, qwen2-moe) with its config.json: its names, q/k/v and "
+              "gate/up split, vocabulary padding cut.")
 @click.option("--salvage", is_flag=True,
               help="Write from a file flagged unsafe: its tensors and plain values only, "
                    "the output re-read and refused unless clean.")
@@ -75,8 +82,9 @@ def _quiet_rank(err: UsageError | None, cause: BaseException) -> None:
 @click.option("--quiet", "-q", is_flag=True, help="Print nothing but errors.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtype: str | None,
-            weights: str | None, salvage: bool, workers: int | None, dry_run: bool, force: bool,
-            manifest: str | None, fsync: bool, quiet: bool, as_json: bool) -> None:
+            weights: str | None, unstack: bool, hf_map: str | None, salvage: bool,
+            workers: int | None, dry_run: bool, force: bool, manifest: str | None,
+            fsync: bool, quiet: bool, as_json: bool) -> None:
     """Convert PATH (a file, a Hugging Face directory, a DCP or DeepSpeed directory) into OUT:
     one file (safetensors or torch, from OUT's extension) or a directory
     (--format). Under torchrun or srun, or with --workers N, on many processes."""
@@ -87,6 +95,7 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
         local_output(output, "OUT")
         local_output(manifest, "--manifest")
         options, launch = _settings(fmt, max_shard, dtype, weights, salvage, workers)
+        options.update(unstack_layers=unstack, hf_map=hf_map)
         if manifest is not None and not dry_run and (workers is not None or
                                                      launch is not None):
             raise UsageError("--manifest is not written by a conversion on many processes "
@@ -109,9 +118,11 @@ def convert(path: str, output: str, fmt: str | None, max_shard: str | None, dtyp
 
         argv = [*(["--traceback"] if "--traceback" in sys.argv else []), "convert", path, output,
                 *[word for flag, value in (("--format", fmt), ("--max-shard-size", max_shard),
-                                           ("--dtype", dtype), ("--weights", weights))
+                                           ("--dtype", dtype), ("--weights", weights),
+                                           ("--map", hf_map))
                   if value is not None for word in (flag, value)],
-                *[flag for flag, on in (("--salvage", salvage), ("--force", force),
+                *[flag for flag, on in (("--unstack-layers", unstack), ("--salvage", salvage),
+                                        ("--force", force),
                                         ("--fsync", fsync), ("--quiet", quiet),
                                         ("--json", as_json)) if on]]
         try:

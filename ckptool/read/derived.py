@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ckptool.errors import UnsupportedCheckpointError
+from ckptool.model import Checkpoint, TensorInfo
 
 if TYPE_CHECKING:
     import torch
+
+DERIVED = "derived"  # the format of a view of derived tensors
 
 
 @dataclass(frozen=True)
@@ -73,3 +76,50 @@ class Derived:
         if self.transpose:
             t = t.t()
         return t.contiguous()
+
+
+@dataclass
+class Made:
+    """What a view of derived tensors is made from: the checkpoint read, and
+    each tensor's ``Derived`` by its key (``Checkpoint.derived_from``)."""
+
+    source: Checkpoint
+    plans: dict[str, Derived]
+    by_key: dict[str, TensorInfo]  # the source's tensors
+
+
+def view(source: Checkpoint, plans: list[Derived], notes: list[str] | None = None,
+         metadata: dict[str, Any] | None = None) -> Checkpoint:
+    """A checkpoint holding exactly the tensors ``plans`` make from
+    ``source``'s, one state dict of them in that order; no byte is read."""
+    from ckptool.read.formats.base import RawRead
+    from ckptool.read.reader import assemble
+    from ckptool.read.seen import GlobalsSeen
+    from ckptool.read.tensors import StorageRef, TensorRecord
+
+    by_key = {t.key: t for t in source.tensors}
+    root: dict[str, TensorRecord] = {}
+    storages: dict[str, StorageRef] = {}
+    for d in plans:
+        src = by_key.get(d.source)
+        if src is None:
+            raise UnsupportedCheckpointError(f"{d.key} is made from {d.source}, which "
+                                             f"{source.path} does not hold",
+                                             "the mapping does not fit this checkpoint")
+        if d.key in root:
+            raise UnsupportedCheckpointError(f"the mapping writes {d.key} twice",
+                                             "each name is written once: check the rules")
+        shape = d.shape(src.shape)
+        ref = StorageRef(f"{DERIVED}:{d.key}", src.dtype, src.location, math.prod(shape))
+        storages[ref.key] = ref
+        root[d.key] = TensorRecord(shape, src.dtype, contiguous(shape), 0, ref, src.location)
+    meta = {**(metadata or {}), "notes": list(notes or [])}
+    ckpt = assemble(source.path, RawRead(DERIVED, root, storages, GlobalsSeen(), meta),
+                    source.file_size)
+    ckpt.globals = source.globals  # (what the files name, judged when they were read)
+    ckpt.derived_from = Made(source, {d.key: d for d in plans}, by_key)
+    return ckpt
+
+
+def contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))

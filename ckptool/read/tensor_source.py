@@ -50,6 +50,11 @@ class TensorValues:
         self.ckpt = ckpt
         self._readers: dict[str | None, TensorData] = {}  # by file (None: the one file)
         self._errors: dict[str | None, UnsupportedCheckpointError] = {}
+        # a view of derived tensors: the source's values, the last one read kept
+        # (the layers of one stacked tensor are made one after the other)
+        made = ckpt.derived_from
+        self._source = TensorValues(made.source) if made is not None else None
+        self._last: tuple[str, torch.Tensor] | None = None
 
     def __enter__(self) -> TensorValues:
         return self
@@ -62,6 +67,9 @@ class TensorValues:
         for reader in self._readers.values():
             reader.close()
         self._readers.clear()
+        if self._source is not None:
+            self._source.close()
+        self._last = None
 
     def reader(self, tensor: TensorInfo) -> TensorData:
         """The reader of the one file, or of the shard, that holds ``tensor``
@@ -81,10 +89,23 @@ class TensorValues:
     def values(self, tensor: TensorInfo, checked: bool = False) -> torch.Tensor:
         """``tensor``'s values as a CPU tensor of its shape (``checked``: a
         zip record's bytes against its CRC, ``TensorData.values``)."""
+        if self._source is not None:
+            return self._derived(tensor, checked)
         if tensor.chunks or (self.ckpt.is_multifile and located(self.ckpt, tensor).file
                              is None):  # read_tensor makes it whole, or says why not
             return read_tensor(self.ckpt, tensor)
         return self.reader(tensor).values(tensor, checked)
+
+
+    def _derived(self, tensor: TensorInfo, checked: bool) -> torch.Tensor:
+        """A derived tensor's values, made from its source tensor's."""
+        assert self._source is not None
+        made = self.ckpt.derived_from
+        plan = made.plans[tensor.key]
+        if self._last is None or self._last[0] != plan.source:
+            self._last = None  # the last source goes before the next is read
+            self._last = (plan.source, self._source.values(made.by_key[plan.source], checked))
+        return plan.apply(self._last[1])
 
 
 def located(ckpt: Checkpoint, tensor: TensorInfo) -> TensorInfo:

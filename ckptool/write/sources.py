@@ -71,6 +71,8 @@ class TensorSource:
     def segments(self, t: TensorInfo, dtype: str, at: int, name: str) -> list[Segment]:
         """``t``'s bytes as ``dtype`` written at ``at``: one segment, or for a
         row-sharded DCP tensor one ``Span`` per chunk."""
+        if self.ckpt.derived_from is not None:  # made from another tensor's values
+            return [self._made(t, dtype, at, name)]
         if t.chunks:
             spans = self._row_spans(t, dtype, at, name)
             return spans if spans is not None else [self._made(t, dtype, at, name)]
@@ -78,6 +80,8 @@ class TensorSource:
 
     def single(self, t: TensorInfo, dtype: str, at: int, name: str) -> Segment:
         """``t``'s bytes as one segment (a zip record's CRC is one segment's)."""
+        if self.ckpt.derived_from is not None:
+            return self._made(t, dtype, at, name)
         if t.chunks:
             spans = self._row_spans(t, dtype, at, name)
             return spans[0] if spans is not None and len(spans) == 1 else \

@@ -9,22 +9,6 @@ from typing import Any
 
 from ckptool.read.values import StandIn, TorchDtype
 
-# the arguments shown and used (Megatron-LM's megatron/training/arguments.py)
-KEPT = (
-    "tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size",
-    "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size",
-    "num_layers_per_virtual_pipeline_stage", "decoder_first_pipeline_num_layers",
-    "decoder_last_pipeline_num_layers", "num_layers", "hidden_size", "ffn_hidden_size",
-    "num_attention_heads", "num_query_groups", "group_query_attention", "kv_channels", "swiglu",
-    "normalization", "norm_epsilon", "position_embedding_type", "rotary_base",
-    "rotary_percent", "rotary_interleaved", "max_position_embeddings", "seq_length",
-    "vocab_size", "padded_vocab_size", "make_vocab_size_divisible_by",
-    "untie_embeddings_and_output_weights", "add_bias_linear", "add_qkv_bias", "num_experts",
-    "moe_router_topk", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size",
-    "qk_layernorm", "params_dtype", "bf16", "fp16", "ckpt_format", "iteration",
-    "tokenizer_type", "use_dist_ckpt", "use_distributed_optimizer",
-)
-
 
 def args_dict(value: Any) -> dict[str, Any] | None:
     """The attributes of a stored ``argparse.Namespace`` (or of a plain
@@ -91,8 +75,3 @@ def facts(args: dict[str, Any] | None, iteration: Any = None) -> Facts:
         else _int(a, "iteration"),
         ckpt_format=a.get("ckpt_format") if isinstance(a.get("ckpt_format"), str) else None,
     )
-
-
-def shown_args(args: dict[str, Any] | None) -> dict[str, Any]:
-    """The arguments worth showing (``KEPT``), those recorded."""
-    return {k: args[k] for k in KEPT if args and k in args}

@@ -143,7 +143,7 @@ def _summary(layout: Layout, run: facts_of.Facts, args: dict[str, Any]) -> dict[
             "tensor_parallel": run.tp, "pipeline_parallel": run.pp,
             "expert_parallel": run.ep, "virtual_pipeline": run.vpp,
             "num_layers": run.num_layers, "rules": rules.MEGATRON_VERSION,
-            "args": facts_of.shown_args(args)}
+            "args": args or {}}
 
 
 def _is_chunk_name(key: object) -> bool:

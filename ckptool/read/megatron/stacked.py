@@ -37,4 +37,4 @@ def summary(root: dict[str, Any], extra_roots: dict[str, Any],
             "tensor_parallel": run.tp, "pipeline_parallel": run.pp,
             "expert_parallel": run.ep, "virtual_pipeline": run.vpp,
             "num_layers": run.num_layers, "stacked": len(stacked),
-            "args": facts_of.shown_args(args)}
+            "args": args or {}}

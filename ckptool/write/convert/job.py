@@ -79,7 +79,8 @@ def output_format(dst: str, fmt: str | None) -> str:
 
 def prepare(src: str, dst: str, *, fmt: str | None = None, max_shard_size: int | None = None,
             dtype: str | None = None, weights: str | None = None,
-            salvage: bool = False) -> Job:
+            salvage: bool = False, unstack_layers: bool = False,
+            hf_map: str | None = None) -> Job:
     """Read ``src`` (metadata only) and plan its conversion into ``dst``
     (see ``ckptool.write.convert.run.convert`` for the options)."""
     kind = output_format(dst, fmt)
@@ -92,8 +93,21 @@ def prepare(src: str, dst: str, *, fmt: str | None = None, max_shard_size: int |
         source = with_state_dict(source, *deepspeed.module_weights(source))
     if source.directory is not None:  # never written into the directory it reads
         check_apart(Path(source.directory), Path(dst))
+    config = None
+    if unstack_layers or hf_map:  # Megatron's layers one by one, or a Hugging Face model
+        from ckptool.read.megatron import views
+
+        if hf_map and kind not in ("hf", "hf-bin"):
+            raise UsageError(f"--map {hf_map} writes a Hugging Face directory with its "
+                             "config.json", "name OUT without an extension (or --format hf)")
+        source, config = views.for_convert(source, unstack_layers, hf_map)
     if kind in DIRECTORY_FORMATS:
-        return _directory_job(source, dst, kind, max_shard_size, dtype)
+        job = _directory_job(source, dst, kind, max_shard_size, dtype)
+        if config is not None:
+            data = (json.dumps(config, indent=2, sort_keys=True) + "\n").encode()
+            job.extras.append(Extra("config.json", "", data))
+        job.result.notes += _view_notes(source)
+        return job
     if kind == "safetensors":
         if source.format == SAFETENSORS:
             raise UsageError(f"{src} is already safetensors", "name a torch output: OUT.pth")
@@ -114,7 +128,13 @@ def prepare(src: str, dst: str, *, fmt: str | None = None, max_shard_size: int |
     lost = modules_note(source, "one file") or adapters_note(source, "one file")
     if lost is not None:
         job.result.notes.append(lost)
+    job.result.notes += _view_notes(source)
     return job
+
+
+def _view_notes(source: Checkpoint) -> list[str]:
+    """What a view of derived tensors (``--unstack-layers``, ``--map``) says."""
+    return list(source.metadata.get("notes", [])) if source.derived_from is not None else []
 
 
 def _directory_job(source: Checkpoint, dst: str, kind: str, max_shard_size: int | None,

@@ -56,7 +56,8 @@ Progress = Callable[[int, int], None]
 def convert(src: str, dst: str, *, force: bool = False, progress: Progress | None = None,
             fsync: bool = False, fmt: str | None = None, max_shard_size: int | None = None,
             dtype: str | None = None, weights: str | None = None,
-            salvage: bool = False, streams: Streams | None = None) -> ConvertResult:
+            salvage: bool = False, streams: Streams | None = None,
+            unstack_layers: bool = False, hf_map: str | None = None) -> ConvertResult:
     """Convert ``src`` into ``dst``: one file (the format from its extension)
     or a directory of ``fmt`` (hf, hf-bin, dcp), its floating tensors cast to
     ``dtype`` if given; of a DeepSpeed checkpoint, ``weights="module"``
@@ -64,9 +65,12 @@ def convert(src: str, dst: str, *, force: bool = False, progress: Progress | Non
     masters. The output is durable on disk before this returns when
     ``fsync`` is set or it replaces a file. A checkpoint whose verdict is
     unsafe is refused unless ``salvage`` (convert writes no byte of its
-    pickles: tensors, and plain values it pickles itself)."""
+    pickles: tensors, and plain values it pickles itself). Of a Megatron
+    checkpoint, ``unstack_layers`` writes one tensor per layer, ``hf_map`` the
+    Hugging Face model of that name (``ckptool.read.megatron.views``)."""
     job = prepare(src, dst, fmt=fmt, max_shard_size=max_shard_size, dtype=dtype,
-                  weights=weights, salvage=salvage)  # 1. read, 2. plan
+                  weights=weights, salvage=salvage, unstack_layers=unstack_layers,
+                  hf_map=hf_map)  # 1. read, 2. plan
     return write(job, force=force, progress=progress, fsync=fsync, streams=streams)
 
 

@@ -1,0 +1,98 @@
+"""What ``convert --unstack-layers`` and ``convert --map`` write of a Megatron
+checkpoint: a view of derived tensors (``ckptool.read.derived``) over the
+checkpoint read, and, for a map, the ``config.json`` of the model it makes.
+
+- ``--unstack-layers``: each stacked tensor of a ``torch_dist`` checkpoint
+  (``decoder.layers.X`` of shape ``[L, ...]``) as one tensor per layer, under
+  the name the model's module gives it (``decoder.layers.3.X``); an expert's
+  (``decoder.layers.mlp.experts.linear_fc1.weight`` of ``[L, E, ...]``) as
+  ``decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight``, as
+  Megatron-core's ``SequentialMLP`` names it. A legacy checkpoint's layers
+  are already one per name. Every other tensor is kept as it is.
+- ``--map NAME``: the per-layer tensors as the Hugging Face model ``NAME``
+  (``hfmap``) loads them; a stacked checkpoint is unstacked on the way, each
+  output tensor made from the stacked tensor directly.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Any
+
+from ckptool.errors import UsageError
+from ckptool.model import Checkpoint, TensorInfo
+from ckptool.read import derived
+from ckptool.read.derived import Derived
+from ckptool.read.megatron import hfmap
+from ckptool.read.megatron.stacked import STACKED, is_stacked
+
+# the experts of a stacked layer: what follows "experts." (SequentialMLP's
+# sharded keys hold "experts.experts." in some versions)
+_EXPERTS = re.compile(r"^(?P<head>.*\.mlp\.experts\.)(?:experts\.)?(?P<tail>linear_fc[12]\..+)$")
+
+
+def for_convert(ckpt: Checkpoint, unstack: bool, hf_map: str | None) -> tuple[
+        Checkpoint, dict[str, Any] | None]:
+    """The view ``convert`` writes, and the ``config.json`` of a map."""
+    meta = ckpt.metadata.get("megatron")
+    option = f"--map {hf_map}" if hf_map else "--unstack-layers"
+    if not isinstance(meta, dict):
+        raise UsageError(f"{option} reads a Megatron checkpoint; {ckpt.path} is {ckpt.format}",
+                         f"leave {option} out")
+    args: dict[str, Any] = meta.get("args") or {}
+    layers = _per_layer(ckpt, args)
+    if hf_map is None:
+        stacks = {d.source for d in layers if d.index}
+        notes = [f"the layers stacked in {len(stacks)} tensors written one per layer ("
+                 f"{sum(1 for d in layers if d.index)} tensors)"] if stacks else []
+        return derived.view(ckpt, layers, notes, {"megatron": meta}), None
+    if hf_map not in hfmap.MAPS:
+        raise UsageError(f"--map {hf_map}: ckptool maps Megatron GPT models to "
+                         f"{', '.join(hfmap.MAPS)}", "name one of them")
+    by_name = {d.key: d for d in layers}
+    sizes = {d.key: d.shape(_source(ckpt, d).shape) for d in layers}
+    plan = hfmap.plan(hf_map, sizes, args)
+    made = [_compose(d, by_name[d.source]) for d in plan.tensors]
+    return derived.view(ckpt, made, plan.notes, {"megatron": meta}), plan.config
+
+
+def _source(ckpt: Checkpoint, d: Derived) -> TensorInfo:
+    return next(t for t in ckpt.tensors if t.key == d.source)
+
+
+def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:
+    """Each tensor of the model's state dict under its per-layer name (its
+    layer, and expert, selected from a stacked tensor), made from its key."""
+    entry = ckpt.metadata.get("state_dict_entry")
+    prefix = f"{entry}." if isinstance(entry, str) else ""
+    experts = args.get("num_experts")
+    out: list[Derived] = []
+    for name, t in ckpt.state_dict().items():
+        name = name.removeprefix(prefix)
+        if not is_stacked(name):
+            out.append(Derived(name, t.key))
+            continue
+        if not t.shape:
+            raise UsageError(f"{name} is a scalar: it holds no stacked layers",
+                             "leave --unstack-layers out")
+        m = _EXPERTS.match(name)
+        grouped = m is not None and isinstance(experts, int) and len(t.shape) >= 3 \
+            and t.shape[1] == experts
+        for i in range(t.shape[0]):
+            if grouped:
+                assert m is not None
+                head = STACKED.sub(f".layers.{i}.", m.group("head"), count=1).lstrip(".")
+                out += [Derived(f"{head}local_experts.{e}.{m.group('tail')}", t.key, (i, e))
+                        for e in range(t.shape[1])]
+            else:
+                layer = STACKED.sub(f".layers.{i}.", name, count=1).lstrip(".")
+                out.append(Derived(layer, t.key, (i,)))
+    return out
+
+
+def _compose(outer: Derived, inner: Derived) -> Derived:
+    """``outer`` (made from a per-layer tensor) made from what ``inner``
+    makes that tensor of: one step from the stacked tensor."""
+    assert not inner.rows and not inner.transpose
+    return replace(outer, source=inner.source, index=inner.index + outer.index)
