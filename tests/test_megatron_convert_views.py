@@ -125,3 +125,90 @@ def test_unstack_layers_of_another_checkpoint_is_refused(tmp_path: Path,
                            "--unstack-layers")
     assert code == 2
     assert "--unstack-layers reads a Megatron checkpoint" in err
+
+
+LLAMA_RULES = """
+[[rule]]
+from = "embedding.word_embeddings.weight"
+to = "model.embed_tokens.weight"
+vocab = true
+
+[[rule]]
+from = "decoder.layers.{layer}.self_attention.linear_qkv.weight"
+split = "qkv"
+to = ["model.layers.{layer}.self_attn.q_proj.weight",
+      "model.layers.{layer}.self_attn.k_proj.weight",
+      "model.layers.{layer}.self_attn.v_proj.weight"]
+
+[[rule]]
+from = "decoder.layers.{layer}.self_attention.linear_proj.weight"
+to = "model.layers.{layer}.self_attn.o_proj.weight"
+
+[[rule]]
+from = "decoder.layers.{layer}.mlp.linear_fc1.weight"
+split = "halves"
+to = ["model.layers.{layer}.mlp.gate_proj.weight", "model.layers.{layer}.mlp.up_proj.weight"]
+
+[[rule]]
+from = "decoder.layers.{layer}.mlp.linear_fc2.weight"
+to = "model.layers.{layer}.mlp.down_proj.weight"
+
+[[rule]]
+from = "decoder.layers.{layer}.input_layernorm.weight"
+to = "model.layers.{layer}.input_layernorm.weight"
+
+[[rule]]
+from = "decoder.layers.{layer}.pre_mlp_layernorm.weight"
+to = "model.layers.{layer}.post_attention_layernorm.weight"
+
+[[rule]]
+from = "decoder.final_layernorm.weight"
+to = "model.norm.weight"
+
+[[rule]]
+from = "output_layer.weight"
+to = "lm_head.weight"
+vocab = true
+
+[config]
+model_type = "llama"
+"""
+
+
+def test_a_rules_file_writes_what_the_built_in_map_writes(tmp_path: Path,
+                                                          run_cli: Any) -> None:
+    write_legacy(tmp_path / "run", whole_model(), **LLAMA_ARGS)
+    (tmp_path / "rules.toml").write_text(LLAMA_RULES)
+    code, _, err = run_cli("convert", str(tmp_path / "run"), str(tmp_path / "mine"), "--map",
+                           str(tmp_path / "rules.toml"))
+    assert code == 0, err
+    assert run_cli("convert", str(tmp_path / "run"), str(tmp_path / "llama"), "--map",
+                   "llama")[0] == 0
+    mine, llama = load_file(tmp_path / "mine/model.safetensors"), load_file(
+        tmp_path / "llama/model.safetensors")
+    assert sorted(mine) == sorted(llama)
+    assert all(torch.equal(mine[k], llama[k]) for k in mine)
+    assert json.loads((tmp_path / "mine/config.json").read_text()) == {"model_type": "llama"}
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda r: r.replace('[[rule]]\nfrom = "decoder.final_layernorm.weight"\nto = '
+                         '"model.norm.weight"\n', ""),
+     "no rule takes decoder.final_layernorm.weight"),
+    (lambda r: r + '\n[[rule]]\nfrom = "decoder.layers.{layer}.nothing"\nto = "x"\n',
+     "rule for decoder.layers.{layer}.nothing matches no tensor"),
+    (lambda r: r.replace('split = "halves"', 'split = "chunks:3"'),
+     "split chunks:3 makes 3 tensors, and 'to' names 2"),
+    (lambda r: r.replace('split = "qkv"', 'split = "qkv"\nheads = 8'),
+     "is not a qkv of heads=8"),
+    (lambda r: r.replace("[[rule]]", "[[rule]]]", 1), "is not valid TOML"),
+])
+def test_a_rules_file_s_mistakes_are_named(tmp_path: Path, run_cli: Any, edit: Any,
+                                           message: str) -> None:
+    write_legacy(tmp_path / "run", whole_model(), **LLAMA_ARGS)
+    (tmp_path / "rules.toml").write_text(edit(LLAMA_RULES))
+    code, _, err = run_cli("convert", str(tmp_path / "run"), str(tmp_path / "out"), "--map",
+                           str(tmp_path / "rules.toml"))
+    assert code == 2, err
+    assert message in err
+    assert not (tmp_path / "out").exists()

@@ -63,7 +63,8 @@ def _quiet_rank(err: UsageError | None, cause: BaseException) -> None:
 @click.option("--map", "hf_map", metavar="MODEL", default=None,
               help="Of a Megatron GPT checkpoint: write the Hugging Face model MODEL (llama, "
               "gpt2, mixtral, qwen2-moe) with its config.json: its names, q/k/v and "
-              "gate/up split, vocabulary padding cut.")
+              "gate/up split, vocabulary padding cut; or the names and cuts a rules file "
+              "says (rules.toml, rules.json: docs/megatron.md).")
 @click.option("--salvage", is_flag=True,
               help="Write from a file flagged unsafe: its tensors and plain values only, "
                    "the output re-read and refused unless clean.")

@@ -91,13 +91,20 @@ class Made:
 def view(source: Checkpoint, plans: list[Derived], notes: list[str] | None = None,
          metadata: dict[str, Any] | None = None) -> Checkpoint:
     """A checkpoint holding exactly the tensors ``plans`` make from
-    ``source``'s, one state dict of them in that order; no byte is read."""
+    ``source``'s, one state dict of them; no byte is read. Their order is
+    ``plans``', with the tensors made from one source brought together (at
+    the first one's place): the writers take them in this order, and each
+    source is read once (``TensorValues`` keeps the last one read)."""
     from ckptool.read.formats.base import RawRead
     from ckptool.read.reader import assemble
     from ckptool.read.seen import GlobalsSeen
     from ckptool.read.tensors import StorageRef, TensorRecord
 
     by_key = {t.key: t for t in source.tensors}
+    grouped: dict[str, list[Derived]] = {}
+    for d in plans:
+        grouped.setdefault(d.source, []).append(d)
+    plans = [d for same in grouped.values() for d in same]
     root: dict[str, TensorRecord] = {}
     storages: dict[str, StorageRef] = {}
     for d in plans:

@@ -21,7 +21,7 @@ from dataclasses import replace
 from typing import Any
 
 from ckptool.errors import UsageError
-from ckptool.model import Checkpoint, TensorInfo
+from ckptool.model import Checkpoint
 from ckptool.read import derived
 from ckptool.read.derived import Derived
 from ckptool.read.megatron import hfmap
@@ -47,18 +47,22 @@ def for_convert(ckpt: Checkpoint, unstack: bool, hf_map: str | None) -> tuple[
         notes = [f"the layers stacked in {len(stacks)} tensors written one per layer ("
                  f"{sum(1 for d in layers if d.index)} tensors)"] if stacks else []
         return derived.view(ckpt, layers, notes, {"megatron": meta}), None
-    if hf_map not in hfmap.MAPS:
-        raise UsageError(f"--map {hf_map}: ckptool maps Megatron GPT models to "
-                         f"{', '.join(hfmap.MAPS)}", "name one of them")
     by_name = {d.key: d for d in layers}
-    sizes = {d.key: d.shape(_source(ckpt, d).shape) for d in layers}
-    plan = hfmap.plan(hf_map, sizes, args)
-    made = [_compose(d, by_name[d.source]) for d in plan.tensors]
-    return derived.view(ckpt, made, plan.notes, {"megatron": meta}), plan.config
+    sources = {t.key: t for t in ckpt.tensors}
+    sizes = {d.key: d.shape(sources[d.source].shape) for d in layers}
+    if hf_map.endswith((".toml", ".json")):  # a user's own rules
+        from ckptool.read.megatron import rulesfile
 
-
-def _source(ckpt: Checkpoint, d: Derived) -> TensorInfo:
-    return next(t for t in ckpt.tensors if t.key == d.source)
+        tensors, config, notes = rulesfile.plan(hf_map, sizes, args)
+    elif hf_map in hfmap.MAPS:
+        made = hfmap.plan(hf_map, sizes, args)
+        tensors, config, notes = made.tensors, made.config, made.notes
+    else:
+        raise UsageError(f"--map {hf_map}: ckptool maps Megatron GPT models to "
+                         f"{', '.join(hfmap.MAPS)}, or by a rules file (.toml, .json)",
+                         "name one of them")
+    out = [_compose(d, by_name[d.source]) for d in tensors]
+    return derived.view(ckpt, out, notes, {"megatron": meta}), config
 
 
 def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:

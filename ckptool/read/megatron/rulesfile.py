@@ -1,0 +1,197 @@
+"""A user's own mapping of a Megatron model's tensors (``convert --map
+rules.toml``): for a model none of ``hfmap``'s maps fits, the names to write
+and how each tensor is cut, in a small TOML file (or the same as JSON)::
+
+    # each rule: the per-layer Megatron name it takes ({layer}, {expert}: numbers)
+    [[rule]]
+    from = "decoder.layers.{layer}.self_attention.linear_qkv.weight"
+    split = "qkv"                       # Megatron's query groups: q, k, v
+    to = ["model.layers.{layer}.attn.q.weight", "model.layers.{layer}.attn.k.weight",
+          "model.layers.{layer}.attn.v.weight"]
+
+    [[rule]]
+    from = "decoder.layers.{layer}.mlp.linear_fc1.weight"
+    split = "halves"                    # a SwiGLU weight: gate rows, then up rows
+    to = ["model.layers.{layer}.mlp.gate.weight", "model.layers.{layer}.mlp.up.weight"]
+
+    [[rule]]
+    from = "embedding.word_embeddings.weight"
+    to = "model.embed.weight"
+    vocab = true                        # rows cut to args' vocab_size
+
+    [[rule]]
+    from = "decoder.layers.{layer}.self_attention.core_attention.*"
+    drop = true                         # written nowhere, said
+
+    [config]                            # written as config.json, as it is
+    model_type = "mine"
+
+A ``split`` is ``qkv`` (sizes from ``args``: ``num_attention_heads``,
+``num_query_groups``, ``kv_channels``; or ``heads``, ``groups``, ``head_dim``
+in the rule), ``halves``, or ``chunks:N`` (N equal runs of rows); ``transpose
+= true`` swaps a matrix's dimensions after the split. Rules are tried in
+order; the first whose ``from`` matches a name takes it; a name no rule
+matches is refused by name, as is a rule that matches nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from ckptool.errors import UsageError
+from ckptool.read import fs
+from ckptool.read.derived import Derived
+from ckptool.read.megatron.hfmap.model import qkv_runs
+
+MAX_RULES_BYTES = 1 << 20
+HINT = "see `ckptool convert --help` and docs/megatron.md for the rules file's form"
+
+
+@dataclass(frozen=True)
+class Rule:
+    pattern: re.Pattern[str]
+    source: str  # as written
+    to: tuple[str, ...]
+    split: str | None
+    transpose: bool
+    vocab: bool
+    drop: bool
+    sizes: dict[str, int]
+
+
+def load(path: str) -> tuple[list[Rule], dict[str, Any] | None]:
+    """The rules and the config of the rules file ``path``."""
+    try:
+        with fs.open_binary(path) as f:
+            data = f.read(MAX_RULES_BYTES + 1)
+    except OSError as exc:
+        raise UsageError(f"--map {path}: cannot read it ({exc.strerror})",
+                         "name a rules file (.toml or .json), or one of the maps") from exc
+    if len(data) > MAX_RULES_BYTES:
+        raise UsageError(f"--map {path} is over {MAX_RULES_BYTES >> 20} MiB", HINT)
+    try:
+        if path.endswith(".json"):
+            doc = json.loads(data)
+        else:
+            try:
+                import tomllib
+            except ModuleNotFoundError as exc:  # Python 3.10: tomli, or JSON
+                raise UsageError(f"--map {path}: reading TOML needs Python 3.11 or tomli",
+                                 "pip install tomli, or write the rules as JSON "
+                                 "(rules.json)") from exc
+            doc = tomllib.loads(data.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise UsageError(f"--map {path} is not valid {'JSON' if path.endswith('.json') else 'TOML'}"
+                         f": {str(exc).splitlines()[0][:120]}", HINT) from exc
+    if not isinstance(doc, dict) or not isinstance(doc.get("rule"), list) or not doc["rule"]:
+        raise UsageError(f"--map {path} has no [[rule]] entries", HINT)
+    config = doc.get("config")
+    if config is not None and not isinstance(config, dict):
+        raise UsageError(f"--map {path}: [config] is not a table", HINT)
+    return [_rule(path, i, r) for i, r in enumerate(doc["rule"])], config
+
+
+def _rule(path: str, i: int, r: Any) -> Rule:
+    where = f"--map {path}: rule {i + 1}"
+    if not isinstance(r, dict) or not isinstance(r.get("from"), str) or not r["from"]:
+        raise UsageError(f"{where} has no 'from' name", HINT)
+    unknown = set(r) - {"from", "to", "split", "transpose", "vocab", "drop", "heads", "groups",
+                        "head_dim"}
+    if unknown:
+        raise UsageError(f"{where} has unknown keys: {', '.join(sorted(unknown))}", HINT)
+    to = r.get("to", [])
+    to = [to] if isinstance(to, str) else to
+    drop = r.get("drop") is True
+    if not drop and (not isinstance(to, list) or not to or
+                     not all(isinstance(t, str) and t for t in to)):
+        raise UsageError(f"{where} ({r['from']}) names no 'to'", HINT)
+    split = r.get("split")
+    count = 1 if split is None else 3 if split == "qkv" else 2 if split == "halves" else (
+        int(split[7:]) if isinstance(split, str) and re.fullmatch(r"chunks:[1-9]\d*", split)
+        else None)
+    if count is None:
+        raise UsageError(f"{where}: split {split!r} is none of qkv, halves, chunks:N", HINT)
+    if not drop and len(to) != count:
+        raise UsageError(f"{where}: split {split or 'none'} makes {count} tensors, and 'to' "
+                         f"names {len(to)}", HINT)
+    sizes = {k: r[k] for k in ("heads", "groups", "head_dim") if isinstance(r.get(k), int)}
+    pattern = re.escape(r["from"]).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(
+        r"\{expert\}", r"(?P<expert>\d+)").replace(r"\*", ".*")
+    return Rule(re.compile(pattern + "$"), r["from"], tuple(to), split,
+                r.get("transpose") is True, r.get("vocab") is True, drop, sizes)
+
+
+def plan(path: str, shapes: dict[str, tuple[int, ...]], args: dict[str, Any]) -> tuple[
+        list[Derived], dict[str, Any] | None, list[str]]:
+    """The tensors the rules file ``path`` writes from a Megatron model's
+    per-layer tensors (``shapes``), its config, and notes."""
+    rules, config = load(path)
+    used: set[int] = set()
+    out: list[Derived] = []
+    dropped: list[str] = []
+    unplaced: list[str] = []
+    for name, shape in shapes.items():
+        found = next(((i, r, m) for i, r in enumerate(rules) if (m := r.pattern.match(name))),
+                     None)
+        if found is None:
+            unplaced.append(name)
+            continue
+        i, rule, m = found
+        used.add(i)
+        if rule.drop:
+            dropped.append(name)
+            continue
+        numbers = {k: v for k, v in m.groupdict().items() if v is not None}
+        names = [t.format(**numbers) for t in rule.to]
+        for key, rows in zip(names, _rows(rule, name, shape, args), strict=True):
+            out.append(Derived(key, name, (), rows, rule.transpose))
+            out[-1].shape(shape)  # (checked now: before any byte is read)
+    if unplaced:
+        more = f" (and {len(unplaced) - 3} more)" if len(unplaced) > 3 else ""
+        raise UsageError(f"--map {path}: no rule takes {', '.join(unplaced[:3])}{more}",
+                         "add a rule for it, or one with drop = true")
+    idle = [r.source for i, r in enumerate(rules) if i not in used]
+    if idle:
+        raise UsageError(f"--map {path}: rule for {idle[0]} matches no tensor of this model",
+                         "check its name against `ckptool inspect` (per-layer names: "
+                         "decoder.layers.{layer}....)")
+    notes = [f"left out by the rules: {', '.join(dropped[:4])}"
+             f"{' …' if len(dropped) > 4 else ''}"] if dropped else []
+    return out, config, notes
+
+
+def _rows(rule: Rule, name: str, shape: tuple[int, ...], args: dict[str, Any]) -> list[
+        tuple[tuple[int, int], ...]]:
+    """The rows each output of ``rule`` takes of ``name``."""
+    n = shape[0] if shape else 0
+    if rule.vocab:
+        vocab = args.get("vocab_size")
+        if not isinstance(vocab, int) or not 0 < vocab <= n:
+            raise UsageError(f"{name}: vocab = true, but args record no vocab_size of at most "
+                             f"{n}", "leave vocab out (the padding is kept)")
+        return [((0, vocab),)]
+    if rule.split is None:
+        return [()]
+    if rule.split == "qkv":
+        heads = _size(rule.sizes.get("heads", args.get("num_attention_heads")))
+        groups = _size(rule.sizes.get("groups", args.get("num_query_groups"))) or heads
+        d = _size(rule.sizes.get("head_dim", args.get("kv_channels")))
+        if not (heads and groups and d) or heads % groups or \
+                groups * (heads // groups + 2) * d != n:
+            raise UsageError(f"{name} ({n} rows) is not a qkv of heads={heads}, "
+                             f"groups={groups}, head_dim={d}",
+                             "give heads, groups and head_dim in the rule")
+        return [tuple(qkv_runs(groups, heads // groups, d, part)) for part in "qkv"]
+    count = 2 if rule.split == "halves" else int(rule.split[7:])
+    if n % count:
+        raise UsageError(f"{name} has {n} rows: not {count} equal parts", HINT)
+    step = n // count
+    return [((k * step, (k + 1) * step),) for k in range(count)]
+
+
+def _size(value: Any) -> int:
+    """A positive size, or 0."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value > 0 else 0
