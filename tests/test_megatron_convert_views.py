@@ -212,3 +212,17 @@ def test_a_rules_file_s_mistakes_are_named(tmp_path: Path, run_cli: Any, edit: A
     assert code == 2, err
     assert message in err
     assert not (tmp_path / "out").exists()
+
+
+def test_unstack_on_two_processes_writes_the_bytes_of_one(tmp_path: Path,
+                                                          run_cli: Any) -> None:
+    _torch_dist(tmp_path / "run")
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert run_cli("convert", str(tmp_path / "run"), str(one), "--unstack-layers",
+                   "--max-shard-size", "4KB")[0] == 0
+    code, _, err = run_cli("convert", str(tmp_path / "run"), str(two), "--unstack-layers",
+                           "--max-shard-size", "4KB", "--workers", "2", "-q")
+    assert code == 0, err
+    names = sorted(p.name for p in one.iterdir())
+    assert len(names) > 3 and names == sorted(p.name for p in two.iterdir())
+    assert all((one / n).read_bytes() == (two / n).read_bytes() for n in names)

@@ -28,6 +28,7 @@ from typing import Any
 from ckptool import dtypes
 from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.keys import escape
 from ckptool.model import Chunk, FileInfo
 from ckptool.read import dispatch, fs
 from ckptool.read.formats.base import RawRead
@@ -68,7 +69,7 @@ class _Rank:
 @dataclass
 class _Piece:
     rank: _Rank
-    rec: TensorRecord
+    rec: Any  # a TensorRecord, or a value no tensor (Transformer Engine's extra state)
     place: rules.Place
 
 
@@ -112,19 +113,18 @@ def read(layout: Layout) -> MultiRead:
     with StorageOffsets(layout.directory, [r.name for r in ranks],
                         [r.raw for r in ranks]) as offsets_of:
         for name, each in pieces.items():
-            value = _join(name, each, run, offsets_of, notes)
-            if isinstance(value, tuple):
-                rec, parts = value
-                chunks[f"model/{name}"] = parts
-                assert rec.storage is not None
-                storages[rec.storage.key] = rec.storage
-                for p in each:
-                    saved = p.rec.storage.location if p.rec.storage else p.rec.location
-                    if saved:
-                        devices.setdefault(ranks.index(p.rank), {})[saved] = None
-                model[name] = rec
-            else:
-                model[name] = value
+            if not isinstance(each[0].rec, TensorRecord):
+                model[name] = each[0].rec  # as the first rank holds it
+                continue
+            rec, parts = _join(name, each, run, offsets_of, notes)
+            chunks[f"model/{escape(name)}"] = parts
+            assert rec.storage is not None
+            storages[rec.storage.key] = rec.storage
+            for p in each:
+                saved = p.rec.storage.location if p.rec.storage else p.rec.location
+                if saved:
+                    devices.setdefault(ranks.index(p.rank), {})[saved] = None
+            model[name] = rec
     root["model"] = model
     dropped = [k for k in DROPPED if k in root0]
     if dropped:
@@ -256,12 +256,9 @@ def _local_experts(model: dict[str, Any]) -> int:
 
 
 def _join(name: str, pieces: list[_Piece], run: facts_of.Facts, offsets_of: StorageOffsets,
-          notes: list[str]) -> tuple[TensorRecord, tuple[Chunk, ...]] | Any:
-    """The whole tensor ``name`` and its chunks; a value that is no tensor
-    (Transformer Engine's extra state) as the first rank holds it."""
+          notes: list[str]) -> tuple[TensorRecord, tuple[Chunk, ...]]:
+    """The whole tensor ``name`` and its chunks."""
     first = pieces[0]
-    if not isinstance(first.rec, TensorRecord):
-        return first.rec
     split = first.place.split
     tp_pieces = sorted(pieces, key=lambda p: p.rank.tp)
     if first.place.expert is not None and (run.etp or run.tp) == 1 and split != rules.EXTRA:
