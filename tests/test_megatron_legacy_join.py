@@ -48,7 +48,7 @@ def test_inspect_says_the_run_and_the_cut(tmp_path: Path, run_cli: Any) -> None:
     assert code == 0, err
     out = " ".join(out.split())
     assert "megatron (legacy per-rank files, joined by megatron-core 0.16's rules" in out
-    assert "iteration 10 · TP 2 x PP 2 · 4 layers" in out
+    assert "torch · iteration 10 · TP 2 x PP 2 · 4 layers" in out
     assert "vocabulary padding cut from embedding.word_embeddings.weight: 64 -> 50 rows" in out
     assert "rng_state is left out" in out
 

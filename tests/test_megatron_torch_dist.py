@@ -51,7 +51,7 @@ def test_inspect_says_the_run_and_the_stacked_layers(tmp_path: Path, run_cli: An
     assert code == 0, err
     out = " ".join(out.split())
     assert "dcp (torch.distributed.checkpoint 1.0.0, Megatron-core torch_dist)" in out
-    assert "megatron iteration 10 · TP 2 x PP 2 · 4 layers · 2 tensors stack the layers" in out
+    assert "megatron torch_dist · iteration 10 · TP 2 x PP 2 · 4 layers · 2 tensors stack the layers" in out
     assert "common.pt" in out
     ckpt = open_checkpoint(str(tmp_path))
     meta = ckpt.metadata["megatron"]
@@ -118,3 +118,23 @@ def test_megatron_s_own_metadata_class_is_data(tmp_path: Path, run_cli: Any) -> 
     code, out, _ = run_cli("verify", str(tmp_path))
     assert code == 0, out
     assert not any(m == "megatron" or m.startswith("megatron.") for m in sys.modules)
+
+
+def test_a_torch_dcp_iteration_says_its_run(tmp_path: Path, run_cli: Any) -> None:
+    """``--ckpt-format torch_dcp``: plain DCP of the state dict Megatron
+    builds (args and iteration as values beside the model's tensors)."""
+    import torch.distributed.checkpoint as dcp
+
+    args = argparse.Namespace(tensor_model_parallel_size=1, pipeline_model_parallel_size=4,
+                              num_layers=2, ckpt_format="torch_dcp")
+    state = {"args": args, "iteration": 5,
+             "model": {"decoder.layers.0.mlp.linear_fc1.weight": torch.ones(4, 2)}}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(tmp_path / "iter_0000005"))
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("5")
+    code, out, err = run_cli("inspect", str(tmp_path))
+    assert code == 0, err
+    out = " ".join(out.split())
+    assert "dcp (torch.distributed.checkpoint 1.0.0, Megatron)" in out
+    assert "megatron torch_dcp · iteration 5 · TP 1 x PP 4 · 2 layers" in out

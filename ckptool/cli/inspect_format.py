@@ -20,7 +20,8 @@ def many_files_format(ckpt: Checkpoint) -> str:
     if ckpt.format == "dcp":
         wrapper = {"lightning": ", a Lightning .ckpt directory",
                    "accelerate": ", accelerate's FSDP folders",
-                   "megatron": ", Megatron-core torch_dist"}.get(meta.get("wrapper", ""), "")
+                   "megatron": ", Megatron-core torch_dist",
+                   "megatron-dcp": ", Megatron"}.get(meta.get("wrapper", ""), "")
         version = f" {meta['version']}" if meta.get("version") else ""
         ranks = meta.get("ranks")
         written = f" · written by {plural(ranks, 'rank')}" if ranks else ""
@@ -48,8 +49,8 @@ def many_files_format(ckpt: Checkpoint) -> str:
 
 def megatron_line(meta: dict[str, Any]) -> str:
     """A Megatron checkpoint's run: its iteration, how it was split, its layers."""
-    said = [f"iteration {meta['iteration']}" if meta.get("iteration") is not None
-            else f"folder {meta.get('folder')}"]
+    said = [meta.get("format") or "?", f"iteration {meta['iteration']}"
+            if meta.get("iteration") is not None else f"folder {meta.get('folder')}"]
     sizes = f"TP {meta.get('tensor_parallel')} x PP {meta.get('pipeline_parallel')}"
     if (meta.get("expert_parallel") or 1) > 1:
         sizes += f" x EP {meta['expert_parallel']}"

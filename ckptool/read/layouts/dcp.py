@@ -133,7 +133,7 @@ def read(layout: Layout) -> MultiRead:
                             "metadata_files": list(layout.metadata)}
     if layout.wrapper:
         meta["wrapper"] = layout.wrapper
-    if layout.wrapper == "megatron":
+    if layout.wrapper in ("megatron", "megatron-dcp"):
         from ckptool.read.megatron import stacked
 
         meta["megatron"] = stacked.summary(root, extra_roots, layout.iteration or

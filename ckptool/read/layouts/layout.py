@@ -4,7 +4,8 @@ it is, and where its files are.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 FILE, HF, DCP, DEEPSPEED, PER_RANK = "file", "hf", "dcp", "deepspeed", "per-rank"
 HF_STORAGE, MEGATRON = "hf-storage", "megatron"
@@ -29,6 +30,8 @@ class Layout:
     tag: str | None = None  # DEEPSPEED: the tag (the directory's name, or ``latest``'s)
     # Megatron: the iteration folder read (``iter_0000100``, ``release``)
     iteration: str | None = None
+    # NeMo (a .nemo, a NeMo 2 folder): what its config says (``megatron.nemo``)
+    nemo: dict[str, Any] | None = field(default=None, compare=False)
 
 
 def describe(layout: Layout) -> str:
@@ -38,7 +41,8 @@ def describe(layout: Layout) -> str:
     if layout.kind == DCP:
         wrapper = {"lightning": " (Lightning, with meta.pt)",
                    "accelerate": " (accelerate FSDP)",
-                   "megatron": " (Megatron-core torch_dist)"}.get(layout.wrapper or "", "")
+                   "megatron": " (Megatron-core torch_dist)",
+                   "megatron-dcp": " (Megatron)"}.get(layout.wrapper or "", "")
         return f"a torch.distributed.checkpoint directory{wrapper}"
     if layout.kind == DEEPSPEED:
         return f"a DeepSpeed checkpoint (tag {layout.tag})"

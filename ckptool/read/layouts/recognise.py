@@ -115,6 +115,8 @@ def _directory(path: str) -> Layout:
     if megatron_layout.TRACKER in files:  # a Megatron save directory: its latest iteration
         chosen, others = megatron_layout.iteration(path, dirs)
         inner = _directory(os.path.join(path, chosen))
+        if inner.kind == DCP and inner.wrapper is None:  # --ckpt-format torch_dcp, fsdp_dtensor
+            inner = replace(inner, wrapper="megatron-dcp")
         return replace(inner, path=path, iteration=chosen, notes=(*inner.notes, *others))
     metadata = [n for n in files if n == METADATA] or [n for n in files
                                                        if RANK_METADATA.match(n)]

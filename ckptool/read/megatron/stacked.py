@@ -27,13 +27,15 @@ def summary(root: dict[str, Any], extra_roots: dict[str, Any],
     """What inspect says of a ``torch_dist`` checkpoint: the iteration, the
     run's sizes (from ``common.pt``'s ``args``) and the stacked tensors."""
     common = extra_roots.get(COMMON_FILE)
-    common = common if isinstance(common, dict) else {}
+    # torch_dist: common.pt's; torch_dcp and fsdp_dtensor: the DCP values' own
+    common = common if isinstance(common, dict) else root
     args = facts_of.args_dict(common.get("args"))
     run = facts_of.facts(args, common.get("iteration"))
     stacked = [k for k, v in root.items() if isinstance(v, TensorRecord) and is_stacked(k)]
     iteration = run.iteration if run.iteration is not None else (
         iteration_of(folder) if folder else None)
-    return {"format": "torch_dist", "iteration": iteration, "folder": folder,
+    fmt = "torch_dist" if COMMON_FILE in extra_roots else (run.ckpt_format or "torch_dcp")
+    return {"format": fmt, "iteration": iteration, "folder": folder,
             "tensor_parallel": run.tp, "pipeline_parallel": run.pp,
             "expert_parallel": run.ep, "virtual_pipeline": run.vpp,
             "num_layers": run.num_layers, "stacked": len(stacked),
