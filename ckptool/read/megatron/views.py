@@ -8,7 +8,10 @@ checkpoint read, and, for a map, the ``config.json`` of the model it makes.
   (``decoder.layers.mlp.experts.linear_fc1.weight`` of ``[L, E, ...]``) as
   ``decoder.layers.3.mlp.experts.local_experts.1.linear_fc1.weight``, as
   Megatron-core's ``SequentialMLP`` names it. A legacy checkpoint's layers
-  are already one per name. Every other tensor is kept as it is.
+  are already one per name. Every other tensor is kept as it is. A run of
+  Megatron-core's local layer spec (``transformer_impl`` "local") saved its
+  norms under Transformer Engine's names: they get the module's back
+  (``input_layernorm.weight``, ``pre_mlp_layernorm.weight``).
 - ``--map NAME``: the per-layer tensors as the Hugging Face model ``NAME``
   (``hfmap``) loads them; a stacked checkpoint is unstacked on the way, each
   output tensor made from the stacked tensor directly.
@@ -27,6 +30,11 @@ from ckptool.read.derived import Derived
 from ckptool.read.megatron import hfmap
 from ckptool.read.megatron.stacked import STACKED, is_stacked
 
+# Megatron-core's local layer spec saves its norms under Transformer Engine's
+# names (gpt_layer_specs.py: ``sharded_state_dict_keys_map``); its modules
+# name them as these, so a run with ``transformer_impl`` "local" gets them back
+LOCAL_NAMES = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
+               (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."))
 # the experts of a stacked layer: what follows "experts." (SequentialMLP's
 # sharded keys hold "experts.experts." in some versions)
 _EXPERTS = re.compile(r"^(?P<head>.*\.mlp\.experts\.)(?:experts\.)?(?P<tail>linear_fc[12]\..+)$")
@@ -71,9 +79,13 @@ def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:
     entry = ckpt.metadata.get("state_dict_entry")
     prefix = f"{entry}." if isinstance(entry, str) else ""
     experts = args.get("num_experts")
+    local = args.get("transformer_impl") == "local"
     out: list[Derived] = []
     for name, t in ckpt.state_dict().items():
         name = name.removeprefix(prefix)
+        if local and is_stacked(name):
+            for saved, module in LOCAL_NAMES:
+                name = name.replace(saved, module)
         if not is_stacked(name):
             out.append(Derived(name, t.key))
             continue

@@ -143,6 +143,15 @@ _KNOWN: dict[str, str] = {
     # so that old checkpoints load): made and given state, nothing else
     "megatron.core.dist_checkpointing.strategies.torch.MCoreMetadata": DATA,
     "megatron.core.dist_checkpointing.strategies.torch.MCoreSavePlan": DATA,
+    # ... and what Megatron-core itself lets torch.load(weights_only=True) build
+    # (megatron/core/safe_globals.py: SAFE_GLOBALS): the enums and dataclasses
+    # of a run's args, made from their values or given their fields
+    **{f"megatron.core.{name}": DATA for name in (
+        "enums.ModelType", "transformer.enums.AttnBackend",
+        "transformer.enums.CudaGraphModule", "transformer.enums.CudaGraphScope",
+        "transformer.enums.InferenceCudaGraphScope", "optimizer.optimizer_config.OptimizerConfig",
+        "rerun_state_machine.RerunDiagnostic", "rerun_state_machine.RerunMode",
+        "rerun_state_machine.RerunState")},
     # what real code pickles from modules that also hold code: each listed as
     # the data it is (its constructor stores its arguments; calls.MODELS says so
     # for the lowercase ones)
