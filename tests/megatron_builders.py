@@ -70,7 +70,8 @@ def write_legacy(root: Path, full: dict[str, torch.Tensor], tp: int = 2, pp: int
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
         expert_model_parallel_size=ep, num_layers=layers, swiglu=True,
         virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-        num_experts=experts or None, params_dtype=torch.float32, **args)
+        num_experts=experts or None, params_dtype=torch.float32,
+        **{"tokenizer_type": "TikTokenizer", **args})  # (its vocab_size is args')
     folder = root / f"iter_{iteration:07d}"
     for t in range(tp):
         for s in range(pp):

@@ -53,6 +53,7 @@ def llama_args(heads: int = 8, groups: int = 2, **kw: Any) -> dict[str, Any]:
         swiglu=True, normalization="RMSNorm", norm_epsilon=1e-6,
         position_embedding_type="rope", rotary_base=500000, rotary_percent=1.0,
         max_position_embeddings=128, seq_length=64, vocab_size=V, padded_vocab_size=VPAD,
+        tokenizer_type="TikTokenizer",
         untie_embeddings_and_output_weights=True, add_bias_linear=False, add_qkv_bias=False,
         params_dtype="torch.bfloat16", bf16=True)
     args.update(kw)
@@ -117,7 +118,8 @@ def test_llama_attention_rows_follow_the_query_groups(heads: int, groups: int) -
 
 def test_llama_gqa_is_read_from_the_shapes_when_args_say_little() -> None:
     mg, hf = llama_pair(8, 2)
-    out, plan = run("llama", mg, {"num_attention_heads": 8, "vocab_size": V})
+    out, plan = run("llama", mg, {"num_attention_heads": 8, "vocab_size": V,
+                                  "tokenizer_type": "TikTokenizer"})
     check(out, hf)
     assert plan.config["num_key_value_heads"] == 2 and plan.config["head_dim"] == D
     assert plan.config["intermediate_size"] == FFN
@@ -133,7 +135,15 @@ def test_vocabulary_padding_cut_and_kept() -> None:
     out, plan = run("llama", mg, llama_args(vocab_size=None))
     assert out["model.embed_tokens.weight"].shape == (VPAD, H)
     assert out["lm_head.weight"].shape == (VPAD, H) and plan.config["vocab_size"] == VPAD
-    assert any("vocabulary size not recorded" in n for n in plan.notes)
+    assert any("the tokenizer's vocabulary size is not in args" in n for n in plan.notes)
+    # the null tokenizer's end-of-document id follows args.vocab_size: one row more
+    _, plan = run("llama", mg, llama_args(vocab_size=V - 1, tokenizer_type="NullTokenizer"))
+    emb = next(d for d in plan.tensors if d.key == "model.embed_tokens.weight")
+    assert emb.rows == ((0, V),)
+    # another tokenizer's size is its own files': args.vocab_size is not it
+    _, plan = run("llama", mg, llama_args(tokenizer_type="HuggingFaceTokenizer"))
+    emb = next(d for d in plan.tensors if d.key == "model.embed_tokens.weight")
+    assert emb.rows == ()
 
 
 def test_tied_embeddings_have_no_lm_head() -> None:
@@ -264,6 +274,7 @@ def gpt2_args(**kw: Any) -> dict[str, Any]:
         num_layers=2, hidden_size=H, ffn_hidden_size=4 * H, num_attention_heads=4,
         normalization="LayerNorm", norm_epsilon=1e-5, position_embedding_type="learned_absolute",
         max_position_embeddings=16, vocab_size=V, padded_vocab_size=VPAD,
+        tokenizer_type="TikTokenizer",
         untie_embeddings_and_output_weights=False, add_bias_linear=True, swiglu=False)
     args.update(kw)
     return args

@@ -51,7 +51,8 @@ def test_inspect_says_the_run_and_the_stacked_layers(tmp_path: Path, run_cli: An
     assert code == 0, err
     out = " ".join(out.split())
     assert "dcp (torch.distributed.checkpoint 1.0.0, Megatron-core torch_dist)" in out
-    assert "megatron torch_dist · iteration 10 · TP 2 x PP 2 · 4 layers · 2 tensors stack the layers" in out
+    assert ("megatron torch_dist · iteration 10 · TP 2 x PP 2 · 4 layers · 2 tensors stack "
+            "the layers") in out
     assert "common.pt" in out
     ckpt = open_checkpoint(str(tmp_path))
     meta = ckpt.metadata["megatron"]

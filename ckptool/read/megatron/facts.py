@@ -34,6 +34,22 @@ def _int(args: dict[str, Any], name: str, default: int | None = None) -> int | N
     return v if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else default
 
 
+# the tokenizers whose vocabulary ``args.vocab_size`` gives ("size of vocab
+# before EOD or padding"): the null tokenizers add their end-of-document id
+# after it (megatron/training/tokenizer/tokenizer.py, 0.16: ``_NullTokenizer``);
+# every other tokenizer's size is its own files', not recorded in args
+VOCAB_FROM_ARGS = {"NullTokenizer": 1, "NullMultimodalTokenizer": 1, "TikTokenizer": 0}
+
+
+def true_vocab(args: dict[str, Any]) -> int | None:
+    """The rows of the embedding that are the tokenizer's (the rest is
+    Megatron's padding to a multiple of 128 x TP), where ``args`` tell; else
+    None."""
+    extra = VOCAB_FROM_ARGS.get(str(args.get("tokenizer_type")))
+    size = _int(args, "vocab_size")
+    return None if extra is None or not size else size + extra
+
+
 @dataclass(frozen=True)
 class Facts:
     """The sizes a Megatron run's arguments give (None: not recorded)."""
@@ -44,7 +60,7 @@ class Facts:
     etp: int | None = None  # experts' own tensor-parallel size (None: ``tp``)
     vpp: int | None = None
     num_layers: int | None = None
-    vocab_size: int | None = None  # the true vocabulary (rows past it are padding)
+    vocab_size: int | None = None  # the tokenizer's vocabulary (rows past it: padding)
     padded_vocab_size: int | None = None
     swiglu: bool = False
     num_experts: int | None = None
@@ -67,7 +83,7 @@ def facts(args: dict[str, Any] | None, iteration: Any = None) -> Facts:
         etp=_int(a, "expert_tensor_parallel_size"),
         vpp=vpp if vpp and vpp > 1 else None,
         num_layers=_int(a, "num_layers"),
-        vocab_size=_int(a, "vocab_size"),
+        vocab_size=true_vocab(a),
         padded_vocab_size=_int(a, "padded_vocab_size"),
         swiglu=a.get("swiglu") is True,
         num_experts=_int(a, "num_experts"),

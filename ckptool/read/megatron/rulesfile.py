@@ -17,7 +17,7 @@ and how each tensor is cut, in a small TOML file (or the same as JSON)::
     [[rule]]
     from = "embedding.word_embeddings.weight"
     to = "model.embed.weight"
-    vocab = true                        # rows cut to args' vocab_size
+    vocab = true                        # rows cut to the tokenizer's vocabulary
 
     [[rule]]
     from = "decoder.layers.{layer}.self_attention.core_attention.*"
@@ -44,6 +44,7 @@ from typing import Any
 from ckptool.errors import UsageError
 from ckptool.read import fs
 from ckptool.read.derived import Derived
+from ckptool.read.megatron import facts
 from ckptool.read.megatron.hfmap.model import qkv_runs
 
 MAX_RULES_BYTES = 1 << 20
@@ -168,10 +169,11 @@ def _rows(rule: Rule, name: str, shape: tuple[int, ...], args: dict[str, Any]) -
     """The rows each output of ``rule`` takes of ``name``."""
     n = shape[0] if shape else 0
     if rule.vocab:
-        vocab = args.get("vocab_size")
-        if not isinstance(vocab, int) or not 0 < vocab <= n:
-            raise UsageError(f"{name}: vocab = true, but args record no vocab_size of at most "
-                             f"{n}", "leave vocab out (the padding is kept)")
+        vocab = facts.true_vocab(args)
+        if vocab is None or not 0 < vocab <= n:
+            raise UsageError(f"{name}: vocab = true, but args do not say the tokenizer's "
+                             f"vocabulary (at most {n} rows)",
+                             "leave vocab out (the padding is kept)")
         return [((0, vocab),)]
     if rule.split is None:
         return [()]

@@ -20,6 +20,7 @@ from typing import Any
 
 from ckptool.errors import UnsupportedCheckpointError
 from ckptool.read.derived import Derived
+from ckptool.read.megatron import facts
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)"
@@ -237,10 +238,11 @@ def read_model(b: Builder) -> Model:
         raise refuse(f"args say hidden_size {want_hidden}, {emb} is {list(b.shapes[emb])}",
                      "the checkpoint's sizes and its args disagree")
     padded = b.arg("padded_vocab_size")
-    if padded is not None and int(padded) != vocab_rows:
+    true_vocab = facts.true_vocab(b.args)
+    cut = true_vocab == vocab_rows  # (a legacy join cut the padding already)
+    if padded is not None and int(padded) != vocab_rows and not cut:
         b.notes.append(f"args say padded_vocab_size {padded}; the embedding has {vocab_rows} rows")
-    true_vocab = b.args.get("vocab_size")
-    if isinstance(true_vocab, int) and not isinstance(true_vocab, bool) and true_vocab > 0:
+    if true_vocab is not None:
         if true_vocab > vocab_rows:
             raise refuse(f"args say vocab_size {true_vocab}, more than the embedding's "
                          f"{vocab_rows} rows", "the checkpoint's sizes and its args disagree")
@@ -249,8 +251,9 @@ def read_model(b: Builder) -> Model:
             b.notes.append(f"vocabulary padding cut: {vocab_rows} -> {vocab} rows")
     else:
         vocab = vocab_rows
-        b.notes.append(f"vocabulary size not recorded (args.vocab_size): all {vocab_rows} "
-                       "embedding rows kept, Megatron's padding included")
+        b.notes.append(f"the tokenizer's vocabulary size is not in args (tokenizer_type "
+                       f"{b.args.get('tokenizer_type')}): all {vocab_rows} embedding rows "
+                       "kept, Megatron's padding included")
 
     layers = _layers(b)
     heads = b.arg("num_attention_heads")
