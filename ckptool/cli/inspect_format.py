@@ -34,6 +34,9 @@ def many_files_format(ckpt: Checkpoint) -> str:
         if meta.get("ds_version"):
             said.append(f"DeepSpeed {meta['ds_version']}")
         return f"deepspeed ({' · '.join(said)})"
+    if ckpt.format == "deepspeed-universal":
+        from ckptool.read.layouts.ds_universal import info_line
+        return info_line(meta)
     if ckpt.format == "dtensor-ranks":
         mesh = "x".join(str(n) for n in meta.get("mesh") or ())
         return (f"dtensor-ranks (each rank's torch.save of its shards · "

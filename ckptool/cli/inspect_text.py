@@ -58,6 +58,8 @@ def render_summary(console: Console, ckpt: Checkpoint) -> None:
         grid.add_row("files" if i == 0 else "", line)
     if ckpt.metadata.get("megatron"):
         grid.add_row("megatron", megatron_line(ckpt.metadata["megatron"]))
+    if ckpt.metadata.get("nemo"):
+        grid.add_row("nemo", str(ckpt.metadata["nemo"].get("description")))
     fw = ckpt.framework
     if fw is not None:
         grid.add_row("folder", framework_line(fw))

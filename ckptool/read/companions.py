@@ -21,6 +21,7 @@ from ckptool.model import Checkpoint, Companion, Framework
 from ckptool.read import dispatch, fs, optim, prefixes
 from ckptool.read.layouts import framework, loaders, recognise  # (journal, nested: a folder's)
 from ckptool.read.layouts import names as names_mod
+from ckptool.read.layouts.layout import DS_UNIVERSAL
 from ckptool.read.layouts.names import SHARD_NAME
 from ckptool.read.pickle import policy
 from ckptool.read.tensors import TensorRecord
@@ -132,7 +133,7 @@ def _deepspeed_files(path: str, files: list[str], dirs: list[str],
     """The files of the DeepSpeed tag directories beside the model (a
     Trainer's ``checkpoint-N/global_step10/``, and the one ``latest`` names,
     nested or not), which resuming ``torch.load``s: each read as a companion."""
-    if layout.kind == recognise.DEEPSPEED:
+    if layout.kind in (recognise.DEEPSPEED, DS_UNIVERSAL):
         return []  # the checkpoint read is itself DeepSpeed's
     tags = [d for d in dirs if names_mod.is_deepspeed_tag(os.path.join(path, d))]
     tag = names_mod.latest(path) if names_mod.LATEST in files else None

@@ -9,6 +9,11 @@ the same answers, the same ``OSError`` subclasses for a missing file or
 a directory opened as a file, so a reader cannot tell the two apart.
 Remote failures other than "not there" (access denied, a server down)
 are ``InputError``s naming the URL.
+
+A path in an archive open as a folder (``ckptool.read.archive``: a
+``.nemo``, once ``recognise`` has indexed it) is answered by the archive,
+before either: its members are files read in place, as a remote file is
+read (by ``pread``, no descriptor): ``is_remote`` is true of them.
 """
 
 from __future__ import annotations
@@ -20,9 +25,16 @@ import stat
 from typing import IO, Any, cast
 
 from ckptool.errors import InputError
+from ckptool.read.archive import mounts
 from ckptool.read.remote import urls
 
-is_remote = urls.is_url
+_archive = mounts.find  # the mounted archive a path is or lies in, else None
+
+
+def is_remote(path: object) -> bool:
+    """Whether ``path`` is read through this module's own files, never by
+    ``os``: a URL, or a path in a mounted archive."""
+    return urls.is_url(path) or _archive(path) is not None
 
 
 def _entry(path: str) -> tuple[str, Any]:
@@ -37,12 +49,21 @@ def listable(path: str) -> bool:
     """Whether the folders of ``path`` can be listed (locally, and on every
     store but plain HTTP(S): there, whether a file exists is only what a
     server answers, and some answer a page for any name)."""
-    return not is_remote(path) or urls.SCHEMES[urls.scheme_of(path) or ""] != "http"
+    return not urls.is_url(path) or urls.SCHEMES[urls.scheme_of(path) or ""] != "http"
 
 
 def open_binary(path: str) -> io.BufferedReader:
-    """``open(path, "rb")``, for a URL a ``RemoteFile``."""
-    if not is_remote(path):
+    """``open(path, "rb")``, for a URL a ``RemoteFile``, for a member of an
+    archive an ``archive.window.Window``."""
+    if (archive := _archive(path)) is not None:
+        return cast(io.BufferedReader, archive.open(path))
+    return open_unmounted(path)
+
+
+def open_unmounted(path: str) -> io.BufferedReader:
+    """``open_binary`` of the file itself, even where it is a mounted
+    archive (what the archive reads its members from)."""
+    if not urls.is_url(path):
         return open(path, "rb")
     from ckptool.read.remote.rfile import RemoteFile
 
@@ -56,6 +77,16 @@ def open_binary(path: str) -> io.BufferedReader:
     return cast(io.BufferedReader, RemoteFile(scheme, entry))
 
 
+def located(path: str) -> tuple[str, int]:
+    """Where a file's bytes lie, for a reader of descriptors: (the file, the
+    offset of its first byte). A member of a mounted local archive is a
+    range of the archive; any other path is itself, from 0."""
+    archive = _archive(path)
+    if archive is None or urls.is_url(archive.path):
+        return path, 0
+    return archive.path, archive.member(path).offset
+
+
 def size_of(f: IO[bytes]) -> int:
     """The size of an open file (``os.fstat(f.fileno()).st_size``)."""
     size = getattr(f, "size", None)
@@ -65,6 +96,8 @@ def size_of(f: IO[bytes]) -> int:
 
 
 def getsize(path: str) -> int:
+    if (archive := _archive(path)) is not None:
+        return int(archive.getsize(path))
     if not is_remote(path):
         return os.path.getsize(path)
     _, entry = _entry(path)
@@ -74,12 +107,16 @@ def getsize(path: str) -> int:
 
 
 def isdir(path: str) -> bool:
+    if (archive := _archive(path)) is not None:
+        return bool(archive.isdir(path))
     if not is_remote(path):
         return os.path.isdir(path)
     return bool((entry := _entry(path)[1]) is not None and entry.directory)
 
 
 def isfile(path: str) -> bool:
+    if (archive := _archive(path)) is not None:
+        return bool(archive.isfile(path))
     if not is_remote(path):
         return os.path.isfile(path)
     return bool((entry := _entry(path)[1]) is not None and not entry.directory)
@@ -97,6 +134,8 @@ def regular(path: str) -> bool:
 
 
 def exists(path: str) -> bool:
+    if (archive := _archive(path)) is not None:
+        return bool(archive.exists(path))
     if not is_remote(path):
         return os.path.exists(path)
     return _entry(path)[1] is not None
@@ -115,6 +154,8 @@ def listdir(path: str) -> list[str]:
 
 def entries(path: str) -> list[tuple[str, bool, bool]]:
     """(name, is a directory, is a regular file) of each entry of a folder."""
+    if (archive := _archive(path)) is not None:
+        return list(archive.entries(path))
     if not is_remote(path):
         with os.scandir(path) as it:
             return [(e.name, e.is_dir(), e.is_file()) for e in it]
@@ -130,7 +171,7 @@ def entries(path: str) -> list[tuple[str, bool, bool]]:
 
 
 def join(base: str, *names: str) -> str:
-    if not is_remote(base):
+    if not urls.is_url(base):
         return os.path.join(base, *names)
     for name in names:
         base = urls.join(base, name)
@@ -139,19 +180,19 @@ def join(base: str, *names: str) -> str:
 
 def abspath(path: str) -> str:
     """``os.path.abspath``; a URL is absolute as it is."""
-    return path.rstrip("/") if is_remote(path) else os.path.abspath(path)
+    return path.rstrip("/") if urls.is_url(path) else os.path.abspath(path)
 
 
 def basename(path: str) -> str:
     """The last component, a trailing separator ignored
     (``os.path.basename(os.path.normpath(os.path.abspath(path)))``)."""
-    if is_remote(path):
+    if urls.is_url(path):
         return urls.name(path)
     return os.path.basename(os.path.normpath(os.path.abspath(path)))
 
 
 def dirname(path: str) -> str:
-    return urls.parent(path) if is_remote(path) else os.path.dirname(path)
+    return urls.parent(path) if urls.is_url(path) else os.path.dirname(path)
 
 
 PREFETCH_WORKERS = 8  # requests in flight at once
@@ -162,7 +203,7 @@ def prefetch(paths: list[str]) -> None:
     bounded pool (a sharded model's headers: N requests in the time of a
     few); local paths are left alone. Failures are left for the read that
     follows to meet and say."""
-    remote = [p for p in paths if is_remote(p)]
+    remote = [p for p in paths if urls.is_url(p)]
     if len(remote) < 2:
         return
     from concurrent.futures import ThreadPoolExecutor

@@ -27,6 +27,7 @@ from ckptool.read.collector import no_cycle_collection
 from ckptool.read.formats.base import RawRead
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import recognise
+from ckptool.read.layouts.layout import DS_UNIVERSAL
 from ckptool.read.pickle import policy
 from ckptool.read.pickle.policy import UNSAFE
 from ckptool.read.summary import plain_value, summarize, type_name
@@ -105,6 +106,8 @@ def _open(given: str, on_tensors: Callable[[list[TensorInfo]], None] | None) -> 
                 notes += [piece] if piece else []
         if notes:
             ckpt.metadata["notes"] = [*ckpt.metadata.get("notes", ()), *notes]
+    if layout is not None and layout.nemo:
+        ckpt.metadata["nemo"] = layout.nemo
     ckpt.framework = companions.framework_of(given, layout, ckpt)
     return ckpt
 
@@ -154,6 +157,8 @@ def read_layout(layout: recognise.Layout) -> MultiRead:
             from ckptool.read.layouts.per_rank import read
         elif layout.kind == recognise.HF_STORAGE:
             from ckptool.read.layouts.hf_storage import read
+        elif layout.kind == DS_UNIVERSAL:
+            from ckptool.read.layouts.ds_universal import read
         elif layout.kind == recognise.MEGATRON:
             from ckptool.read.megatron.legacy import read
         else:

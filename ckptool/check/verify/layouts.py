@@ -27,6 +27,7 @@ from ckptool.errors import CorruptCheckpointError, InputError
 from ckptool.read import fs
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.layouts import framework, recognise
+from ckptool.read.layouts.layout import DS_UNIVERSAL
 from ckptool.read.layouts.names import (
     DATA_FILE,
     DEEPSPEED_FILE,
@@ -57,7 +58,7 @@ ALONE = "alone"  # files checked one by one: the directory's layout is refused
 WORLD_SIZE = re.compile(r"world_size_(\d+)")
 # the format names a layout's reader gives (Checkpoint.format), when it cannot be read
 FORMATS = {DCP: "dcp", DEEPSPEED: "deepspeed", PER_RANK: "dtensor-ranks",
-           HF_STORAGE: "hf-storage", MEGATRON: "megatron"}
+           HF_STORAGE: "hf-storage", MEGATRON: "megatron", DS_UNIVERSAL: "deepspeed-universal"}
 
 
 def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
@@ -247,6 +248,9 @@ def layout_files(layout: Layout) -> list[str]:
     DeepSpeed's states, or a damaged directory's), relative to its directory."""
     if layout.kind in (PER_RANK, HF_STORAGE, ALONE, MEGATRON):
         return list(layout.metadata)
+    if layout.kind == DS_UNIVERSAL:  # its model states, zero/'s files
+        from ckptool.read.layouts.ds_universal import files_of
+        return files_of(layout.directory)
     if layout.kind == DEEPSPEED:
         return sorted(n for n in listing(layout.directory)
                       if DEEPSPEED_FILE.search(n)

@@ -66,6 +66,9 @@ from ckptool.read.reader import open_checkpoint
 SHOWN = 3  # tensors named in a damaged record's problem
 # a file's name in a reader's message (never a pattern's tail: ``*_model_states.pt``)
 FILE_NAME = re.compile(r"(?<![\w.*-])[\w.-]+\.(pt|pth|bin|ckpt|safetensors|distcp|json)\b")
+# a file in a sub-folder (``zero/lin.weight/fp32.pt``), named by its path
+PATH_NAME = re.compile(r"(?<![\w.*/-])[\w.-]+(?:/[\w.-]+)+\."
+                       r"(pt|pth|bin|ckpt|safetensors|distcp|json)\b")
 
 
 def default_jobs() -> int:
@@ -223,8 +226,10 @@ def _refused(run: Run, path: str, read: Checkpoint | InputError | None,
         return None
     message = _shorter(run, local(read.message, path, path))
     kind = classify(message, MISMATCH)
-    named = next((n for n in sorted(run.sizes, key=len, reverse=True)
-                  if os.path.basename(n) in message), None)
+    inner = PATH_NAME.search(message)  # a file in a sub-folder ("zero/x/fp32.pt"): that one
+    named = inner.group(0) if inner else next(
+        (n for n in sorted(run.sizes, key=len, reverse=True) if os.path.basename(n) in message),
+        None)
     if _said(run, message) or (kind == CRC and run.formats.get(named or "") == ZIP \
             and named not in run.crc_zero):
         return None  # the reader stopped at what the checks found (or the CRC will)

@@ -267,7 +267,7 @@ class CrcPool:
         self.deferred: dict[str, list[tuple[str, Record, object]]] = {}
 
     def submit(self, path: str, file: str, records: list[Record], label: object = None) -> None:
-        if fs.is_remote(path):
+        if fs.is_remote(path) and fs.located(path)[0] == path:  # (a local archive's: now)
             self.deferred.setdefault(path, []).extend((file, r, label) for r in records)
             return
         unit: list[Record] = []
@@ -304,11 +304,12 @@ class CrcPool:
 
 def _check(path: str, file: str, unit: list[Record], label: object) -> list[Failure]:
     try:
-        fd = os.open(path, os.O_RDONLY)
+        real, base = fs.located(path)  # (a member of a .nemo: a range of it)
+        fd = os.open(real, os.O_RDONLY)
     except OSError as exc:
         return [Failure(file, unit[0], label, exc.strerror or str(exc))]
     try:
-        crcs = crc_file_ranges(fd, [(r.offset, r.size) for r in unit])
+        crcs = crc_file_ranges(fd, [(base + r.offset, r.size) for r in unit])
     except OSError as exc:  # shorter than when its directory was read, or unreadable
         return [Failure(file, unit[0], label, exc.strerror or str(exc))]
     finally:

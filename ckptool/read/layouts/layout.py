@@ -9,6 +9,7 @@ from typing import Any
 
 FILE, HF, DCP, DEEPSPEED, PER_RANK = "file", "hf", "dcp", "deepspeed", "per-rank"
 HF_STORAGE, MEGATRON = "hf-storage", "megatron"
+DS_UNIVERSAL = "ds-universal"  # DeepSpeed's universal checkpoint (ds_to_universal)
 
 
 @dataclass(frozen=True)
@@ -50,6 +51,8 @@ def describe(layout: Layout) -> str:
         return f"a checkpoint saved per rank ({len(layout.metadata)} files)"
     if layout.kind == HF_STORAGE:
         return f"a HuggingFaceStorageWriter checkpoint ({len(layout.metadata)} shards)"
+    if layout.kind == DS_UNIVERSAL:
+        return f"a DeepSpeed universal checkpoint ({layout.tag})"
     if layout.kind == MEGATRON:
         return f"a legacy Megatron checkpoint ({len(layout.metadata)} rank files)"
     return f"a directory holding one checkpoint file ({layout.file})"

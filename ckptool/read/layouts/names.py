@@ -2,8 +2,9 @@
 ``mixed``: the file names each layout writes (DCP's ``.metadata`` and
 ``.distcp``, DeepSpeed's model and optimizer states, files saved per rank,
 torch's HuggingFaceStorageWriter shards, accelerate's sub-directories,
-shard indexes), whether a file is a checkpoint by its first bytes, and an
-index's JSON. Nothing here reads more than an index and a few bytes of a file.
+shard indexes, DeepSpeed's universal checkpoint folder), whether a file is
+a checkpoint by its first bytes, and an index's JSON. Nothing here reads
+more than an index and a few bytes of a file.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import json
 import os
 import re
 
+from ckptool.errors import CorruptCheckpointError
 from ckptool.read import fs
 from ckptool.read.formats import safetensors_fmt, torch_legacy, torch_zip
+from ckptool.read.layouts.layout import DS_UNIVERSAL, Layout
 
 # torch's HuggingFaceStorageWriter(save_distributed=True): rank, then file
 HF_STORAGE_SHARD = re.compile(r"^shard-(\d{5})-model-(\d{5})-of-(\d{5})\.safetensors$")
@@ -31,6 +34,7 @@ OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states
 # every file DeepSpeed's engine saves in a tag directory (pipeline layers, MoE experts too)
 DEEPSPEED_FILE = re.compile(r"_(model|optim)_states\.pt$")
 LATEST = "latest"
+LATEST_UNIVERSAL = "latest_universal"  # ds_to_universal's, beside its output folder
 MAX_TAG_BYTES = 1024
 INDEX_NAME = re.compile(r"\.index(\.[^./]+)?\.json$")
 PREFERRED_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
@@ -66,12 +70,13 @@ def is_checkpoint_file(path: str) -> bool:
     return torch_zip.sniff(head) or torch_legacy.sniff(head) or safetensors_fmt.sniff(head)
 
 
-def latest(path: str) -> str | None:
-    """The tag a DeepSpeed ``latest`` file names (one line of text), or None."""
-    if not regular_file(os.path.join(path, LATEST)):
+def latest(path: str, name: str = LATEST) -> str | None:
+    """The tag a DeepSpeed ``latest`` file (or ``latest_universal``) names
+    (one line of text), or None."""
+    if not regular_file(os.path.join(path, name)):
         return None
     try:
-        with fs.open_binary(os.path.join(path, LATEST)) as f:
+        with fs.open_binary(os.path.join(path, name)) as f:
             data = f.read(MAX_TAG_BYTES + 1)
     except OSError:
         return None
@@ -96,6 +101,27 @@ def is_deepspeed_tag(path: str) -> bool:
     except OSError:
         return False
     return any(MODEL_FILE.match(n) or OPTIM_FILE.match(n) for n in names)
+
+
+def ds_universal(path: str, files: list[str], dirs: list[str]) -> Layout | None:
+    """A DeepSpeed universal checkpoint (``ds_to_universal``'s output folder:
+    ``zero/`` beside the model states it copied), or the folder above one
+    whose ``latest_universal`` names it (where no ``latest`` names a ZeRO
+    checkpoint, which DeepSpeed loads unless told to load the universal one)."""
+    if "zero" in dirs and any(MODEL_FILE.match(n) for n in files):
+        return Layout(DS_UNIVERSAL, path, path, tag=fs.basename(path))
+    if LATEST_UNIVERSAL not in files or LATEST in files:
+        return None
+    tag = latest(path, LATEST_UNIVERSAL)
+    folder = os.path.join(path, tag) if tag is not None else None
+    if folder is None or not fs.isdir(os.path.join(folder, "zero")):
+        raise CorruptCheckpointError(
+            f"{os.path.join(path, LATEST_UNIVERSAL)} names "
+            f"{'no folder' if tag is None else repr(tag)}, but {path} has no DeepSpeed "
+            f"universal checkpoint {'there' if tag is None else tag + '/'} (a folder holding "
+            "zero/)", "the conversion was interrupted, or its output folder was not copied; "
+            "name the folder to read it")
+    return Layout(DS_UNIVERSAL, path, folder, tag=tag)
 
 
 def holds_dcp(folder: str) -> bool:

@@ -15,6 +15,8 @@ content, and a clear error for anything else.
   ``*_optim_states.pt``), or the directory above it whose ``latest`` names
   the tag (Lightning's DeepSpeed ``.ckpt`` directory is one: tag
   ``checkpoint``); without ``latest``, its one tag directory;
+- a DeepSpeed universal checkpoint (``zero/`` beside model states), or the
+  directory whose ``latest_universal`` (and no ``latest``) names it;
 - files saved per rank (``*rank_<r>.pt``), or torch's HuggingFaceStorageWriter
   shards (``shard-00001-model-00001-of-00001.safetensors``): joined;
 - a directory holding exactly one checkpoint file (by its first bytes), or
@@ -63,6 +65,7 @@ from ckptool.read.layouts.names import (
     RANK_METADATA,
     RANK_NAME,
     RECOVERY_SCRIPTS,
+    ds_universal,
     is_checkpoint_file,
     is_deepspeed_tag,
     listing,
@@ -72,6 +75,7 @@ from ckptool.read.layouts.names import index_json as _index_json
 from ckptool.read.layouts.names import latest as _latest
 from ckptool.read.layouts.names import shown as _names
 from ckptool.read.megatron import layout as megatron_layout
+from ckptool.read.megatron import nemo
 
 __all__ = ["DCP", "DEEPSPEED", "FILE", "HF", "HF_STORAGE", "MEGATRON", "PER_RANK", "Layout",
            "describe", "recognise"]
@@ -85,12 +89,14 @@ def recognise(path: str) -> Layout | None:
     else:
         try:
             mode = os.stat(path).st_mode
+        except NotADirectoryError:  # a file in a .nemo: read in place
+            return recognise(path) if nemo.archive_above(path) else None
         except OSError:
             return None
     if stat.S_ISREG(mode):
         index = _index_json(path)
-        if index is None:
-            return None
+        if index is None:  # a .nemo (a tar) reads as the folder it holds
+            return _directory(path) if nemo.archive(path) else None
         return Layout(HF, path, os.path.dirname(path) or ".", index=os.path.basename(path))
     if not stat.S_ISDIR(mode):
         return None
@@ -112,6 +118,8 @@ def _directory(path: str) -> Layout:
     parsed = {n: _index_json(os.path.join(path, n)) for n in named}
     indexes = [n for n in named if parsed[n]]
     mixed.refuse_two(path, files, dirs, {n: index for n in indexes if (index := parsed[n])})
+    if (weights := nemo.layout(path, files, dirs, _directory)) is not None:
+        return weights  # NeMo's folder: the weights in it, and what its config says
     if megatron_layout.TRACKER in files:  # a Megatron save directory: its latest iteration
         chosen, others = megatron_layout.iteration(path, dirs)
         inner = _directory(os.path.join(path, chosen))
@@ -164,6 +172,8 @@ def _directory(path: str) -> Layout:
             notes += (f"{path} also holds {_names([d + '/' for d in later])}: another "
                       "model's or optimizer's checkpoint, read alone by naming it",)
         return Layout(DCP, path, path, metadata=metas, wrapper="accelerate", notes=notes)
+    if (universal := ds_universal(path, files, dirs)) is not None:  # ds_to_universal's
+        return universal
     deepspeed, beside = _deepspeed(path, files, dirs)
     if deepspeed is not None:
         return deepspeed

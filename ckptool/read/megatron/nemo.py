@@ -1,0 +1,272 @@
+"""NeMo checkpoints, read without NeMo: which files hold the weights, and
+what the model's config says about them.
+
+- A ``.nemo`` file (``SaveRestoreConnector``: ``tarfile.open(path, "w:")``,
+  ``tar.add(folder, arcname=".")``, so members ``./model_config.yaml``...)
+  is an uncompressed tar: read in place (``ckptool.read.archive``) as the
+  folder it was made from. NeMo 1.0 to 1.6-ish wrote ``"w:gz"``, which
+  NeMo still opens (``r:`` first, then ``r:gz``): a gzip one is refused,
+  with ``tar xzf`` as the way on.
+- NeMo 1's folder (a ``.nemo``, or one extracted): ``model_config.yaml``
+  and the weights, ``model_weights.ckpt`` (the LightningModule's
+  ``state_dict``, a torch file), a ``model_weights/`` Megatron-core
+  distributed checkpoint (``torch_dist``), or one
+  ``mp_rank_XX/`` (``tp_rank_XX_pp_rank_YYY/`` with pipeline parallelism)
+  ``model_weights.ckpt`` per model-parallel rank: those hold no Megatron
+  ``args``, so they are not joined (each rank's is read by naming it).
+- NeMo 2's checkpoint folder: ``weights/`` (a ``torch_dist`` checkpoint)
+  and ``context/`` (``io.json``: the objects NeMo would rebuild, never
+  read here; ``model.yaml``: the config, read as text).
+
+The configs are YAML: read by ``flat_yaml``, a parser of ``key: scalar``
+lines and nested mappings alone (no tags, no anchors, nothing built), never
+by a YAML library.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ckptool.describe import shell_word
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.read import fs
+from ckptool.read.layouts.layout import FILE, Layout
+from ckptool.read.layouts.names import shown
+from ckptool.read.remote import urls
+
+CONFIG = "model_config.yaml"  # NeMo 1
+WEIGHTS_FILE = "model_weights.ckpt"
+WEIGHTS_DIR = "model_weights"
+NEMO2_WEIGHTS, NEMO2_CONTEXT, NEMO2_CONFIG = "weights", "context", "model.yaml"
+RANK_DIR = re.compile(r"^(?:mp_rank_(\d{2})|tp_rank_(\d{2})_pp_rank_(\d{3}))$")
+MAX_CONFIG_BYTES = 1 << 20
+# what inspect says of the config, in this order (NeMo 1's top level, or
+# NeMo 2's ``config:``)
+SHOWN = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers",
+         "hidden_size", "num_attention_heads", "ffn_hidden_size", "precision",
+         "nemo_version")
+
+
+@dataclass(frozen=True)
+class Weights:
+    """Where a NeMo folder's weights are, and what it says about them."""
+
+    inner: str  # the weights' file or folder, relative to the NeMo folder
+    folder: bool  # a folder (a torch_dist checkpoint) or one torch file
+    facts: dict[str, Any]  # ckpt.metadata["nemo"]
+    notes: tuple[str, ...] = ()
+
+
+def archive(path: str) -> bool:
+    """Whether the file ``path`` is a ``.nemo`` (an uncompressed tar holding
+    a NeMo model, or any tar named ``.nemo``): then indexed and mounted, a
+    folder from now on. A gzip ``.nemo`` is refused. A URL is looked at
+    only when it is named ``.nemo`` (one request fewer for every other)."""
+    named = path.rstrip("/").endswith(".nemo")
+    from ckptool.read.archive import mounts
+
+    if (urls.is_url(path) and not named) or mounts.find(path) is not None:
+        return False  # (a .nemo in a .nemo is not read in place)
+    from ckptool.read.archive import tar
+
+    kind = tar.sniff(tar.head_of(path))
+    if kind == "gzip" and named:
+        raise UnsupportedCheckpointError(
+            f"{path} is a gzip-compressed .nemo (NeMo before 1.7 wrote them so): ckptool "
+            "reads a .nemo in place only when it is an uncompressed tar",
+            f"extract it: mkdir model && tar xzf {shell_word(path)} -C model, then "
+            "ckptool inspect model")
+    if kind != "tar":
+        return False
+    found = tar.mount(path)
+    if named or CONFIG in found.files or WEIGHTS_FILE in found.files:
+        return True
+    mounts.MOUNTED.pop(mounts.key(path), None)  # another tar: the file reader explains it
+    return False
+
+
+def archive_above(path: str) -> bool:
+    """Whether a local ``path`` that is no file lies in a ``.nemo``
+    (``model.nemo/mp_rank_00/model_weights.ckpt``): that archive mounted."""
+    if urls.is_url(path):
+        return False
+    parent = os.path.dirname(os.path.abspath(path))
+    while parent and parent != os.path.dirname(parent):
+        try:
+            regular = os.path.isfile(parent)
+        except OSError:
+            return False
+        if regular:
+            return archive(parent)
+        parent = os.path.dirname(parent)
+    return False
+
+
+def layout(path: str, files: list[str], dirs: list[str],
+           folder: Callable[[str], Layout]) -> Layout | None:
+    """The layout of the NeMo folder ``path`` (its weights' file, or
+    ``folder`` of its weights' folder: ``recognise``'s), with what its
+    config says; None where ``path`` is no NeMo folder."""
+    found = weights(path, files, dirs)
+    if found is None:
+        return None
+    held = os.path.join(path, found.inner)
+    inner = folder(held) if found.folder else Layout(FILE, path, path, file=held)
+    return replace(inner, path=path, notes=(*inner.notes, *found.notes), nemo=found.facts)
+
+
+def weights(path: str, files: list[str], dirs: list[str]) -> Weights | None:
+    """The weights of the NeMo folder ``path`` (files and folders listed),
+    or None where it is none."""
+    if CONFIG in files:
+        return _nemo1(path, files, dirs)
+    if NEMO2_WEIGHTS in dirs and NEMO2_CONTEXT in dirs:
+        return _nemo2(path)
+    return None
+
+
+def _nemo1(path: str, files: list[str], dirs: list[str]) -> Weights:
+    config = read_yaml(fs.join(path, CONFIG))
+    facts = _facts(1, config, CONFIG)
+    ranks = sorted(d for d in dirs if RANK_DIR.match(d)
+                   and fs.isfile(fs.join(path, d, WEIGHTS_FILE)))
+    if WEIGHTS_DIR in dirs:
+        return Weights(WEIGHTS_DIR, True, facts)
+    if WEIGHTS_FILE in files:
+        return Weights(WEIGHTS_FILE, False, facts)
+    if len(ranks) == 1:
+        return Weights(f"{ranks[0]}/{WEIGHTS_FILE}", False, facts)
+    if ranks:
+        sizes = ", ".join(f"{k} {config[k]}" for k in ("tensor_model_parallel_size",
+                                                       "pipeline_model_parallel_size")
+                          if k in config)
+        raise UnsupportedCheckpointError(
+            f"{path} holds the weights of {len(ranks)} model-parallel ranks "
+            f"({shown([d + '/' for d in ranks])}; {CONFIG}: {sizes or 'no sizes'}): NeMo 1 "
+            "saves them without Megatron's args, so ckptool does not join them",
+            "read one rank's by naming it: ckptool inspect "
+            f"{shell_word(fs.join(path, ranks[0], WEIGHTS_FILE))}")
+    raise CorruptCheckpointError(
+        f"{path} holds {CONFIG} but no weights ({WEIGHTS_FILE}, {WEIGHTS_DIR}/ or "
+        "mp_rank_XX/)", "the .nemo was cut short or saved without its weights")
+
+
+def _nemo2(path: str) -> Weights:
+    context = fs.join(path, NEMO2_CONTEXT)
+    try:
+        held = sorted(n + ("/" if d else "") for n, d, _ in fs.entries(context))
+    except OSError:
+        held = []
+    config = read_yaml(fs.join(context, NEMO2_CONFIG)) \
+        if f"{NEMO2_CONFIG}" in held else {}
+    facts = _facts(2, config, f"{NEMO2_CONTEXT}/{NEMO2_CONFIG}")
+    note = (f"{path} is a NeMo 2 checkpoint: read {NEMO2_WEIGHTS}/; {NEMO2_CONTEXT}/ "
+            f"({shown(held) if held else 'empty'}) is how NeMo rebuilds the model "
+            "(io.json names the classes it would import: never read here)")
+    return Weights(NEMO2_WEIGHTS, True, facts, (note,))
+
+
+def _facts(version: int, config: dict[str, Any], source: str) -> dict[str, Any]:
+    """ckpt.metadata["nemo"]: what the config says, and a line for inspect."""
+    inner = {k[len("config."):]: v for k, v in config.items() if k.startswith("config.")}
+    values = {k: v for k in SHOWN if (v := config.get(k, inner.get(k))) is not None}
+    target = config.get("target") or config.get("_target_")
+    model = target.rsplit(".", 1)[-1] if isinstance(target, str) else None
+    said = [f"NeMo {version}" + (f" {model}" if model else "")]
+    tp = values.get("tensor_model_parallel_size")
+    pp = values.get("pipeline_model_parallel_size")
+    if tp is not None or pp is not None:
+        said.append(f"TP {tp or 1} x PP {pp or 1}")
+    if values.get("num_layers") is not None:
+        said.append(f"{values['num_layers']} layers")
+    if values.get("hidden_size") is not None:
+        said.append(f"hidden {values['hidden_size']}")
+    if values.get("precision") is not None:
+        said.append(f"precision {values['precision']}")
+    if values.get("nemo_version") is not None:
+        said.append(f"nemo {values['nemo_version']}")
+    where = f"({source})" if config else f"(no {source} read)"
+    return {"version": version, "model": target if isinstance(target, str) else None,
+            "config": values, "source": source,
+            "description": " · ".join(said) + " " + where}
+
+
+def read_yaml(path: str) -> dict[str, Any]:
+    """``flat_yaml`` of a config file ({} if it cannot be read)."""
+    try:
+        with fs.open_binary(path) as f:
+            data = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError:
+        return {}
+    if len(data) > MAX_CONFIG_BYTES:
+        return {}
+    return flat_yaml(data.decode("utf-8", "replace"))
+
+
+_LINE = re.compile(r"^( *)([A-Za-z_][\w.-]*|'[^'\n]*'|\"[^\"\n]*\"):(?:[ \t]+(.*))?$")
+_INT = re.compile(r"^[-+]?\d+$")
+_FLOAT = re.compile(r"^[-+]?(?:\d+\.\d*|\.\d+|\d+)(?:[eE][-+]?\d+)?$")
+MAX_DEPTH = 4
+
+
+def flat_yaml(text: str) -> dict[str, Any]:
+    """The ``key: scalar`` entries of a block-style YAML mapping, nested keys
+    dotted (``tokenizer.library``): plain scalars as YAML 1.2's core schema
+    reads them (null, true/false, ints, floats, strings), quoted strings
+    unquoted. Lists, flow collections, block scalars, anchors and tags are
+    skipped, never built."""
+    out: dict[str, Any] = {}
+    stack: list[tuple[int, str]] = []  # (indent, key) of the open mappings
+    skip_above: int | None = None  # a block scalar's indent: its lines skipped
+    for line in text.splitlines():
+        if not line.strip() or line.lstrip().startswith(("#", "- ", "---")) or line == "-":
+            continue
+        m = _LINE.match(line.rstrip())
+        indent = len(line) - len(line.lstrip(" "))
+        if skip_above is not None and indent > skip_above:
+            continue
+        skip_above = None
+        if m is None:
+            continue
+        key = m.group(2).strip("'\"")
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        if len(stack) >= MAX_DEPTH:
+            continue
+        dotted = ".".join([*(k for _, k in stack), key])
+        raw = _uncomment(m.group(3) or "")
+        if not raw:
+            stack.append((indent, key))
+            continue
+        if raw[0] in "|>":
+            skip_above = indent
+            continue
+        if raw[0] in "[{&*!":
+            continue
+        out[dotted] = _scalar(raw)
+    return out
+
+
+def _uncomment(raw: str) -> str:
+    if raw[:1] in ("'", '"'):
+        end = raw.find(raw[0], 1)
+        return raw[:end + 1] if end > 0 else raw
+    return raw.split(" #", 1)[0].strip()
+
+
+def _scalar(raw: str) -> Any:
+    if raw[:1] in ("'", '"') and len(raw) >= 2 and raw[-1] == raw[0]:
+        return raw[1:-1]
+    if raw in ("null", "Null", "NULL", "~"):
+        return None
+    if raw in ("true", "True", "TRUE", "false", "False", "FALSE"):
+        return raw.lower() == "true"
+    if _INT.match(raw):
+        return int(raw)
+    if _FLOAT.match(raw):
+        return float(raw)
+    return raw
