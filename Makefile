@@ -75,6 +75,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/bench_verify.py
 	$(BIN)/python bench/bench_safety.py
 	$(BIN)/python bench/bench_remote.py
+	$(BIN)/python bench/bench_megatron.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
