@@ -140,3 +140,11 @@ def test_diagnose_says_only_megatron_loads_it_and_convert_joins_it(tmp_path: Pat
     assert "megatron-checkpoint" in out and "a legacy Megatron checkpoint of TP 2 x PP 2" in out
     assert f"ckptool convert {tmp_path / 'run'} {tmp_path / 'run'}.safetensors" in out
     assert "UnpicklingError" not in out
+
+
+def test_fix_points_at_convert(tmp_path: Path, run_cli: Any) -> None:
+    write_legacy(tmp_path / "run", whole_model())
+    code, _, err = run_cli("fix", str(tmp_path / "run"), "--to", "cpu")
+    assert code == 3
+    assert "is a legacy Megatron checkpoint: fix rewrites state dicts" in err
+    assert f"ckptool convert {tmp_path / 'run'} {tmp_path / 'run'}.safetensors" in err

@@ -43,6 +43,7 @@ from ckptool.read.formats.safetensors_fmt import SAFETENSORS
 from ckptool.read.formats.torch_zip import TORCH_ZIP
 from ckptool.read.layouts import journal, recognise
 from ckptool.read.layouts.journal import Pending, Step
+from ckptool.read.layouts.layout import DS_UNIVERSAL
 from ckptool.read.reader import assemble, open_checkpoint
 from ckptool.read.resolve import faithful
 from ckptool.read.tensor_data import Identity, TensorData, check_unchanged, file_identity
@@ -98,8 +99,11 @@ def fix(src: str, opts: FixOptions, output: str | None = None, *, force: bool = 
         from ckptool.write.fix import dcp as fix_dcp
         from ckptool.write.fix import shards as fix_shards
 
-        if layout.kind in (recognise.DEEPSPEED, recognise.PER_RANK, recognise.HF_STORAGE):
+        if layout.kind in (recognise.DEEPSPEED, recognise.PER_RANK, recognise.HF_STORAGE,
+                           recognise.MEGATRON, DS_UNIVERSAL):
             what = {recognise.DEEPSPEED: "a DeepSpeed checkpoint",
+                    DS_UNIVERSAL: "a DeepSpeed universal checkpoint",
+                    recognise.MEGATRON: "a legacy Megatron checkpoint",
                     recognise.PER_RANK: "a checkpoint saved per rank"}.get(
                 layout.kind, "a HuggingFaceStorageWriter checkpoint")
             raise UnsupportedCheckpointError(
