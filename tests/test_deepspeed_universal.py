@@ -13,6 +13,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -194,3 +195,12 @@ def test_never_imports_deepspeed() -> None:
               "assert not any(m.startswith('deepspeed') for m in sys.modules)")
     subprocess.run([sys.executable, "-c", script, str(UC / "z3_bf16")], check=True,
                    cwd=HERE.parent, env={**os.environ, "PYTHONPATH": str(HERE.parent)})
+
+
+def test_diagnose_says_what_loads_it_and_points_at_convert(run_cli: Any) -> None:
+    code, out, err = run_cli("diagnose", str(UC / "z2_fp32"))
+    assert code == 1, err
+    out = " ".join(out.split())
+    assert "universal-checkpoint" in out and "load_universal" in out
+    assert f"ckptool convert {UC / 'z2_fp32'} {UC / 'z2_fp32'}.pt" in out
+    assert "UnpicklingError" not in out  # (torch.load is not its loader)

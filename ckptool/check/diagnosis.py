@@ -72,10 +72,11 @@ class Diagnosis:
         """What plain ``torch.load(path)`` raises here, one line per cause
         (for Hugging Face ``.bin`` shards: ``torch.load`` of a shard)."""
         out = [f"RuntimeError: {t.error}" for t in self.tags if t.error]
-        if self.checkpoint.format in ("dcp", "deepspeed", "dtensor-ranks", "megatron"):
+        if self.checkpoint.format in ("dcp", "deepspeed", "dtensor-ranks", "megatron",
+                                      "deepspeed-universal"):
             # not torch.load's (each rank's file is a torch file: one saved on
             # a missing GPU fails)
-            return out if self.checkpoint.format != "deepspeed" else []
+            return out if not self.checkpoint.format.startswith("deepspeed") else []
         refused = loadcheck.refused_globals(self.checkpoint)
         if not loadcheck.weights_only_default():
             return out

@@ -31,9 +31,10 @@ from ckptool.describe import plural, shell_word
 from ckptool.model import Checkpoint
 from ckptool.read.layouts.hf_storage import HF_STORAGE
 from ckptool.read.layouts.per_rank import PER_RANK
-from ckptool.read.megatron.legacy import MEGATRON
 
 HF_BIN, HF_SAFETENSORS, DCP, DEEPSPEED = "hf-bin", "hf-safetensors", "dcp", "deepspeed"
+# (the formats of layouts.ds_universal and megatron.legacy: their readers not imported)
+MEGATRON, UNIVERSAL = "megatron", "deepspeed-universal"
 
 
 
@@ -49,6 +50,8 @@ def loader(ckpt: Checkpoint) -> str:
         return "torch.load of each rank's file (its shards)"
     if ckpt.format == MEGATRON:
         return "Megatron's load_checkpoint with the same parallel sizes"
+    if ckpt.format == UNIVERSAL:
+        return "a DeepSpeed engine's load_checkpoint with load_universal"
     if ckpt.format == HF_STORAGE:
         return "torch.distributed.checkpoint.load with a HuggingFaceStorageReader"
     return "torch.load"
@@ -95,6 +98,9 @@ def loads_text(ckpt: Checkpoint) -> str:
     if ckpt.format == MEGATRON:
         return ("each rank's file loads alone (weights_only=False: its args Namespace) as "
                 "that rank's slices of the model")
+    if ckpt.format == UNIVERSAL:
+        return ("each parameter's fp32.pt loads alone; a DeepSpeed engine with "
+                "load_universal loads them all, at any parallel sizes")
     return "loads"
 
 
@@ -110,7 +116,7 @@ def landing_header(ckpt: Checkpoint) -> str:
 def records_devices(ckpt: Checkpoint) -> bool:
     """Whether saved devices mean anything: not for DCP, nor for DeepSpeed
     (its weights are converted into a file that records none)."""
-    return ckpt.format not in (DCP, DEEPSPEED, HF_STORAGE)
+    return ckpt.format not in (DCP, DEEPSPEED, HF_STORAGE, UNIVERSAL)
 
 
 def entry_prefix(ckpt: Checkpoint) -> str:

@@ -20,11 +20,12 @@ from ckptool.check.findings import ERROR, Finding
 from ckptool.describe import beside, plural, shell_word
 from ckptool.model import Checkpoint
 from ckptool.read.layouts.per_rank import PER_RANK
-from ckptool.read.megatron.legacy import MEGATRON
 from ckptool.write.fix.flags import flags as command_flags
 from ckptool.write.fix.plan import FixOptions
 
 DEEPSPEED = "deepspeed"
+# (the formats of layouts.ds_universal and megatron.legacy: their readers not imported)
+MEGATRON, UNIVERSAL = "megatron", "deepspeed-universal"
 
 
 
@@ -42,6 +43,14 @@ def plan(ckpt: Checkpoint) -> Consolidation | None:
         return _per_rank(ckpt)
     if ckpt.format == MEGATRON:
         return _megatron(ckpt)
+    if ckpt.format == UNIVERSAL:
+        output, snippet = consolidated(ckpt)
+        command = f"ckptool convert {shell_word(ckpt.path)} {shell_word(output)}"
+        message = ("a DeepSpeed universal checkpoint (ds_to_universal's output): only a "
+                   "DeepSpeed engine with load_universal resumes it, at any parallel sizes; "
+                   "the fix writes its fp32 weights as one model")
+        return Consolidation(Finding("universal-checkpoint", ERROR, message, command, snippet),
+                             output, command)
     if ckpt.format != DEEPSPEED:
         return None
     output, snippet = consolidated(ckpt)
