@@ -55,7 +55,7 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --dist loadfile
 
 samples: $(STAMP)
 	$(BIN)/python samples/make_samples.py
