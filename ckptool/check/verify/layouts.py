@@ -73,10 +73,14 @@ def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
         if layout is not None and layout.kind == MEGATRON:
             gap = megatron_layout.missing_rank_files(layout.directory, layout.metadata)
             if gap:  # the others checked alone
+                problems = [Problem(MISSING_FILE, "a rank's file is missing (the other rank "
+                                    "folders' names say so)", n) for n in gap.names]
+                if gap.count > len(gap.names):
+                    problems.append(Problem(MISSING_FILE, f"and {gap.count - len(gap.names)} "
+                                            "more rank files are missing", layout.directory))
                 return Layout(ALONE, path, layout.directory, metadata=tuple(
-                    n for n in layout.metadata if n not in gap)), [
-                    Problem(MISSING_FILE, "a rank's file is missing (the other rank folders' "
-                            "names say so)", n) for n in gap]
+                    n for n in layout.metadata
+                    if fs.isfile(os.path.join(layout.directory, n)))), problems
         if layout is not None and layout.kind == FILE and layout.file is not None and \
                 fs.isdir(path) and RANK_NAME.match(fs.basename(layout.file)):
             ranks = _ranks_left(path)  # one rank's file is all that still reads

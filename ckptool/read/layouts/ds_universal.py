@@ -263,6 +263,10 @@ def _param_shapes(models: list[Saved], stage: int) -> dict[str, list[tuple[int, 
 def _fp32(folder: str, name: str, per_rank: list[tuple[int, ...]], info: Any,
           notes: list[str]) -> tuple[Saved, TensorRecord, tuple[int, ...]]:
     """``zero/<name>/fp32.pt`` read, its tensor, and its whole shape."""
+    if not name or name in (".", "..") or any(c in name for c in "/\\\0"):
+        # (a crafted name, "../../x", would read a file outside the checkpoint)
+        raise CorruptCheckpointError(f"the model states' param_shapes name a parameter "
+                                     f"{name!r:.80}: not a folder name of {ZERO}/", BROKEN_HINT)
     where = f"{ZERO}/{name}/fp32.pt"
     if not fs.isfile(os.path.join(folder, where)):
         raise CorruptCheckpointError(

@@ -6,7 +6,9 @@ a ``torch_dist`` iteration's companions, a legacy iteration's rank files.
 from __future__ import annotations
 
 import itertools
+import math
 import os
+from dataclasses import dataclass
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read import fs
@@ -23,7 +25,10 @@ from ckptool.read.megatron.names import (
     tracked,
 )
 
-__all__ = ["TRACKER", "iteration", "missing_rank_files", "rank_dir", "rank_files", "torch_dist"]
+SHOWN = 8  # the missing rank files named
+
+__all__ = ["TRACKER", "Gap", "iteration", "missing_rank_files", "rank_dir", "rank_files",
+           "torch_dist"]
 
 
 def iteration(path: str, dirs: list[str]) -> tuple[str, tuple[str, ...]]:
@@ -75,17 +80,37 @@ def rank_files(path: str, dirs: list[str]) -> tuple[str, ...]:
     return tuple(f"{d}/{MODEL_FILE}" for d in sorted(ranks))
 
 
+@dataclass(frozen=True)
+class Gap:
+    """The rank files a legacy iteration folder lacks: the first few, in
+    the order Megatron numbers them, and how many in all."""
+
+    names: tuple[str, ...]
+    count: int
+
+    def __bool__(self) -> bool:
+        return self.count > 0
+
+    def said(self, shown: int = 4) -> str:
+        """``a, b, c, d and 12 more are missing``'s first part."""
+        more = self.count - min(shown, len(self.names))
+        return ", ".join(self.names[:shown]) + (f" and {more} more" if more > 0 else "")
+
+
 def missing_rank_files(directory: str, files: tuple[str, ...],
-                       sizes: tuple[int, int, int] | None = None) -> list[str]:
+                       sizes: tuple[int, int, int] | None = None) -> Gap:
     """The rank files a legacy iteration folder lacks (relative to it).
     With the run's sizes (TP, PP, EP from its args), the folders Megatron
     names for them (``_{pp:03d}`` only with pipeline parallelism,
     ``_{ep:03d}`` only with expert parallelism); without, the folders the
-    highest numbers in each place of the names there imply."""
+    highest numbers in each place of the names there imply. Only the
+    folders that are there are looked at: a grid of a billion ranks (a
+    crafted args, a folder named ``mp_rank_99_999_999``) is counted, not
+    walked."""
     found = [rank_dir(f.split("/")[0]) for f in files]
     ranks = [r for r in found if r is not None]
     if not ranks:
-        return []
+        return Gap((), 0)
     if sizes is not None:
         tp, pp, ep = sizes
         places = [tp] + ([pp] if pp > 1 else []) + ([ep] if ep > 1 else [])
@@ -95,9 +120,30 @@ def missing_rank_files(directory: str, files: tuple[str, ...],
             places.append(max(r.pp or 0 for r in ranks) + 1)
         if any(r.ep is not None for r in ranks):
             places.append(max(r.ep or 0 for r in ranks) + 1)
-    out = []
+    there = {r.name for r in ranks if fs.isfile(os.path.join(directory, r.name, MODEL_FILE))}
+    in_grid = sum(1 for name in there if _grid_numbers(name, places) is not None)
+    names: list[str] = []
     for numbers in itertools.product(*(range(n) for n in places)):
-        name = f"mp_rank_{numbers[0]:02d}" + "".join(f"_{n:03d}" for n in numbers[1:])
-        if not fs.isfile(os.path.join(directory, name, MODEL_FILE)):
-            out.append(f"{name}/{MODEL_FILE}")
-    return out
+        name = _rank_name(numbers)
+        if name not in there:
+            names.append(f"{name}/{MODEL_FILE}")
+            if len(names) == SHOWN:
+                break
+    return Gap(tuple(names), math.prod(places) - in_grid)
+
+
+def _rank_name(numbers: tuple[int, ...]) -> str:
+    return f"mp_rank_{numbers[0]:02d}" + "".join(f"_{n:03d}" for n in numbers[1:])
+
+
+def _grid_numbers(name: str, places: list[int]) -> tuple[int, ...] | None:
+    """The numbers of the rank folder ``name`` where it is one of the grid
+    ``places`` spans, as Megatron writes its name; else None."""
+    r = rank_dir(name)
+    if r is None:
+        return None
+    numbers = tuple(n for n in (r.tp, r.pp, r.ep) if n is not None)
+    if len(numbers) != len(places) or _rank_name(numbers) != name or \
+            any(n >= p for n, p in zip(numbers, places, strict=True)):
+        return None
+    return numbers

@@ -77,9 +77,8 @@ def read(layout: Layout) -> MultiRead:
     gap = missing_rank_files(layout.directory, layout.metadata)
     if gap:
         raise CorruptCheckpointError(
-            f"{layout.directory}: {', '.join(gap[:4])}{' ...' if len(gap) > 4 else ''} "
-            f"{'is' if len(gap) == 1 else 'are'} missing (its other rank folders' names say "
-            "so)", MISSING_HINT)
+            f"{layout.directory}: {gap.said()} {'is' if gap.count == 1 else 'are'} missing "
+            "(its other rank folders' names say so)", MISSING_HINT)
     seen = GlobalsSeen()
     ranks: list[_Rank] = []
     files: list[FileInfo] = []
@@ -156,11 +155,9 @@ def _check_grid(layout: Layout, ranks: list[_Rank], run: facts_of.Facts) -> None
     missing = missing_rank_files(layout.directory, tuple(r.name for r in ranks),
                                  (run.tp, run.pp, run.ep))
     if missing:
-        shown = ", ".join(missing[:4]) + (f" and {len(missing) - 4} more"
-                                           if len(missing) > 4 else "")
         raise CorruptCheckpointError(
-            f"{layout.directory}: {shown} {'is' if len(missing) == 1 else 'are'} missing (the "
-            f"run was {sizes}, its args say)", MISSING_HINT)
+            f"{layout.directory}: {missing.said()} {'is' if missing.count == 1 else 'are'} "
+            f"missing (the run was {sizes}, its args say)", MISSING_HINT)
     places = 1 + (run.pp > 1) + (run.ep > 1)
     extra = [r.name for r in ranks if r.tp >= run.tp or r.pp >= run.pp or r.ep >= run.ep
              or 1 + (r.where.pp is not None) + (r.where.ep is not None) != places]
@@ -263,9 +260,13 @@ def _join(name: str, pieces: list[_Piece], run: facts_of.Facts, offsets_of: Stor
     tp_pieces = sorted(pieces, key=lambda p: p.rank.tp)
     if first.place.expert is not None and (run.etp or run.tp) == 1 and split != rules.EXTRA:
         split = rules.WHOLE  # experts not split over tensor parallelism
-    if [p.rank.tp for p in tp_pieces] != list(range(len(tp_pieces))):
-        raise CorruptCheckpointError(f"{name}: the tensor-parallel ranks' pieces are "
-                                     f"{[p.rank.name for p in tp_pieces]}", BROKEN_HINT)
+    if [p.rank.tp for p in tp_pieces] != list(range(run.tp)):
+        held = [p.rank.name.split("/")[0] for p in tp_pieces]
+        raise CorruptCheckpointError(
+            f"{name}: the {run.tp} tensor-parallel ranks' pieces are in "
+            f"{', '.join(held[:4])}{' ...' if len(held) > 4 else ''} alone"
+            if len(set(held)) == len(held) else
+            f"{name}: the tensor-parallel ranks' pieces are {held[:8]}", BROKEN_HINT)
     dtype = first.rec.dtype
     for p in tp_pieces:
         if p.rec.dtype != dtype or len(p.rec.shape) != len(first.rec.shape):

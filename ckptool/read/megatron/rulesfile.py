@@ -48,6 +48,7 @@ from ckptool.read.megatron import facts
 from ckptool.read.megatron.hfmap.model import qkv_runs
 
 MAX_RULES_BYTES = 1 << 20
+PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
 HINT = "see `ckptool convert --help` and docs/megatron.md for the rules file's form"
 
 
@@ -92,6 +93,11 @@ def load(path: str) -> tuple[list[Rule], dict[str, Any] | None]:
     config = doc.get("config")
     if config is not None and not isinstance(config, dict):
         raise UsageError(f"--map {path}: [config] is not a table", HINT)
+    try:
+        json.dumps(config)
+    except (TypeError, ValueError) as exc:  # a TOML date, say: config.json cannot say it
+        raise UsageError(f"--map {path}: [config] holds a value JSON cannot hold ({exc})",
+                         "write dates and times in [config] as strings") from exc
     return [_rule(path, i, r) for i, r in enumerate(doc["rule"])], config
 
 
@@ -118,11 +124,35 @@ def _rule(path: str, i: int, r: Any) -> Rule:
     if not drop and len(to) != count:
         raise UsageError(f"{where}: split {split or 'none'} makes {count} tensors, and 'to' "
                          f"names {len(to)}", HINT)
+    vocab = r.get("vocab") is True
+    if vocab and count != 1:
+        raise UsageError(f"{where}: vocab = true cuts one tensor's rows: not with split "
+                         f"{split}", "write the vocabulary's rule without a split")
+    named = _placeholders(where, "from", r["from"])
+    for t in to:
+        extra = _placeholders(where, "to", t) - named
+        if extra:
+            raise UsageError(f"{where}: 'to' names {{{min(extra)}}}, and 'from' does not",
+                             "name it in 'from' too, or leave it out of 'to'")
     sizes = {k: r[k] for k in ("heads", "groups", "head_dim") if isinstance(r.get(k), int)}
     pattern = re.escape(r["from"]).replace(r"\{layer\}", r"(?P<layer>\d+)").replace(
         r"\{expert\}", r"(?P<expert>\d+)").replace(r"\*", ".*")
     return Rule(re.compile(pattern + "$"), r["from"], tuple(to), split,
-                r.get("transpose") is True, r.get("vocab") is True, drop, sizes)
+                r.get("transpose") is True, vocab, drop, sizes)
+
+
+def _placeholders(where: str, key: str, text: str) -> set[str]:
+    """The placeholders ``text`` names; a brace of any other kind, or one
+    named twice in 'from', refused."""
+    found = PLACEHOLDER.findall(text)
+    if "{" in PLACEHOLDER.sub("", text) or "}" in PLACEHOLDER.sub("", text):
+        raise UsageError(f"{where}: {key} {text!r:.80} holds a brace other than {{layer}} and "
+                         "{expert}", "the names' numbers are {layer} and {expert}, nothing else")
+    twice = sorted({f for f in found if found.count(f) > 1})
+    if key == "from" and twice:
+        raise UsageError(f"{where}: 'from' names {{{twice[0]}}} twice",
+                         "a number is taken once; 'to' may repeat it")
+    return set(found)
 
 
 def plan(path: str, shapes: dict[str, tuple[int, ...]], args: dict[str, Any]) -> tuple[
@@ -145,8 +175,7 @@ def plan(path: str, shapes: dict[str, tuple[int, ...]], args: dict[str, Any]) ->
         if rule.drop:
             dropped.append(name)
             continue
-        numbers = {k: v for k, v in m.groupdict().items() if v is not None}
-        names = [t.format(**numbers) for t in rule.to]
+        names = [_filled(t, m) for t in rule.to]
         for key, rows in zip(names, _rows(rule, name, shape, args), strict=True):
             out.append(Derived(key, name, (), rows, rule.transpose))
             out[-1].shape(shape)  # (checked now: before any byte is read)
@@ -162,6 +191,12 @@ def plan(path: str, shapes: dict[str, tuple[int, ...]], args: dict[str, Any]) ->
     notes = [f"left out by the rules: {', '.join(dropped[:4])}"
              f"{' …' if len(dropped) > 4 else ''}"] if dropped else []
     return out, config, notes
+
+
+def _filled(to: str, m: re.Match[str]) -> str:
+    """``to`` with the numbers its rule's 'from' matched in place of
+    ``{layer}`` and ``{expert}`` (each one 'from' names: checked on load)."""
+    return PLACEHOLDER.sub(lambda p: m.group(p.group(1)), to)
 
 
 def _rows(rule: Rule, name: str, shape: tuple[int, ...], args: dict[str, Any]) -> list[

@@ -23,7 +23,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from ckptool.errors import UsageError
+from ckptool.errors import UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint
 from ckptool.read import derived
 from ckptool.read.derived import Derived
@@ -35,6 +35,10 @@ from ckptool.read.megatron.stacked import STACKED, is_stacked
 # name them as these, so a run with ``transformer_impl`` "local" gets them back
 LOCAL_NAMES = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
                (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."))
+# the most tensors one stacked tensor is unstacked into (layers x experts):
+# well above any model's (a thousand layers of 512 experts), far below what
+# would exhaust memory in names alone
+MAX_UNSTACKED = 1 << 20
 # the experts of a stacked layer: what follows "experts." (SequentialMLP's
 # sharded keys hold "experts.experts." in some versions)
 _EXPERTS = re.compile(r"^(?P<head>.*\.mlp\.experts\.)(?:experts\.)?(?P<tail>linear_fc[12]\..+)$")
@@ -95,6 +99,16 @@ def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:
         m = _EXPERTS.match(name)
         grouped = m is not None and isinstance(experts, int) and len(t.shape) >= 3 \
             and t.shape[1] == experts
+        count = t.shape[0] * (t.shape[1] if grouped else 1)
+        if count > MAX_UNSTACKED:  # (a crafted shape of no bytes: [10**8, 0])
+            what = f"{t.shape[0]} layers of {t.shape[1]} experts" if grouped else \
+                f"{t.shape[0]} layers"
+            raise UnsupportedCheckpointError(
+                f"{name} holds {what} stacked, more than ckptool unstacks ({MAX_UNSTACKED} "
+                "tensors)", "convert it without --unstack-layers or --map")
+        if t.shape[0] == 0:  # no layers: nothing to unstack, kept as it is
+            out.append(Derived(name, t.key))
+            continue
         for i in range(t.shape[0]):
             if grouped:
                 assert m is not None

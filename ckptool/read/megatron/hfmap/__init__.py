@@ -94,7 +94,7 @@ def plan(name: str, shapes: dict[str, tuple[int, ...]], args: dict[str, Any]) ->
     build = _BUILDERS.get(name)
     if build is None:
         raise refuse(f"no map {name!r}", f"the maps are {', '.join(MAPS)}")
-    b = Builder(shapes, args)
+    b = Builder(shapes, args, name)
     m = read_model(b)
     config = build(b, m)
     b.leftovers(name)

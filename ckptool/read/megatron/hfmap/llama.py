@@ -77,35 +77,35 @@ def _rope_config(b: Builder, m: Model, map_name: str) -> dict[str, Any]:
     if POSITIONS in b.shapes:
         raise refuse(f"the {map_name} map has no place for {POSITIONS}",
                      "choose another map (gpt2 for learned_absolute)")
-    if float(b.arg("rotary_percent", 1.0)) != 1.0:
+    if b.number("rotary_percent", 1.0) != 1.0:
         raise refuse(f"rotary_percent {b.args['rotary_percent']}: the {map_name} map rotates "
                      "every dimension of a head", "convert it without --map")
     if b.args.get("no_rope_freq"):
         raise refuse("no_rope_freq: layers without rotary embeddings cannot be mapped",
                      "convert it without --map")
-    config: dict[str, Any] = {"rope_theta": float(b.arg("rotary_base", 10000))}
-    interpolation = b.args.get("rotary_seq_len_interpolation_factor")
+    config: dict[str, Any] = {"rope_theta": b.number("rotary_base", 10000)}
+    interpolation = b.number("rotary_seq_len_interpolation_factor", 0.0)
     if b.args.get("use_rope_scaling"):
         if interpolation:
             raise refuse("both use_rope_scaling and rotary_seq_len_interpolation_factor",
                          "convert it without --map")
         # Megatron's RotaryEmbedding._apply_scaling: Llama 3's rule
         config["rope_scaling"] = {"rope_type": "llama3",
-                                  "factor": float(b.arg("rope_scaling_factor", 8.0)),
+                                  "factor": b.number("rope_scaling_factor", 8.0),
                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                   "original_max_position_embeddings": 8192}
     elif interpolation:
         # positions divided by the factor: HF's linear scaling
-        config["rope_scaling"] = {"rope_type": "linear", "factor": float(interpolation)}
+        config["rope_scaling"] = {"rope_type": "linear", "factor": interpolation}
     return config
 
 
 def _max_positions(b: Builder) -> int:
-    value = b.arg("max_position_embeddings", b.arg("seq_length"))
+    value = b.size("max_position_embeddings") or b.size("seq_length")
     if value is None:
         b.notes.append("max_position_embeddings not recorded: 4096")
         return 4096
-    return int(value)
+    return value
 
 
 def require_rmsnorm(m: Model, map_name: str) -> None:

@@ -13,6 +13,7 @@ norm and ``lm_head``, a layer's role, the query/key/value row runs of a
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -102,9 +103,11 @@ class Builder:
     """The checks and bookkeeping of one plan: the source names used, the
     output tensors and their shapes."""
 
-    def __init__(self, shapes: dict[str, tuple[int, ...]], args: dict[str, Any]):
+    def __init__(self, shapes: dict[str, tuple[int, ...]], args: dict[str, Any],
+                 map_name: str = "the"):
         self.shapes = {k: tuple(v) for k, v in shapes.items()}
         self.args = args
+        self.map_name = map_name
         self.used: set[str] = set()
         self.tensors: list[Derived] = []
         self.notes: list[str] = []
@@ -112,6 +115,31 @@ class Builder:
     def arg(self, name: str, default: Any = None) -> Any:
         value = self.args.get(name)
         return default if value is None else value
+
+    def size(self, name: str, default: int | None = None) -> int | None:
+        """``args.name`` as a positive whole number (None: not recorded,
+        ``default``); any other value refused by name."""
+        value = self.args.get(name)
+        if value is None:
+            return default
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        raise self.unusable(name, value, "a positive whole number")
+
+    def number(self, name: str, default: float) -> float:
+        """``args.name`` as a finite number (``default``: not recorded)."""
+        value = self.args.get(name)
+        if value is None:
+            return default
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                math.isfinite(value):
+            return float(value)
+        raise self.unusable(name, value, "a number")
+
+    def unusable(self, name: str, value: Any, wanted: str) -> UnsupportedCheckpointError:
+        return refuse(f"the run's args hold a value the {self.map_name} map cannot use: "
+                      f"{name} = {value!r:.40}, not {wanted}",
+                      "convert it without --map, as Megatron names it")
 
     def need(self, name: str) -> str:
         if name not in self.shapes:
@@ -196,8 +224,8 @@ def _layers(b: Builder) -> list[Layer]:
     if count == 0:
         raise refuse("the checkpoint has no decoder.layers.* tensors",
                      "is this a Megatron-core GPT model?")
-    want = b.arg("num_layers")
-    if want is not None and int(want) != count:
+    want = b.size("num_layers")
+    if want is not None and want != count:
         raise refuse(f"args say num_layers {want}, the checkpoint has {count} layers",
                      "a merged checkpoint with every pipeline stage's layers is needed")
     return [found[i] for i in range(count)]
@@ -233,14 +261,14 @@ def read_model(b: Builder) -> Model:
     if len(b.shapes[emb]) != 2:
         raise refuse(f"{emb} is {list(b.shapes[emb])}, not a matrix")
     vocab_rows, hidden = b.shapes[emb]
-    want_hidden = b.arg("hidden_size")
-    if want_hidden is not None and int(want_hidden) != hidden:
+    want_hidden = b.size("hidden_size")
+    if want_hidden is not None and want_hidden != hidden:
         raise refuse(f"args say hidden_size {want_hidden}, {emb} is {list(b.shapes[emb])}",
                      "the checkpoint's sizes and its args disagree")
-    padded = b.arg("padded_vocab_size")
+    padded = b.size("padded_vocab_size")
     true_vocab = facts.true_vocab(b.args)
     cut = true_vocab == vocab_rows  # (a legacy join cut the padding already)
-    if padded is not None and int(padded) != vocab_rows and not cut:
+    if padded is not None and padded != vocab_rows and not cut:
         b.notes.append(f"args say padded_vocab_size {padded}; the embedding has {vocab_rows} rows")
     if true_vocab is not None:
         if true_vocab > vocab_rows:
@@ -256,11 +284,10 @@ def read_model(b: Builder) -> Model:
                        "kept, Megatron's padding included")
 
     layers = _layers(b)
-    heads = b.arg("num_attention_heads")
+    heads = b.size("num_attention_heads")
     if heads is None:
         raise refuse("args has no num_attention_heads",
                      "the number of attention heads cannot be told from the shapes")
-    heads = int(heads)
     first = layers[0].roles
     if "qkv.weight" not in first or "proj.weight" not in first:
         raise refuse("layer 0 has no self_attention.linear_qkv/linear_proj weight",
@@ -272,8 +299,8 @@ def read_model(b: Builder) -> Model:
                      f"num_attention_heads {heads}",
                      "the checkpoint's sizes and its args disagree")
     head_dim = proj_cols // heads
-    kv = b.arg("kv_channels")
-    if kv is not None and int(kv) != head_dim:
+    kv = b.size("kv_channels")
+    if kv is not None and kv != head_dim:
         raise refuse(f"args say kv_channels {kv}, the attention has {head_dim} per head",
                      "the checkpoint's sizes and its args disagree")
     extra = qkv_rows // head_dim - heads if qkv_rows % head_dim == 0 else -1
@@ -285,9 +312,10 @@ def read_model(b: Builder) -> Model:
     if b.args.get("group_query_attention") is False and groups != heads:
         raise refuse(f"args say no group query attention, {first['qkv.weight']} has {groups} "
                      f"key/value heads", "the checkpoint's sizes and its args disagree")
-    if b.args.get("group_query_attention") and b.args.get("num_query_groups") is not None \
-            and int(b.args["num_query_groups"]) != groups:
-        raise refuse(f"args say num_query_groups {b.args['num_query_groups']}, "
+    want_groups = b.size("num_query_groups")
+    if b.args.get("group_query_attention") and want_groups is not None \
+            and want_groups != groups:
+        raise refuse(f"args say num_query_groups {want_groups}, "
                      f"{first['qkv.weight']} has {groups}",
                      "the checkpoint's sizes and its args disagree")
 
@@ -299,9 +327,9 @@ def read_model(b: Builder) -> Model:
         norm = "LayerNorm" if has_norm_bias else "RMSNorm"
         b.notes.append(f"normalization not recorded: {norm}, as the norms "
                        f"{'have' if has_norm_bias else 'have no'} biases")
-    eps = b.args.get("norm_epsilon", b.args.get("layernorm_epsilon"))
-    if eps is None:
-        eps = 1e-5
+    key = "norm_epsilon" if b.args.get("norm_epsilon") is not None else "layernorm_epsilon"
+    eps = b.number(key, 1e-5)
+    if b.args.get(key) is None:
         b.notes.append("norm_epsilon not recorded: 1e-05 (Megatron's default)")
 
     untie = b.args.get("untie_embeddings_and_output_weights")
@@ -314,7 +342,7 @@ def read_model(b: Builder) -> Model:
     return Model(hidden=hidden, vocab_rows=vocab_rows, vocab=vocab, layers=layers,
                  heads=heads, groups=groups, head_dim=head_dim,
                  qkv_bias="qkv.bias" in first, proj_bias="proj.bias" in first,
-                 norm=norm, eps=float(eps), tied=tied, dtype=_dtype(b))
+                 norm=norm, eps=eps, tied=tied, dtype=_dtype(b))
 
 
 

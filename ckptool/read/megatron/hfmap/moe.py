@@ -55,8 +55,8 @@ def _experts(b: Builder, layer: Layer, hidden: int) -> tuple[int, int]:
     if len(b.shapes[router]) != 2 or b.shapes[router][1] != hidden:
         raise refuse(f"{router} is {list(b.shapes[router])}, not [experts, {hidden}]")
     count = b.shapes[router][0]
-    want = b.args.get("num_experts")
-    if want is not None and int(want) != count:
+    want = b.size("num_experts")
+    if want is not None and want != count:
         raise refuse(f"args say num_experts {want}, {router} routes to {count}",
                      "a merged checkpoint with every expert parallel rank is needed")
     numbers = sorted({e for e, _ in layer.experts})
@@ -123,13 +123,13 @@ def build_mixtral(b: Builder, m: Model) -> dict[str, Any]:
 
 
 def _topk(b: Builder, count: int) -> int:
-    topk = b.args.get("moe_router_topk")
+    topk = b.size("moe_router_topk")
     if topk is None:
         raise refuse("args has no moe_router_topk",
                      "the number of experts per token cannot be told from the shapes")
-    if not 0 < int(topk) <= count:
+    if topk > count:
         raise refuse(f"moe_router_topk {topk} is not between 1 and {count} experts")
-    return int(topk)
+    return topk
 
 
 def build_qwen2_moe(b: Builder, m: Model) -> dict[str, Any]:
@@ -185,7 +185,7 @@ def build_qwen2_moe(b: Builder, m: Model) -> dict[str, Any]:
     head(b, m, "model.norm")
     config = decoder_config(b, m, "Qwen2MoeForCausalLM", "qwen2_moe")
     config.pop("head_dim")
-    intermediate = dense_ffn if dense_ffn is not None else int(b.arg("ffn_hidden_size", ffn))
+    intermediate = dense_ffn if dense_ffn is not None else b.size("ffn_hidden_size", ffn)
     config.update(intermediate_size=intermediate, moe_intermediate_size=ffn,
                   shared_expert_intermediate_size=shared, num_experts=count,
                   num_experts_per_tok=_topk(b, count), norm_topk_prob=renormalise,
