@@ -125,20 +125,22 @@ def test_verify_finds_a_damaged_member(tmp_path: Path, run_cli: Any) -> None:
     assert code == 1, out
 
 
-def test_tensor_parallel_ranks_are_refused_with_the_way_to_read_one(
+def test_tensor_parallel_ranks_are_joined_and_one_read_by_naming_it(
         tmp_path: Path, run_cli: Any) -> None:
-    path, rank0 = make_nemo.make("tp2", tmp_path)
+    path, whole = make_nemo.make("tp2", tmp_path)
     code, out, err = run_cli("inspect", str(path))
-    assert code == 3
-    assert "2 model-parallel ranks (mp_rank_00/, mp_rank_01/" in err
-    assert "tensor_model_parallel_size 2" in err
-    one = f"{path}/mp_rank_00/model_weights.ckpt"
-    assert one in err
+    assert code == 0, err
+    assert "NeMo 1's per-rank files" in out and "nemo-ranks · TP 2 x PP 1" in out
+    dest = tmp_path / "whole.safetensors"
+    code, out, err = run_cli("convert", str(path), str(dest))
+    assert code == 0, out + err
+    _same(dest, {k.removeprefix("model."): v for k, v in whole.items()})
     mounts.unmount_all()  # as a new run would: the member named before the archive is read
+    one = f"{path}/mp_rank_00/model_weights.ckpt"
     dest = tmp_path / "rank0.safetensors"
     code, out, err = run_cli("convert", one, str(dest))
     assert code == 0, out + err
-    _same(dest, rank0)
+    _same(dest, make_nemo.tp_split(whole, 2)[0])
 
 
 def test_a_gzip_nemo_is_refused(tmp_path: Path, run_cli: Any) -> None:

@@ -96,6 +96,9 @@ def loads_text(ckpt: Checkpoint) -> str:
         return ("each rank's file loads alone (after `import torch.distributed.tensor`) as "
                 "that rank's shards")
     if ckpt.format == MEGATRON:
+        if (ckpt.metadata.get("megatron") or {}).get("format") == "nemo-ranks":
+            return ("each rank's model_weights.ckpt loads alone as that rank's slices of the "
+                    "model; NeMo's restore_from joins them on as many ranks")
         return ("each rank's file loads alone (weights_only=False: its args Namespace) as "
                 "that rank's slices of the model")
     if ckpt.format == UNIVERSAL:

@@ -42,7 +42,9 @@ def many_files_format(ckpt: Checkpoint) -> str:
         return (f"dtensor-ranks (each rank's torch.save of its shards · "
                 f"{plural(meta.get('ranks') or 0, 'rank')}{f' · mesh {mesh}' if mesh else ''})")
     if ckpt.format == "megatron":
-        return (f"megatron (legacy per-rank files, joined by {meta['megatron']['rules']}'s "
+        kind = "NeMo 1's per-rank files" if meta["megatron"].get("format") == "nemo-ranks" \
+            else "legacy per-rank files"
+        return (f"megatron ({kind}, joined by {meta['megatron']['rules']}'s "
                 f"rules · {plural(meta.get('ranks') or 0, 'rank')})")
     if ckpt.format == "hf-storage":
         return (f"hf-storage (torch's HuggingFaceStorageWriter shards, joined by their "
@@ -52,8 +54,11 @@ def many_files_format(ckpt: Checkpoint) -> str:
 
 def megatron_line(meta: dict[str, Any]) -> str:
     """A Megatron checkpoint's run: its iteration, how it was split, its layers."""
-    said = [meta.get("format") or "?", f"iteration {meta['iteration']}"
-            if meta.get("iteration") is not None else f"folder {meta.get('folder')}"]
+    said = [meta.get("format") or "?"]
+    if meta.get("iteration") is not None:
+        said.append(f"iteration {meta['iteration']}")
+    elif meta.get("folder") is not None:
+        said.append(f"folder {meta['folder']}")
     sizes = f"TP {meta.get('tensor_parallel')} x PP {meta.get('pipeline_parallel')}"
     if (meta.get("expert_parallel") or 1) > 1:
         sizes += f" x EP {meta['expert_parallel']}"

@@ -71,7 +71,8 @@ def recognised(path: str) -> tuple[Layout | None, list[Problem]]:
             if missing:  # its reader would say it less well: each file alone
                 return Layout(ALONE, path, path, metadata=layout.metadata), missing
         if layout is not None and layout.kind == MEGATRON:
-            gap = megatron_layout.missing_rank_files(layout.directory, layout.metadata)
+            gap = megatron_layout.missing_rank_files(
+                layout.directory, layout.metadata, naming=megatron_layout.naming_of(layout))
             if gap:  # the others checked alone
                 problems = [Problem(MISSING_FILE, "a rank's file is missing (the other rank "
                                     "folders' names say so)", n) for n in gap.names]

@@ -54,5 +54,6 @@ def describe(layout: Layout) -> str:
     if layout.kind == DS_UNIVERSAL:
         return f"a DeepSpeed universal checkpoint ({layout.tag})"
     if layout.kind == MEGATRON:
-        return f"a legacy Megatron checkpoint ({len(layout.metadata)} rank files)"
+        kind = "NeMo 1 checkpoint" if layout.nemo is not None else "legacy Megatron checkpoint"
+        return f"a {kind} ({len(layout.metadata)} rank files)"
     return f"a directory holding one checkpoint file ({layout.file})"

@@ -12,14 +12,18 @@ from dataclasses import dataclass
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read import fs
+from ckptool.read.layouts.layout import Layout
 from ckptool.read.layouts.names import shown
 from ckptool.read.megatron.names import (
     BACKEND_FILE,
     COMMON_FILE,
     ITERATION_DIR,
+    MEGATRON_NAMING,
     MODEL_FILE,
+    NEMO_NAMING,
     RELEASE,
     TRACKER,
+    Naming,
     backend,
     rank_dir,
     tracked,
@@ -97,8 +101,15 @@ class Gap:
         return ", ".join(self.names[:shown]) + (f" and {more} more" if more > 0 else "")
 
 
+def naming_of(layout: Layout) -> Naming:
+    """How the rank folders of the legacy layout ``layout`` are named: NeMo
+    1's (a NeMo folder's), or Megatron's."""
+    return NEMO_NAMING if layout.nemo is not None else MEGATRON_NAMING
+
+
 def missing_rank_files(directory: str, files: tuple[str, ...],
-                       sizes: tuple[int, int, int] | None = None) -> Gap:
+                       sizes: tuple[int, int, int] | None = None,
+                       naming: Naming = MEGATRON_NAMING) -> Gap:
     """The rank files a legacy iteration folder lacks (relative to it).
     With the run's sizes (TP, PP, EP from its args), the folders Megatron
     names for them (``_{pp:03d}`` only with pipeline parallelism,
@@ -106,8 +117,8 @@ def missing_rank_files(directory: str, files: tuple[str, ...],
     highest numbers in each place of the names there imply. Only the
     folders that are there are looked at: a grid of a billion ranks (a
     crafted args, a folder named ``mp_rank_99_999_999``) is counted, not
-    walked."""
-    found = [rank_dir(f.split("/")[0]) for f in files]
+    walked. ``naming``: NeMo 1's rank folders, or Megatron's."""
+    found = [naming.parse(f.split("/")[0]) for f in files]
     ranks = [r for r in found if r is not None]
     if not ranks:
         return Gap((), 0)
@@ -120,30 +131,24 @@ def missing_rank_files(directory: str, files: tuple[str, ...],
             places.append(max(r.pp or 0 for r in ranks) + 1)
         if any(r.ep is not None for r in ranks):
             places.append(max(r.ep or 0 for r in ranks) + 1)
-    there = {r.name for r in ranks if fs.isfile(os.path.join(directory, r.name, MODEL_FILE))}
-    in_grid = sum(1 for name in there if _grid_numbers(name, places) is not None)
+    there = {r.name for r in ranks if fs.isfile(os.path.join(directory, r.name, naming.file))}
+    in_grid = sum(1 for name in there if _in_grid(naming, name, places))
     names: list[str] = []
     for numbers in itertools.product(*(range(n) for n in places)):
-        name = _rank_name(numbers)
+        name = naming.name(numbers)
         if name not in there:
-            names.append(f"{name}/{MODEL_FILE}")
+            names.append(f"{name}/{naming.file}")
             if len(names) == SHOWN:
                 break
     return Gap(tuple(names), math.prod(places) - in_grid)
 
 
-def _rank_name(numbers: tuple[int, ...]) -> str:
-    return f"mp_rank_{numbers[0]:02d}" + "".join(f"_{n:03d}" for n in numbers[1:])
-
-
-def _grid_numbers(name: str, places: list[int]) -> tuple[int, ...] | None:
-    """The numbers of the rank folder ``name`` where it is one of the grid
-    ``places`` spans, as Megatron writes its name; else None."""
-    r = rank_dir(name)
+def _in_grid(naming: Naming, name: str, places: list[int]) -> bool:
+    """Whether the rank folder ``name`` is one of the grid ``places`` spans,
+    named as its writer names it."""
+    r = naming.parse(name)
     if r is None:
-        return None
+        return False
     numbers = tuple(n for n in (r.tp, r.pp, r.ep) if n is not None)
-    if len(numbers) != len(places) or _rank_name(numbers) != name or \
-            any(n >= p for n, p in zip(numbers, places, strict=True)):
-        return None
-    return numbers
+    return len(numbers) == len(places) and naming.name(numbers) == name and \
+        all(n < p for n, p in zip(numbers, places, strict=True))

@@ -16,6 +16,10 @@ and biases that every rank holds whole from the first rank). Each joined
 tensor's chunks are the ranks' local tensors, or their halves: row-major
 runs of raw elements in the ranks' zips (``Chunk.raw``), read in place one
 tensor at a time. The optimizer's state, per rank, is not joined.
+
+NeMo 1's rank files (``tp_rank_XX_pp_rank_YYY/model_weights.ckpt``: each
+rank's LightningModule state dict, the model under ``model.``) are joined
+the same way, the run's sizes read from the NeMo folder's config.
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ from ckptool.read.layouts.layout import Layout
 from ckptool.read.layouts.per_rank import StorageOffsets
 from ckptool.read.megatron import facts as facts_of
 from ckptool.read.megatron import rules
-from ckptool.read.megatron.layout import missing_rank_files
-from ckptool.read.megatron.names import RankDir, rank_dir
+from ckptool.read.megatron.layout import missing_rank_files, naming_of
+from ckptool.read.megatron.names import MEGATRON_NAMING, NEMO_NAMING, Naming, RankDir
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
 
@@ -54,6 +58,7 @@ class _Rank:
     raw: RawRead
     pp: int = 0
     ep: int = 0
+    flat: bool = False  # NeMo 1's: the model's tensors at the top, under "model."
 
     @property
     def tp(self) -> int:
@@ -74,7 +79,9 @@ class _Piece:
 
 
 def read(layout: Layout) -> MultiRead:
-    gap = missing_rank_files(layout.directory, layout.metadata)
+    naming = naming_of(layout)
+    nemo = naming is NEMO_NAMING  # NeMo 1's rank files (``nemo``)
+    gap = missing_rank_files(layout.directory, layout.metadata, naming=naming)
     if gap:
         raise CorruptCheckpointError(
             f"{layout.directory}: {gap.said()} {'is' if gap.count == 1 else 'are'} missing "
@@ -83,7 +90,7 @@ def read(layout: Layout) -> MultiRead:
     ranks: list[_Rank] = []
     files: list[FileInfo] = []
     for i, name in enumerate(layout.metadata):
-        where = rank_dir(name.split("/")[0])
+        where = naming.parse(name.split("/")[0])
         assert where is not None
         full = os.path.join(layout.directory, name)
         raw = dispatch.read(full)
@@ -92,7 +99,15 @@ def read(layout: Layout) -> MultiRead:
         files.append(FileInfo(name, "rank", raw.format, fs.getsize(full), rank=i))
     first = ranks[0]
     root0 = first.raw.root if isinstance(first.raw.root, dict) else {}
-    args = facts_of.args_dict(root0.get("args"))
+    if nemo:  # the LightningModule's state dict; the run's sizes in its config
+        from ckptool.read.megatron import nemo as nemo_of
+
+        args: dict[str, Any] | None = nemo_of.megatron_args(
+            nemo_of.read_yaml(fs.join(layout.path, nemo_of.CONFIG)))
+        for r in ranks:
+            r.flat = True
+    else:
+        args = facts_of.args_dict(root0.get("args"))
     if args is None:
         raise UnsupportedCheckpointError(
             f"{os.path.join(layout.path, first.name)} holds no 'args' Namespace: ckptool "
@@ -101,10 +116,10 @@ def read(layout: Layout) -> MultiRead:
     run = facts_of.facts(args, root0.get("iteration"))
     for r in ranks:
         r.placed(run)
-    _check_grid(layout, ranks, run)
+    _check_grid(layout, ranks, run, naming)
     pieces, notes = _pieces(ranks, run)
-    root: dict[str, Any] = {k: v for k, v in root0.items()
-                            if not (k == "model" or _is_chunk_name(k) or k in DROPPED)}
+    root: dict[str, Any] = {} if nemo else {
+        k: v for k, v in root0.items() if not (k == "model" or _is_chunk_name(k) or k in DROPPED)}
     model: dict[str, Any] = {}
     chunks: dict[str, tuple[Chunk, ...]] = {}
     storages: dict[str, StorageRef] = {}
@@ -130,15 +145,17 @@ def read(layout: Layout) -> MultiRead:
         notes.append(f"each rank's {', '.join(dropped)} is left out: only the model's "
                      "weights are joined")
     meta: dict[str, Any] = {"ranks": len(ranks), "world_size": len(ranks),
-                            "megatron": _summary(layout, run, args)}
+                            "megatron": _summary(layout, run, args, nemo)}
     raw_all = RawRead(MEGATRON, root, storages, seen, meta,
                       warnings=[f"{r.name}: {w}" for r in ranks for w in r.raw.warnings])
     return MultiRead(raw_all, layout.directory, files, {}, chunks,
                      notes=list(layout.notes) + notes + _devices_note(devices), chunk_keys=True)
 
 
-def _summary(layout: Layout, run: facts_of.Facts, args: dict[str, Any]) -> dict[str, Any]:
-    return {"format": "torch", "iteration": run.iteration, "folder": layout.iteration,
+def _summary(layout: Layout, run: facts_of.Facts, args: dict[str, Any],
+             nemo: bool) -> dict[str, Any]:
+    return {"format": "nemo-ranks" if nemo else "torch", "iteration": run.iteration,
+            "folder": layout.iteration,
             "tensor_parallel": run.tp, "pipeline_parallel": run.pp,
             "expert_parallel": run.ep, "virtual_pipeline": run.vpp,
             "num_layers": run.num_layers, "rules": rules.MEGATRON_VERSION,
@@ -149,22 +166,24 @@ def _is_chunk_name(key: object) -> bool:
     return isinstance(key, str) and key.startswith("model") and key[5:].isdigit()
 
 
-def _check_grid(layout: Layout, ranks: list[_Rank], run: facts_of.Facts) -> None:
+def _check_grid(layout: Layout, ranks: list[_Rank], run: facts_of.Facts,
+                naming: Naming) -> None:
     """Every rank folder the run's sizes imply is there, and no other."""
     sizes = f"TP {run.tp} x PP {run.pp}" + (f" x EP {run.ep}" if run.ep > 1 else "")
     missing = missing_rank_files(layout.directory, tuple(r.name for r in ranks),
-                                 (run.tp, run.pp, run.ep))
+                                 (run.tp, run.pp, run.ep), naming)
+    said = "its args say" if naming is MEGATRON_NAMING else "its config says"
     if missing:
         raise CorruptCheckpointError(
             f"{layout.directory}: {missing.said()} {'is' if missing.count == 1 else 'are'} "
-            f"missing (the run was {sizes}, its args say)", MISSING_HINT)
+            f"missing (the run was {sizes}, {said})", MISSING_HINT)
     places = 1 + (run.pp > 1) + (run.ep > 1)
     extra = [r.name for r in ranks if r.tp >= run.tp or r.pp >= run.pp or r.ep >= run.ep
              or 1 + (r.where.pp is not None) + (r.where.ep is not None) != places]
     if extra:
         raise CorruptCheckpointError(
-            f"{layout.directory} holds {', '.join(extra[:4])} beyond the run's {sizes} (its "
-            "args say so)",
+            f"{layout.directory} holds {', '.join(extra[:4])} beyond the run's {sizes} "
+            f"({said})",
             "the folder mixes checkpoints of different runs: copy one run's rank folders")
 
 
@@ -172,6 +191,9 @@ def _models(rank: _Rank) -> list[dict[str, Any]]:
     """A rank's model state dicts: ``model``, or ``model0``, ``model1``...
     (virtual pipeline chunks)."""
     root = rank.raw.root if isinstance(rank.raw.root, dict) else {}
+    if rank.flat:  # NeMo 1: the LightningModule's state dict, the model under "model."
+        return [{k.removeprefix("model.") if isinstance(k, str) else k: v
+                 for k, v in root.items()}]
     if isinstance(root.get("model"), dict):
         return [root["model"]]
     found = sorted((k for k in root if _is_chunk_name(k)), key=lambda k: int(k[5:]))

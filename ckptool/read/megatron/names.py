@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,8 @@ ITERATION_DIR = re.compile(r"^iter_(\d{7,})$")
 RELEASE = "release"
 MP_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")
 MODEL_FILE = "model_optim_rng.pt"
+NEMO_RANK_DIR = re.compile(r"^(?:mp_rank_(\d{2})|tp_rank_(\d{2})_pp_rank_(\d{3}))$")
+NEMO_MODEL_FILE = "model_weights.ckpt"
 OPTIMIZER_FILE = "distrib_optim.pt"
 BACKEND_FILE = "metadata.json"
 COMMON_FILE = "common.pt"
@@ -89,6 +92,39 @@ def rank_dir(name: str) -> RankDir | None:
         return None
     tp, pp, ep = m.groups()
     return RankDir(name, int(tp), None if pp is None else int(pp), None if ep is None else int(ep))
+
+
+def nemo_rank_dir(name: str) -> RankDir | None:
+    """NeMo 1's rank folders (``inject_model_parallel_rank``): ``mp_rank_{tp:02d}``
+    without pipeline parallelism, ``tp_rank_{tp:02d}_pp_rank_{pp:03d}`` with."""
+    m = NEMO_RANK_DIR.match(name)
+    if m is None:
+        return None
+    alone, tp, pp = m.groups()
+    return RankDir(name, int(alone), None, None) if alone is not None else \
+        RankDir(name, int(tp), int(pp), None)
+
+
+def _megatron_name(numbers: tuple[int, ...]) -> str:
+    return f"mp_rank_{numbers[0]:02d}" + "".join(f"_{n:03d}" for n in numbers[1:])
+
+
+def _nemo_name(numbers: tuple[int, ...]) -> str:
+    return f"mp_rank_{numbers[0]:02d}" if len(numbers) == 1 else \
+        f"tp_rank_{numbers[0]:02d}_pp_rank_{numbers[1]:03d}"
+
+
+@dataclass(frozen=True)
+class Naming:
+    """How a writer names its rank folders and the file in each."""
+
+    file: str
+    parse: Callable[[str], RankDir | None]
+    name: Callable[[tuple[int, ...]], str]  # (tp[, pp[, ep]]) -> the folder's name
+
+
+MEGATRON_NAMING = Naming(MODEL_FILE, rank_dir, _megatron_name)
+NEMO_NAMING = Naming(NEMO_MODEL_FILE, nemo_rank_dir, _nemo_name)
 
 
 def backend(path: str) -> dict[str, Any] | None:

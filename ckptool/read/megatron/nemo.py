@@ -12,8 +12,9 @@ what the model's config says about them.
   ``state_dict``, a torch file), a ``model_weights/`` Megatron-core
   distributed checkpoint (``torch_dist``), or one
   ``mp_rank_XX/`` (``tp_rank_XX_pp_rank_YYY/`` with pipeline parallelism)
-  ``model_weights.ckpt`` per model-parallel rank: those hold no Megatron
-  ``args``, so they are not joined (each rank's is read by naming it).
+  ``model_weights.ckpt`` per model-parallel rank: joined as legacy
+  Megatron rank files are (``legacy``), the run's sizes from the config
+  (``megatron_args``).
 - NeMo 2's checkpoint folder: ``weights/`` (a ``torch_dist`` checkpoint)
   and ``context/`` (``io.json``: the objects NeMo would rebuild, never
   read here; ``model.yaml``: the config, read as text).
@@ -34,15 +35,15 @@ from typing import Any
 from ckptool.describe import shell_word
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read import fs
-from ckptool.read.layouts.layout import FILE, Layout
+from ckptool.read.layouts.layout import FILE, MEGATRON, Layout
 from ckptool.read.layouts.names import shown
+from ckptool.read.megatron.names import NEMO_RANK_DIR
 from ckptool.read.remote import urls
 
 CONFIG = "model_config.yaml"  # NeMo 1
 WEIGHTS_FILE = "model_weights.ckpt"
 WEIGHTS_DIR = "model_weights"
 NEMO2_WEIGHTS, NEMO2_CONTEXT, NEMO2_CONFIG = "weights", "context", "model.yaml"
-RANK_DIR = re.compile(r"^(?:mp_rank_(\d{2})|tp_rank_(\d{2})_pp_rank_(\d{3}))$")
 MAX_CONFIG_BYTES = 1 << 20
 # what inspect says of the config, in this order (NeMo 1's top level, or
 # NeMo 2's ``config:``)
@@ -59,6 +60,7 @@ class Weights:
     folder: bool  # a folder (a torch_dist checkpoint) or one torch file
     facts: dict[str, Any]  # ckpt.metadata["nemo"]
     notes: tuple[str, ...] = ()
+    ranks: tuple[str, ...] = ()  # NeMo 1's rank files (``tp_rank_00_pp_rank_001/...``)
 
 
 def archive(path: str) -> bool:
@@ -114,6 +116,9 @@ def layout(path: str, files: list[str], dirs: list[str],
     found = weights(path, files, dirs)
     if found is None:
         return None
+    if found.ranks:
+        return Layout(MEGATRON, path, path, metadata=found.ranks, notes=found.notes,
+                      nemo=found.facts)
     held = os.path.join(path, found.inner)
     inner = folder(held) if found.folder else Layout(FILE, path, path, file=held)
     return replace(inner, path=path, notes=(*inner.notes, *found.notes), nemo=found.facts)
@@ -132,24 +137,28 @@ def weights(path: str, files: list[str], dirs: list[str]) -> Weights | None:
 def _nemo1(path: str, files: list[str], dirs: list[str]) -> Weights:
     config = read_yaml(fs.join(path, CONFIG))
     facts = _facts(1, config, CONFIG)
-    ranks = sorted(d for d in dirs if RANK_DIR.match(d)
+    ranks = sorted(d for d in dirs if NEMO_RANK_DIR.match(d)
                    and fs.isfile(fs.join(path, d, WEIGHTS_FILE)))
     if WEIGHTS_DIR in dirs:
         return Weights(WEIGHTS_DIR, True, facts)
     if WEIGHTS_FILE in files:
         return Weights(WEIGHTS_FILE, False, facts)
-    if len(ranks) == 1:
+    sizes = [config.get(k) for k in ("tensor_model_parallel_size",
+                                     "pipeline_model_parallel_size")]
+    if len(ranks) == 1 and all(not isinstance(n, int) or n <= 1 for n in sizes):
         return Weights(f"{ranks[0]}/{WEIGHTS_FILE}", False, facts)
-    if ranks:
-        sizes = ", ".join(f"{k} {config[k]}" for k in ("tensor_model_parallel_size",
-                                                       "pipeline_model_parallel_size")
-                          if k in config)
-        raise UnsupportedCheckpointError(
-            f"{path} holds the weights of {len(ranks)} model-parallel ranks "
-            f"({shown([d + '/' for d in ranks])}; {CONFIG}: {sizes or 'no sizes'}): NeMo 1 "
-            "saves them without Megatron's args, so ckptool does not join them",
-            "read one rank's by naming it: ckptool inspect "
-            f"{shell_word(fs.join(path, ranks[0], WEIGHTS_FILE))}")
+    if ranks:  # one per model-parallel rank: joined as Megatron's (``legacy``)
+        for key, bad in (("virtual_pipeline_model_parallel_size", _over_one),
+                         ("expert_model_parallel_size", _over_one),
+                         ("activation", lambda v: v in _GATED)):
+            if bad(config.get(key)):
+                raise UnsupportedCheckpointError(
+                    f"{path} holds the weights of {len(ranks)} model-parallel ranks "
+                    f"({shown([d + '/' for d in ranks])}) of a run with {key} "
+                    f"{config[key]!r:.40}, which ckptool does not join from NeMo 1's rank files",
+                    "read one rank's by naming it: ckptool inspect "
+                    f"{shell_word(fs.join(path, ranks[0], WEIGHTS_FILE))}")
+        return Weights("", True, facts, ranks=tuple(f"{d}/{WEIGHTS_FILE}" for d in ranks))
     raise CorruptCheckpointError(
         f"{path} holds {CONFIG} but no weights ({WEIGHTS_FILE}, {WEIGHTS_DIR}/ or "
         "mp_rank_XX/)", "the .nemo was cut short or saved without its weights")
@@ -193,6 +202,53 @@ def _facts(version: int, config: dict[str, Any], source: str) -> dict[str, Any]:
     return {"version": version, "model": target if isinstance(target, str) else None,
             "config": values, "source": source,
             "description": " · ".join(said) + " " + where}
+
+
+# NeMo 1's MegatronGPTModel config keys and Megatron's args of the same meaning
+# (nemo/collections/nlp/models/language_modeling/megatron_base_model.py:
+# ``build_transformer_config``)
+_SAME = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers",
+         "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
+         "max_position_embeddings", "position_embedding_type", "rotary_base",
+         "make_vocab_size_divisible_by")
+_RENAMED = {"layernorm_epsilon": "norm_epsilon", "rotary_percentage": "rotary_percent",
+            "bias": "add_bias_linear", "num_moe_experts": "num_experts",
+            "moe_router_topk": "moe_router_topk",
+            "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor"}
+# gated activations other than SwiGLU: their fc1 halves would be joined as
+# SwiGLU's, and no map knows them
+_GATED = ("geglu", "reglu", "fast-geglu", "fast-reglu")
+_NORMS = {"rmsnorm": "RMSNorm", "layernorm": "LayerNorm", "layernorm1p": "LayerNorm"}
+
+
+def _over_one(value: Any) -> bool:
+    return isinstance(value, int) and value > 1
+
+
+def megatron_args(config: dict[str, Any]) -> dict[str, Any]:
+    """Megatron's ``args`` (the names ``facts`` and the maps read) of a NeMo
+    1 config (``flat_yaml`` of ``model_config.yaml``): what the join of its
+    rank files and ``convert --map`` need."""
+    args: dict[str, Any] = {k: config[k] for k in _SAME if config.get(k) is not None}
+    args.update({new: config[old] for old, new in _RENAMED.items()
+                 if config.get(old) is not None})
+    activation = str(config.get("activation", "gelu"))
+    args["swiglu"] = activation in ("swiglu", "fast-swiglu")
+    args["squared_relu"] = activation == "squared-relu"
+    norm = config.get("normalization")
+    if isinstance(norm, str) and norm in _NORMS:
+        args["normalization"] = _NORMS[norm]
+        args["apply_layernorm_1p"] = norm == "layernorm1p"
+    groups = config.get("num_query_groups")
+    if isinstance(groups, int) and groups != config.get("num_attention_heads"):
+        args["group_query_attention"], args["num_query_groups"] = True, groups
+    share = config.get("share_embeddings_and_output_weights")
+    if isinstance(share, bool):
+        args["untie_embeddings_and_output_weights"] = not share
+    precision = str(config.get("precision", ""))
+    args["bf16"] = precision.startswith("bf16")
+    args["fp16"] = precision in ("16", "16-mixed", "fp16")
+    return args
 
 
 def read_yaml(path: str) -> dict[str, Any]:
