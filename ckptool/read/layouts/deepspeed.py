@@ -41,11 +41,11 @@ from typing import Any
 
 from ckptool import dtypes
 from ckptool.describe import plural
-from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
-from ckptool.keys import join_key, split_key
-from ckptool.model import Checkpoint, Chunk, FileInfo
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
+from ckptool.model import Chunk, FileInfo
 from ckptool.read import fs
 from ckptool.read.formats.base import RawRead
+from ckptool.read.layouts import deepspeed_moe as moe
 from ckptool.read.layouts import zero
 from ckptool.read.layouts.base import BROKEN_HINT, MultiRead, contiguous
 from ckptool.read.layouts.deepspeed_files import (
@@ -69,7 +69,8 @@ DS_KEYS = frozenset({
     "shared_params", "frozen_param_fragments", "lr_scheduler", "data_sampler", "random_ltd",
     "sparse_tensor_module_names", "skipped_steps", "global_steps", "global_samples",
     "dp_world_size", "mp_world_size", "checkpoint_parallel_dimensions", "ds_config",
-    "ds_version", "universal_checkpoint_info", "ds_autoep_layers", "autoep_layers"})
+    "ds_version", "universal_checkpoint_info", "ds_autoep_layers", "autoep_layers",
+    "num_experts"})
 PARTITIONS = {1: "single_partition_of_fp32_groups", 2: "single_partition_of_fp32_groups",
               3: "fp32_flat_groups"}
 Run = tuple[Saved, TensorRecord, int, int, int]  # file, record, start, count, at
@@ -96,18 +97,30 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
     notes = list(layout.notes)
     replaced: set[int] = set()  # ids of records the state dict is made of
     tied: dict[str, str] = {}
+    moe.missing_files(m0.tree.get("num_experts"), [f.name for f in files.experts], folder)
+    experts = moe.expert_tensors([(f.name, f.tree) for f in files.experts])
     if files.stage == 0:
         tied = _same_views(module)  # ZeRO 0 records no shared_params: the module's own ties
         for name, rec in module.items():
             if isinstance(rec, TensorRecord) and name not in tied:
                 built[name] = (rec, [_whole(m0, rec, name)], "module")
+        for name, (file, rec) in experts.items():
+            f = next(e for e in files.experts if e.name == file)
+            built[name] = (rec, [_whole(f, rec, name)], "module")
         notes.append("ZeRO stage 0: the weights are the module's, as saved (no partitions)")
     else:
         _buffers(m0, module, built)
-        _trainable(files, built, replaced)
+        placed = _trainable(files, built, replaced)
+        if experts or placed:
+            moe.check_files(placed, experts, folder)
         _frozen(files, module, built, replaced, notes)
+    if experts:
+        notes.append(f"MoE: {plural(len(files.experts), 'expert file')} of "
+                     f"{plural(len({n.split('.deepspeed_experts.')[0] for n in experts}), 'layer')}"
+                     ": each expert under its global id, as DeepSpeed's load_checkpoint puts "
+                     "it back")
     aliases = {**_aliases(m0, built), **tied}
-    order = [n for n in module if n in built] + [n for n in built if n not in module]
+    order = moe.ordered([n for n in module if n in built], [n for n in built if n not in module])
     root: dict[str, Any] = {}
     storages: dict[str, StorageRef] = {}
     chunks: dict[str, tuple[Chunk, ...]] = {}
@@ -134,7 +147,7 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
     extra_roots: dict[str, Any] = {}
     storage_files: dict[str, str] = {}
     infos = []
-    for f in [*files.models, *files.optims]:
+    for f in files.all:
         seen.merge(f.raw.seen, f.name)
         warnings += [f"{f.name}: {w}" for w in f.raw.warnings]
         extra_roots[f.name] = listed(f, replaced, client if f is m0 else {}, set(root))
@@ -143,7 +156,8 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
             if id(s) in kept:
                 s.key = f"{f.name}:{key}"
                 storages[s.key], storage_files[s.key] = s, f.name
-        role = "model states" if f in files.models else "optimizer states"
+        role = "model states" if f in files.models else "expert states" \
+            if f in files.experts else "optimizer states"
         infos.append(FileInfo(f.name, role, f.raw.format,
                               fs.getsize(os.path.join(folder, f.name)),
                               num_tensors=len(f.raw.storages), rank=f.rank))
@@ -165,34 +179,8 @@ def _metadata(layout: Layout, files: Files, module: dict[str, Any]) -> dict[str,
     return {"zero_stage": files.stage, "world_size": files.world_size, "tag": layout.tag,
             "run_dtype": run, "optimizer": files.optimizer,
             "ds_version": m0.get("ds_version"), "global_steps": m0.get("global_steps"),
-            "ranks": files.world_size, "model_states": files.models[0].name}
-
-
-def module_weights(ckpt: Checkpoint) -> tuple[str, list[str]]:
-    """Where rank 0's ``module`` is in a DeepSpeed checkpoint (its key path)
-    and its names: the weights as the model held them (half precision in a
-    bf16 or fp16 run), for ``convert --weights module``. ZeRO 3 keeps only
-    0-element placeholders there: refused."""
-    meta = ckpt.metadata
-    if ckpt.format != DEEPSPEED:
-        raise UsageError("--weights chooses between a DeepSpeed checkpoint's weights",
-                         f"{ckpt.path} is {ckpt.format}, with one set of weights: leave it out")
-    if meta.get("zero_stage") == 3:
-        raise UnsupportedCheckpointError(
-            "a ZeRO 3 checkpoint keeps no module weights: its model-states files hold "
-            "0-element placeholders for every partitioned parameter",
-            "convert the fp32 master weights (the default), with --dtype bf16 or fp16 to "
-            "get the run's precision")
-    top = f"<{meta.get('model_states')}>"
-    names = []
-    for t in ckpt.tensors:
-        parts = split_key(t.key)
-        if len(parts) == 3 and parts[:2] == [top, "module"]:
-            names.append(parts[2])
-    if not names:
-        raise CorruptCheckpointError(f"{meta.get('model_states')} holds no module weights",
-                                     BROKEN_HINT)
-    return join_key(top, "module"), names
+            "ranks": files.world_size, "model_states": files.models[0].name,
+            **({"expert_files": len(files.experts)} if files.experts else {})}
 
 
 def _check_steps(files: Files, offsets: Offsets) -> None:
@@ -264,12 +252,23 @@ def _partitions(files: Files) -> list[list[TensorRecord]]:
     return out
 
 
-def _trainable(files: Files, built: dict[str, Any], replaced: set[int]) -> None:
+def _trainable(files: Files, built: dict[str, Any],
+               replaced: set[int]) -> dict[str, tuple[int, ...]]:
+    """The fp32 master weights' runs; the MoE experts' shapes (global names)."""
     parts = _partitions(files)
     for per_rank in parts:
         replaced.update(id(p) for p in per_rank)
     lengths = [[p.numel for p in per_rank] for per_rank in parts]
     groups = _shapes(files.models[0], "param_shapes")
+    paddings = files.optims[0].tree["optimizer_state_dict"].get("param_alignment_paddings")
+    expert_groups = moe.groups_of_experts(files.optims[0].tree) if files.stage != 3 else []
+    experts = moe.master_weights(files, parts, lengths, groups, paddings, expert_groups, built)
+    keep = [g for g in range(len(groups)) if g not in expert_groups]
+    if expert_groups:
+        lengths = [[per_rank[g] for g in keep if g < len(per_rank)] for per_rank in lengths]
+        groups = [groups[g] for g in keep]
+        if isinstance(paddings, list):
+            paddings = [paddings[g] for g in keep if g < len(paddings)]
     try:
         if files.stage == 3:
             merged = [(n, s) for g in groups for n, s in g.items()]
@@ -277,8 +276,6 @@ def _trainable(files: Files, built: dict[str, Any], replaced: set[int]) -> None:
                                  files.world_size)
             shapes = dict(merged)
         else:
-            paddings = files.optims[0].tree["optimizer_state_dict"].get(
-                "param_alignment_paddings")
             if paddings is not None and not (isinstance(paddings, list) and all(
                     isinstance(g, list) and all(type(x) is int and x >= 0 for x in g)
                     for g in paddings)):
@@ -291,9 +288,10 @@ def _trainable(files: Files, built: dict[str, Any], replaced: set[int]) -> None:
             f"the fp32 partitions do not hold the parameters: {exc}", BROKEN_HINT) from exc
     dtype = next((p.dtype for per_rank in parts for p in per_rank), "float32")
     for name, pieces in placed.items():
-        runs = [(files.optims[p.rank], parts[p.rank][p.group], p.start, p.count, p.at)
+        runs = [(files.optims[p.rank], parts[p.rank][keep[p.group]], p.start, p.count, p.at)
                 for p in pieces]
         built[name] = (_shaped(shapes[name], dtype), runs, "trainable")
+    return experts
 
 
 def _frozen(files: Files, module: dict[str, Any], built: dict[str, Any],

@@ -6,8 +6,12 @@ built from them.
   ``zero_pp_rank_<r>_mp_rank_00_model_states.pt`` (ZeRO 3: one per rank);
 - ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt``: one per rank.
 
+- MoE runs: ``layer_<L>_expert_<E>_mp_rank_00_model_states.pt`` per expert
+  (and, ZeRO 0, ``expp_rank_<r>_mp_rank_00_optim_states.pt``): see
+  ``deepspeed_moe``.
+
 Refused with the reason: tensor or pipeline parallel saves (``mp_rank_01``),
-MoE expert files, NVMe-offloaded optimizer states (``offloaded_tensors/``),
+NVMe-offloaded optimizer states (``offloaded_tensors/``),
 a rank's file missing (named), files of more ranks than the optimizer was
 split over, ranks that disagree on the world size, the ZeRO stage or the
 step they were saved at (files of two saves mixed).
@@ -20,8 +24,7 @@ and ``listed``, a file's tree as shown beside the state dict.
 from __future__ import annotations
 
 import os
-import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ckptool.describe import plural
@@ -29,13 +32,17 @@ from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read import dispatch, fs
 from ckptool.read.formats.base import RawRead
 from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT
-from ckptool.read.layouts.recognise import MODEL_FILE, OPTIM_FILE
+from ckptool.read.layouts.names import (
+    EXPERT_MODEL,
+    EXPERT_OPTIM,
+    MODEL_FILE,
+    OLD_EXPERT_MODEL,
+    OPTIM_FILE,
+)
 from ckptool.read.tensors import StorageRef, TensorRecord
 from ckptool.read.values import StandIn
 from ckptool.read.ziparchive import ZipArchive, ZipError
 
-EXPERT_FILE = re.compile(r"^(layer_\d+_expert_\d+_mp_rank_\d+_model_states|"
-                         r"expp_rank_\d+_mp_rank_\d+_optim_states)\.pt$")
 MIXED_HINT = ("the directory holds files of two saves (an old checkpoint overwritten by a "
               "run with another number of GPUs?): save again, or copy one save's files")
 
@@ -58,6 +65,13 @@ class Files:
     stage: int
     world_size: int
     optimizer: str  # DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3, BF16_Optimizer
+    experts: list[Saved] = field(default_factory=list)  # MoE: layer_L_expert_E_... files
+    expert_optims: list[Saved] = field(default_factory=list)  # MoE, ZeRO 0: expp_rank_r_...
+
+    @property
+    def all(self) -> list[Saved]:
+        """Every file read, in the order they are listed."""
+        return [*self.models, *self.experts, *self.optims, *self.expert_optims]
 
 
 def read_files(folder: str) -> Files:
@@ -73,14 +87,21 @@ def read_files(folder: str) -> Files:
             "swap files, which ckptool does not read yet",
             "resume the run with DeepSpeed and save without NVMe offload, or use DeepSpeed's "
             "zero_to_fp32.py")
-    experts = [n for n in names if EXPERT_FILE.match(n)]
-    if experts:
+    old = [n for n in names if OLD_EXPERT_MODEL.match(n)]
+    if old:
         raise UnsupportedCheckpointError(
-            f"{folder} holds DeepSpeed MoE expert files ({experts[0]}...), which ckptool "
-            "does not consolidate yet", "use DeepSpeed's ds_to_universal.py for MoE models")
+            f"{folder} holds {old[0]}: expert files of DeepSpeed before 0.6 (no layer "
+            "number), which ckptool does not join",
+            "load it with that DeepSpeed and save again with a newer one")
+    experts = [n for n in names if EXPERT_MODEL.match(n)]
+    expert_optims = [n for n in names if EXPERT_OPTIM.match(n)]
     models: dict[int | None, str] = {}
     optims: dict[int, str] = {}
     mp: set[int] = set()
+    for n in [*experts, *expert_optims]:
+        m = EXPERT_MODEL.match(n) or EXPERT_OPTIM.match(n)
+        assert m is not None
+        mp.add(int(m.group(3) if m.re is EXPERT_MODEL else m.group(2)))
     for n in names:
         if m := MODEL_FILE.match(n):
             models[int(m.group(1)) if m.group(1) else None] = n
@@ -101,7 +122,7 @@ def read_files(folder: str) -> Files:
         raise CorruptCheckpointError(
             f"{folder} holds both {models[None]} (ZeRO 0-2) and per-rank model states "
             f"(ZeRO 3: {next(n for r, n in models.items() if r is not None)})", MIXED_HINT)
-    used = set(models.values()) | set(optims.values())
+    used = set(models.values()) | set(optims.values()) | set(experts) | set(expert_optims)
     others = [n for n in names if n not in used]
     model_files = [_read(folder, n, r) for r, n in sorted(models.items(), key=_rank_order)]
     for f in model_files:
@@ -117,7 +138,15 @@ def read_files(folder: str) -> Files:
                 BROKEN_HINT)
     stage, world, optimizer = _stage(folder, model_files, optim_files)
     _check_ranks(folder, model_files, optim_files, stage, world, optims)
-    return Files(model_files, optim_files, others, stage, world, optimizer)
+    if (experts or expert_optims) and stage == 3:
+        raise UnsupportedCheckpointError(
+            f"{folder} holds MoE expert files beside ZeRO 3 partitions, which DeepSpeed "
+            "itself does not write (native MoE runs on ZeRO 1 or 2)", MIXED_HINT)
+    expert_files = [_read(folder, n, None) for n in experts]
+    expert_optim_files = [_read(folder, n, int(m.group(1))) for n in expert_optims
+                          if (m := EXPERT_OPTIM.match(n))]
+    return Files(model_files, optim_files, others, stage, world, optimizer, expert_files,
+                 expert_optim_files)
 
 
 def _rank_order(item: tuple[int | None, str]) -> int:

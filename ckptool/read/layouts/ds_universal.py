@@ -63,7 +63,6 @@ from ckptool.read.layouts.deepspeed import (
     _shapes,
 )
 from ckptool.read.layouts.deepspeed_files import (
-    EXPERT_FILE,
     Files,
     Offsets,
     Saved,
@@ -72,7 +71,7 @@ from ckptool.read.layouts.deepspeed_files import (
     listed,
 )
 from ckptool.read.layouts.layout import Layout
-from ckptool.read.layouts.names import MODEL_FILE, listing
+from ckptool.read.layouts.names import EXPERT_MODEL, EXPERT_OPTIM, MODEL_FILE, listing
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
 
@@ -116,7 +115,7 @@ def _load(folder: str, name: str, rank: int | None) -> Saved:
 def _models(folder: str, names: list[str]) -> tuple[list[Saved], int]:
     """The model states (by rank at ZeRO 3, else by model-parallel rank) and
     whether they are ZeRO 3's (3) or ZeRO 1/2's (0: not known yet)."""
-    experts = [n for n in names if EXPERT_FILE.match(n)]
+    experts = [n for n in names if EXPERT_MODEL.match(n) or EXPERT_OPTIM.match(n)]
     if experts:
         raise UnsupportedCheckpointError(
             f"{folder} holds DeepSpeed MoE expert files ({experts[0]}...), which ckptool "

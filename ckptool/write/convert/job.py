@@ -17,7 +17,7 @@ from ckptool.describe import shell_word
 from ckptool.errors import UsageError
 from ckptool.model import Checkpoint
 from ckptool.read.formats.safetensors_fmt import SAFETENSORS
-from ckptool.read.layouts import deepspeed
+from ckptool.read.layouts import deepspeed_weights
 from ckptool.read.layouts.dcp import DCP
 from ckptool.read.reader import open_checkpoint, with_state_dict
 from ckptool.write import shards
@@ -90,7 +90,7 @@ def prepare(src: str, dst: str, *, fmt: str | None = None, max_shard_size: int |
     source = open_checkpoint(src)  # 1. read
     refuse_flagged(source, salvage, "convert")
     if weights == "module":
-        source = with_state_dict(source, *deepspeed.module_weights(source))
+        source = with_state_dict(source, *deepspeed_weights.module_weights(source))
     if source.directory is not None:  # never written into the directory it reads
         check_apart(Path(source.directory), Path(dst))
     config = None
