@@ -24,6 +24,7 @@ import errno
 import os
 import tarfile
 from dataclasses import dataclass
+from typing import IO, Any, cast
 
 from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError
 from ckptool.read import fs
@@ -151,21 +152,42 @@ def index(path: str) -> Archive:
     with fs.open_unmounted(path) as f:
         size = fs.size_of(f)
         try:
-            with tarfile.open(fileobj=f, mode="r:") as tf:
+            with tarfile.open(fileobj=cast("IO[bytes]", _Capped(f, size)), mode="r:") as tf:
                 members = tf.getmembers()
                 end = tf.offset  # where it stopped: the end marker, or what it took for one
             # (tarfile stops quietly at a damaged header, or at a cut between
             # members: the members after it would be missing, unsaid)
             f.seek(end)
             marker = f.read(HEAD)
-        except (tarfile.TarError, EOFError) as exc:
-            raise CorruptCheckpointError(f"{path} is a damaged tar archive: {exc}", HINT) \
-                from exc
+        except (tarfile.TarError, EOFError, ValueError, OverflowError) as exc:
+            # (tarfile's own parsing of a crafted header: a size of 2**80, a
+            # sparse map that is no number, raise ValueError and OverflowError)
+            raise CorruptCheckpointError(f"{path} is a damaged tar archive: "
+                                         f"{str(exc)[:120]}", HINT) from exc
         if marker != bytes(HEAD):
             raise CorruptCheckpointError(
                 f"{path} is a damaged tar archive: byte {end} is neither a member's header "
                 "nor the archive's end (cut short, or a header there damaged)", HINT)
     return _checked(path, size, members)
+
+
+class _Capped:
+    """A file for ``tarfile`` whose reads stop at its end: a header naming a
+    64 GiB pax or long-name block reads what is there (and fails as cut
+    short) rather than asking for 64 GiB of memory first."""
+
+    def __init__(self, f: Any, size: int) -> None:
+        self.f, self.size = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        left = max(0, self.size - self.f.tell())
+        return bytes(self.f.read(left if n is None or n < 0 or n > left else n))
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return int(self.f.seek(offset, whence))
+
+    def tell(self) -> int:
+        return int(self.f.tell())
 
 
 def _checked(path: str, size: int, members: list[tarfile.TarInfo]) -> Archive:

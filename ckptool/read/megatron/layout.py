@@ -52,6 +52,10 @@ def iteration(path: str, dirs: list[str]) -> tuple[str, tuple[str, ...]]:
             f"{tracker} names {chosen}, but {path} has no {chosen}/ ({have})",
             "the save was interrupted, or the iteration folder was not copied; name an "
             "iteration folder to read it")
+    if fs.isfile(os.path.join(path, chosen, TRACKER)):  # (a save directory in a save
+        raise UnsupportedCheckpointError(                 # directory: none Megatron writes)
+            f"{path}/{chosen} holds a {TRACKER} of its own: Megatron saves no iteration "
+            "inside another", "name the iteration folder that holds the weights")
     others = [d + "/" for d in saved if d != chosen]
     return chosen, (f"{path} also holds {shown(others)}: other iterations, read by naming "
                     "one",) if others else ()

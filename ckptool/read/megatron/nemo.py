@@ -26,6 +26,7 @@ by a YAML library.
 
 from __future__ import annotations
 
+import contextvars
 import os
 import re
 from collections.abc import Callable
@@ -45,6 +46,8 @@ WEIGHTS_FILE = "model_weights.ckpt"
 WEIGHTS_DIR = "model_weights"
 NEMO2_WEIGHTS, NEMO2_CONTEXT, NEMO2_CONFIG = "weights", "context", "model.yaml"
 MAX_CONFIG_BYTES = 1 << 20
+# whether a NeMo folder's weights are being recognised (a NeMo folder there is refused)
+_INSIDE: contextvars.ContextVar[bool] = contextvars.ContextVar("nemo_inside", default=False)
 # what inspect says of the config, in this order (NeMo 1's top level, or
 # NeMo 2's ``config:``)
 SHOWN = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers",
@@ -116,11 +119,19 @@ def layout(path: str, files: list[str], dirs: list[str],
     found = weights(path, files, dirs)
     if found is None:
         return None
+    if _INSIDE.get():  # (NeMo folders nested as deep as an archive's names allow)
+        raise UnsupportedCheckpointError(
+            f"{path} is a NeMo folder inside another's weights: NeMo saves none so",
+            "name the NeMo folder (or .nemo) that holds the weights")
     if found.ranks:
         return Layout(MEGATRON, path, path, metadata=found.ranks, notes=found.notes,
                       nemo=found.facts)
     held = os.path.join(path, found.inner)
-    inner = folder(held) if found.folder else Layout(FILE, path, path, file=held)
+    token = _INSIDE.set(True)
+    try:
+        inner = folder(held) if found.folder else Layout(FILE, path, path, file=held)
+    finally:
+        _INSIDE.reset(token)
     return replace(inner, path=path, notes=(*inner.notes, *found.notes), nemo=found.facts)
 
 

@@ -45,7 +45,7 @@ from ckptool.errors import UsageError
 from ckptool.read import fs
 from ckptool.read.derived import Derived
 from ckptool.read.megatron import facts
-from ckptool.read.megatron.hfmap.model import qkv_runs
+from ckptool.read.megatron.hfmap.model import MAX_HEADS, qkv_runs
 
 MAX_RULES_BYTES = 1 << 20
 PLACEHOLDER = re.compile(r"\{(layer|expert)\}")
@@ -117,10 +117,11 @@ def _rule(path: str, i: int, r: Any) -> Rule:
         raise UsageError(f"{where} ({r['from']}) names no 'to'", HINT)
     split = r.get("split")
     count = 1 if split is None else 3 if split == "qkv" else 2 if split == "halves" else (
-        int(split[7:]) if isinstance(split, str) and re.fullmatch(r"chunks:[1-9]\d*", split)
+        int(split[7:]) if isinstance(split, str) and re.fullmatch(r"chunks:[1-9]\d{0,5}", split)
         else None)
     if count is None:
-        raise UsageError(f"{where}: split {split!r} is none of qkv, halves, chunks:N", HINT)
+        raise UsageError(f"{where}: split {split!r:.40} is none of qkv, halves, chunks:N "
+                         "(N under a million)", HINT)
     if not drop and len(to) != count:
         raise UsageError(f"{where}: split {split or 'none'} makes {count} tensors, and 'to' "
                          f"names {len(to)}", HINT)
@@ -216,6 +217,9 @@ def _rows(rule: Rule, name: str, shape: tuple[int, ...], args: dict[str, Any]) -
         heads = _size(rule.sizes.get("heads", args.get("num_attention_heads")))
         groups = _size(rule.sizes.get("groups", args.get("num_query_groups"))) or heads
         d = _size(rule.sizes.get("head_dim", args.get("kv_channels")))
+        if heads > MAX_HEADS:
+            raise UsageError(f"{name}: a qkv of {heads} heads: more than ckptool splits "
+                             f"({MAX_HEADS})", "give heads, groups and head_dim in the rule")
         if not (heads and groups and d) or heads % groups or \
                 groups * (heads // groups + 2) * d != n:
             raise UsageError(f"{name} ({n} rows) is not a qkv of heads={heads}, "

@@ -35,10 +35,10 @@ from ckptool.read.megatron.stacked import STACKED, is_stacked
 # name them as these, so a run with ``transformer_impl`` "local" gets them back
 LOCAL_NAMES = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
                (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."))
-# the most tensors one stacked tensor is unstacked into (layers x experts):
-# well above any model's (a thousand layers of 512 experts), far below what
-# would exhaust memory in names alone
-MAX_UNSTACKED = 1 << 20
+# the most tensors the stacked tensors are unstacked into, in all (layers x
+# experts, summed): above any model's (DeepSeek-V3: 61 layers of 256 experts,
+# a few stacks of them), and a bound on the work of a crafted one
+MAX_UNSTACKED = 1 << 18
 # the experts of a stacked layer: what follows "experts." (SequentialMLP's
 # sharded keys hold "experts.experts." in some versions)
 _EXPERTS = re.compile(r"^(?P<head>.*\.mlp\.experts\.)(?:experts\.)?(?P<tail>linear_fc[12]\..+)$")
@@ -85,6 +85,7 @@ def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:
     experts = args.get("num_experts")
     local = args.get("transformer_impl") == "local"
     out: list[Derived] = []
+    total = 0
     for name, t in ckpt.state_dict().items():
         name = name.removeprefix(prefix)
         if local and is_stacked(name):
@@ -100,12 +101,13 @@ def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:
         grouped = m is not None and isinstance(experts, int) and len(t.shape) >= 3 \
             and t.shape[1] == experts
         count = t.shape[0] * (t.shape[1] if grouped else 1)
-        if count > MAX_UNSTACKED:  # (a crafted shape of no bytes: [10**8, 0])
+        total += count
+        if count > MAX_UNSTACKED or total > MAX_UNSTACKED:  # (shapes of no bytes: [10**8, 0])
             what = f"{t.shape[0]} layers of {t.shape[1]} experts" if grouped else \
                 f"{t.shape[0]} layers"
             raise UnsupportedCheckpointError(
                 f"{name} holds {what} stacked, more than ckptool unstacks ({MAX_UNSTACKED} "
-                "tensors)", "convert it without --unstack-layers or --map")
+                "tensors in all)", "convert it without --unstack-layers or --map")
         if t.shape[0] == 0:  # no layers: nothing to unstack, kept as it is
             out.append(Derived(name, t.key))
             continue

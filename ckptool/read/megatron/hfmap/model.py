@@ -72,6 +72,11 @@ def refuse(message: str, hint: str = "") -> UnsupportedCheckpointError:
     return UnsupportedCheckpointError(message, hint or "this model cannot be written that way")
 
 
+# the most attention heads a map or rules file splits a linear_qkv into (one
+# run of rows per query group: far above any model's 128 or so)
+MAX_HEADS = 1 << 16
+
+
 def qkv_runs(groups: int, per_group: int, d: int, part: str) -> list[tuple[int, int]]:
     """The rows of ``part`` ('q', 'k' or 'v') of every query group of a
     Megatron ``linear_qkv``, in order."""
@@ -217,9 +222,9 @@ def _layers(b: Builder) -> list[Layer]:
             layer.experts[(expert, part)] = key
         # anything else stays unused: refused by name at the end
     count = max(found) + 1 if found else 0
-    if sorted(found) != list(range(count)):
-        missing = sorted(set(range(count)) - set(found))
-        raise refuse(f"the layers are not numbered 0 to {count - 1}: no layer {missing[0]}",
+    if count != len(found):  # (a gap: the first number missing, found among len + 1)
+        missing = next(i for i in range(len(found) + 1) if i not in found)
+        raise refuse(f"the layers are not numbered 0 to {count - 1}: no layer {missing}",
                      "a merged checkpoint with every pipeline stage's layers is needed")
     if count == 0:
         raise refuse("the checkpoint has no decoder.layers.* tensors",
@@ -292,6 +297,13 @@ def read_model(b: Builder) -> Model:
     if "qkv.weight" not in first or "proj.weight" not in first:
         raise refuse("layer 0 has no self_attention.linear_qkv/linear_proj weight",
                      "only Megatron-core GPT models with self-attention can be mapped")
+    for role in ("qkv.weight", "proj.weight"):
+        if len(b.shapes[first[role]]) != 2:
+            raise refuse(f"{first[role]} is {list(b.shapes[first[role]])}, not a matrix",
+                         "the checkpoint's sizes and its args disagree")
+    if heads > MAX_HEADS:
+        raise refuse(f"args say num_attention_heads {heads}: more than ckptool maps "
+                     f"({MAX_HEADS})", "the checkpoint's sizes and its args disagree")
     qkv_rows = b.shapes[first["qkv.weight"]][0]
     proj_cols = b.shapes[first["proj.weight"]][-1]
     if proj_cols % heads:
@@ -299,6 +311,9 @@ def read_model(b: Builder) -> Model:
                      f"num_attention_heads {heads}",
                      "the checkpoint's sizes and its args disagree")
     head_dim = proj_cols // heads
+    if head_dim == 0:
+        raise refuse(f"{first['proj.weight']} has no columns: no attention head of any size",
+                     "the checkpoint's sizes and its args disagree")
     kv = b.size("kv_channels")
     if kv is not None and kv != head_dim:
         raise refuse(f"args say kv_channels {kv}, the attention has {head_dim} per head",
