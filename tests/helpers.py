@@ -18,16 +18,23 @@ from ckptool.keys import join_key
 SAMPLES = Path(__file__).resolve().parent.parent / "samples"
 
 
-def load_samples_module() -> types.ModuleType:
-    """samples/make_samples.py, which owns the sample models and ``saved_on``."""
-    spec = importlib.util.spec_from_file_location("make_samples", SAMPLES / "make_samples.py")
+def load_script(path: Path) -> types.ModuleType:
+    """A fixture-writing script (not a package module) imported by its path."""
+    spec = importlib.util.spec_from_file_location(path.stem, path)
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+def load_samples_module() -> types.ModuleType:
+    """samples/make_samples.py, which owns the sample models and ``saved_on``."""
+    return load_script(SAMPLES / "make_samples.py")
+
+
 make_samples = load_samples_module()
+# tests/fixtures/nemo/make_nemo.py: NeMo's folders and .nemo files, written without NeMo
+make_nemo = load_script(Path(__file__).resolve().parent / "fixtures" / "nemo" / "make_nemo.py")
 saved_on = make_samples.saved_on
 
 

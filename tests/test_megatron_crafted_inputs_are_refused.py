@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import shutil
 import tarfile
 import warnings
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import make_nemo
 from megatron_builders import whole_model, write_legacy
 
 from ckptool.errors import CorruptCheckpointError
@@ -175,15 +175,6 @@ def test_a_stack_of_no_layers_is_kept_not_dropped(tmp_path: Path, run_cli: Any) 
 
 # -- .nemo archives ----------------------------------------------------------------
 
-def _make_nemo() -> Any:
-    spec = importlib.util.spec_from_file_location("make_nemo",
-                                                  FIXTURES / "nemo" / "make_nemo.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _header_offsets(path: Path) -> dict[str, int]:
     with tarfile.open(path) as tf:
         return {m.name: m.offset for m in tf.getmembers()}
@@ -192,7 +183,7 @@ def _header_offsets(path: Path) -> dict[str, int]:
 @pytest.mark.parametrize("damage", ["cut before common.pt", "a damaged header"])
 def test_a_nemo_that_ends_early_is_refused_not_read_short(tmp_path: Path, run_cli: Any,
                                                           damage: str) -> None:
-    path, _ = _make_nemo().make("dist", tmp_path)
+    path, _ = make_nemo.make("dist", tmp_path)
     data = bytearray(path.read_bytes())
     at = _header_offsets(path)["./model_weights/common.pt"]
     if damage.startswith("cut"):

@@ -6,7 +6,6 @@ read one), a gzip ``.nemo`` and unsafe archives refused, and NeMo 2's
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import os
 import tarfile
@@ -15,18 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import make_nemo
 from safetensors.torch import load_file
 
 from ckptool.errors import InputError
 from ckptool.read.archive import mounts, tar
 from ckptool.read.megatron.nemo import flat_yaml
 from ckptool.read.reader import open_checkpoint
-
-_spec = importlib.util.spec_from_file_location(
-    "make_nemo", Path(__file__).parent / "fixtures" / "nemo" / "make_nemo.py")
-assert _spec is not None and _spec.loader is not None
-make_nemo = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(make_nemo)
 
 
 def _files(root: Path) -> set[Path]:

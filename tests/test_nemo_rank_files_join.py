@@ -6,7 +6,6 @@ the joined model is the TP 1 x PP 1 reference Megatron loads."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 from pathlib import Path
@@ -14,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import make_nemo
 from safetensors.torch import load_file
 
 import ckptool
@@ -25,16 +25,6 @@ FIXTURES = Path(__file__).parent / "fixtures"
 MEGATRON = FIXTURES / "megatron"
 
 
-def _make_nemo() -> Any:
-    spec = importlib.util.spec_from_file_location("make_nemo",
-                                                  FIXTURES / "nemo" / "make_nemo.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-make_nemo = _make_nemo()
 
 
 def _reference() -> dict[str, torch.Tensor]:
