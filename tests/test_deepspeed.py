@@ -339,7 +339,8 @@ def test_truncated_and_foreign_files(tmp_path: Path, run_cli: Callable[..., CliR
     tp.unlink()
     moe = d / "global_step2" / "layer_0_expert_0_mp_rank_00_model_states.pt"
     shutil.copy(d / "global_step2" / "mp_rank_00_model_states.pt", moe)
-    refused(run_cli, d, tmp_path / "c", "num_experts is None")
+    refused(run_cli, d, tmp_path / "c",
+            "1 MoE expert file, and the model states' num_experts is None")
 
 
 def test_hostile_client_state_is_named_and_never_run(

@@ -133,3 +133,12 @@ def test_a_payload_in_an_expert_file_is_named_and_never_run(tmp_path: Path,
     code, out, err = run_cli("inspect", str(tag))
     assert code == 0, err
     assert "UNSAFE" in out and "system" in out and not marker.exists()
+
+
+def test_a_zero_0_save_of_no_expert_file_is_refused(tmp_path: Path) -> None:
+    tag = _copy(tmp_path, "w2_ep2_z0")
+    for path in tag.glob("layer_*_expert_*"):
+        path.unlink()  # (the module holds no expert: the model would lack them all)
+    with pytest.raises(CorruptCheckpointError, match=r"layer_0_expert_0_mp_rank_00_model_"
+                       r"states\.pt, .* are missing \(num_experts says \[4, 4\]\)"):
+        open_checkpoint(str(tag))

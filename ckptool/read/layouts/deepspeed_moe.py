@@ -34,6 +34,7 @@ import re
 from collections.abc import Sequence
 from typing import Any
 
+from ckptool.describe import plural
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read.layouts import zero
 from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT, contiguous
@@ -184,14 +185,15 @@ def expert_tensors(trees: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, tup
 def missing_files(num_experts: Any, present: Sequence[str], folder: str) -> None:
     """Every expert file the model states' ``num_experts`` (each MoE layer's
     count) implies is there, and no other."""
-    if not present:
-        return
+    if not present and num_experts in (None, []):
+        return  # no MoE layer
     if not isinstance(num_experts, list) or not num_experts or not all(
             isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_EXPERTS
             for n in num_experts) or len(num_experts) > MAX_EXPERTS:
         raise CorruptCheckpointError(
-            f"{folder} holds MoE expert files ({present[0]}...), and the model states' "
-            f"num_experts is {num_experts!r:.60}, not each MoE layer's count of experts",
+            f"{folder} holds {plural(len(present), 'MoE expert file')}, and the model "
+            f"states' num_experts is {num_experts!r:.60}, not each MoE layer's count of "
+            "experts",
             "the directory mixes files of two saves: copy one save's")
     want = [f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
             for layer, n in enumerate(num_experts) for e in range(n)]
