@@ -63,7 +63,7 @@ def test_unstacked_torch_dist_is_what_megatron_loads(tmp_path: Path, run_cli: An
 
 
 # NullTokenizer: args.vocab_size and its end-of-document id
-@pytest.mark.parametrize(("variant", "vocab"), [("", 251), ("_vpp", 61)])
+@pytest.mark.parametrize(("variant", "vocab"), [("", 251), ("_vpp", 61), ("_moe", 61)])
 def test_legacy_rank_files_join_into_what_megatron_loads(variant: str, vocab: int) -> None:
     joined, ref = ckptool.load(str(HERE / f"legacy{variant}")), _reference(variant)
     assert sorted(joined) == sorted(ref)
