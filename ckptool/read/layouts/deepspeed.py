@@ -261,14 +261,21 @@ def _trainable(files: Files, built: dict[str, Any],
     lengths = [[p.numel for p in per_rank] for per_rank in parts]
     groups = _shapes(files.models[0], "param_shapes")
     paddings = files.optims[0].tree["optimizer_state_dict"].get("param_alignment_paddings")
+    if files.stage != 3 and paddings is not None and not (
+            isinstance(paddings, list) and len(paddings) == len(groups) and all(
+                isinstance(g, list) and all(type(x) is int and x >= 0 for x in g)
+                for g in paddings)):
+        raise CorruptCheckpointError(f"the fp32 partitions do not hold the parameters: "
+                                     f"param_alignment_paddings is {paddings!r:.60}",
+                                     BROKEN_HINT)
     expert_groups = moe.groups_of_experts(files.optims[0].tree) if files.stage != 3 else []
     experts = moe.master_weights(files, parts, lengths, groups, paddings, expert_groups, built)
     keep = [g for g in range(len(groups)) if g not in expert_groups]
     if expert_groups:
         lengths = [[per_rank[g] for g in keep if g < len(per_rank)] for per_rank in lengths]
         groups = [groups[g] for g in keep]
-        if isinstance(paddings, list):
-            paddings = [paddings[g] for g in keep if g < len(paddings)]
+        if paddings is not None:
+            paddings = [paddings[g] for g in keep]
     try:
         if files.stage == 3:
             merged = [(n, s) for g in groups for n, s in g.items()]
@@ -276,10 +283,6 @@ def _trainable(files: Files, built: dict[str, Any],
                                  files.world_size)
             shapes = dict(merged)
         else:
-            if paddings is not None and not (isinstance(paddings, list) and all(
-                    isinstance(g, list) and all(type(x) is int and x >= 0 for x in g)
-                    for g in paddings)):
-                raise zero.LayoutError(f"param_alignment_paddings is {paddings!r:.60}")
             placed = zero.stage12(lengths, [[(n, math.prod(s)) for n, s in g.items()]
                                             for g in groups], paddings, files.world_size)
             shapes = {n: s for g in groups for n, s in g.items()}

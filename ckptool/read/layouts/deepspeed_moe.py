@@ -41,10 +41,12 @@ from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT, contiguous
 from ckptool.read.layouts.deepspeed_files import Files
 from ckptool.read.tensors import TensorRecord
 
-LOCAL_ID = re.compile(r"^(?P<head>.*\.deepspeed_experts\.)(?P<id>\d+)(?P<tail>\..+)$")
+LOCAL_ID = re.compile(r"^(?P<head>.*\.deepspeed_experts\.)(?P<id>0|[1-9][0-9]{0,8})"
+                      r"(?P<tail>\..+)$")
 # a parameter group of experts: DeepSpeed's ``split_params_into_different_moe_groups_for_optimizer``
-MOE_GROUP = re.compile(r"^ep_size_(\d+)$")
-MAX_EXPERTS = 1 << 16  # per MoE layer, and MoE layers
+MOE_GROUP = re.compile(r"^ep_size_([1-9][0-9]{0,8})$")
+# the most experts, all MoE layers together (DeepSeek-V3: 58 layers of 256)
+MAX_EXPERTS = 1 << 18
 
 
 def groups_of_experts(optim: Any) -> list[int]:
@@ -62,8 +64,8 @@ def ep_size(optim: Any, group: int) -> int:
     ``ep_size_2``)."""
     osd = optim["optimizer_state_dict"]
     g = osd["base_optimizer_state"]["param_groups"][group]
-    m = MOE_GROUP.match(str(g.get("name")))
-    if m is None or int(m.group(1)) < 1:
+    m = MOE_GROUP.match(str(g.get("name"))[:40])
+    if m is None:
         raise CorruptCheckpointError(f"the expert parameter group {group} is named "
                                      f"{g.get('name')!r:.40}, not ep_size_N", BROKEN_HINT)
     return int(m.group(1))
@@ -80,12 +82,19 @@ def global_name(name: str, ep_rank: int, local: int) -> str:
 
 
 def local_counts(names: Sequence[str]) -> dict[str, int]:
-    """Each MoE layer's (its name up to ``deepspeed_experts.``) local experts."""
+    """Each MoE layer's (its name up to ``deepspeed_experts.``) local experts,
+    numbered 0 to n - 1 as DeepSpeed numbers them (other numbers would give
+    two experts one global id)."""
     ids: dict[str, set[int]] = {}
     for name in names:
         m = LOCAL_ID.match(name)
         if m is not None:
             ids.setdefault(m.group("head"), set()).add(int(m.group("id")))
+    for head, found in ids.items():
+        if found != set(range(len(found))):
+            raise CorruptCheckpointError(
+                f"the experts of {head.rstrip('.')} in param_shapes are numbered "
+                f"{sorted(found)[:8]}, not 0 to {len(found) - 1}", BROKEN_HINT)
     return {head: len(found) for head, found in ids.items()}
 
 
@@ -143,16 +152,25 @@ def check_files(shapes: dict[str, tuple[int, ...]],
                 "partitions", "the directory mixes files of two saves: copy one save's")
 
 
+def _layer(name: str) -> str | None:
+    """``moe1.deepspeed_moe.`` of a name in a MoE layer; None elsewhere."""
+    head, found, _ = name.partition("deepspeed_moe.")
+    return head + found if found else None
+
+
 def ordered(module: Sequence[str], extra: Sequence[str]) -> list[str]:
     """``module``'s names with each expert of ``extra`` after the last name
     of its MoE layer (its gate), as the model's ``state_dict`` orders them;
     the rest of ``extra`` at the end."""
+    last_of: dict[str, str] = {}  # a MoE layer -> its last name in module
+    for name in module:
+        if (layer := _layer(name)) is not None:
+            last_of[layer] = name
     after: dict[str, list[str]] = {}
     rest: list[str] = []
     for name in extra:
-        layer = name.split("deepspeed_moe.", 1)[0] + "deepspeed_moe." \
-            if "deepspeed_moe." in name else None
-        last = next((n for n in reversed(module) if layer and n.startswith(layer)), None)
+        layer = _layer(name)
+        last = last_of.get(layer) if layer is not None else None
         (after.setdefault(last, []) if last is not None else rest).append(name)
     out: list[str] = []
     for name in module:
@@ -187,9 +205,10 @@ def missing_files(num_experts: Any, present: Sequence[str], folder: str) -> None
     count) implies is there, and no other."""
     if not present and num_experts in (None, []):
         return  # no MoE layer
-    if not isinstance(num_experts, list) or not num_experts or not all(
-            isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_EXPERTS
-            for n in num_experts) or len(num_experts) > MAX_EXPERTS:
+    if not isinstance(num_experts, list) or not num_experts or \
+            len(num_experts) > MAX_EXPERTS or not all(
+                isinstance(n, int) and not isinstance(n, bool) and 0 < n <= MAX_EXPERTS
+                for n in num_experts) or sum(num_experts) > MAX_EXPERTS:
         raise CorruptCheckpointError(
             f"{folder} holds {plural(len(present), 'MoE expert file')}, and the model "
             f"states' num_experts is {num_experts!r:.60}, not each MoE layer's count of "
@@ -197,7 +216,8 @@ def missing_files(num_experts: Any, present: Sequence[str], folder: str) -> None
             "the directory mixes files of two saves: copy one save's")
     want = [f"layer_{layer}_expert_{e}_mp_rank_00_model_states.pt"
             for layer, n in enumerate(num_experts) for e in range(n)]
-    missing = [n for n in want if n not in set(present)]
+    there = set(present)
+    missing = [n for n in want if n not in there]
     if missing:
         raise CorruptCheckpointError(
             f"{folder}: {', '.join(missing[:4])}{' ...' if len(missing) > 4 else ''} "
@@ -221,11 +241,14 @@ def master_weights(files: Files, parts: list[list[TensorRecord]], lengths: list[
         if g >= len(groups) or any(g >= len(per_rank) for per_rank in lengths):
             raise CorruptCheckpointError(f"the expert parameter group {g} has no partition "
                                          "or param_shapes", BROKEN_HINT)
-        pads = paddings[g] if isinstance(paddings, list) and g < len(paddings) else None
+        pads = paddings[g] if paddings is not None else None  # (checked by the caller)
         placed = place([[per_rank[g]] for per_rank in lengths], groups[g], pads,
                        files.world_size, ep_size(files.optims[0].tree, g))
         dtype = parts[0][g].dtype
         for name, (shape, pieces) in placed.items():
+            if name in built:
+                raise CorruptCheckpointError(f"{name} is in two parameter groups' partitions",
+                                             BROKEN_HINT)
             runs = [(files.optims[r], parts[r][g], p.start, p.count, p.at) for r, p in pieces]
             built[name] = (TensorRecord(shape, dtype, contiguous(shape), 0, None, None), runs,
                            "trainable")

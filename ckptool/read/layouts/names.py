@@ -29,14 +29,17 @@ RANK_METADATA = re.compile(r"^__(\d+)\.metadata$")
 DATA_FILE = re.compile(r"^__\d+_\d+\.distcp$")
 ACCELERATE_DIRS = re.compile(r"^(pytorch_model_fsdp|optimizer)(_\d+)?$")
 # DeepSpeed's names (engine.py: _get_ckpt_name, _get_zero_ckpt_name)
-MODEL_FILE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
-OPTIM_FILE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
+# (numbers as DeepSpeed prints them: a rank plain, mp_rank_{:02d}; never "mp_rank_0"
+# beside "mp_rank_00", which int() would take for the same file)
+_RANK, _MP = r"(0|[1-9][0-9]*)", r"([0-9]{2}|[1-9][0-9]{2,})"
+MODEL_FILE = re.compile(rf"^(?:zero_pp_rank_{_RANK}_)?mp_rank_{_MP}_model_states\.pt$")
+OPTIM_FILE = re.compile(rf"^(bf16_)?zero_pp_rank_{_RANK}_mp_rank_{_MP}_optim_states\.pt$")
 # its MoE runs' (_get_expert_ckpt_name, _get_optimizer_ckpt_name): each expert's
 # weights, global id E of the L-th MoE layer; ZeRO 0's optimizer states per
 # expert-parallel rank; DeepSpeed before 0.6's expert files (no layer)
-EXPERT_MODEL = re.compile(r"^layer_(\d+)_expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
-EXPERT_OPTIM = re.compile(r"^expp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
-OLD_EXPERT_MODEL = re.compile(r"^expert_(\d+)_mp_rank_(\d+)_model_states\.pt$")
+EXPERT_MODEL = re.compile(rf"^layer_{_RANK}_expert_{_RANK}_mp_rank_{_MP}_model_states\.pt$")
+EXPERT_OPTIM = re.compile(rf"^expp_rank_{_RANK}_mp_rank_{_MP}_optim_states\.pt$")
+OLD_EXPERT_MODEL = re.compile(rf"^expert_{_RANK}_mp_rank_{_MP}_model_states\.pt$")
 # every file DeepSpeed's engine saves in a tag directory (pipeline layers, MoE experts too)
 DEEPSPEED_FILE = re.compile(r"_(model|optim)_states\.pt$")
 LATEST = "latest"

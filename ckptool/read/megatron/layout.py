@@ -5,7 +5,6 @@ a ``torch_dist`` iteration's companions, a legacy iteration's rank files.
 
 from __future__ import annotations
 
-import itertools
 import math
 import os
 from dataclasses import dataclass
@@ -138,13 +137,26 @@ def missing_rank_files(directory: str, files: tuple[str, ...],
     there = {r.name for r in ranks if fs.isfile(os.path.join(directory, r.name, naming.file))}
     in_grid = sum(1 for name in there if _in_grid(naming, name, places))
     names: list[str] = []
-    for numbers in itertools.product(*(range(n) for n in places)):
+    total = math.prod(places)
+    index = 0  # the grid walked in order, lazily: stops at SHOWN missing names
+    while index < total and len(names) < SHOWN:
+        numbers = _digits(index, places)
         name = naming.name(numbers)
         if name not in there:
             names.append(f"{name}/{naming.file}")
-            if len(names) == SHOWN:
-                break
-    return Gap(tuple(names), math.prod(places) - in_grid)
+        index += 1
+    return Gap(tuple(names), total - in_grid)
+
+
+def _digits(index: int, places: list[int]) -> tuple[int, ...]:
+    """The ``index``-th numbers of the grid ``places`` spans, the last place
+    counting fastest (``itertools.product``'s order, which would hold each
+    place's whole range in memory)."""
+    out = []
+    for n in reversed(places):
+        index, digit = divmod(index, n)
+        out.append(digit)
+    return tuple(reversed(out))
 
 
 def _in_grid(naming: Naming, name: str, places: list[int]) -> bool:

@@ -25,6 +25,7 @@ the same way, the run's sizes read from the NeMo folder's config.
 from __future__ import annotations
 
 import os
+import re
 from typing import Any
 
 from ckptool.describe import plural
@@ -49,6 +50,7 @@ from ckptool.read.megatron.names import (
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
 
+FC1 = re.compile(r"\.mlp\.(?:experts\.local_experts\.[0-9]+\.)?linear_fc1\.weight$")
 DROPPED = ("optimizer", "opt_param_scheduler", "rng_state")  # per rank: not joined
 
 
@@ -114,6 +116,7 @@ def read(layout: Layout) -> MultiRead:
                 model[name] = each[0].rec  # as the first rank holds it
                 continue
             rec, parts = join(name, each, run, offsets_of, notes)
+            _check_fc1(name, rec.shape, args, run.swiglu)
             chunks[f"model/{escape(name)}"] = parts
             assert rec.storage is not None
             storages[rec.storage.key] = rec.storage
@@ -143,6 +146,26 @@ def _summary(layout: Layout, run: facts_of.Facts, args: dict[str, Any],
             "expert_parallel": run.ep, "virtual_pipeline": run.vpp,
             "num_layers": run.num_layers, "rules": rules.MEGATRON_VERSION,
             "args": args or {}}
+
+
+def _check_fc1(name: str, shape: tuple[int, ...], args: dict[str, Any], swiglu: bool) -> None:
+    """A joined ``linear_fc1`` has the rows ``args`` say: twice the MLP's
+    width under SwiGLU (gate, then up). (A config whose activation is not
+    the files' would have the halves joined wrong, unsaid.)"""
+    if not shape or not FC1.search(name):
+        return
+    expert = ".experts." in name
+    size = args.get("moe_ffn_hidden_size") if expert else None
+    size = size if size is not None else args.get("ffn_hidden_size")
+    if not isinstance(size, int) or isinstance(size, bool):
+        return
+    want = size * (2 if swiglu else 1)
+    if shape[0] != want:
+        raise CorruptCheckpointError(
+            f"{name} joins into {shape[0]} rows, and the run's "
+            f"{'moe_' if expert and args.get('moe_ffn_hidden_size') is not None else ''}"
+            f"ffn_hidden_size {size} {'with' if swiglu else 'without'} SwiGLU makes {want}",
+            "the run's args (a NeMo config's activation) do not describe these files")
 
 
 def _is_chunk_name(key: object) -> bool:
@@ -176,8 +199,12 @@ def _models(rank: Rank) -> list[dict[str, Any]]:
     (virtual pipeline chunks)."""
     root = rank.raw.root if isinstance(rank.raw.root, dict) else {}
     if rank.flat:  # NeMo 1: the LightningModule's state dict, the model under "model."
-        return [{k.removeprefix("model.") if isinstance(k, str) else k: v
-                 for k, v in root.items()}]
+        outside = [k for k in root if not (isinstance(k, str) and k.startswith("model."))]
+        if outside:
+            raise CorruptCheckpointError(
+                f"{rank.name} holds {outside[0]!r:.80} beside the model's tensors (NeMo's "
+                "are all under 'model.')", BROKEN_HINT)
+        return [{k.removeprefix("model."): v for k, v in root.items()}]
     if isinstance(root.get("model"), dict):
         return [root["model"]]
     found = sorted((k for k in root if _is_chunk_name(k)), key=lambda k: int(k[5:]))
@@ -224,7 +251,9 @@ def _pieces(ranks: list[Rank], run: facts_of.Facts) -> tuple[dict[str, list[Piec
             local_experts = _local_experts(model)
             for key, value in model.items():
                 if not isinstance(key, str):
-                    continue
+                    raise CorruptCheckpointError(
+                        f"{r.name} holds a {type(value).__name__} under the key {key!r:.40}, "
+                        "not a name of the model's", BROKEN_HINT)
                 where = rules.place(key, run.swiglu)
                 if where is None:
                     raise UnsupportedCheckpointError(
