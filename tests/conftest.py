@@ -3,6 +3,10 @@ and stderr apart) and small real checkpoints saved by torch."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import sys
+import types
 from collections.abc import Callable
 from pathlib import Path
 
@@ -49,6 +53,45 @@ def big_pt(tmp_path: Path) -> Path:
     path = tmp_path / "big.pt"
     torch.save({f"w{i}": torch.randn(256, 256, generator=g) for i in range(8)}, path)
     return path
+
+
+@pytest.fixture
+def ds_stubs() -> object:
+    """Stand-ins for the three DeepSpeed classes its optimizer files name,
+    so that a test can load, edit and save one; removed afterwards."""
+    names = ["deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16",
+             "deepspeed.runtime.fp16.loss_scaler", "deepspeed.runtime.zero",
+             "deepspeed.runtime.zero.config", "deepspeed.utils",
+             "deepspeed.utils.tensor_fragment"]
+    mods = {n: types.ModuleType(n) for n in names}
+
+    class LossScaler:
+        pass
+
+    class ZeroStageEnum(int, enum.Enum):
+        disabled, optimizer_states, gradients, weights = 0, 1, 2, 3
+
+    @dataclasses.dataclass
+    class fragment_address:  # DeepSpeed's name
+        numel: int
+        start: int
+
+    for cls, mod in ((LossScaler, "deepspeed.runtime.fp16.loss_scaler"),
+                     (ZeroStageEnum, "deepspeed.runtime.zero.config"),
+                     (fragment_address, "deepspeed.utils.tensor_fragment")):
+        cls.__module__ = mod
+        cls.__qualname__ = cls.__name__
+        setattr(mods[mod], cls.__name__, cls)
+    saved = {n: sys.modules.get(n) for n in names}
+    sys.modules.update(mods)
+    try:
+        yield mods
+    finally:
+        for n, m in saved.items():
+            if m is None:
+                sys.modules.pop(n, None)
+            else:
+                sys.modules[n] = m
 
 
 # Local servers standing in for remote stores (HTTP ranges, Hugging Face Hub, S3, GCS),

@@ -4,6 +4,9 @@ reading what torch itself loads from a file, flattened like ckptool keys."""
 from __future__ import annotations
 
 import importlib.util
+import os
+import subprocess
+import sys
 import types
 from collections import Counter
 from pathlib import Path
@@ -15,7 +18,8 @@ import torch.serialization
 import ckptool
 from ckptool.keys import join_key
 
-SAMPLES = Path(__file__).resolve().parent.parent / "samples"
+ROOT = Path(__file__).resolve().parent.parent
+SAMPLES = ROOT / "samples"
 
 
 def load_script(path: Path) -> types.ModuleType:
@@ -190,3 +194,17 @@ def small_sharded_model(folder: Path) -> Path:
         str(folder), max_shard_size="5KB")
     (folder / "config.json").write_text('{"model_type": "llama"}\n')
     return folder
+
+
+def cli_in_subprocess(*args: str, timeout: float) -> tuple[int | None, str]:
+    """The CLI run in a child process killed after ``timeout`` seconds (a
+    crafted input that would hang or eat memory): (its exit code, or None
+    where it was killed; its stderr)."""
+    code = "import sys; from ckptool.cli import main; sys.exit(main(sys.argv[1:]))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None, "(killed: still running after the timeout)"
+    return done.returncode, done.stderr

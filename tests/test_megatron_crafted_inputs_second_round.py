@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import io
 import os
-import subprocess
-import sys
 import tarfile
 import warnings
 from pathlib import Path
@@ -20,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import cli_in_subprocess
 from megatron_builders import whole_model, write_legacy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -30,19 +29,6 @@ def _edit_rank(folder: Path, rank: str, edit: Any) -> None:
     state = torch.load(path, weights_only=False)
     edit(state)
     torch.save(state, path)
-
-
-def _cli_in_subprocess(*args: str, timeout: float) -> tuple[int | None, str]:
-    """The CLI run in a child process killed after ``timeout`` seconds: (its
-    exit code, or None where it was killed; its stderr)."""
-    code = "import sys; from ckptool.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    try:
-        done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, "(killed: still running after the timeout)"
-    return done.returncode, done.stderr
 
 
 def _torch_dist(root: Path, state: dict[str, torch.Tensor], **args: Any) -> None:
@@ -248,7 +234,7 @@ def test_a_billion_query_groups_of_no_bytes_with_map_llama_is_bounded(tmp_path: 
                  num_attention_heads=groups, normalization="RMSNorm")
     # (was one row run per query group per layer, built by hfmap/model.py
     # qkv_runs: 10**6 groups took 18 s and 1.6 GB; 10**9 runs for hours, to TBs)
-    code, err = _cli_in_subprocess("convert", str(tmp_path / "run"), str(tmp_path / "out"),
+    code, err = cli_in_subprocess("convert", str(tmp_path / "run"), str(tmp_path / "out"),
                                    "--map", "llama", timeout=4)
     assert code == 3, err
 
@@ -280,7 +266,7 @@ def test_many_stacks_of_empty_layers_are_refused_in_bounded_time(tmp_path: Path)
     _torch_dist(tmp_path / "run", state, num_layers=2)
     # (was every one planned and written: a single stack of 2**20 empty layers
     # took 104 s and 3.6 GB; 16 of them, half an hour and ~60 GB)
-    code, err = _cli_in_subprocess("convert", str(tmp_path / "run"),
+    code, err = cli_in_subprocess("convert", str(tmp_path / "run"),
                                    str(tmp_path / "o.safetensors"), "--unstack-layers",
                                    timeout=4)
     assert code == 3, err

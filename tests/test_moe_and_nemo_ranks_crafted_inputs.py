@@ -9,21 +9,18 @@ the comment on each says what happened."""
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import os
 import shutil
 import subprocess
 import sys
-import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from helpers import make_nemo
+from helpers import cli_in_subprocess, make_nemo
 
 import ckptool
 from ckptool.errors import CkptoolError
@@ -36,59 +33,7 @@ OPTIM0 = "zero_pp_rank_0_mp_rank_00_optim_states.pt"
 MOE0 = "moe0.deepspeed_moe.experts.deepspeed_experts."
 
 
-def _cli_in_subprocess(*args: str, timeout: float) -> tuple[int | None, str]:
-    """The CLI run in a child process killed after ``timeout`` seconds: (its
-    exit code, or None where it was killed; its stderr)."""
-    code = "import sys; from ckptool.cli import main; sys.exit(main(sys.argv[1:]))"
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    try:
-        done = subprocess.run([sys.executable, "-c", code, *args], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return None, "(killed: still running after the timeout)"
-    return done.returncode, done.stderr
-
-
 # -- DeepSpeed native MoE ----------------------------------------------------------
-
-@pytest.fixture
-def ds_stubs() -> Iterator[None]:
-    """Stand-ins for the DeepSpeed classes its files name, so that a test
-    can torch.load one, edit it and save it again; removed afterwards."""
-    names = ["deepspeed", "deepspeed.runtime", "deepspeed.runtime.fp16",
-             "deepspeed.runtime.fp16.loss_scaler", "deepspeed.runtime.zero",
-             "deepspeed.runtime.zero.config", "deepspeed.utils",
-             "deepspeed.utils.tensor_fragment"]
-    mods = {n: types.ModuleType(n) for n in names}
-
-    class LossScaler:
-        pass
-
-    class ZeroStageEnum(int, enum.Enum):
-        disabled, optimizer_states, gradients, weights = 0, 1, 2, 3
-
-    @dataclasses.dataclass
-    class fragment_address:  # DeepSpeed's name
-        numel: int
-        start: int
-
-    for cls, mod in ((LossScaler, "deepspeed.runtime.fp16.loss_scaler"),
-                     (ZeroStageEnum, "deepspeed.runtime.zero.config"),
-                     (fragment_address, "deepspeed.utils.tensor_fragment")):
-        cls.__module__ = mod
-        cls.__qualname__ = cls.__name__
-        setattr(mods[mod], cls.__name__, cls)
-    saved = {n: sys.modules.get(n) for n in names}
-    sys.modules.update(mods)
-    try:
-        yield
-    finally:
-        for n, m in saved.items():
-            if m is None:
-                sys.modules.pop(n, None)
-            else:
-                sys.modules[n] = m
-
 
 def _copy(tmp_path: Path, variant: str) -> Path:
     shutil.copytree(MOE / variant, tmp_path / variant)
@@ -169,7 +114,7 @@ def test_moe_num_experts_of_65536_layers_of_65536_is_bounded(tmp_path: Path) -> 
     # list in the message.)
     tag = _copy(tmp_path, "w2_ep2_z2")
     _edit(tag / MODEL_STATES, lambda s: s.__setitem__("num_experts", [65536] * 65536))
-    code, err = _cli_in_subprocess("inspect", str(tag), timeout=4)
+    code, err = cli_in_subprocess("inspect", str(tag), timeout=4)
     assert code == 3, err
 
 
@@ -354,5 +299,5 @@ def test_nemo_config_tp_of_300_million_is_bounded(nemo_ranks: Path, tmp_path: Pa
     # ranks is counted, not walked" does not hold.
     run = _nemo_copy(nemo_ranks, tmp_path)
     _set_config(run, "tensor_model_parallel_size", "300000000")
-    code, err = _cli_in_subprocess("inspect", str(run), timeout=4)
+    code, err = cli_in_subprocess("inspect", str(run), timeout=4)
     assert code == 3, err
