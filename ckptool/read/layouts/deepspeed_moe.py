@@ -39,6 +39,7 @@ from ckptool.errors import CorruptCheckpointError
 from ckptool.read.layouts import zero
 from ckptool.read.layouts.base import BROKEN_HINT, MISSING_HINT, contiguous
 from ckptool.read.layouts.deepspeed_files import Files
+from ckptool.read.layouts.names import EXPERT_MODEL
 from ckptool.read.tensors import TensorRecord
 
 LOCAL_ID = re.compile(r"^(?P<head>.*\.deepspeed_experts\.)(?P<id>0|[1-9][0-9]{0,8})"
@@ -191,7 +192,13 @@ def expert_tensors(trees: Sequence[tuple[str, dict[str, Any]]]) -> dict[str, tup
                  if isinstance(n, str) and isinstance(r, TensorRecord)}
         if not found:
             raise CorruptCheckpointError(f"{file} holds no expert's tensor", BROKEN_HINT)
+        m = EXPERT_MODEL.match(file)
         for name, rec in found.items():
+            held = LOCAL_ID.match(name)
+            if m is not None and (held is None or held.group("id") != m.group(2)):
+                # (DeepSpeed loads file E as expert E: another's names would swap them)
+                raise CorruptCheckpointError(f"{file} holds {name!r:.80}, not expert "
+                                             f"{m.group(2)}'s", BROKEN_HINT)
             if name in out:
                 raise CorruptCheckpointError(f"{name} is in both {out[name][0]} and {file}",
                                              "the directory mixes files of two saves: copy "

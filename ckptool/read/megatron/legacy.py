@@ -50,7 +50,8 @@ from ckptool.read.megatron.names import (
 from ckptool.read.seen import GlobalsSeen
 from ckptool.read.tensors import StorageRef, TensorRecord
 
-FC1 = re.compile(r"\.mlp\.(?:experts\.local_experts\.[0-9]+\.)?linear_fc1\.weight$")
+FC1 = re.compile(r"\.mlp\.(?:(?:experts\.local_experts\.[0-9]+\.)?linear_fc1\.weight|"
+                 r"experts\.linear_fc1\.weight[0-9]+)$")  # (TEGroupedMLP: weight<e>)
 DROPPED = ("optimizer", "opt_param_scheduler", "rng_state")  # per rank: not joined
 
 
@@ -233,7 +234,12 @@ def _pieces(ranks: list[Rank], run: facts_of.Facts) -> tuple[dict[str, list[Piec
                 raise CorruptCheckpointError(f"{r.name} holds {len(models[id(r)])} model "
                                              f"chunks, {ranks[0].name} {chunks}", BROKEN_HINT)
             for v, model in enumerate(models[id(r)]):
-                counts[(v, r.pp)] = len(_layers(model))
+                found = _layers(model)
+                if found != list(range(len(found))):  # (a gap would drop a layer unsaid)
+                    raise CorruptCheckpointError(
+                        f"{r.name} holds its stage's layers {found[:8]}: Megatron numbers a "
+                        "stage's layers from 0, without gaps", BROKEN_HINT)
+                counts[(v, r.pp)] = len(found)
     offsets: dict[tuple[int, int], int] = {}
     total = 0
     for v, pp in sorted(counts):
@@ -246,9 +252,10 @@ def _pieces(ranks: list[Rank], run: facts_of.Facts) -> tuple[dict[str, list[Piec
             f"{run.num_layers}", BROKEN_HINT)
     out: dict[str, list[Piece]] = {}
     origin: dict[str, tuple[int, int]] = {}  # the stage (and chunk) a name is taken from
+    per_rank = _experts_per_rank(ranks, models, run)
     for r in ranks:
         for v, model in enumerate(models[id(r)]):
-            local_experts = _local_experts(model)
+            local_experts = per_rank
             for key, value in model.items():
                 if not isinstance(key, str):
                     raise CorruptCheckpointError(
@@ -289,14 +296,40 @@ def _pieces(ranks: list[Rank], run: facts_of.Facts) -> tuple[dict[str, list[Piec
     return out, notes
 
 
-def _local_experts(model: dict[str, Any]) -> int:
-    """How many experts each layer of this rank's model holds."""
+def _local_experts(name: str, model: dict[str, Any]) -> int:
+    """How many experts each MoE layer of this rank's model holds, numbered
+    0 to n - 1 in every one of them."""
     per_layer: dict[int, set[int]] = {}
     for key in model:
         where = rules.place(key, False) if isinstance(key, str) else None
         if where is not None and where.expert is not None and where.layer is not None:
             per_layer.setdefault(where.layer, set()).add(where.expert)
-    return max((len(e) for e in per_layer.values()), default=0)
+    counts = {len(e) for e in per_layer.values()}
+    if len(counts) > 1 or any(e != set(range(len(e))) for e in per_layer.values()):
+        raise CorruptCheckpointError(
+            f"{name}: its MoE layers hold experts "
+            f"{sorted(sorted(e)[:8] for e in per_layer.values())[:4]}, not the same 0 to n - 1 "
+            "in each", BROKEN_HINT)
+    return counts.pop() if counts else 0
+
+
+def _experts_per_rank(ranks: list[Rank], models: dict[int, list[dict[str, Any]]],
+                      run: facts_of.Facts) -> int:
+    """How many experts each expert-parallel rank holds per layer: the same
+    on every rank, and the run's ``num_experts`` over them (each global id
+    is ``ep_rank * this + local``: one count off would shift the rest)."""
+    found = {r.name: _local_experts(r.name, m) for r in ranks for m in models[id(r)]}
+    counts = set(found.values()) - {0}
+    if len(counts) > 1:
+        raise CorruptCheckpointError(
+            f"the ranks hold different numbers of experts per layer ("
+            f"{', '.join(f'{n}: {c}' for n, c in list(found.items())[:4])})", BROKEN_HINT)
+    per_rank = counts.pop() if counts else 0
+    if per_rank and run.num_experts is not None and per_rank * run.ep != run.num_experts:
+        raise CorruptCheckpointError(
+            f"each expert-parallel rank holds {per_rank} experts per layer, and args say "
+            f"num_experts {run.num_experts} over EP {run.ep}", BROKEN_HINT)
+    return per_rank
 
 
 def _devices_note(devices: dict[int, dict[str, None]]) -> list[str]:

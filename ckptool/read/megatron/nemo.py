@@ -332,6 +332,8 @@ def _scalar(raw: str) -> Any:
         return None
     if raw in ("true", "True", "TRUE", "false", "False", "FALSE"):
         return raw.lower() == "true"
+    if len(raw) > 40:  # (no config number is longer; int() refuses 4300 digits)
+        return raw
     if _INT.match(raw):
         return int(raw)
     if _FLOAT.match(raw):
