@@ -148,7 +148,7 @@ def _stacked(root: Path, stack: torch.Tensor) -> None:
         warnings.simplefilter("ignore")
         dcp.save(state, checkpoint_id=str(folder), no_dist=True)
     (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    torch.save({"args": argparse.Namespace(num_layers=2), "iteration": 1},
+    torch.save({"args": argparse.Namespace(num_layers=stack.shape[0]), "iteration": 1},
                folder / "common.pt")
     (root / "latest_checkpointed_iteration.txt").write_text("1")
 

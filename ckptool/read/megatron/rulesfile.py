@@ -215,7 +215,10 @@ def _rows(rule: Rule, name: str, shape: tuple[int, ...], args: dict[str, Any]) -
         return [()]
     if rule.split == "qkv":
         heads = _size(rule.sizes.get("heads", args.get("num_attention_heads")))
-        groups = _size(rule.sizes.get("groups", args.get("num_query_groups"))) or heads
+        # (Megatron saves num_query_groups 1 without --group-query-attention too:
+        # then every head is its own group)
+        grouped = args.get("num_query_groups") if args.get("group_query_attention") else None
+        groups = _size(rule.sizes.get("groups", grouped)) or heads
         d = _size(rule.sizes.get("head_dim", args.get("kv_channels")))
         if heads > MAX_HEADS:
             raise UsageError(f"{name}: a qkv of {heads} heads: more than ckptool splits "

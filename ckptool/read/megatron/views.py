@@ -23,7 +23,7 @@ import re
 from dataclasses import replace
 from typing import Any
 
-from ckptool.errors import UnsupportedCheckpointError, UsageError
+from ckptool.errors import CorruptCheckpointError, UnsupportedCheckpointError, UsageError
 from ckptool.model import Checkpoint
 from ckptool.read import derived
 from ckptool.read.derived import Derived
@@ -35,6 +35,9 @@ from ckptool.read.megatron.stacked import STACKED, is_stacked
 # name them as these, so a run with ``transformer_impl`` "local" gets them back
 LOCAL_NAMES = ((".self_attention.linear_qkv.layer_norm_", ".input_layernorm."),
                (".mlp.linear_fc1.layer_norm_", ".pre_mlp_layernorm."))
+# a layer's tensor under its number (a run whose layers are not all alike, or
+# a legacy join)
+NUMBERED = re.compile(r"(?:^|\.)layers\.[0-9]+\.")
 # the most tensors the stacked tensors are unstacked into, in all (layers x
 # experts, summed): above any model's (DeepSeek-V3: 61 layers of 256 experts,
 # a few stacks of them), and a bound on the work of a crafted one
@@ -86,12 +89,24 @@ def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:
     local = args.get("transformer_impl") == "local"
     out: list[Derived] = []
     total = 0
-    for name, t in ckpt.state_dict().items():
-        name = name.removeprefix(prefix)
-        if local and is_stacked(name):
+    tensors = {name.removeprefix(prefix): t for name, t in ckpt.state_dict().items()}
+    _check_stacks(tensors, args)
+    for name, t in tensors.items():
+        if local and (is_stacked(name) or NUMBERED.search(name)):
             for saved, module in LOCAL_NAMES:
                 name = name.replace(saved, module)
         if not is_stacked(name):
+            m = _EXPERTS.match(name)
+            if m is not None and NUMBERED.search(name) and isinstance(experts, int) and \
+                    t.shape and t.shape[0] == experts and (
+                        ".experts.experts." in name or len(t.shape) >= 3):
+                # a numbered layer's experts, stacked on their own axis: a run whose
+                # layers are not all alike (moe_layer_freq) saves each layer apart
+                total += experts
+                _bounded(name, f"{experts} experts", experts, total)
+                out += [Derived(f"{m.group('head')}local_experts.{e}.{m.group('tail')}",
+                                t.key, (e,)) for e in range(experts)]
+                continue
             out.append(Derived(name, t.key))
             continue
         if not t.shape:
@@ -102,12 +117,8 @@ def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:
             and t.shape[1] == experts
         count = t.shape[0] * (t.shape[1] if grouped else 1)
         total += count
-        if count > MAX_UNSTACKED or total > MAX_UNSTACKED:  # (shapes of no bytes: [10**8, 0])
-            what = f"{t.shape[0]} layers of {t.shape[1]} experts" if grouped else \
-                f"{t.shape[0]} layers"
-            raise UnsupportedCheckpointError(
-                f"{name} holds {what} stacked, more than ckptool unstacks ({MAX_UNSTACKED} "
-                "tensors in all)", "convert it without --unstack-layers or --map")
+        _bounded(name, f"{t.shape[0]} layers of {t.shape[1]} experts" if grouped else
+                 f"{t.shape[0]} layers", count, total)
         if t.shape[0] == 0:  # no layers: nothing to unstack, kept as it is
             out.append(Derived(name, t.key))
             continue
@@ -121,6 +132,34 @@ def _per_layer(ckpt: Checkpoint, args: dict[str, Any]) -> list[Derived]:
                 layer = STACKED.sub(f".layers.{i}.", name, count=1).lstrip(".")
                 out.append(Derived(layer, t.key, (i,)))
     return out
+
+
+def _bounded(name: str, what: str, count: int, total: int) -> None:
+    if count > MAX_UNSTACKED or total > MAX_UNSTACKED:  # (shapes of no bytes: [10**8, 0])
+        raise UnsupportedCheckpointError(
+            f"{name} holds {what} stacked, more than ckptool unstacks ({MAX_UNSTACKED} "
+            "tensors in all)", "convert it without --unstack-layers or --map")
+
+
+def _check_stacks(tensors: dict[str, Any], args: dict[str, Any]) -> None:
+    """Every stack of one block (``decoder.``) holds as many layers, and the
+    decoder's as many as ``args.num_layers``: Megatron's load refuses other
+    global shapes, and an unstacked extra layer would be a half layer."""
+    axes: dict[str, dict[int, str]] = {}
+    for name, t in tensors.items():
+        found = STACKED.search(name)
+        if found is not None and t.shape:
+            axes.setdefault(name[:found.start()], {}).setdefault(t.shape[0], name)
+    for block, seen in axes.items():
+        want = args.get("num_layers") if block == "decoder" else None
+        if len(seen) > 1 or (isinstance(want, int) and not isinstance(want, bool)
+                             and set(seen) != {want}):
+            said = ", ".join(f"{n} ({k})" for n, k in sorted(seen.items())[:3])
+            raise CorruptCheckpointError(
+                f"the {block or 'model'}'s stacked tensors hold {said} layers"
+                + (f", and args say num_layers {want}" if isinstance(want, int) else ""),
+                "Megatron's dist_checkpointing refuses these shapes: the checkpoint is "
+                "damaged, or its common.pt is another run's")
 
 
 def _compose(outer: Derived, inner: Derived) -> Derived:

@@ -42,8 +42,9 @@ def build_gpt2(b: Builder, m: Model) -> dict[str, Any]:
                      "choose the llama map")
     if b.args.get("squared_relu"):
         act = "relu2"
-    elif b.args.get("openai_gelu"):
-        act = "gelu_new"
+    elif b.args.get("openai_gelu") or (b.args.get("bias_gelu_fusion")
+                                       and not b.args.get("use_te_activation_func")):
+        act = "gelu_new"  # the tanh approximation (fused_bias_gelu's too: Megatron's default)
     else:
         act = "gelu"
     h = m.hidden

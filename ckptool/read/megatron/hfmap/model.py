@@ -22,6 +22,7 @@ from typing import Any
 from ckptool.errors import UnsupportedCheckpointError
 from ckptool.read.derived import Derived
 from ckptool.read.megatron import facts
+from ckptool.read.megatron.hfmap.unexpressed import unexpressed
 
 LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
 EXPERT = re.compile(r"^mlp\.experts\.(?:local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)"
@@ -254,14 +255,9 @@ def _dtype(b: Builder) -> str:
 
 
 def read_model(b: Builder) -> Model:
-    for flag, why in (("rotary_interleaved", "interleaved rotary embeddings"),
-                      ("attention_output_gate", "gated attention output"),
-                      ("qk_layernorm", "query and key norms"),
-                      ("apply_layernorm_1p", "zero-centred norm weights (layernorm 1p)"),
-                      ("layernorm_zero_centered_gamma", "zero-centred norm weights")):
-        if b.args.get(flag):
-            raise refuse(f"the model uses {why} ({flag}), which the maps do not convert",
-                         "convert it without --map, as Megatron names it")
+    found = unexpressed(b.args)
+    if found is not None:
+        raise refuse(found, "convert it without --map, as Megatron names it")
     emb = b.need(EMBEDDING)
     if len(b.shapes[emb]) != 2:
         raise refuse(f"{emb} is {list(b.shapes[emb])}, not a matrix")

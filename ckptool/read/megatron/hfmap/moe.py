@@ -43,6 +43,10 @@ def _router(b: Builder, map_name: str) -> bool:
     if b.args.get("moe_router_num_groups") or b.args.get("moe_router_group_topk"):
         raise refuse(f"group-limited routing: the {map_name} map has none",
                      "convert it without --map")
+    if b.args.get("moe_apply_probs_on_input"):
+        raise refuse(f"moe_apply_probs_on_input: the routing weight scales each token before "
+                     f"the expert's SwiGLU; the {map_name} map's block scales its output",
+                     "convert it without --map")
     if b.args.get("moe_router_enable_expert_bias"):
         raise refuse(f"router expert bias: the {map_name} map has none",
                      "convert it without --map")
@@ -98,6 +102,7 @@ def build_mixtral(b: Builder, m: Model) -> dict[str, Any]:
                      "choose the qwen2-moe map, or convert it without --map")
     embeddings(b, m, "model.embed_tokens.weight")
     count = ffn = 0
+    seen: list[tuple[int, int]] = []
     for layer in m.layers:
         p = f"model.layers.{layer.index}"
         if "router.weight" not in layer.roles:
@@ -107,7 +112,7 @@ def build_mixtral(b: Builder, m: Model) -> dict[str, Any]:
         attention_rope(b, m, layer, f"{p}.self_attn")
         b.out(f"{p}.post_attention_layernorm.weight", role_of(b, layer, "mlp_norm.weight"),
               (m.hidden,))
-        count, ffn = _experts(b, layer, m.hidden)
+        count, ffn = _same_width(b, layer, seen, _experts(b, layer, m.hidden))
         b.out(f"{p}.block_sparse_moe.gate.weight", layer.roles["router.weight"],
               (count, m.hidden))
         for e in range(count):
@@ -120,6 +125,20 @@ def build_mixtral(b: Builder, m: Model) -> dict[str, Any]:
     config.update(intermediate_size=ffn, num_local_experts=count,
                   num_experts_per_tok=_topk(b, count), sliding_window=None)
     return config
+
+
+def _same_width(b: Builder, layer: Any, seen: list[tuple[int, int]],
+                found: tuple[int, int]) -> tuple[int, int]:
+    """A layer's (experts, width): the same in every MoE layer, as the HF
+    config's one ``num_experts`` and width say (``seen``: the first's)."""
+    if not seen:
+        seen.append(found)
+    first = seen[0]
+    if found != first:
+        raise refuse(f"layer {layer.index} has {found[0]} experts {found[1]} wide, an earlier "
+                     f"MoE layer {first[0]} of {first[1]}: the config has one size for all",
+                     "convert it without --map")
+    return found
 
 
 def _topk(b: Builder, count: int) -> int:
@@ -140,6 +159,7 @@ def build_qwen2_moe(b: Builder, m: Model) -> dict[str, Any]:
     renormalise = _router(b, "qwen2-moe")
     embeddings(b, m, "model.embed_tokens.weight")
     count = ffn = shared = 0
+    seen: list[tuple[int, int]] = []
     dense: list[int] = []
     dense_ffn: int | None = None
     for layer in m.layers:
@@ -158,7 +178,7 @@ def build_qwen2_moe(b: Builder, m: Model) -> dict[str, Any]:
             glu(b, fc1, fc2, width, m.hidden,
                 (f"{p}.mlp.gate_proj", f"{p}.mlp.up_proj", f"{p}.mlp.down_proj"))
             continue
-        count, ffn = _experts(b, layer, m.hidden)
+        count, ffn = _same_width(b, layer, seen, _experts(b, layer, m.hidden))
         b.out(f"{p}.mlp.gate.weight", layer.roles["router.weight"], (count, m.hidden))
         for e in range(count):
             glu(b, _expert(b, layer, e, "linear_fc1.weight"),
@@ -173,7 +193,12 @@ def build_qwen2_moe(b: Builder, m: Model) -> dict[str, Any]:
             raise refuse(f"layer {layer.index}'s shared experts have no gate "
                          "(moe_shared_expert_gate): Qwen2-MoE's always has one",
                          "convert it without --map")
-        shared = ffn_of(b, role_of(b, layer, "shared_fc2.weight"))
+        width = ffn_of(b, role_of(b, layer, "shared_fc2.weight"))
+        if shared and width != shared:
+            raise refuse(f"the shared experts are {shared} and {width} wide in different "
+                         "layers: the config has one shared_expert_intermediate_size",
+                         "convert it without --map")
+        shared = width
         glu(b, layer.roles["shared_fc1.weight"], layer.roles["shared_fc2.weight"],
             shared, m.hidden, (f"{p}.mlp.shared_expert.gate_proj",
                                f"{p}.mlp.shared_expert.up_proj",
