@@ -92,6 +92,10 @@ class Placement:
             return storage if moved is None else moved
         if target == "cpu":
             return storage
+        if target == "meta":  # (storage.to refuses it: "META device module is not loaded")
+            import torch
+
+            return torch.UntypedStorage(storage.nbytes(), device="meta")
         return storage.to(device=target)
 
     def tensor(self, value: torch.Tensor, tag: str) -> torch.Tensor:

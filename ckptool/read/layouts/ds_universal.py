@@ -181,6 +181,13 @@ def _read(layout: Layout, offsets: Offsets) -> MultiRead:
                        "trainable")
     params = [d for d in entries if fs.isdir(os.path.join(zero_dir, d))]
     _check_folders(folder, params, shapes, module)
+    # every other pickle of zero/<param>/ (the optimizer's moments, step.pt, the
+    # fp32 copies of buffers and frozen weights), which DeepSpeed's universal
+    # load torch.loads too: judged by the safety verdict, no tensor read
+    judged = [(f"{ZERO}/{d}/{n}", dispatch.read(os.path.join(zero_dir, d, n)))
+              for d in params for n in sorted(listing(os.path.join(zero_dir, d)))
+              if n.endswith(".pt") and not (n == "fp32.pt" and d in shapes)
+              and fs.isfile(os.path.join(zero_dir, d, n))]
     trainable = dict(built)
     built = {}
     _buffers(m0, module, built)
@@ -194,8 +201,8 @@ def _read(layout: Layout, offsets: Offsets) -> MultiRead:
                      f"frozen and tied parameters ({', '.join(copies[:4])}"
                      f"{'...' if len(copies) > 4 else ''}): not read; the state dict takes "
                      "them from the model states, as zero_to_fp32 does")
-    notes.append("zero/<param>/exp_avg.pt, exp_avg_sq.pt, step.pt (the optimizer's moments) "
-                 "are not read")
+    notes.append("zero/<param>/exp_avg.pt, exp_avg_sq.pt, step.pt (the optimizer's moments): "
+                 "their pickles judged, their tensors not read")
     aliases = _aliases(m0, built)
     order = [n for n in module if n in built] + [n for n in built if n not in module]
     root: dict[str, Any] = {}
@@ -227,6 +234,9 @@ def _read(layout: Layout, offsets: Offsets) -> MultiRead:
     roles = [(f, "model states") for f in models] + \
         [(f, "optimizer settings") for f in ([optim] if optim else [])] + \
         [(f, "fp32 weights") for f in read_files]
+    for name, raw in judged:
+        seen.merge(raw.seen, name)
+        warnings += [f"{name}: {w}" for w in raw.warnings]
     for f, role in roles:
         seen.merge(f.raw.seen, f.name)
         warnings += [f"{f.name}: {w}" for w in f.raw.warnings]
