@@ -128,3 +128,16 @@ def test_convert_and_map_llama(ranks: Path, tmp_path: Path, run_cli: Any) -> Non
     assert torch.equal(mapped["model.layers.3.mlp.down_proj.weight"],
                        ref["decoder.layers.3.mlp.linear_fc2.weight"])
     assert torch.equal(mapped["lm_head.weight"], ref["output_layer.weight"])
+
+
+def test_a_configs_activation_settings_reach_the_maps() -> None:
+    from ckptool.read.megatron.nemo import flat_yaml, megatron_args
+
+    args = megatron_args(flat_yaml("activation: gelu\nbias_activation_fusion: true\n"
+                                   "openai_gelu: false\nnormalization: layernorm1p\n"
+                                   "num_attention_heads: 8\nnum_query_groups: 2\n"
+                                   "share_embeddings_and_output_weights: true\n"))
+    assert args["bias_gelu_fusion"] is True and args["openai_gelu"] is False
+    assert args["swiglu"] is False and args["apply_layernorm_1p"] is True
+    assert (args["group_query_attention"], args["num_query_groups"]) == (True, 2)
+    assert args["untie_embeddings_and_output_weights"] is False

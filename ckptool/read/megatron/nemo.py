@@ -221,11 +221,13 @@ def _facts(version: int, config: dict[str, Any], source: str) -> dict[str, Any]:
 _SAME = ("tensor_model_parallel_size", "pipeline_model_parallel_size", "num_layers",
          "hidden_size", "ffn_hidden_size", "num_attention_heads", "kv_channels",
          "max_position_embeddings", "position_embedding_type", "rotary_base",
-         "make_vocab_size_divisible_by")
+         "make_vocab_size_divisible_by", "openai_gelu")
 _RENAMED = {"layernorm_epsilon": "norm_epsilon", "rotary_percentage": "rotary_percent",
             "bias": "add_bias_linear", "num_moe_experts": "num_experts",
             "moe_router_topk": "moe_router_topk",
-            "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor"}
+            "seq_len_interpolation_factor": "rotary_seq_len_interpolation_factor",
+            # (the fused bias GELU is the tanh approximation: the gpt2 map's gelu_new)
+            "bias_activation_fusion": "bias_gelu_fusion"}
 # gated activations other than SwiGLU: their fc1 halves would be joined as
 # SwiGLU's, and no map knows them
 _GATED = ("geglu", "reglu", "fast-geglu", "fast-reglu")
