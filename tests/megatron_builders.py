@@ -1,16 +1,19 @@
-"""Legacy Megatron rank files built from a whole model by Megatron's
-conventions (column-parallel rows, row-parallel columns, SwiGLU halves per
-rank, padded vocabulary rows, layers numbered per stage, virtual chunks as
-``model0``/``model1``, experts per expert-parallel rank), so that a test knows
-the whole model the join must give. The files the real writer lays out are
-in ``tests/fixtures/megatron`` (``make_megatron.py``); these vary what it
-cannot cheaply: virtual pipelines, experts, damage.
+"""Megatron checkpoints built by hand: a ``torch_dist`` save directory of a
+given state (``write_torch_dist``), and legacy Megatron rank files built
+from a whole model by Megatron's conventions (column-parallel rows,
+row-parallel columns, SwiGLU halves per rank, padded vocabulary rows, layers
+numbered per stage, virtual chunks as ``model0``/``model1``, experts per
+expert-parallel rank), so that a test knows the whole model the join must
+give. The files the real writer lays out are in ``tests/fixtures/megatron``
+(``make_megatron.py``); these vary what it cannot cheaply: virtual
+pipelines, experts, damage.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -110,3 +113,20 @@ def write_legacy(root: Path, full: dict[str, torch.Tensor], tp: int = 2, pp: int
                 torch.save(state, folder / name / "model_optim_rng.pt")
     (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return folder
+
+
+def write_torch_dist(root: Path, state: dict[str, torch.Tensor], iteration: int = 1,
+                     **args: Any) -> Path:
+    """A Megatron-core ``torch_dist`` save directory of ``state`` (DCP files,
+    ``metadata.json``, ``common.pt`` with ``args``, the tracker) at ``root``."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = root / f"iter_{iteration:07d}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # (no process group: one process)
+        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
+    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    torch.save({"args": argparse.Namespace(**args), "iteration": iteration},
+               folder / "common.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return root

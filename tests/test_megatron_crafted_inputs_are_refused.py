@@ -5,18 +5,16 @@ writing nothing beside it."""
 
 from __future__ import annotations
 
-import argparse
 import collections
 import shutil
 import tarfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import make_nemo
-from megatron_builders import whole_model, write_legacy
+from megatron_builders import whole_model, write_legacy, write_torch_dist
 
 from ckptool.errors import CorruptCheckpointError
 from ckptool.read import fs
@@ -139,18 +137,9 @@ def test_args_of_no_use_to_a_map_are_refused_in_one_line(tmp_path: Path, run_cli
 # -- convert --unstack-layers of stacks of no bytes ------------------------------
 
 def _stacked(root: Path, stack: torch.Tensor) -> None:
-    import torch.distributed.checkpoint as dcp
-
-    folder = root / "iter_0000001"
-    state = {"decoder.layers.mlp.linear_fc1.weight": stack,
-             "embedding.word_embeddings.weight": torch.ones(4, 2)}
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
-    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    torch.save({"args": argparse.Namespace(num_layers=stack.shape[0]), "iteration": 1},
-               folder / "common.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text("1")
+    write_torch_dist(root, {"decoder.layers.mlp.linear_fc1.weight": stack,
+                            "embedding.word_embeddings.weight": torch.ones(4, 2)},
+                     num_layers=stack.shape[0])
 
 
 def test_a_stack_of_a_hundred_million_empty_layers_is_refused(tmp_path: Path,

@@ -8,18 +8,16 @@ the comment on each says what happened."""
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import tarfile
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import cli_in_subprocess
-from megatron_builders import whole_model, write_legacy
+from megatron_builders import whole_model, write_legacy, write_torch_dist
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,19 +27,6 @@ def _edit_rank(folder: Path, rank: str, edit: Any) -> None:
     state = torch.load(path, weights_only=False)
     edit(state)
     torch.save(state, path)
-
-
-def _torch_dist(root: Path, state: dict[str, torch.Tensor], **args: Any) -> None:
-    """A Megatron-core torch_dist save directory of ``state`` (iteration 1)."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = root / "iter_0000001"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
-    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    torch.save({"args": argparse.Namespace(**args), "iteration": 1}, folder / "common.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text("1")
 
 
 # -- .nemo archives: tar headers ---------------------------------------------------
@@ -184,7 +169,7 @@ def test_a_linear_proj_of_no_columns_with_map_llama_is_refused_in_one_line(
 
 def test_stacks_of_scalar_layers_with_map_llama_are_refused_in_one_line(
         tmp_path: Path, run_cli: Any) -> None:
-    _torch_dist(tmp_path / "run", {
+    write_torch_dist(tmp_path / "run", {
         "embedding.word_embeddings.weight": torch.ones(8, 4),
         "decoder.layers.input_layernorm.weight": torch.ones(2, 4),
         "decoder.layers.self_attention.linear_qkv.weight": torch.ones(2),  # [] per layer
@@ -263,7 +248,7 @@ def test_many_stacks_of_empty_layers_are_refused_in_bounded_time(tmp_path: Path)
     # them make 16 million tensors from a few kB
     state = {f"decoder.layers.mlp.t{i}.weight": torch.ones(2**20, 0) for i in range(16)}
     state["embedding.word_embeddings.weight"] = torch.ones(4, 2)
-    _torch_dist(tmp_path / "run", state, num_layers=2)
+    write_torch_dist(tmp_path / "run", state, num_layers=2)
     # (was every one planned and written: a single stack of 2**20 empty layers
     # took 104 s and 3.6 GB; 16 of them, half an hour and ~60 GB)
     code, err = cli_in_subprocess("convert", str(tmp_path / "run"),

@@ -8,32 +8,17 @@ against; the comment on each says what happened."""
 
 from __future__ import annotations
 
-import argparse
 import json
-import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from megatron_builders import write_torch_dist
 
 from ckptool.errors import UnsupportedCheckpointError
 
 H, HEADS, GROUPS, D, FFN, V, VPAD, EXPERTS = 16, 4, 2, 4, 8, 60, 64, 4
-
-
-def _torch_dist(root: Path, state: dict[str, torch.Tensor], **args: Any) -> Path:
-    """A Megatron-core torch_dist save directory of ``state`` (iteration 1)."""
-    import torch.distributed.checkpoint as dcp
-
-    folder = root / "iter_0000001"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        dcp.save(state, checkpoint_id=str(folder), no_dist=True)
-    (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
-    torch.save({"args": argparse.Namespace(**args), "iteration": 1}, folder / "common.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text("1")
-    return root
 
 
 def _args(**kw: Any) -> dict[str, Any]:
@@ -116,7 +101,7 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
 def test_unstack_of_a_non_homogeneous_moe_run_splits_each_layers_experts(
         tmp_path: Path, run_cli: Any) -> None:
     st = _non_homogeneous_moe()
-    run = _torch_dist(tmp_path / "run", st, **_moe_args())
+    run = write_torch_dist(tmp_path / "run", st, **_moe_args())
     out = tmp_path / "layers.safetensors"
     code, _, err = run_cli("convert", str(run), str(out), "--unstack-layers", "--force")
     # (was exit 0 with no note: views._per_layer unstacks only keys with no layer
@@ -134,7 +119,7 @@ def test_map_qwen2_moe_reads_a_non_homogeneous_torch_dist_run(tmp_path: Path,
                                                               run_cli: Any) -> None:
     # Qwen2-MoE with a dense first layer (mlp_only_layers) is exactly the run
     # Megatron saves non-homogeneously; the map takes dense layers by design
-    run = _torch_dist(tmp_path / "run", _non_homogeneous_moe(), **_moe_args())
+    run = write_torch_dist(tmp_path / "run", _non_homogeneous_moe(), **_moe_args())
     code, _, err = run_cli("convert", str(run), str(tmp_path / "hf"), "--map", "qwen2-moe",
                            "--force")
     # (was exit 3, "layer 1 has experts []... not 0 to 3 / a merged checkpoint with
@@ -151,7 +136,7 @@ def test_unstack_of_a_non_homogeneous_local_spec_run_gives_the_norms_their_names
     # the local layer spec's sharded_state_dict_keys_map renames the norms in a
     # layer's own sharded_state_dict, before the block swaps the layer's prefix
     # for its global number: numbered keys hold Transformer Engine's names too
-    run = _torch_dist(tmp_path / "run", _non_homogeneous_moe(),
+    run = write_torch_dist(tmp_path / "run", _non_homogeneous_moe(),
                       **_moe_args(transformer_impl="local"))
     out = tmp_path / "layers.safetensors"
     code, _, err = run_cli("convert", str(run), str(out), "--unstack-layers", "--force")
@@ -169,7 +154,8 @@ def test_unstack_of_a_non_homogeneous_local_spec_run_gives_the_norms_their_names
                          ids=["all-stacks-3-for-num_layers-2", "stacks-of-3-and-2"])
 def test_unstack_of_stacks_that_disagree_with_num_layers_is_not_silent(
         tmp_path: Path, run_cli: Any, qkv_layers: int, mlp_layers: int) -> None:
-    run = _torch_dist(tmp_path / "run", _stacked(qkv_layers, mlp_layers), **_args(num_layers=2))
+    run = write_torch_dist(tmp_path / "run", _stacked(qkv_layers, mlp_layers),
+                           **_args(num_layers=2))
     out = tmp_path / "layers.safetensors"
     code, stdout, err = run_cli("convert", str(run), str(out), "--unstack-layers", "--force")
     # (was exit 0, "the layers stacked in 6 tensors written one per layer": a
@@ -187,7 +173,7 @@ def test_rules_qkv_split_of_a_multi_head_run_takes_groups_from_the_heads(
     # Megatron's --num-query-groups defaults to 1 and is saved so in args even
     # without --group-query-attention, where the model has one group per head
     # (core_transformer_config_from_args passes num_query_groups=None)
-    run = _torch_dist(tmp_path / "run", _stacked(2, 2, heads=HEADS, groups=HEADS),
+    run = write_torch_dist(tmp_path / "run", _stacked(2, 2, heads=HEADS, groups=HEADS),
                       **_args(group_query_attention=False, num_query_groups=1))
     rules = tmp_path / "rules.json"
     rules.write_text(json.dumps({"rule": [
@@ -216,7 +202,7 @@ def test_rules_qkv_split_of_a_multi_head_run_takes_groups_from_the_heads(
         "activation_clamp"])
 def test_map_llama_refuses_a_run_whose_args_it_cannot_express(
         tmp_path: Path, run_cli: Any, change: dict[str, Any]) -> None:
-    run = _torch_dist(tmp_path / "run", _stacked(2, 2), **_args(**change))
+    run = write_torch_dist(tmp_path / "run", _stacked(2, 2), **_args(**change))
     code, out, err = run_cli("convert", str(run), str(tmp_path / "hf"), "--map", "llama",
                              "--force")
     # (was exit 0 with no word of it: hfmap.model.read_model refuses rotary_interleaved,
