@@ -104,9 +104,9 @@ def _read(layout: Layout, files: Files, offsets: Offsets) -> MultiRead:
         for name, rec in module.items():
             if isinstance(rec, TensorRecord) and name not in tied:
                 built[name] = (rec, [_whole(m0, rec, name)], "module")
+        expert_files = {e.name: e for e in files.experts}
         for name, (file, rec) in experts.items():
-            f = next(e for e in files.experts if e.name == file)
-            built[name] = (rec, [_whole(f, rec, name)], "module")
+            built[name] = (rec, [_whole(expert_files[file], rec, name)], "module")
         notes.append("ZeRO stage 0: the weights are the module's, as saved (no partitions)")
     else:
         _buffers(m0, module, built)

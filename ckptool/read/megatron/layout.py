@@ -30,8 +30,8 @@ from ckptool.read.megatron.names import (
 
 SHOWN = 8  # the missing rank files named
 
-__all__ = ["TRACKER", "Gap", "iteration", "missing_rank_files", "rank_dir", "rank_files",
-           "torch_dist"]
+__all__ = ["TRACKER", "Gap", "iteration", "missing_rank_files", "naming_of", "rank_dir",
+           "rank_files", "torch_dist"]
 
 
 def iteration(path: str, dirs: list[str]) -> tuple[str, tuple[str, ...]]:

@@ -72,17 +72,17 @@ def read(layout: Layout) -> MultiRead:
         full = os.path.join(layout.directory, name)
         raw = dispatch.read(full)
         seen.merge(raw.seen, name)
-        ranks.append(Rank(name, where, raw))
+        ranks.append(Rank(name, where, raw, flat=nemo))
         files.append(FileInfo(name, "rank", raw.format, fs.getsize(full), rank=i))
         optimizer = f"{name.split('/')[0]}/{OPTIMIZER_FILE}"
-        if not nemo and fs.isfile(os.path.join(layout.directory, optimizer)):
+        opt_path = os.path.join(layout.directory, optimizer)
+        if not nemo and fs.isfile(opt_path):
             # the distributed optimizer's state, which Megatron's load_checkpoint
             # torch.loads on a resume: its pickle judged, its tensors not joined
-            opt = dispatch.read(os.path.join(layout.directory, optimizer))
+            opt = dispatch.read(opt_path)
             seen.merge(opt.seen, optimizer)
             files.append(FileInfo(optimizer, "optimizer states (distributed optimizer)",
-                                  opt.format, fs.getsize(os.path.join(layout.directory,
-                                                                      optimizer)), rank=i))
+                                  opt.format, fs.getsize(opt_path), rank=i))
     first = ranks[0]
     root0 = first.raw.root if isinstance(first.raw.root, dict) else {}
     if nemo:  # the LightningModule's state dict; the run's sizes in its config
@@ -90,8 +90,6 @@ def read(layout: Layout) -> MultiRead:
 
         args: dict[str, Any] | None = nemo_of.megatron_args(
             nemo_of.read_yaml(fs.join(layout.path, nemo_of.CONFIG)))
-        for r in ranks:
-            r.flat = True
     else:
         args = facts_of.args_dict(root0.get("args"))
     if args is None:
@@ -252,10 +250,9 @@ def _pieces(ranks: list[Rank], run: facts_of.Facts) -> tuple[dict[str, list[Piec
             f"{run.num_layers}", BROKEN_HINT)
     out: dict[str, list[Piece]] = {}
     origin: dict[str, tuple[int, int]] = {}  # the stage (and chunk) a name is taken from
-    per_rank = _experts_per_rank(ranks, models, run)
+    local_experts = _experts_per_rank(ranks, models, run)
     for r in ranks:
         for v, model in enumerate(models[id(r)]):
-            local_experts = per_rank
             for key, value in model.items():
                 if not isinstance(key, str):
                     raise CorruptCheckpointError(
